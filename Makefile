@@ -1,0 +1,50 @@
+# Two entry points do all their own set-up on a fresh Debian machine:
+#   make run   the main job      make test   lint, types and the test suite
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: run test lint typecheck pytest protos bench sysdeps venv clean
+
+# System packages: etcd is the metadata store (tests start their own etcd processes).
+sysdeps:
+	@if ! command -v etcd >/dev/null 2>&1 && [ ! -x /usr/bin/etcd ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing etcd-server with apt"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; \
+	  else echo "etcd is missing: run 'sudo apt-get install -y etcd-server'" >&2; fi; \
+	fi
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+run: sysdeps venv
+	$(BIN)/python -m examples.storage_demo
+
+lint: venv
+	$(BIN)/ruff check tidelog services tests bench examples
+	$(BIN)/ruff format --check tidelog services tests bench examples
+
+typecheck: venv
+	$(BIN)/mypy
+
+pytest: venv
+	$(BIN)/pytest -q -m "not slow" tests
+
+test: sysdeps venv lint typecheck pytest
+
+protos: venv
+	$(BIN)/python -m tidelog.protogen
+
+bench: venv
+	$(BIN)/python -m bench.storage_engine --write-docs
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

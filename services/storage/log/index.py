@@ -1,0 +1,255 @@
+"""Sparse, memory-mapped indexes of one segment: ``.index`` (offset) and ``.timeindex`` (time).
+
+Both are arrays of fixed-size little-endian entries (``tidelog.formats``), appended in
+increasing key order and binary-searched with a floor lookup. Following Kafka's
+``AbstractIndex``, the file of the active segment is preallocated to
+``segment_index_bytes`` and memory-mapped, so an append is a store into memory; the OS
+writes it back. When the segment rolls or closes the file is trimmed to its entries.
+
+An index is a cache derived from the ``.log``: a missing or damaged index is rebuilt from
+the log, never trusted over it. ``IndexCorruptError`` tells the owner to rebuild.
+
+Thread-safety: none. The owning segment (and ultimately the partition's lock) serializes
+every call.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+from tidelog import formats
+
+
+class IndexCorruptError(Exception):
+    """The index file is not a valid index of its segment; rebuild it from the log."""
+
+
+class _MappedIndex:
+    """Entries of ``_ENTRY`` layout whose first field is the search key.
+
+    Invariant: entries ``[0, entries)`` are valid and strictly increasing in key and in
+    relative offset; bytes past them are zero (preallocation) or absent (trimmed file).
+    """
+
+    _ENTRY: struct.Struct
+
+    def __init__(self, path: Path, base_offset: int, max_index_bytes: int, writable: bool) -> None:
+        self.path = path
+        self.base_offset = base_offset
+        self._entry_size = self._ENTRY.size
+        # Round down so the preallocated size is a whole number of entries.
+        self._max_bytes = max_index_bytes - max_index_bytes % self._entry_size
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._mm: mmap.mmap | None = None
+        self.writable = False
+        size = os.fstat(self._fd).st_size
+        if size % self._entry_size:
+            os.close(self._fd)
+            raise IndexCorruptError(
+                f"{path.name}: size {size} is not a multiple of {self._entry_size}"
+            )
+        self.entries = size // self._entry_size
+        self._map(size)
+        if writable:
+            self.make_writable()
+
+    # --- mapping -------------------------------------------------------------------------
+
+    def _map(self, size: int) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        if size > 0:
+            self._mm = mmap.mmap(self._fd, size)
+
+    def make_writable(self) -> None:
+        """Preallocate to the maximum size so appends are stores into the mapping."""
+        if self.writable:
+            return
+        os.ftruncate(self._fd, max(self._max_bytes, self.entries * self._entry_size))
+        self._map(os.fstat(self._fd).st_size)
+        self.writable = True
+
+    def trim(self) -> None:
+        """Shrink the file to its entries: done when the segment stops being active."""
+        size = self.entries * self._entry_size
+        if self._mm is not None:
+            self._mm.flush()
+        self._map(0)
+        os.ftruncate(self._fd, size)
+        self._map(size)
+        self.writable = False
+
+    # --- reading -------------------------------------------------------------------------
+
+    def entry(self, slot: int) -> tuple[int, int]:
+        assert self._mm is not None and 0 <= slot < self.entries
+        key, value = self._ENTRY.unpack_from(self._mm, slot * self._entry_size)
+        return int(key), int(value)
+
+    @property
+    def is_full(self) -> bool:
+        return self.entries * self._entry_size >= self._max_bytes
+
+    def _floor_slot(self, key: int) -> int:
+        """Slot of the largest entry whose key is <= ``key``, or -1 if there is none."""
+        lo, hi = 0, self.entries - 1
+        found = -1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if self.entry(mid)[0] <= key:
+                found = mid
+                lo = mid + 1
+            else:
+                hi = mid - 1
+        return found
+
+    # --- writing -------------------------------------------------------------------------
+
+    def _append_entry(self, key: int, value: int) -> None:
+        if not self.writable or self._mm is None:
+            raise RuntimeError(f"{self.path.name} is not the active segment's index")
+        if self.is_full:
+            raise RuntimeError(f"{self.path.name} is full; the segment should have rolled")
+        self._ENTRY.pack_into(self._mm, self.entries * self._entry_size, key, value)
+        self.entries += 1
+
+    def _truncate_entries(self, entries: int) -> None:
+        """Keep the first ``entries`` entries, zeroing the rest of the mapping."""
+        if entries >= self.entries:
+            return
+        if self._mm is not None:
+            start, end = entries * self._entry_size, self.entries * self._entry_size
+            self._mm[start:end] = bytes(end - start)
+        self.entries = entries
+        if not self.writable:
+            self.trim()
+
+    def reset(self) -> None:
+        """Drop every entry (before a rebuild from the log)."""
+        self._truncate_entries(0)
+
+    def flush(self) -> None:
+        if self._mm is not None:
+            self._mm.flush()
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Trim (if active) and release the mapping and the file."""
+        if self._fd < 0:
+            return
+        if self.writable:
+            self.trim()
+        self._map(0)
+        os.close(self._fd)
+        self._fd = -1
+
+
+class OffsetIndex(_MappedIndex):
+    """Maps relative offsets to byte positions of batches in the ``.log``.
+
+    An entry ``(offset - base_offset, position)`` says the batch starting at ``position``
+    has base offset ``offset``. Entries are added at most every ``index_interval_bytes``
+    and never for position 0, where the segment's first batch always is; so a floor lookup
+    that finds nothing means "scan from the start".
+    """
+
+    _ENTRY = formats.OFFSET_INDEX_ENTRY
+
+    def append(self, offset: int, position: int) -> None:
+        relative = offset - self.base_offset
+        if not 0 <= relative <= formats.MAX_RELATIVE_OFFSET:
+            raise RuntimeError(f"offset {offset} does not fit segment {self.base_offset}")
+        if self.entries and relative <= self.entry(self.entries - 1)[0]:
+            raise RuntimeError(f"index entries must grow: {offset} after {self.last_offset}")
+        self._append_entry(relative, position)
+
+    @property
+    def last_offset(self) -> int:
+        """Offset of the last entry, or the base offset when empty."""
+        return self.base_offset + (self.entry(self.entries - 1)[0] if self.entries else 0)
+
+    def lookup(self, offset: int) -> tuple[int, int]:
+        """``(offset, position)`` of the last indexed batch starting at or before ``offset``.
+
+        ``(base_offset, 0)`` when no entry is that low. The caller scans forward from there.
+        """
+        slot = self._floor_slot(offset - self.base_offset)
+        if slot < 0:
+            return self.base_offset, 0
+        relative, position = self.entry(slot)
+        return self.base_offset + relative, position
+
+    def truncate_to(self, offset: int) -> None:
+        """Remove entries for batches at or after ``offset``."""
+        slot = self._floor_slot(offset - self.base_offset - 1)
+        self._truncate_entries(slot + 1)
+
+    def sanity_check(self, log_size_bytes: int) -> None:
+        """O(1) checks at load: positions inside the log, last entry after the first.
+
+        A zero position after the first slot means preallocated space from an unclean
+        shutdown was counted as entries. Deeper damage is caught at lookup, where every
+        position is confirmed against the batch header found there.
+        """
+        if not self.entries:
+            return
+        first_relative, first_position = self.entry(0)
+        last_relative, last_position = self.entry(self.entries - 1)
+        if first_position == 0 or last_position >= log_size_bytes:
+            raise IndexCorruptError(
+                f"{self.path.name}: positions {first_position}..{last_position} "
+                f"outside a log of {log_size_bytes} bytes"
+            )
+        if self.entries > 1 and (
+            last_relative <= first_relative or last_position <= first_position
+        ):
+            raise IndexCorruptError(f"{self.path.name}: entries do not increase")
+
+
+class TimeIndex(_MappedIndex):
+    """Maps timestamps to offsets: entry ``(max timestamp so far, relative offset)``.
+
+    Timestamps in entries strictly increase (an entry is added only when the segment's
+    maximum timestamp grew), so a floor lookup finds where to start scanning for the first
+    batch whose timestamp reaches a target.
+    """
+
+    _ENTRY = formats.TIME_INDEX_ENTRY
+
+    def maybe_append(self, timestamp_ms: int, offset: int) -> None:
+        if self.entries and timestamp_ms <= self.entry(self.entries - 1)[0]:
+            return
+        self._append_entry(timestamp_ms, offset - self.base_offset)
+
+    @property
+    def last_timestamp_ms(self) -> int:
+        """Largest indexed timestamp, or -1 when empty."""
+        return self.entry(self.entries - 1)[0] if self.entries else -1
+
+    def lookup(self, timestamp_ms: int) -> tuple[int, int]:
+        """``(timestamp, offset)`` of the last entry with timestamp <= target.
+
+        ``(-1, base_offset)`` when every entry is later: the scan starts at the beginning.
+        """
+        slot = self._floor_slot(timestamp_ms)
+        if slot < 0:
+            return -1, self.base_offset
+        timestamp, relative = self.entry(slot)
+        return timestamp, self.base_offset + relative
+
+    def truncate_to(self, offset: int) -> None:
+        """Remove entries pointing at offsets >= ``offset`` (the log is truncated there)."""
+        keep = self.entries
+        while keep and self.base_offset + self.entry(keep - 1)[1] >= offset:
+            keep -= 1
+        self._truncate_entries(keep)
+
+    def sanity_check(self, log_size_bytes: int) -> None:
+        if self.entries > 1 and self.entry(self.entries - 1)[0] <= self.entry(0)[0]:
+            raise IndexCorruptError(f"{self.path.name}: timestamps do not increase")
+        if self.entries and log_size_bytes == 0:
+            raise IndexCorruptError(f"{self.path.name}: entries for an empty log")

@@ -1,0 +1,480 @@
+"""A partition log: an append-only sequence of record batches split into segments.
+
+``Log`` is the storage engine's top noun (Kafka's ``UnifiedLog`` / ``LocalLog``): it
+validates and appends batches, assigns offsets by rewriting only the header fields the
+broker owns, rolls segments, reads whole batches by offset, flushes by policy, recovers
+after a crash, truncates for replication, and applies retention. It is pure library code:
+no threads, no RPC, no sleeping; time comes from an injected clock.
+
+Invariants:
+- offsets are contiguous: ``[log_start_offset, log_end_offset)`` are all present;
+- ``log_start_offset`` is the first segment's base offset (retention removes whole
+  segments, never the active one);
+- ``recovery_point <= log_end_offset``, and every offset below the recovery point has been
+  fsynced; recovery after a crash re-verifies everything from the segment holding the
+  recovery point onwards;
+- nothing damaged is ever returned by ``read``.
+
+Thread-safety: none. One caller at a time; the partition layer holds a lock around every
+call (reads included, because a read may rebuild a damaged index).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+from tidelog import formats
+from tidelog.batch import check_batch, stamp
+from tidelog.clock import SYSTEM_CLOCK, Clock
+from tidelog.errors import (
+    CorruptBatchError,
+    InvalidFetchSizeError,
+    InvalidRequestError,
+    MessageTooLargeError,
+    OffsetOutOfRangeError,
+    StorageError,
+)
+from tidelog.records import decode_batches
+
+from .checkpoint import fsync_dir
+from .config import LogConfig
+from .segment import BatchSpan, LogSegment
+from .segments import LogSegments
+
+
+class AppendInfo(NamedTuple):
+    """Offsets assigned by an append (inclusive)."""
+
+    first_offset: int
+    last_offset: int
+
+
+class Log:
+    """See the module docstring. Create with ``Log.open``."""
+
+    def __init__(
+        self, directory: Path, config: LogConfig, clock: Clock, rng: random.Random
+    ) -> None:
+        self.dir = directory
+        self.config = config
+        self._clock = clock
+        self._rng = rng
+        self._segments = LogSegments()
+        self._log_end_offset = 0
+        self._recovery_point = 0
+        self._first_unflushed_ms: int | None = None
+        self._dir_dirty = False  # a segment file was created since the last directory fsync
+        self._pending_deletes: list[tuple[int, list[Path]]] = []  # (due_ms, files)
+        self.truncated_on_recovery_bytes = 0
+        self.last_flush_ms = clock.now_ms()
+
+    # --- opening and recovery -----------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        path: str | Path,
+        config: LogConfig | None = None,
+        *,
+        recovery_point: int = 0,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+    ) -> Log:
+        """Open (creating if needed) the log in ``path``, recovering from a crash.
+
+        ``recovery_point`` is the offset below which data is known to be flushed (from the
+        data directory's checkpoint); 0 re-verifies every segment.
+        """
+        directory = Path(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        log = cls(directory, config or LogConfig(), clock or SYSTEM_CLOCK, rng or random.Random())
+        log._load(recovery_point)
+        return log
+
+    def _new_segment(self, base_offset: int, *, active: bool) -> LogSegment:
+        jitter = self._rng.randrange(self.config.segment_jitter_ms + 1)
+        return LogSegment(
+            self.dir,
+            base_offset,
+            self.config,
+            created_ms=self._clock.now_ms(),
+            roll_jitter_ms=min(jitter, self.config.segment_ms - 1),
+            active=active,
+        )
+
+    def _load(self, recovery_point: int) -> None:
+        bases = self._clean_directory()
+        for i, base in enumerate(bases):
+            self._segments.append(self._new_segment(base, active=i == len(bases) - 1))
+        if not self._segments:
+            self._segments.append(self._new_segment(0, active=True))
+            self._dir_dirty = True
+        self._recover_segments(recovery_point)
+        for segment in list(self._segments)[:-1]:
+            if segment.offset_index.writable:  # rebuilt: trim like a rolled segment
+                segment.on_become_inactive()
+        active = self._segments.last
+        try:
+            active.make_active()
+        except StorageError:
+            self.truncated_on_recovery_bytes += active.recover()
+            active.make_active()
+        self._log_end_offset = active.next_offset
+        self._recovery_point = min(recovery_point, self._log_end_offset)
+        self._recovery_point = max(self._recovery_point, self.log_start_offset)
+
+    def _clean_directory(self) -> list[int]:
+        """Delete leftovers of interrupted operations; return the segment base offsets."""
+        bases: list[int] = []
+        names = {p.name for p in self.dir.iterdir()}
+        for name in sorted(names):
+            path = self.dir / name
+            if name.endswith((formats.TMP_SUFFIX, formats.DELETED_SUFFIX, formats.SWAP_SUFFIX)):
+                # *.tmp: a checkpoint write that never got renamed; *.deleted: retention that
+                # did not finish unlinking; *.swap: no operation here produces them, so one
+                # found is debris from a foreign or older tool and holds nothing we need.
+                path.unlink(missing_ok=True)
+                continue
+            stem, dot, suffix = name.partition(".")
+            if not (stem.isdigit() and len(stem) == formats.SEGMENT_NAME_DIGITS and dot):
+                continue
+            if "." + suffix == formats.LOG_SUFFIX:
+                bases.append(int(stem))
+            elif "." + suffix in (formats.INDEX_SUFFIX, formats.TIME_INDEX_SUFFIX) and (
+                formats.segment_file_name(int(stem), formats.LOG_SUFFIX) not in names
+            ):
+                path.unlink()  # an index without its log indexes nothing
+        return sorted(bases)
+
+    def _recover_segments(self, recovery_point: int) -> None:
+        """Re-verify segments from the one holding the recovery point, and any whose
+        index is missing or damaged; drop everything after the first damage."""
+        start = self._segments.floor_index(recovery_point)
+        for i, segment in enumerate(list(self._segments)):
+            if i < start and not segment.needs_rebuild:
+                continue
+            truncated = segment.recover()
+            self.truncated_on_recovery_bytes += truncated
+            following = i + 1 < len(self._segments)
+            if following and (
+                truncated or self._segments[i + 1].base_offset != segment.next_offset
+            ):
+                # Later segments would leave a gap in the offsets: they cannot be trusted.
+                for later in self._segments.pop_from(i + 1):
+                    self.truncated_on_recovery_bytes += later.size_bytes
+                    later.close()
+                    for path in later.files():
+                        path.unlink(missing_ok=True)
+                break
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def log_start_offset(self) -> int:
+        return self._segments.first.base_offset
+
+    @property
+    def log_end_offset(self) -> int:
+        return self._log_end_offset
+
+    @property
+    def recovery_point(self) -> int:
+        return self._recovery_point
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(segment.size_bytes for segment in self._segments)
+
+    @property
+    def segment_count(self) -> int:
+        return len(self._segments)
+
+    @property
+    def segment_base_offsets(self) -> list[int]:
+        return self._segments.base_offsets
+
+    def update_config(self, config: LogConfig) -> None:
+        """Apply new settings; index sizes take effect from the next segment."""
+        self.config = config
+        for segment in self._segments:
+            segment.config = config
+
+    # --- appending --------------------------------------------------------------------------
+
+    def _validate(self, view: memoryview) -> list[BatchSpan]:
+        """Check every batch in a request; O(1) Python work per batch, checksums in C."""
+        if not len(view):
+            raise InvalidRequestError("no record batches in the request")
+        spans: list[BatchSpan] = []
+        position = 0
+        while position < len(view):
+            if len(view) - position < formats.LOG_OVERHEAD:
+                raise CorruptBatchError(
+                    f"{len(view) - position} trailing bytes at position {position} are not a batch"
+                )
+            size = formats.LOG_OVERHEAD + formats.I32.unpack_from(view, position + 8)[0]
+            if size > self.config.max_message_bytes:
+                raise MessageTooLargeError(
+                    f"batch at position {position} is {size} bytes; max.message.bytes "
+                    f"is {self.config.max_message_bytes}"
+                )
+            header = check_batch(view, position)
+            spans.append(
+                BatchSpan(
+                    position,
+                    size,
+                    header.base_offset,
+                    header.last_offset,
+                    header.max_timestamp,
+                )
+            )
+            position += size
+        return spans
+
+    def append(
+        self,
+        batches: bytes | bytearray | memoryview,
+        leader_epoch: int = 0,
+        *,
+        assign_offsets: bool = True,
+    ) -> AppendInfo:
+        """Validate and append one or more concatenated batches.
+
+        As leader (``assign_offsets``), offsets continue from the log end and each batch
+        is stamped with ``leader_epoch``. As follower, the batches keep the leader's
+        offsets and epochs, and must start exactly at the log end. Nothing is written
+        unless every batch is valid.
+        """
+        view = memoryview(batches).cast("B")
+        spans = self._validate(view)
+        data: bytes | bytearray | memoryview = view
+        if assign_offsets:
+            buf = bytearray(view)  # one copy so the header fields can be rewritten
+            next_offset = self._log_end_offset
+            for i, span in enumerate(spans):
+                stamp(buf, span.position, next_offset, leader_epoch)
+                count = span.last_offset - span.base_offset + 1
+                spans[i] = span._replace(
+                    base_offset=next_offset, last_offset=next_offset + count - 1
+                )
+                next_offset += count
+            data = buf
+        else:
+            expected = self._log_end_offset
+            for span in spans:
+                if span.base_offset != expected:
+                    raise InvalidRequestError(
+                        f"replicated batch starts at offset {span.base_offset}; "
+                        f"the log ends at {expected}"
+                    )
+                expected = span.last_offset + 1
+        first, last = spans[0].base_offset, spans[-1].last_offset
+        now_ms = self._clock.now_ms()
+        segment = self._segments.last
+        if segment.should_roll(len(view), last, now_ms):
+            segment = self.roll()
+        segment.append(data, spans)
+        self._log_end_offset = last + 1
+        if self._first_unflushed_ms is None:
+            self._first_unflushed_ms = now_ms
+        if (
+            self.config.flush_messages is not None
+            and self._log_end_offset - self._recovery_point >= self.config.flush_messages
+        ):
+            self.flush()
+        return AppendInfo(first, last)
+
+    def roll(self) -> LogSegment:
+        """Start a new active segment at the log end (a no-op while the active one is empty)."""
+        active = self._segments.last
+        if active.size_bytes == 0:
+            return active
+        active.on_become_inactive()
+        log_path = self.dir / formats.segment_file_name(self._log_end_offset, formats.LOG_SUFFIX)
+        if log_path.exists() and log_path.stat().st_size:
+            raise StorageError(f"cannot roll: {log_path.name} already exists with data")
+        segment = self._new_segment(self._log_end_offset, active=True)
+        self._segments.append(segment)
+        self._dir_dirty = True
+        return segment
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def read(self, offset: int, max_bytes: int, max_offset: int | None = None) -> bytes:
+        """Whole batches starting with the one that holds ``offset``.
+
+        Returns at most ``max_bytes`` (but always the first batch, however large), only
+        batches ending before ``max_offset`` (the high watermark for consumers), and only
+        from one segment; ``b""`` at the log end. Batches are returned byte for byte as
+        stored, so the first may begin before ``offset``.
+        """
+        if max_bytes < 0:
+            raise InvalidFetchSizeError(f"max_bytes must be >= 0, got {max_bytes}")
+        if not self.log_start_offset <= offset <= self._log_end_offset:
+            raise OffsetOutOfRangeError(
+                f"offset {offset} is outside the log's range "
+                f"[{self.log_start_offset}, {self._log_end_offset}]"
+            )
+        if offset == self._log_end_offset or (max_offset is not None and offset >= max_offset):
+            return b""
+        for i in range(self._segments.floor_index(offset), len(self._segments)):
+            data = self._segments[i].read(offset, max_bytes, max_offset)
+            if data is not None:
+                return data
+        return b""
+
+    def offset_for_timestamp(
+        self, timestamp_ms: int, max_offset: int | None = None
+    ) -> tuple[int, int] | None:
+        """``(offset, timestamp)`` of the first record with timestamp >= ``timestamp_ms``.
+
+        Found through the time index and batch headers; only the one batch that holds the
+        answer is decoded (this is an admin lookup, not the data path). None when every
+        record (below ``max_offset``) is older.
+        """
+        for segment in self._segments:
+            if segment.largest_timestamp_ms < timestamp_ms:
+                continue
+            found = segment.find_by_timestamp(timestamp_ms)
+            if found is None:
+                continue
+            position, header = found
+            for record in decode_batches(segment.read_batch(position, header))[0].records:
+                if record.timestamp_ms >= timestamp_ms:
+                    if max_offset is not None and record.offset >= max_offset:
+                        return None
+                    return record.offset, record.timestamp_ms
+        return None
+
+    def max_timestamp(self) -> tuple[int, int] | None:
+        """``(timestamp, offset)`` of the batch with the largest timestamp; None if empty."""
+        best: tuple[int, int] | None = None
+        for segment in self._segments:
+            if segment.size_bytes and (best is None or segment.largest_timestamp_ms > best[0]):
+                best = segment.largest_timestamp_ms, segment.offset_of_largest_timestamp
+        return best
+
+    # --- durability ---------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """fsync everything appended so far and move the recovery point to the log end."""
+        if self._log_end_offset > self._recovery_point or self._dir_dirty:
+            for i in range(self._segments.floor_index(self._recovery_point), len(self._segments)):
+                self._segments[i].flush()
+            if self._dir_dirty:
+                fsync_dir(self.dir)
+                self._dir_dirty = False
+        self._recovery_point = self._log_end_offset
+        self._first_unflushed_ms = None
+        self.last_flush_ms = self._clock.now_ms()
+
+    def flush_if_due(self) -> bool:
+        """Apply ``flush_ms``: flush when the oldest unflushed append is old enough."""
+        if (
+            self.config.flush_ms is not None
+            and self._first_unflushed_ms is not None
+            and self._clock.now_ms() - self._first_unflushed_ms >= self.config.flush_ms
+        ):
+            self.flush()
+            return True
+        return False
+
+    # --- truncation (replication) ---------------------------------------------------------
+
+    def truncate_to(self, offset: int) -> None:
+        """Remove every batch at or after ``offset`` (a follower diverged from its leader).
+
+        Truncation is by whole batches: if ``offset`` falls inside a batch, that batch
+        goes too and the log end becomes its base offset.
+        """
+        if offset < 0:
+            raise InvalidRequestError(f"cannot truncate to negative offset {offset}")
+        if offset >= self._log_end_offset:
+            return
+        if offset < self.log_start_offset:
+            self.truncate_fully_and_start_at(offset)
+            return
+        while len(self._segments) > 1 and self._segments.last.base_offset >= offset:
+            self._delete_now(self._segments.pop_from(len(self._segments) - 1))
+        active = self._segments.last
+        active.truncate_to(offset)
+        active.make_active()
+        self._log_end_offset = active.next_offset
+        self._recovery_point = min(self._recovery_point, self._log_end_offset)
+
+    def truncate_fully_and_start_at(self, offset: int) -> None:
+        """Drop every segment and restart the log empty at ``offset``."""
+        self._delete_now(self._segments.pop_from(0))
+        self._segments.append(self._new_segment(offset, active=True))
+        self._dir_dirty = True
+        self._log_end_offset = self._recovery_point = offset
+
+    @staticmethod
+    def _delete_now(segments: list[LogSegment]) -> None:
+        for segment in segments:
+            segment.close()
+            for path in segment.files():
+                path.unlink(missing_ok=True)
+
+    # --- retention ----------------------------------------------------------------------
+
+    def delete_retention_segments(self) -> int:
+        """Retire whole oldest segments past retention.ms or retention.bytes.
+
+        The active segment is never deleted. Retired files are renamed ``*.deleted`` and
+        unlinked by ``remove_deleted_files`` after ``file_delete_delay_ms``. Returns the
+        number of segments retired.
+        """
+        now_ms = self._clock.now_ms()
+        retired = 0
+        if self.config.retention_ms >= 0:
+            while len(self._segments) > 1:
+                largest = self._segments.first.largest_timestamp_ms
+                if largest < 0 or now_ms - largest <= self.config.retention_ms:
+                    break
+                self._retire_first(now_ms)
+                retired += 1
+        if self.config.retention_bytes >= 0:
+            excess = self.size_bytes - self.config.retention_bytes
+            while len(self._segments) > 1 and excess >= self._segments.first.size_bytes:
+                excess -= self._segments.first.size_bytes
+                self._retire_first(now_ms)
+                retired += 1
+        return retired
+
+    def _retire_first(self, now_ms: int) -> None:
+        segment = self._segments.pop_first()
+        self._pending_deletes.append(
+            (now_ms + self.config.file_delete_delay_ms, segment.rename_to_deleted())
+        )
+        self._recovery_point = max(self._recovery_point, self.log_start_offset)
+
+    def remove_deleted_files(self) -> int:
+        """Unlink retired segment files whose delay has passed; returns files removed."""
+        now_ms = self._clock.now_ms()
+        removed = 0
+        keep = []
+        for due_ms, paths in self._pending_deletes:
+            if due_ms > now_ms:
+                keep.append((due_ms, paths))
+                continue
+            for path in paths:
+                path.unlink(missing_ok=True)
+                removed += 1
+        self._pending_deletes = keep
+        return removed
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release files and mappings (trimming the active indexes). Does not flush."""
+        for segment in self._segments:
+            segment.close()
+
+    def delete(self) -> None:
+        """Close and remove the whole partition directory."""
+        self.close()
+        shutil.rmtree(self.dir, ignore_errors=True)

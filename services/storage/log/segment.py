@@ -1,0 +1,432 @@
+"""One segment of a partition log: a ``.log`` file of batches plus its two sparse indexes.
+
+Like Kafka's ``LogSegment``: a segment is named by its base offset (the offset of its first
+batch), holds whole batches back to back, and adds an offset-index entry (and, when the
+maximum timestamp grew, a time-index entry) once more than ``index_interval_bytes`` were
+written since the last entry (seeds 000 and 002).
+
+Invariants:
+- ``[0, size_bytes)`` of the ``.log`` is a sequence of whole, checksummed batches whose
+  offsets are contiguous from ``base_offset`` (established by ``recover`` or by appends).
+- Every offset-index entry points at the first byte of a batch with that base offset;
+  lookups confirm it against the batch header and fall back to a scan when it does not.
+- Only the active (last) segment is written; its indexes are preallocated and mapped.
+
+Thread-safety: none; the owning ``Log`` is serialized by its caller.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+from tidelog import formats
+from tidelog.batch import BatchHeader, check_batch, check_header
+from tidelog.errors import CorruptBatchError, StorageError
+
+from .config import LogConfig
+from .index import IndexCorruptError, OffsetIndex, TimeIndex
+
+RECOVERY_CHUNK_BYTES = 8 << 20
+"""How much of the log recovery reads at a time: large reads, few syscalls."""
+
+
+class BatchSpan(NamedTuple):
+    """Where one validated batch sits inside the buffer handed to ``append``."""
+
+    position: int  # within that buffer
+    size_bytes: int
+    base_offset: int
+    last_offset: int
+    max_timestamp_ms: int
+
+
+class LogSegment:
+    """A ``.log`` file with its ``.index`` and ``.timeindex``; see the module docstring."""
+
+    def __init__(
+        self,
+        directory: Path,
+        base_offset: int,
+        config: LogConfig,
+        *,
+        created_ms: int,
+        roll_jitter_ms: int = 0,
+        active: bool = False,
+    ) -> None:
+        self.directory = directory
+        self.base_offset = base_offset
+        self.config = config
+        self.created_ms = created_ms
+        self.roll_jitter_ms = roll_jitter_ms
+        self.log_path = directory / formats.segment_file_name(base_offset, formats.LOG_SUFFIX)
+        self.index_path = directory / formats.segment_file_name(base_offset, formats.INDEX_SUFFIX)
+        self.time_index_path = directory / formats.segment_file_name(
+            base_offset, formats.TIME_INDEX_SUFFIX
+        )
+        self._fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.size_bytes = os.fstat(self._fd).st_size
+        # True when an index was missing or failed its checks: the owner must recover().
+        self.needs_rebuild = False
+        self.offset_index, self.time_index = self._open_indexes(active)
+        self._bytes_since_index_entry = 0
+        # Tail state (next offset, largest timestamp) is loaded lazily for segments that
+        # were opened from disk, because scanning every old segment at start-up is waste.
+        self._next_offset: int | None = base_offset if self.size_bytes == 0 else None
+        self._max_timestamp_ms = -1
+        self._offset_of_max_timestamp = base_offset
+        self._tail_loaded = self.size_bytes == 0
+
+    def _open_indexes(self, active: bool) -> tuple[OffsetIndex, TimeIndex]:
+        max_bytes = self.config.segment_index_bytes
+        if self.index_path.exists() and self.time_index_path.exists():
+            opened: list[OffsetIndex | TimeIndex] = []
+            try:
+                offset_index = OffsetIndex(self.index_path, self.base_offset, max_bytes, active)
+                opened.append(offset_index)
+                time_index = TimeIndex(self.time_index_path, self.base_offset, max_bytes, active)
+                opened.append(time_index)
+                offset_index.sanity_check(self.size_bytes)
+                time_index.sanity_check(self.size_bytes)
+                return offset_index, time_index
+            except IndexCorruptError:
+                for index in opened:
+                    index.close()
+        # Missing or damaged: start both afresh (writable until recover() fills them from
+        # the log and the owner trims them).
+        self.needs_rebuild = self.size_bytes > 0
+        for path in (self.index_path, self.time_index_path):
+            path.unlink(missing_ok=True)
+        return (
+            OffsetIndex(self.index_path, self.base_offset, max_bytes, True),
+            TimeIndex(self.time_index_path, self.base_offset, max_bytes, True),
+        )
+
+    # --- reading batch headers from the file ----------------------------------------------
+
+    def _pread(self, size: int, position: int) -> bytes:
+        data = os.pread(self._fd, size, position)
+        if len(data) != size:
+            raise StorageError(
+                f"short read from {self.log_path.name}: {len(data)} of {size} bytes at {position}"
+            )
+        return data
+
+    def _header_at(self, position: int) -> BatchHeader:
+        """The verified header at ``position``; StorageError if the bytes there are bad."""
+        if self.size_bytes - position < formats.BATCH_HEADER_SIZE:
+            raise StorageError(f"{self.log_path.name}: torn batch header at position {position}")
+        try:
+            header = check_header(self._pread(formats.BATCH_HEADER_SIZE, position))
+        except CorruptBatchError as exc:
+            raise StorageError(f"{self.log_path.name}: corrupt data on disk: {exc}") from None
+        if position + header.size_bytes > self.size_bytes:
+            raise StorageError(f"{self.log_path.name}: torn batch at position {position}")
+        return header
+
+    def _scan_headers(self, position: int) -> Iterator[tuple[int, BatchHeader]]:
+        """Headers from ``position`` (a batch start) to the end of the segment."""
+        while position < self.size_bytes:
+            header = self._header_at(position)
+            yield position, header
+            position += header.size_bytes
+
+    def _indexed_start(self, offset: int) -> tuple[int, BatchHeader] | None:
+        """The index's floor entry for ``offset``, confirmed against the header it names.
+
+        None when the index has no usable entry (scan from position 0). An entry that
+        does not land on a batch with the expected base offset means the index is damaged:
+        it is dropped (the segment is flagged for rebuild) rather than trusted.
+        """
+        indexed_offset, position = self.offset_index.lookup(offset)
+        if position == 0:
+            return None
+        try:
+            header = self._header_at(position)
+        except StorageError:
+            header = None
+        if header is None or header.base_offset != indexed_offset:
+            self.offset_index.reset()
+            self.needs_rebuild = True
+            return None
+        return position, header
+
+    def translate_offset(self, offset: int) -> tuple[int, BatchHeader] | None:
+        """Position and header of the batch holding ``offset``; None if past this segment."""
+        if self.size_bytes == 0:
+            return None
+        start = self._indexed_start(offset)
+        for position, header in self._scan_headers(start[0] if start else 0):
+            if header.last_offset >= offset:
+                return position, header
+        return None
+
+    # --- tail state ---------------------------------------------------------------------
+
+    def _load_tail(self) -> None:
+        """Next offset and largest timestamp: last index entries plus a scan of the tail."""
+        if self._tail_loaded:
+            return
+        _, position = self.offset_index.lookup(self.base_offset + formats.MAX_RELATIVE_OFFSET)
+        max_ts, offset_of_max = self.time_index.last_timestamp_ms, self.base_offset
+        if self.time_index.entries:
+            max_ts, rel = self.time_index.entry(self.time_index.entries - 1)
+            offset_of_max = self.base_offset + rel
+        next_offset = self.base_offset
+        try:
+            scanned = list(self._scan_headers(position))
+        except StorageError:
+            # The index pointed at garbage: rebuild from the start of the segment.
+            self.offset_index.reset()
+            scanned = list(self._scan_headers(0))
+        for _, header in scanned:
+            next_offset = header.next_offset
+            if header.max_timestamp > max_ts:
+                max_ts, offset_of_max = header.max_timestamp, header.last_offset
+        self._next_offset = next_offset
+        self._max_timestamp_ms, self._offset_of_max_timestamp = max_ts, offset_of_max
+        self._bytes_since_index_entry = self.size_bytes - position
+        self._tail_loaded = True
+
+    @property
+    def next_offset(self) -> int:
+        """One past the last offset in this segment (its base offset when empty)."""
+        self._load_tail()
+        assert self._next_offset is not None
+        return self._next_offset
+
+    @property
+    def largest_timestamp_ms(self) -> int:
+        """The newest record timestamp in the segment; -1 when empty."""
+        self._load_tail()
+        return self._max_timestamp_ms
+
+    @property
+    def offset_of_largest_timestamp(self) -> int:
+        self._load_tail()
+        return self._offset_of_max_timestamp
+
+    # --- writing --------------------------------------------------------------------------
+
+    def should_roll(self, incoming_bytes: int, last_offset: int, now_ms: int) -> bool:
+        """Whether an append of ``incoming_bytes`` ending at ``last_offset`` needs a new segment.
+
+        An empty segment never rolls: any single append fits a fresh segment.
+        """
+        if self.size_bytes == 0:
+            return False
+        return (
+            self.size_bytes + incoming_bytes > self.config.segment_bytes
+            or now_ms - self.created_ms > self.config.segment_ms - self.roll_jitter_ms
+            or self.offset_index.is_full
+            or self.time_index.is_full
+            or last_offset - self.base_offset > formats.MAX_RELATIVE_OFFSET
+        )
+
+    def append(self, data: bytes | bytearray | memoryview, spans: list[BatchSpan]) -> None:
+        """Write validated batches (offsets already assigned) at the end of the segment."""
+        self._load_tail()
+        start = self.size_bytes
+        view = memoryview(data)
+        written = 0
+        while written < len(view):  # pwrite may write less than asked
+            written += os.pwrite(self._fd, view[written:], start + written)
+        for span in spans:
+            if span.max_timestamp_ms > self._max_timestamp_ms:
+                self._max_timestamp_ms = span.max_timestamp_ms
+                self._offset_of_max_timestamp = span.last_offset
+            if self._bytes_since_index_entry > self.config.index_interval_bytes:
+                self.offset_index.append(span.base_offset, start + span.position)
+                self.time_index.maybe_append(self._max_timestamp_ms, self._offset_of_max_timestamp)
+                self._bytes_since_index_entry = 0
+            self._bytes_since_index_entry += span.size_bytes
+        self.size_bytes = start + len(view)
+        self._next_offset = spans[-1].last_offset + 1
+
+    def read(self, offset: int, max_bytes: int, max_offset: int | None) -> bytes | None:
+        """Whole, verified batches from the one holding ``offset``.
+
+        At most ``max_bytes`` unless the first batch alone is larger (then exactly that
+        batch, so a consumer can always make progress); only batches that end before
+        ``max_offset``. None when ``offset`` is past this segment. Corrupt data is never
+        served: a damaged first batch raises StorageError, a damaged later one ends the
+        answer before it.
+        """
+        found = self.translate_offset(offset)
+        if found is None:
+            return None
+        position, header = found
+        if max_offset is not None and header.last_offset >= max_offset:
+            return b""
+        want = max(header.size_bytes, min(max_bytes, self.size_bytes - position))
+        buf = self._pread(want, position)
+        end = 0
+        while end + formats.LOG_OVERHEAD <= len(buf):
+            size = formats.LOG_OVERHEAD + formats.I32.unpack_from(buf, end + 8)[0]
+            if size > len(buf) - end:
+                break  # cut by max_bytes; the next read starts here
+            try:
+                batch = check_batch(buf, end)
+            except CorruptBatchError as exc:
+                if end == 0:
+                    raise StorageError(
+                        f"{self.log_path.name}: corrupt batch on disk at position {position}: {exc}"
+                    ) from None
+                break
+            if max_offset is not None and batch.last_offset >= max_offset:
+                break
+            end += size
+        return buf if end == len(buf) else buf[:end]
+
+    def find_by_timestamp(self, timestamp_ms: int) -> tuple[int, BatchHeader] | None:
+        """Position and header of the first batch whose max timestamp >= ``timestamp_ms``."""
+        if self.largest_timestamp_ms < timestamp_ms:
+            return None
+        _, offset = self.time_index.lookup(timestamp_ms)
+        start = self._indexed_start(offset)
+        for position, header in self._scan_headers(start[0] if start else 0):
+            if header.max_timestamp >= timestamp_ms:
+                return position, header
+        return None
+
+    def read_batch(self, position: int, header: BatchHeader) -> bytes:
+        return self._pread(header.size_bytes, position)
+
+    # --- recovery and truncation -----------------------------------------------------------
+
+    def recover(self) -> int:
+        """Rebuild both indexes from the log, truncating at the first invalid batch.
+
+        A batch is valid when it is whole, both checksums match, and its base offset
+        continues the previous batch (the first starts at ``base_offset``). Returns the
+        number of bytes truncated. Like Kafka's ``LogSegment.recover``.
+        """
+        self.offset_index.make_writable()
+        self.time_index.make_writable()
+        self.offset_index.reset()
+        self.time_index.reset()
+        self._bytes_since_index_entry = 0
+        self._max_timestamp_ms, self._offset_of_max_timestamp = -1, self.base_offset
+        self._next_offset = self.base_offset
+        self._tail_loaded = True
+        valid_bytes = 0
+        for position, header in self._recovery_scan():
+            self.append_index_entries(position, header)
+            valid_bytes = position + header.size_bytes
+            self._next_offset = header.next_offset
+        truncated = self.size_bytes - valid_bytes
+        if truncated:
+            os.ftruncate(self._fd, valid_bytes)
+            self.size_bytes = valid_bytes
+        self.needs_rebuild = False
+        return truncated
+
+    def append_index_entries(self, position: int, header: BatchHeader) -> None:
+        """Index bookkeeping for a batch already in the file (recovery's half of append)."""
+        if header.max_timestamp > self._max_timestamp_ms:
+            self._max_timestamp_ms = header.max_timestamp
+            self._offset_of_max_timestamp = header.last_offset
+        if self._bytes_since_index_entry > self.config.index_interval_bytes:
+            self.offset_index.append(header.base_offset, position)
+            self.time_index.maybe_append(self._max_timestamp_ms, self._offset_of_max_timestamp)
+            self._bytes_since_index_entry = 0
+        self._bytes_since_index_entry += header.size_bytes
+
+    def _recovery_scan(self) -> Iterator[tuple[int, BatchHeader]]:
+        """Valid batches from the start, in chunks; stops at the first invalid one."""
+        expected = self.base_offset
+        position = 0
+        buf, buf_start = b"", 0
+        while position < self.size_bytes:
+            rel = position - buf_start
+            if len(buf) - rel < formats.LOG_OVERHEAD:
+                buf, buf_start, rel = self._refill(position, formats.LOG_OVERHEAD), position, 0
+                if len(buf) < formats.LOG_OVERHEAD:
+                    return
+            size = formats.LOG_OVERHEAD + formats.I32.unpack_from(buf, rel + 8)[0]
+            if size < formats.BATCH_HEADER_SIZE or size > self.size_bytes - position:
+                return  # torn or garbage length
+            if len(buf) - rel < size:
+                buf, buf_start, rel = self._refill(position, size), position, 0
+            try:
+                header = check_batch(memoryview(buf)[rel : rel + size])
+            except CorruptBatchError:
+                return
+            if header.base_offset != expected:
+                return
+            yield position, header
+            expected = header.next_offset
+            position += size
+
+    def _refill(self, position: int, at_least: int) -> bytes:
+        size = min(max(RECOVERY_CHUNK_BYTES, at_least), self.size_bytes - position)
+        return os.pread(self._fd, size, position)
+
+    def truncate_to(self, offset: int) -> int:
+        """Remove the batch holding ``offset`` and everything after; returns bytes removed.
+
+        Truncation happens at a batch boundary, so the segment's next offset afterwards is
+        the base offset of the batch that held ``offset`` (or ``offset`` itself when it
+        already starts a batch).
+        """
+        found = self.translate_offset(offset)
+        if found is None:
+            return 0
+        position, header = found
+        self.offset_index.truncate_to(header.base_offset)
+        self.time_index.truncate_to(header.base_offset)
+        removed = self.size_bytes - position
+        os.ftruncate(self._fd, position)
+        self.size_bytes = position
+        self._tail_loaded = False
+        self._next_offset = None
+        if position == 0:
+            self._next_offset, self._tail_loaded = self.base_offset, True
+            self._max_timestamp_ms = -1
+            self._bytes_since_index_entry = 0
+        return removed
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def make_active(self) -> None:
+        """Prepare to take appends again (after a truncation made this the last segment)."""
+        self._load_tail()
+        self.offset_index.make_writable()
+        self.time_index.make_writable()
+
+    def on_become_inactive(self) -> None:
+        """Called when a newer segment takes over: final time entry, trimmed indexes."""
+        self._load_tail()
+        if self._max_timestamp_ms >= 0:
+            self.time_index.maybe_append(self._max_timestamp_ms, self._offset_of_max_timestamp)
+        self.offset_index.trim()
+        self.time_index.trim()
+
+    def flush(self) -> None:
+        os.fsync(self._fd)
+        self.offset_index.flush()
+        self.time_index.flush()
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self.offset_index.close()
+        self.time_index.close()
+        os.close(self._fd)
+        self._fd = -1
+
+    def files(self) -> list[Path]:
+        return [self.log_path, self.index_path, self.time_index_path]
+
+    def rename_to_deleted(self) -> list[Path]:
+        """Close and rename every file to ``*.deleted``; the caller unlinks them later."""
+        self.close()
+        renamed = []
+        for path in self.files():
+            if path.exists():
+                target = path.with_name(path.name + formats.DELETED_SUFFIX)
+                path.rename(target)
+                renamed.append(target)
+        return renamed

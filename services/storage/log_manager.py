@@ -1,0 +1,166 @@
+"""All partition logs of one data directory, and the directory's checkpoint files.
+
+Like Kafka's ``LogManager``: at start-up it reads ``recovery-point-offset-checkpoint`` and
+opens every ``<topic>-<partition>`` directory, each log recovering from its own recovery
+point (seed 004: only segments that may not have reached the disk are re-verified). While
+running it is driven by ``maintenance(now)`` — time-based flushes, retention and removal
+of retired files — and ``checkpoint()``; ``shutdown()`` flushes everything and writes the
+checkpoint at the log end offsets, so the next start has nothing to recover.
+
+Pure library code: the storage node calls these from its own threads.
+Thread-safety: none; the caller serializes calls (the node holds one lock around it, and
+each ``Log`` is additionally guarded by its partition).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import uuid
+from pathlib import Path
+
+import structlog
+
+from services.storage.log import Log, LogConfig
+from services.storage.log.checkpoint import CheckpointCorruptError, OffsetCheckpointFile
+from tidelog.clock import SYSTEM_CLOCK, Clock
+from tidelog.topics import parse_partition_dir_name, partition_dir_name
+
+RECOVERY_POINT_CHECKPOINT = "recovery-point-offset-checkpoint"
+REPLICATION_OFFSET_CHECKPOINT = "replication-offset-checkpoint"
+DELETE_DIR_SUFFIX = "-delete"
+
+log = structlog.get_logger("tidelog.storage.log_manager")
+
+TopicPartitionKey = tuple[str, int]
+
+
+class LogManager:
+    """Owns the logs under ``data_dir``; see the module docstring."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        default_config: LogConfig | None = None,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.default_config = default_config or LogConfig()
+        self._clock = clock or SYSTEM_CLOCK
+        self._rng = rng or random.Random()
+        self._logs: dict[TopicPartitionKey, Log] = {}
+        self._recovery_checkpoint = OffsetCheckpointFile(self.data_dir / RECOVERY_POINT_CHECKPOINT)
+
+    def startup(self) -> None:
+        """Open (and where needed recover) every partition log in the data directory."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            recovery_points = self._recovery_checkpoint.read()
+        except CheckpointCorruptError as exc:
+            # Without trustworthy recovery points every segment is re-verified: slower,
+            # never wrong.
+            log.warning("recovery_checkpoint_unreadable", error=str(exc))
+            recovery_points = {}
+        for path in sorted(self.data_dir.iterdir()):
+            if not path.is_dir():
+                continue
+            if path.name.endswith(DELETE_DIR_SUFFIX):
+                shutil.rmtree(path, ignore_errors=True)  # a deletion that was interrupted
+                continue
+            key = parse_partition_dir_name(path.name)
+            if key is None:
+                continue
+            opened = Log.open(
+                path,
+                self.default_config,
+                recovery_point=recovery_points.get(key, 0),
+                clock=self._clock,
+                rng=self._rng,
+            )
+            self._logs[key] = opened
+            if opened.truncated_on_recovery_bytes:
+                log.warning(
+                    "log_truncated_on_recovery",
+                    topic=key[0],
+                    partition=key[1],
+                    truncated_bytes=opened.truncated_on_recovery_bytes,
+                    log_end_offset=opened.log_end_offset,
+                )
+        # Record the recovered state so a second crash does not repeat the work needlessly
+        # and no checkpoint names a log that no longer exists.
+        self.checkpoint()
+
+    def get_log(self, topic: str, partition: int) -> Log | None:
+        return self._logs.get((topic, partition))
+
+    def get_or_create_log(self, topic: str, partition: int, config: LogConfig | None = None) -> Log:
+        """The partition's log, created empty if absent; ``config`` replaces its settings."""
+        key = (topic, partition)
+        existing = self._logs.get(key)
+        if existing is not None:
+            if config is not None and config != existing.config:
+                existing.update_config(config)
+            return existing
+        created = Log.open(
+            self.data_dir / partition_dir_name(topic, partition),
+            config or self.default_config,
+            clock=self._clock,
+            rng=self._rng,
+        )
+        self._logs[key] = created
+        return created
+
+    def delete_log(self, topic: str, partition: int) -> None:
+        """Remove a partition's log from disk (topic deletion, replica moved away)."""
+        removed = self._logs.pop((topic, partition), None)
+        if removed is None:
+            return
+        removed.close()
+        # Rename first so a crash mid-delete leaves a directory start-up recognizes and
+        # finishes deleting, never a half-deleted log that looks live.
+        doomed = removed.dir.with_name(f"{removed.dir.name}.{uuid.uuid4().hex}{DELETE_DIR_SUFFIX}")
+        removed.dir.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        self.checkpoint()
+
+    def all_logs(self) -> dict[TopicPartitionKey, Log]:
+        return dict(self._logs)
+
+    def maintenance(self, now_ms: int | None = None) -> None:
+        """Periodic work: flush.ms flushes, retention, unlinking of retired segments.
+
+        ``now_ms`` is accepted for symmetry with callers that track time; logs read the
+        injected clock themselves.
+        """
+        del now_ms
+        for (topic, partition), partition_log in list(self._logs.items()):
+            partition_log.flush_if_due()
+            retired = partition_log.delete_retention_segments()
+            if retired:
+                log.info(
+                    "retention_deleted_segments",
+                    topic=topic,
+                    partition=partition,
+                    segments=retired,
+                    log_start_offset=partition_log.log_start_offset,
+                )
+            partition_log.remove_deleted_files()
+
+    def checkpoint(self) -> None:
+        """Write every log's recovery point atomically."""
+        self._recovery_checkpoint.write(
+            {key: partition_log.recovery_point for key, partition_log in self._logs.items()}
+        )
+
+    def flush_all(self) -> None:
+        for partition_log in self._logs.values():
+            partition_log.flush()
+
+    def shutdown(self) -> None:
+        """Clean shutdown: flush all, checkpoint at the log ends, close every file."""
+        self.flush_all()
+        self.checkpoint()
+        for partition_log in self._logs.values():
+            partition_log.close()
+        self._logs.clear()
