@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class ControllerStub:
-    """Missing associated documentation comment in .proto file."""
+    """The active controller's API; standbys answer NOT_CONTROLLER.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -77,16 +78,19 @@ class ControllerStub:
 
 
 class ControllerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The active controller's API; standbys answer NOT_CONTROLLER.
+    """
 
     def CreateTopics(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forwarded to the active controller.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteTopics(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forwarded to the active controller.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -99,13 +103,15 @@ class ControllerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DescribeCluster(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Brokers and the active controller.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Metadata(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cluster metadata for clients.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -183,7 +189,8 @@ def add_ControllerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Controller:
-    """Missing associated documentation comment in .proto file."""
+    """The active controller's API; standbys answer NOT_CONTROLLER.
+    """
 
     @staticmethod
     def CreateTopics(request,

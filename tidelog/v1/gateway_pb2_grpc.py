@@ -28,7 +28,8 @@ if _version_not_supported:
 
 
 class GatewayStub:
-    """Missing associated documentation comment in .proto file."""
+    """The client-facing API.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -109,7 +110,8 @@ class GatewayStub:
 
 
 class GatewayServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The client-facing API.
+    """
 
     def Produce(self, request, context):
         """Produce batches to many partitions; per-partition results.
@@ -141,31 +143,36 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Metadata(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Cluster metadata for clients.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListOffsets(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Resolve earliest / latest / by-timestamp offsets (consumers: latest = HW).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CreateTopics(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forwarded to the active controller.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteTopics(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forwarded to the active controller.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CreatePartitions(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Forwarded to the active controller.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -178,7 +185,8 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DescribeCluster(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Brokers and the active controller.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -191,13 +199,15 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchOffsets(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Read a group's committed offsets.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListGroups(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every consumer group with committed offsets.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -284,7 +294,8 @@ def add_GatewayServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Gateway:
-    """Missing associated documentation comment in .proto file."""
+    """The client-facing API.
+    """
 
     @staticmethod
     def Produce(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class StorageStub:
-    """Missing associated documentation comment in .proto file."""
+    """A storage node's API.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -82,7 +83,8 @@ class StorageStub:
 
 
 class StorageServicer:
-    """Missing associated documentation comment in .proto file."""
+    """A storage node's API.
+    """
 
     def Append(self, request, context):
         """Append record batches to a partition this broker leads. Errors are gRPC statuses with
@@ -209,7 +211,8 @@ def add_StorageServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Storage:
-    """Missing associated documentation comment in .proto file."""
+    """A storage node's API.
+    """
 
     @staticmethod
     def Append(request,
