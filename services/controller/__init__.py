@@ -1,0 +1,1 @@
+"""Control plane: the etcd-elected controller (topics, assignment, leaders, ISR)."""

@@ -1,0 +1,1 @@
+"""Gateway: the stateless, client-facing front door (produce, fetch, admin, offsets)."""

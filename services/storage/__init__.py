@@ -1,0 +1,1 @@
+"""Storage plane: storage nodes owning partition logs (engine in ``services.storage.log``)."""
