@@ -14,7 +14,7 @@ def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
     committed = sorted(
         p.relative_to(protogen.ROOT)
         for p in committed_dir.iterdir()
-        if p.name != "__init__.py" and p.name != "__pycache__"
+        if p.name not in {"__init__.py", "__pycache__"}
     )
     assert generated == committed, "stub files differ: run `make protos`"
     for rel in generated:

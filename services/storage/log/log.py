@@ -342,7 +342,15 @@ class Log:
             if found is None:
                 continue
             position, header = found
-            for record in decode_batches(segment.read_batch(position, header))[0].records:
+            if max_offset is not None and header.base_offset >= max_offset:
+                return None
+            try:
+                records = decode_batches(segment.read_batch(position, header))[0].records
+            except CorruptBatchError:
+                # Checksums hold (the broker verified them) but the body is malformed: a
+                # producer bug. The batch's own header still bounds the answer.
+                return header.base_offset, header.max_timestamp
+            for record in records:
                 if record.timestamp_ms >= timestamp_ms:
                     if max_offset is not None and record.offset >= max_offset:
                         return None
