@@ -127,25 +127,29 @@ class LogManager:
     def all_logs(self) -> dict[TopicPartitionKey, Log]:
         return dict(self._logs)
 
-    def maintenance(self, now_ms: int | None = None) -> None:
-        """Periodic work: flush.ms flushes, retention, unlinking of retired segments.
-
-        ``now_ms`` is accepted for symmetry with callers that track time; logs read the
-        injected clock themselves.
-        """
-        del now_ms
+    def maintenance(self) -> None:
+        """Periodic work for every log; see ``maintain_log``."""
         for (topic, partition), partition_log in list(self._logs.items()):
-            partition_log.flush_if_due()
-            retired = partition_log.delete_retention_segments()
-            if retired:
-                log.info(
-                    "retention_deleted_segments",
-                    topic=topic,
-                    partition=partition,
-                    segments=retired,
-                    log_start_offset=partition_log.log_start_offset,
-                )
-            partition_log.remove_deleted_files()
+            self.maintain_log(topic, partition, partition_log)
+
+    @staticmethod
+    def maintain_log(topic: str, partition: int, partition_log: Log) -> None:
+        """flush.ms flushes, retention, and unlinking of retired segments for one log.
+
+        Separate from ``maintenance`` so a caller that guards each log with its own lock
+        can take one lock at a time instead of stopping every partition at once.
+        """
+        partition_log.flush_if_due()
+        retired = partition_log.delete_retention_segments()
+        if retired:
+            log.info(
+                "retention_deleted_segments",
+                topic=topic,
+                partition=partition,
+                segments=retired,
+                log_start_offset=partition_log.log_start_offset,
+            )
+        partition_log.remove_deleted_files()
 
     def checkpoint(self) -> None:
         """Write every log's recovery point atomically."""

@@ -1,0 +1,1 @@
+"""Runnable examples (``make run`` runs ``examples.storage_demo``)."""

@@ -1,0 +1,285 @@
+"""A storage node process: the Storage service, health, reflection and housekeeping.
+
+``StorageNode(config).start()`` loads (and recovers) the logs in the data directory,
+serves ``tidelog.v1.Storage`` plus the standard gRPC health and reflection services, and
+runs one maintenance thread (flush.ms flushes, retention, recovery-point checkpoints).
+``stop()`` is the clean shutdown: stop taking calls, let calls in progress finish within
+a grace period, then flush every log and write the checkpoints so the next start has
+nothing to recover.
+
+``main(args)`` is what ``tidelog storage`` runs: it adds logging and signal handling
+(SIGTERM / SIGINT -> clean stop, exit status 0) and prints the line
+``tidelog storage broker <id> listening on <host>:<port>`` on stdout once serving, with
+the real port when asked for port 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Final
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.storage.log import LogConfig
+from services.storage.log_manager import LogManager
+from services.storage.server import ReplicaManager, ServerLimits, StorageServicer
+from tidelog import logging as tidelog_logging
+from tidelog.clock import SYSTEM_CLOCK, Clock
+from tidelog.errors import TidelogError
+from tidelog.v1 import storage_pb2, storage_pb2_grpc
+
+_log = structlog.get_logger("tidelog.storage.node")
+
+STORAGE_SERVICE_NAME: Final[str] = storage_pb2.DESCRIPTOR.services_by_name["Storage"].full_name
+
+# gRPC's defaults (4 MiB in) are too small for batch traffic; both directions are set
+# explicitly so a Fetch answer (ServerLimits.max_fetch_response_bytes) always fits.
+DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StorageNodeConfig:
+    """How to run one storage node. Durations in ms, sizes in bytes."""
+
+    broker_id: int
+    data_dir: Path
+    # Address to bind; port 0 lets the OS choose (see StorageNode.port).
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    # etcd endpoint and rack: accepted now, used once brokers register in etcd.
+    etcd: str | None = None
+    rack: str | None = None
+    # Pool threads serving calls. Long-polling fetches and append streams hold a thread
+    # each, so ServerLimits keeps their counts well below this.
+    max_workers: int = 64
+    # Calls admitted at once (running + queued for a thread); beyond this gRPC answers
+    # RESOURCE_EXHAUSTED instead of queueing without bound.
+    max_concurrent_rpcs: int = 1024
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # How often the maintenance pass runs, and how often it also writes the
+    # recovery-point checkpoint (a restart re-verifies only data after it).
+    maintenance_interval_ms: int = 250
+    checkpoint_interval_ms: int = 5_000
+    # How long calls in progress may run on after stop() before they are cancelled.
+    shutdown_grace_ms: int = 5_000
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    log_config: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        if self.broker_id < 0:
+            raise ValueError(f"broker id must be >= 0, got {self.broker_id}")
+        if not 0 <= self.listen_port <= 65535:
+            raise ValueError(f"port {self.listen_port} is out of range 0..65535")
+        if self.max_workers < self.limits.max_waiting_fetches + self.limits.max_append_streams + 4:
+            raise ValueError(
+                "max_workers must exceed max_waiting_fetches + max_append_streams by at least 4, "
+                "so that appends always find a thread"
+            )
+        for name in (
+            "max_concurrent_rpcs",
+            "max_message_bytes",
+            "maintenance_interval_ms",
+            "checkpoint_interval_ms",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.shutdown_grace_ms < 0:
+            raise ValueError("shutdown_grace_ms must be >= 0")
+        if self.limits.max_fetch_response_bytes > self.max_message_bytes:
+            raise ValueError("max_fetch_response_bytes must not exceed max_message_bytes")
+
+
+class StorageNode:
+    """One running storage node. ``start()`` once, ``stop()`` once (idempotent).
+
+    Thread-safety: ``start``/``stop`` are called by the owner thread; the gRPC pool
+    threads and the maintenance thread only reach shared state through ReplicaManager.
+    """
+
+    def __init__(self, config: StorageNodeConfig, *, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config
+        self._clock = clock
+        self._server: grpc.Server | None = None
+        self._health = health.HealthServicer()
+        self._replicas: ReplicaManager | None = None
+        self._servicer: StorageServicer | None = None
+        self._port = 0
+        self._stopping = threading.Event()
+        self._maintenance_thread: threading.Thread | None = None
+        self._stopped = False
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when the config asked for port 0)."""
+        return self._port
+
+    @property
+    def address(self) -> str:
+        host = self.config.listen_host
+        return f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
+
+    @property
+    def replicas(self) -> ReplicaManager:
+        if self._replicas is None:
+            raise RuntimeError("the node is not started")
+        return self._replicas
+
+    def start(self) -> None:
+        """Recover the logs, bind, serve, report SERVING. Raises OSError if it cannot bind."""
+        config = self.config
+        log_manager = LogManager(config.data_dir, config.log_config, clock=self._clock)
+        replicas = ReplicaManager(log_manager, broker_id=config.broker_id, clock=self._clock)
+        started_ms = time.monotonic()
+        replicas.startup()
+        self._replicas = replicas
+        _log.info(
+            "logs_loaded",
+            data_dir=str(config.data_dir),
+            partitions=len(replicas.partitions()),
+            elapsed_ms=round((time.monotonic() - started_ms) * 1000),
+        )
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=config.max_workers, thread_name_prefix="storage-rpc"
+            ),
+            options=[
+                ("grpc.max_receive_message_length", config.max_message_bytes),
+                ("grpc.max_send_message_length", config.max_message_bytes),
+                # One port per node: a second process on the same port is a mistake.
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        )
+        self._servicer = StorageServicer(replicas, limits=config.limits, clock=self._clock)
+        storage_pb2_grpc.add_StorageServicer_to_server(self._servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (STORAGE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        target = (
+            f"[{config.listen_host}]:{config.listen_port}"
+            if ":" in config.listen_host
+            else f"{config.listen_host}:{config.listen_port}"
+        )
+        try:
+            port = server.add_insecure_port(target)
+        except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
+            replicas.shutdown()
+            raise OSError(f"cannot listen on {target}: {exc}") from exc
+        if port == 0:
+            replicas.shutdown()
+            raise OSError(f"cannot listen on {target}")
+        self._port = port
+        server.start()
+        self._server = server
+        for service in ("", STORAGE_SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._maintenance_thread = threading.Thread(
+            target=self._maintenance_loop, name="storage-maintenance", daemon=True
+        )
+        self._maintenance_thread.start()
+        _log.info("listening", address=self.address)
+
+    def stop(self) -> None:
+        """Clean shutdown: refuse new calls, drain, flush and checkpoint every log."""
+        if self._stopped:
+            return
+        self._stopped = True
+        _log.info("stopping")
+        self._health.enter_graceful_shutdown()  # NOT_SERVING, so balancers move away first
+        self._stopping.set()
+        if self._server is not None:
+            grace_s = self.config.shutdown_grace_ms / 1000
+            drained = self._server.stop(grace_s)
+            # Long-polls would otherwise sit out their max_wait_ms inside the grace period.
+            if self._servicer is not None:
+                self._servicer.begin_shutdown()
+            drained.wait(grace_s + 1)
+        if self._maintenance_thread is not None:
+            self._maintenance_thread.join()
+        if self._replicas is not None:
+            self._replicas.shutdown()
+        _log.info("stopped")
+
+    def _maintenance_loop(self) -> None:
+        config = self.config
+        interval_s = config.maintenance_interval_ms / 1000
+        next_checkpoint = time.monotonic() + config.checkpoint_interval_ms / 1000
+        while not self._stopping.wait(interval_s):
+            now = time.monotonic()
+            checkpoint = now >= next_checkpoint
+            if checkpoint:
+                next_checkpoint = now + config.checkpoint_interval_ms / 1000
+            try:
+                self.replicas.maintenance(checkpoint=checkpoint)
+            except Exception:
+                # Never let housekeeping die: a failed pass is logged and retried next tick.
+                _log.exception("maintenance_failed")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run a storage node until SIGTERM/SIGINT; the ``tidelog storage`` command.
+
+    ``args`` carries ``broker_id``, ``data_dir``, ``listen_host``, ``listen_port``,
+    ``etcd``, ``rack`` and ``log_level`` (see ``tidelog.cli``). Returns the exit status.
+    """
+    tidelog_logging.configure("storage", level=args.log_level, broker_id=args.broker_id)
+    try:
+        config = StorageNodeConfig(
+            broker_id=args.broker_id,
+            data_dir=Path(args.data_dir),
+            listen_host=args.listen_host,
+            listen_port=args.listen_port,
+            etcd=args.etcd,
+            rack=args.rack,
+        )
+    except (ValueError, TidelogError) as exc:
+        print(f"tidelog storage: error: {exc}", file=sys.stderr)
+        return 2
+    stop_requested = threading.Event()
+    received: list[int] = []
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        # Only set flags here: the handler may interrupt the main thread anywhere, even
+        # inside a write of a log line.
+        del frame
+        received.append(signum)
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    node = StorageNode(config)
+    try:
+        node.start()
+    except (OSError, TidelogError) as exc:
+        _log.error("start_failed", error=str(exc))
+        print(f"tidelog storage: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        # Unexpected (e.g. a bug met during recovery): the traceback goes to the JSON log,
+        # the person at the terminal gets one line.
+        _log.exception("start_failed")
+        print(f"tidelog storage: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"tidelog storage broker {config.broker_id} listening on {node.address}",
+        flush=True,
+    )
+    # A timeout keeps the main thread returning to the interpreter, where signal
+    # handlers run.
+    while not stop_requested.wait(1.0):
+        pass
+    _log.info("signal_received", signal=signal.Signals(received[0]).name if received else None)
+    node.stop()
+    return 0

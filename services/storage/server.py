@@ -1,0 +1,792 @@
+"""The Storage gRPC service: protobuf in, ``Partition`` calls, protobuf out.
+
+Two classes:
+
+* ``ReplicaManager`` - the partitions this broker hosts, over the ``LogManager`` that owns
+  their files. It creates partitions for LeaderAndIsr, deletes them for StopReplica, runs
+  the periodic maintenance pass, and shuts everything down cleanly.
+* ``StorageServicer`` - the adapter: validates requests, translates protobuf to plain
+  values and back, maps errors to statuses (``services.status``), and implements the
+  long-poll of Fetch.
+
+The servicer does O(1) Python work per request and per partition, never per batch or per
+record: batch bytes go to the Log (which checks them with checksums in C) and come back
+untouched.
+
+Limits: every request's partition count, each Fetch's bytes, each Fetch's wait, the number
+of concurrently waiting fetches and of open append streams. The last two matter because
+gRPC's synchronous server gives every in-progress call a pool thread; capping the calls
+that may hold a thread for long keeps threads free for Append.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import grpc
+import structlog
+
+from services.status import abort, to_error_proto, unary_errors
+from services.storage.log import LogConfig
+from services.storage.log_manager import LogManager
+from services.storage.partition import (
+    NO_EPOCH,
+    OffsetSpec,
+    Partition,
+    PartitionInfo,
+    PartitionState,
+    ReadResult,
+    Role,
+    deleted_error,
+)
+from tidelog.clock import SYSTEM_CLOCK, Clock
+from tidelog.errors import (
+    BrokerNotAvailableError,
+    FencedLeaderEpochError,
+    InvalidFetchSizeError,
+    InvalidRequestError,
+    InvalidRequiredAcksError,
+    NotLeaderOrFollowerError,
+    StaleControllerEpochError,
+    StorageError,
+    TidelogError,
+    UnknownServerError,
+    UnknownTopicOrPartitionError,
+)
+from tidelog.topics import validate_partition, validate_topic_name
+from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
+
+_log = structlog.get_logger("tidelog.storage.server")
+
+# Fetch defaults are Kafka's consumer defaults (fetch.max.wait.ms, fetch.min.bytes,
+# fetch.max.bytes, max.partition.fetch.bytes), as documented in storage.proto.
+DEFAULT_MAX_WAIT_MS: Final = 500
+DEFAULT_MIN_BYTES: Final = 1
+DEFAULT_FETCH_MAX_BYTES: Final = 50 * 1024 * 1024
+DEFAULT_PARTITION_MAX_BYTES: Final = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Bounds on what one request, and all requests together, may ask of the server."""
+
+    # Partitions in one Fetch / ListOffsets / LeaderAndIsr / StopReplica / DescribeLogDirs.
+    max_partitions_per_request: int = 10_000
+    # Longest long-poll; a larger max_wait_ms is clamped (not refused), as Kafka clamps.
+    max_wait_ms_limit: int = 30_000
+    # Record bytes in one Fetch response; below the gRPC send limit so the response fits.
+    max_fetch_response_bytes: int = 60 * 1024 * 1024
+    # Fetches that may wait at once (each holds a pool thread while it waits); beyond
+    # this a fetch answers at once with what there is.
+    max_waiting_fetches: int = 32
+    # Open AppendStream calls (each holds a pool thread for its lifetime).
+    max_append_streams: int = 16
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_partitions_per_request",
+            "max_wait_ms_limit",
+            "max_fetch_response_bytes",
+            "max_waiting_fetches",
+            "max_append_streams",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class StopReplicaItem:
+    topic: str
+    partition: int
+    leader_epoch: int  # -1 (or any negative) skips the fencing check
+    delete: bool
+
+
+class ReplicaManager:
+    """The partitions hosted by this broker, and the LogManager that owns their logs.
+
+    Invariants: every Log the LogManager holds belongs to exactly one Partition in
+    ``_partitions`` (created at startup for logs found on disk, in role NONE until a
+    LeaderAndIsr arrives); a closed Partition is never in ``_partitions``.
+
+    Thread-safety: all methods may be called from any thread. ``_lock`` serializes every
+    use of the LogManager and every change to the partition map and controller epoch.
+    The map is replaced, never mutated (copy-on-write), so the data path looks partitions
+    up without taking ``_lock``. Lock order: ``_lock`` before partition locks.
+    """
+
+    def __init__(
+        self, log_manager: LogManager, *, broker_id: int, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        self.broker_id = broker_id
+        self._log_manager = log_manager
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._partitions: dict[tuple[str, int], Partition] = {}
+        self._controller_epoch = -1
+        self._closed = False
+
+    @property
+    def data_dir(self) -> str:
+        return str(self._log_manager.data_dir)
+
+    def startup(self) -> None:
+        """Load (and recover) the logs on disk; each becomes a partition with no role."""
+        with self._lock:
+            self._log_manager.startup()
+            self._partitions = {
+                key: Partition(key[0], key[1], log, broker_id=self.broker_id, clock=self._clock)
+                for key, log in self._log_manager.all_logs().items()
+            }
+        for topic, partition in sorted(self._partitions):
+            _log.info("partition_loaded", topic=topic, partition=partition)
+
+    def get_partition(self, topic: str, partition: int) -> Partition:
+        """The hosted partition; InvalidTopic/InvalidRequest/UnknownTopicOrPartition else."""
+        validate_topic_name(topic)
+        validate_partition(partition)
+        found = self._partitions.get((topic, partition))  # copy-on-write map: no lock
+        if found is None:
+            raise UnknownTopicOrPartitionError(
+                f"broker {self.broker_id} does not host partition {topic}-{partition}"
+            )
+        return found
+
+    def partitions(self) -> list[Partition]:
+        return list(self._partitions.values())
+
+    def _check_controller_epoch(self, controller_epoch: int) -> None:
+        # Called with _lock held. A request from a deposed controller must not undo the
+        # decisions of its successor.
+        if controller_epoch < self._controller_epoch:
+            raise StaleControllerEpochError(
+                f"controller epoch {controller_epoch} is older than {self._controller_epoch}"
+            )
+        self._controller_epoch = controller_epoch
+
+    def apply_leader_and_isr(
+        self, controller_epoch: int, states: Sequence[PartitionState]
+    ) -> list[TidelogError | None]:
+        """Create logs as needed and take the roles ``states`` assign; one result each.
+
+        Raises StaleControllerEpochError (changing nothing) for an old controller epoch.
+        Per partition: bad names, bad epochs or bad configs fail that partition only, and
+        leave it as it was.
+        """
+        results: list[TidelogError | None] = []
+        with self._lock:
+            self._check_open()
+            self._check_controller_epoch(controller_epoch)
+            for state in states:
+                try:
+                    self._apply_state(state)
+                    results.append(None)
+                except TidelogError as exc:
+                    results.append(exc)
+                except OSError as exc:
+                    _log.exception("leader_and_isr_failed", topic=state.topic)
+                    results.append(StorageError(f"{state.topic}-{state.partition}: {exc}"))
+        return results
+
+    def _apply_state(self, state: PartitionState) -> None:
+        validate_topic_name(state.topic)
+        validate_partition(state.partition)
+        if state.leader_epoch < 0:
+            raise InvalidRequestError(f"leader_epoch {state.leader_epoch} is negative")
+        # Parse the config first: a bad value must fail before anything changes.
+        config = LogConfig.from_topic_config(state.configs, base=self._log_manager.default_config)
+        key = (state.topic, state.partition)
+        partition = self._partitions.get(key)
+        if partition is None:
+            log = self._log_manager.get_or_create_log(state.topic, state.partition, config)
+            partition = Partition(
+                state.topic, state.partition, log, broker_id=self.broker_id, clock=self._clock
+            )
+            partition.apply_state(state)
+            self._partitions = {**self._partitions, key: partition}
+            created = True
+        else:
+            changed = partition.apply_state(state)  # raises FENCED_LEADER_EPOCH when stale
+            with partition.locked() as current_log:
+                if current_log is not None:
+                    # The LogManager applies a changed config to the existing Log; done
+                    # under the partition lock because it mutates the Log.
+                    self._log_manager.get_or_create_log(state.topic, state.partition, config)
+            created = False
+            if not changed:
+                return
+        _log.info(
+            "partition_state_applied",
+            topic=state.topic,
+            partition=state.partition,
+            role=partition.role.value,
+            leader=state.leader,
+            epoch=state.leader_epoch,
+            isr=list(state.isr),
+            created=created,
+        )
+
+    def stop_replicas(
+        self, controller_epoch: int, items: Sequence[StopReplicaItem]
+    ) -> list[TidelogError | None]:
+        """Stop serving partitions, deleting their logs where asked; one result each.
+
+        Like Kafka, stopping a partition this broker does not host succeeds (and removes a
+        leftover log if deletion was asked): a controller retrying must not see errors.
+        """
+        results: list[TidelogError | None] = []
+        with self._lock:
+            self._check_open()
+            self._check_controller_epoch(controller_epoch)
+            for item in items:
+                try:
+                    self._stop_replica(item)
+                    results.append(None)
+                except TidelogError as exc:
+                    results.append(exc)
+                except OSError as exc:
+                    _log.exception("stop_replica_failed", topic=item.topic)
+                    results.append(StorageError(f"{item.topic}-{item.partition}: {exc}"))
+        return results
+
+    def _stop_replica(self, item: StopReplicaItem) -> None:
+        validate_topic_name(item.topic)
+        validate_partition(item.partition)
+        key = (item.topic, item.partition)
+        partition = self._partitions.get(key)
+        if partition is not None and 0 <= item.leader_epoch < partition.leader_epoch:
+            raise FencedLeaderEpochError(
+                f"{item.topic}-{item.partition}: leader epoch {item.leader_epoch} is older "
+                f"than the current {partition.leader_epoch}"
+            )
+        if not item.delete:
+            if partition is not None:
+                partition.make_offline()
+                _log.info("partition_stopped", topic=item.topic, partition=item.partition)
+            return
+        if partition is not None:
+            # Close first: any call in progress finishes, later ones fail; then no thread
+            # can touch the Log the LogManager is about to delete.
+            partition.close(deleted_error(item.topic, item.partition))
+            self._partitions = {k: p for k, p in self._partitions.items() if k != key}
+        self._log_manager.delete_log(item.topic, item.partition)
+        _log.info("partition_deleted", topic=item.topic, partition=item.partition)
+
+    def maintenance(self, *, checkpoint: bool) -> None:
+        """One pass of flush.ms flushes, retention and file removal; maybe a checkpoint.
+
+        Each partition is locked only while its own log is maintained, so the pass never
+        stalls appends to other partitions. The checkpoint only reads recovery points
+        (plain ints that only a flush raises), so it needs no partition lock.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            for (topic, partition_id), partition in sorted(self._partitions.items()):
+                with partition.locked() as current_log:
+                    if current_log is not None:  # None: deleted since the snapshot
+                        LogManager.maintain_log(topic, partition_id, current_log)
+            if checkpoint:
+                self._log_manager.checkpoint()
+
+    def describe(self, keys: Iterable[tuple[str, int]] | None = None) -> list[PartitionInfo]:
+        """Snapshots of the hosted partitions (all, or those in ``keys`` that exist)."""
+        snapshot = self._partitions
+        chosen = list(snapshot) if keys is None else [key for key in keys if key in snapshot]
+        infos = []
+        for key in sorted(set(chosen)):
+            try:
+                infos.append(snapshot[key].info())
+            except TidelogError:
+                continue  # deleted (or shut down) since the snapshot was taken
+        return infos
+
+    def shutdown(self) -> None:
+        """Close every partition (waking long-polls), then flush and checkpoint all logs.
+
+        Idempotent. Calls in progress finish first (they hold their partition's lock);
+        later calls fail with NOT_LEADER_OR_FOLLOWER, which clients retry elsewhere.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for partition in self._partitions.values():
+                partition.close(
+                    NotLeaderOrFollowerError(f"broker {self.broker_id} is shutting down")
+                )
+            self._partitions = {}
+            self._log_manager.shutdown()
+        _log.info("logs_shut_down")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BrokerNotAvailableError(f"broker {self.broker_id} is shutting down")
+
+
+# --- the gRPC adapter -----------------------------------------------------------------------
+
+_ACKS_VALUES: Final = frozenset(
+    {common_pb2.ACKS_UNSPECIFIED, common_pb2.NONE_ACKS, common_pb2.LEADER, common_pb2.ALL}
+)
+# Fetch results for one partition: what was read, or why not.
+_PartitionRead = ReadResult | TidelogError
+
+
+@dataclass(frozen=True, slots=True)
+class _FetchParams:
+    replica_id: int
+    max_wait_s: float
+    min_bytes: int
+    max_bytes: int
+
+
+def requested_epoch(message: Any) -> int:
+    """The ``current_leader_epoch`` a request carries, NO_EPOCH (skip the check) if unset.
+
+    The field is proto3 ``optional`` because 0 is a real epoch: a client that does not know
+    the epoch must not be fenced by a default.
+    """
+    if message.HasField("current_leader_epoch"):
+        return int(message.current_leader_epoch)
+    return NO_EPOCH
+
+
+class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
+    """tidelog.v1.Storage. Thread-safe: state lives in ReplicaManager and Partition."""
+
+    def __init__(
+        self,
+        replicas: ReplicaManager,
+        *,
+        limits: ServerLimits | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self._replicas = replicas
+        self._limits = limits or ServerLimits()
+        self._clock = clock
+        self._waiting_fetch_slots = threading.BoundedSemaphore(self._limits.max_waiting_fetches)
+        self._append_stream_slots = threading.BoundedSemaphore(self._limits.max_append_streams)
+        # Events of the fetches waiting right now, so shutdown can end their waits.
+        self._waiters_lock = threading.Lock()
+        self._waiters: set[threading.Event] = set()
+        self._shutting_down = False
+
+    def begin_shutdown(self) -> None:
+        """End every long-poll now (each answers with what it has); no new waits start."""
+        with self._waiters_lock:
+            self._shutting_down = True
+            for waiter in self._waiters:
+                waiter.set()
+
+    # --- Append -------------------------------------------------------------------------
+
+    @unary_errors
+    def Append(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.AppendRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.AppendResponse:
+        return self._append(request)
+
+    def AppendStream(  # noqa: N802 - gRPC's method name
+        self, request_iterator: Iterator[storage_pb2.AppendRequest], context: grpc.ServicerContext
+    ) -> Iterator[storage_pb2.AppendResponse]:
+        if not self._append_stream_slots.acquire(blocking=False):
+            abort(
+                context,
+                BrokerNotAvailableError(
+                    f"too many open append streams (limit {self._limits.max_append_streams}); "
+                    "retry later or use unary Append"
+                ),
+            )
+        try:
+            # Requests are answered in order; a failed one gets an error response and the
+            # stream goes on, so one bad batch does not cost the client its pipeline.
+            for request in request_iterator:
+                try:
+                    yield self._append(request)
+                except Exception as exc:
+                    if not isinstance(exc, TidelogError):
+                        _log.exception("append_stream_failed", topic=request.topic)
+                    yield storage_pb2.AppendResponse(
+                        error=to_error_proto(exc),
+                        base_offset=-1,
+                        last_offset=-1,
+                        log_append_time_ms=-1,
+                        log_start_offset=-1,
+                        high_watermark=-1,
+                        correlation_id=request.correlation_id,
+                    )
+        finally:
+            self._append_stream_slots.release()
+
+    def _append(self, request: storage_pb2.AppendRequest) -> storage_pb2.AppendResponse:
+        if request.acks not in _ACKS_VALUES:
+            raise InvalidRequiredAcksError(f"acks value {request.acks} is not a known Acks")
+        if request.timeout_ms < 0:
+            raise InvalidRequestError(f"timeout_ms {request.timeout_ms} is negative")
+        partition = self._replicas.get_partition(request.topic, request.partition)
+        # Single replica for now: the high watermark passes the batch as it is appended,
+        # so acks=all and acks=1 are both answered right after the append.
+        result = partition.append(request.records, requested_epoch(request))
+        no_acks = request.acks == common_pb2.NONE_ACKS
+        return storage_pb2.AppendResponse(
+            base_offset=-1 if no_acks else result.base_offset,
+            last_offset=-1 if no_acks else result.last_offset,
+            log_append_time_ms=result.log_append_time_ms,
+            log_start_offset=result.log_start_offset,
+            high_watermark=result.high_watermark,
+            correlation_id=request.correlation_id,
+        )
+
+    # --- Fetch --------------------------------------------------------------------------
+
+    @unary_errors
+    def Fetch(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.FetchRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.FetchResponse:
+        params = self._fetch_params(request, context)
+        partitions = self._resolve(request.partitions)
+        reads = self._read_all(request, partitions, params)
+        if not self._should_wait(reads, params):
+            return self._fetch_response(request, reads)
+        if not self._waiting_fetch_slots.acquire(blocking=False):
+            # Too many fetches already hold threads waiting; answer now rather than starve
+            # appends of threads. The client simply polls again.
+            return self._fetch_response(request, reads)
+        deadline = time.monotonic() + params.max_wait_s
+        waiter = threading.Event()
+        watched = [p for p in partitions if isinstance(p, Partition)]
+        with self._waiters_lock:
+            self._waiters.add(waiter)
+            if self._shutting_down:
+                waiter.set()
+        try:
+            context.add_callback(waiter.set)  # the client went away: stop waiting
+            for partition in watched:
+                partition.watch(waiter)
+            # Re-read after registering: data that arrived in between is not missed, and
+            # anything later sets the event.
+            while True:
+                waiter.clear()
+                reads = self._read_all(request, partitions, params)
+                remaining_s = deadline - time.monotonic()
+                if not self._should_wait(reads, params) or remaining_s <= 0:
+                    break
+                if self._shutting_down or not context.is_active():
+                    break
+                waiter.wait(remaining_s)
+        finally:
+            for partition in watched:
+                partition.unwatch(waiter)
+            with self._waiters_lock:
+                self._waiters.discard(waiter)
+            self._waiting_fetch_slots.release()
+        return self._fetch_response(request, reads)
+
+    def _fetch_params(
+        self, request: storage_pb2.FetchRequest, context: grpc.ServicerContext
+    ) -> _FetchParams:
+        self._check_partition_count(len(request.partitions))
+        max_wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else None
+        if max_wait_ms is not None and max_wait_ms < 0:
+            raise InvalidRequestError(f"max_wait_ms {max_wait_ms} is negative")
+        min_bytes = request.min_bytes if request.HasField("min_bytes") else DEFAULT_MIN_BYTES
+        if min_bytes < 0:
+            raise InvalidRequestError(f"min_bytes {min_bytes} is negative")
+        max_bytes = request.max_bytes if request.HasField("max_bytes") else DEFAULT_FETCH_MAX_BYTES
+        if max_bytes <= 0:
+            raise InvalidFetchSizeError(f"max_bytes {max_bytes} must be positive")
+        wait_ms = min(
+            DEFAULT_MAX_WAIT_MS if max_wait_ms is None else max_wait_ms,
+            self._limits.max_wait_ms_limit,
+        )
+        wait_s = wait_ms / 1000
+        # Answer before the caller's own deadline, leaving time for the response to travel.
+        time_remaining_s = context.time_remaining()
+        if time_remaining_s is not None:
+            wait_s = max(0.0, min(wait_s, time_remaining_s - 0.05))
+        return _FetchParams(
+            replica_id=request.replica_id,
+            max_wait_s=wait_s,
+            min_bytes=min_bytes,
+            max_bytes=min(max_bytes, self._limits.max_fetch_response_bytes),
+        )
+
+    def _resolve(
+        self, requested: Iterable[storage_pb2.FetchPartition]
+    ) -> list[Partition | TidelogError]:
+        resolved: list[Partition | TidelogError] = []
+        for fp in requested:
+            try:
+                resolved.append(self._replicas.get_partition(fp.topic, fp.partition))
+            except TidelogError as exc:
+                resolved.append(exc)
+        return resolved
+
+    def _read_all(
+        self,
+        request: storage_pb2.FetchRequest,
+        partitions: Sequence[Partition | TidelogError],
+        params: _FetchParams,
+    ) -> list[_PartitionRead]:
+        """One read of every requested partition within the response's byte budget.
+
+        Like Kafka, only the first partition that returns data may exceed the budget
+        (so a batch larger than max_bytes still makes progress); later data that would
+        overflow is left for the next fetch.
+        """
+        reads: list[_PartitionRead] = []
+        remaining = params.max_bytes
+        total = 0
+        for fp, partition in zip(request.partitions, partitions, strict=True):
+            if isinstance(partition, TidelogError):
+                reads.append(partition)
+                continue
+            limit = fp.max_bytes if fp.HasField("max_bytes") else DEFAULT_PARTITION_MAX_BYTES
+            if limit <= 0:
+                reads.append(InvalidFetchSizeError(f"partition max_bytes {limit} must be positive"))
+                continue
+            try:
+                read = partition.read(
+                    fp.fetch_offset,
+                    min(limit, remaining),
+                    replica_id=params.replica_id,
+                    current_leader_epoch=requested_epoch(fp),
+                )
+            except TidelogError as exc:
+                reads.append(exc)
+                continue
+            except Exception as exc:
+                _log.exception("fetch_read_failed", topic=fp.topic, partition=fp.partition)
+                reads.append(UnknownServerError(f"{type(exc).__name__}: {exc}"))
+                continue
+            size = len(read.records)
+            if size > remaining and total > 0:
+                read = ReadResult(
+                    b"",
+                    read.high_watermark,
+                    read.log_start_offset,
+                    read.log_end_offset,
+                    read.leader_epoch,
+                )
+                size = 0
+            total += size
+            remaining = max(remaining - size, 0)
+            reads.append(read)
+        return reads
+
+    @staticmethod
+    def _should_wait(reads: Sequence[_PartitionRead], params: _FetchParams) -> bool:
+        # Kafka answers at once when any partition has an error, so the client can act on
+        # it (refresh metadata, reset its offset) instead of waiting for nothing.
+        if params.max_wait_s <= 0:
+            return False
+        total = 0
+        for read in reads:
+            if isinstance(read, TidelogError):
+                return False
+            total += len(read.records)
+        return total < params.min_bytes
+
+    @staticmethod
+    def _fetch_response(
+        request: storage_pb2.FetchRequest, reads: Sequence[_PartitionRead]
+    ) -> storage_pb2.FetchResponse:
+        results = []
+        for fp, read in zip(request.partitions, reads, strict=True):
+            if isinstance(read, TidelogError):
+                results.append(
+                    storage_pb2.FetchPartitionResult(
+                        topic=fp.topic,
+                        partition=fp.partition,
+                        error=to_error_proto(read),
+                        high_watermark=-1,
+                        log_start_offset=-1,
+                        log_end_offset=-1,
+                        leader_epoch=-1,
+                        diverging_epoch=-1,
+                        diverging_end_offset=-1,
+                    )
+                )
+                continue
+            results.append(
+                storage_pb2.FetchPartitionResult(
+                    topic=fp.topic,
+                    partition=fp.partition,
+                    error=to_error_proto(None),
+                    high_watermark=read.high_watermark,
+                    log_start_offset=read.log_start_offset,
+                    log_end_offset=read.log_end_offset,
+                    records=read.records,
+                    leader_epoch=read.leader_epoch,
+                    # Divergence detection arrives with replication (KIP-320).
+                    diverging_epoch=-1,
+                    diverging_end_offset=-1,
+                )
+            )
+        return storage_pb2.FetchResponse(partitions=results)
+
+    # --- ListOffsets --------------------------------------------------------------------
+
+    @unary_errors
+    def ListOffsets(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.ListOffsetsRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.ListOffsetsResponse:
+        self._check_partition_count(len(request.partitions))
+        results = []
+        for lp in request.partitions:
+            try:
+                try:
+                    spec = OffsetSpec(lp.spec)
+                except ValueError:
+                    raise InvalidRequestError(
+                        f"offset spec {lp.spec} is not EARLIEST, LATEST, BY_TIMESTAMP or "
+                        "MAX_TIMESTAMP"
+                    ) from None
+                partition = self._replicas.get_partition(lp.topic, lp.partition)
+                found = partition.list_offset(
+                    spec,
+                    lp.timestamp_ms,
+                    replica_id=request.replica_id,
+                    current_leader_epoch=requested_epoch(lp),
+                )
+                results.append(
+                    storage_pb2.ListOffsetsResult(
+                        topic=lp.topic,
+                        partition=lp.partition,
+                        error=to_error_proto(None),
+                        offset=found.offset,
+                        timestamp_ms=found.timestamp_ms,
+                        leader_epoch=partition.leader_epoch,
+                    )
+                )
+            except TidelogError as exc:
+                results.append(
+                    storage_pb2.ListOffsetsResult(
+                        topic=lp.topic,
+                        partition=lp.partition,
+                        error=to_error_proto(exc),
+                        offset=-1,
+                        timestamp_ms=-1,
+                        leader_epoch=-1,
+                    )
+                )
+        return storage_pb2.ListOffsetsResponse(partitions=results)
+
+    # --- control plane ------------------------------------------------------------------
+
+    @unary_errors
+    def LeaderAndIsr(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.LeaderAndIsrRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.LeaderAndIsrResponse:
+        self._check_partition_count(len(request.partitions))
+        # broker_epoch fencing arrives with broker registration in etcd (a later issue).
+        states = [
+            PartitionState(
+                topic=lp.state.topic,
+                partition=lp.state.partition,
+                leader=lp.state.leader,
+                leader_epoch=lp.state.leader_epoch,
+                isr=tuple(lp.state.isr),
+                replicas=tuple(lp.state.replicas),
+                partition_epoch=lp.state.partition_epoch,
+                configs={entry.name: entry.value for entry in lp.configs},
+            )
+            for lp in request.partitions
+        ]
+        try:
+            outcomes = self._replicas.apply_leader_and_isr(request.controller_epoch, states)
+        except StaleControllerEpochError as exc:
+            return storage_pb2.LeaderAndIsrResponse(error=to_error_proto(exc))
+        return storage_pb2.LeaderAndIsrResponse(
+            error=to_error_proto(None),
+            partitions=[
+                common_pb2.PartitionResult(
+                    topic=state.topic, partition=state.partition, error=to_error_proto(outcome)
+                )
+                for state, outcome in zip(states, outcomes, strict=True)
+            ],
+        )
+
+    @unary_errors
+    def StopReplica(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.StopReplicaRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.StopReplicaResponse:
+        self._check_partition_count(len(request.partitions))
+        items = [
+            StopReplicaItem(sp.topic, sp.partition, sp.leader_epoch, sp.delete_partition)
+            for sp in request.partitions
+        ]
+        try:
+            outcomes = self._replicas.stop_replicas(request.controller_epoch, items)
+        except StaleControllerEpochError as exc:
+            return storage_pb2.StopReplicaResponse(error=to_error_proto(exc))
+        return storage_pb2.StopReplicaResponse(
+            error=to_error_proto(None),
+            partitions=[
+                common_pb2.PartitionResult(
+                    topic=item.topic, partition=item.partition, error=to_error_proto(outcome)
+                )
+                for item, outcome in zip(items, outcomes, strict=True)
+            ],
+        )
+
+    @unary_errors
+    def DescribeLogDirs(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.DescribeLogDirsRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.DescribeLogDirsResponse:
+        self._check_partition_count(len(request.partitions))
+        keys = [(tp.topic, tp.partition) for tp in request.partitions] or None
+        infos = self._replicas.describe(keys)
+        error = to_error_proto(None)
+        total_bytes = usable_bytes = -1
+        try:
+            usage = shutil.disk_usage(self._replicas.data_dir)
+            total_bytes, usable_bytes = usage.total, usage.free
+        except OSError as exc:
+            error = to_error_proto(StorageError(f"cannot stat {self._replicas.data_dir}: {exc}"))
+        return storage_pb2.DescribeLogDirsResponse(
+            log_dirs=[
+                storage_pb2.LogDirDescription(
+                    path=self._replicas.data_dir,
+                    error=error,
+                    total_bytes=total_bytes,
+                    usable_bytes=usable_bytes,
+                    partitions=[
+                        storage_pb2.LogDescription(
+                            topic=info.topic,
+                            partition=info.partition,
+                            size_bytes=info.size_bytes,
+                            log_start_offset=info.log_start_offset,
+                            log_end_offset=info.log_end_offset,
+                            high_watermark=info.high_watermark,
+                            recovery_point=info.recovery_point,
+                            segment_count=info.segment_count,
+                            leader_epoch=info.leader_epoch,
+                            is_leader=info.role is Role.LEADER,
+                        )
+                        for info in infos
+                    ],
+                )
+            ]
+        )
+
+    def _check_partition_count(self, count: int) -> None:
+        if count > self._limits.max_partitions_per_request:
+            raise InvalidRequestError(
+                f"{count} partitions in one request; the limit is "
+                f"{self._limits.max_partitions_per_request}"
+            )
+
+
+__all__ = [
+    "ReplicaManager",
+    "ServerLimits",
+    "StopReplicaItem",
+    "StorageServicer",
+]

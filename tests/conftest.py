@@ -1,0 +1,56 @@
+"""Shared fixtures: real storage node processes on loopback, cleaned up after each test."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+# Make ``tests.support`` importable however pytest was started (pytest, python -m pytest).
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from tests.support.process import StartStorage, StorageProcess  # noqa: E402
+
+
+@pytest.fixture
+def start_storage(tmp_path: Path) -> Iterator[StartStorage]:
+    """A factory for storage processes; any still running at teardown are killed.
+
+    ``start_storage(data_dir=None, broker_id=1, extra_args=())`` returns a started
+    StorageProcess (listening and SERVING). The default data dir is ``tmp_path/data``.
+    """
+    started: list[StorageProcess] = []
+
+    def start(
+        data_dir: Path | None = None, *, broker_id: int = 1, extra_args: Sequence[str] = ()
+    ) -> StorageProcess:
+        directory = data_dir or tmp_path / "data"
+        node = StorageProcess(
+            directory,
+            broker_id=broker_id,
+            log_path=tmp_path / f"storage-{broker_id}-{len(started)}.stderr.log",
+            extra_args=extra_args,
+        )
+        started.append(node)
+        return node.start()
+
+    yield start
+    for node in started:
+        if node.proc.poll() is None:
+            node.kill()
+
+
+@pytest.fixture(scope="module")
+def storage_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StorageProcess]:
+    """One storage node shared by a module's tests (each test uses its own topics)."""
+    base = tmp_path_factory.mktemp("storage-node")
+    node = StorageProcess(base / "data", log_path=base / "storage.stderr.log")
+    with node:
+        node.start()
+        yield node
+        status = node.terminate()
+        assert status == 0, f"storage node exited with {status}:\n{node.log_tail()}"

@@ -1,0 +1,920 @@
+"""A real ``tidelog storage`` process over real gRPC on loopback: data path, errors, crashes.
+
+Partitions are created the way the controller will create them: with LeaderAndIsr naming
+this broker (id 1) leader. Most tests share one node (``storage_node``) and use their own
+topics; restart and crash tests start their own processes on their own data directories.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from services.status import (
+    STATUS_FOR_CODE,
+    error_from_proto,
+    error_from_rpc_error,
+    to_error_proto,
+)
+from tests.support.process import REPO_ROOT, StartStorage, StorageProcess, tidelog_env
+from tidelog import formats
+from tidelog.errors import (
+    ErrorCode,
+    NetworkError,
+    RequestTimedOutError,
+    TidelogError,
+    UnknownServerError,
+    error_for_code,
+)
+from tidelog.records import Record, decode_batches, encode_batch
+from tidelog.topics import parse_partition_dir_name, partition_dir_name, validate_topic_name
+from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
+
+BROKER_ID = 1
+RPC_TIMEOUT_S = 10.0
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def make_leader(
+    stub: storage_pb2_grpc.StorageStub,
+    topic: str,
+    partition: int = 0,
+    *,
+    epoch: int = 0,
+    configs: dict[str, str] | None = None,
+) -> storage_pb2.LeaderAndIsrResponse:
+    """LeaderAndIsr making broker 1 the single-replica leader; asserts it succeeded."""
+    response = leader_and_isr(stub, topic, partition, epoch=epoch, configs=configs)
+    assert code(response.error) == ErrorCode.NONE, response
+    assert [code(r.error) for r in response.partitions] == [ErrorCode.NONE], response
+    return response
+
+
+def leader_and_isr(
+    stub: storage_pb2_grpc.StorageStub,
+    topic: str,
+    partition: int = 0,
+    *,
+    epoch: int = 0,
+    configs: dict[str, str] | None = None,
+) -> storage_pb2.LeaderAndIsrResponse:
+    state = common_pb2.PartitionState(
+        topic=topic,
+        partition=partition,
+        leader=BROKER_ID,
+        leader_epoch=epoch,
+        isr=[BROKER_ID],
+        replicas=[BROKER_ID],
+        partition_epoch=epoch,
+    )
+    entries = [common_pb2.ConfigEntry(name=k, value=v) for k, v in (configs or {}).items()]
+    request = storage_pb2.LeaderAndIsrRequest(
+        controller_id=0,
+        controller_epoch=1,
+        partitions=[storage_pb2.LeaderAndIsrPartition(state=state, configs=entries, is_new=True)],
+    )
+    response: storage_pb2.LeaderAndIsrResponse = stub.LeaderAndIsr(request, timeout=RPC_TIMEOUT_S)
+    return response
+
+
+def append(
+    stub: storage_pb2_grpc.StorageStub, topic: str, records: bytes, partition: int = 0, **kw: Any
+) -> storage_pb2.AppendResponse:
+    kw.setdefault("acks", common_pb2.ALL)
+    request = storage_pb2.AppendRequest(topic=topic, partition=partition, records=records, **kw)
+    response: storage_pb2.AppendResponse = stub.Append(request, timeout=RPC_TIMEOUT_S)
+    return response
+
+
+def fetch_one(
+    stub: storage_pb2_grpc.StorageStub,
+    topic: str,
+    offset: int,
+    partition: int = 0,
+    *,
+    max_wait_ms: int = 0,
+    **kw: Any,
+) -> storage_pb2.FetchPartitionResult:
+    request = storage_pb2.FetchRequest(
+        replica_id=-1,
+        max_wait_ms=max_wait_ms,
+        partitions=[
+            storage_pb2.FetchPartition(topic=topic, partition=partition, fetch_offset=offset)
+        ],
+        **kw,
+    )
+    response: storage_pb2.FetchResponse = stub.Fetch(
+        request, timeout=RPC_TIMEOUT_S + max_wait_ms / 1000
+    )
+    assert len(response.partitions) == 1
+    return response.partitions[0]
+
+
+def read_all_raw(stub: storage_pb2_grpc.StorageStub, topic: str, partition: int = 0) -> bytes:
+    """Every batch of the partition, as stored, by fetching until the high watermark."""
+    chunks: list[bytes] = []
+    offset = 0
+    while True:
+        result = fetch_one(stub, topic, offset, partition)
+        assert code(result.error) == ErrorCode.NONE, result.error
+        if not result.records:
+            assert offset == result.high_watermark
+            return b"".join(chunks)
+        chunks.append(result.records)
+        offset = decode_batches(result.records)[-1].next_offset
+
+
+def read_all(stub: storage_pb2_grpc.StorageStub, topic: str, partition: int = 0) -> list[Record]:
+    return [r for b in decode_batches(read_all_raw(stub, topic, partition)) for r in b.records]
+
+
+def list_offset(
+    stub: storage_pb2_grpc.StorageStub,
+    topic: str,
+    spec: common_pb2.OffsetSpec,
+    timestamp_ms: int = 0,
+) -> storage_pb2.ListOffsetsResult:
+    request = storage_pb2.ListOffsetsRequest(
+        replica_id=-1,
+        partitions=[
+            storage_pb2.ListOffsetsPartition(
+                topic=topic,
+                partition=0,
+                spec=spec,
+                timestamp_ms=timestamp_ms,
+                current_leader_epoch=-1,
+            )
+        ],
+    )
+    (result,) = stub.ListOffsets(request, timeout=RPC_TIMEOUT_S).partitions
+    assert isinstance(result, storage_pb2.ListOffsetsResult)
+    return result
+
+
+def log_description(
+    stub: storage_pb2_grpc.StorageStub, topic: str, partition: int = 0
+) -> storage_pb2.LogDescription | None:
+    response = stub.DescribeLogDirs(
+        storage_pb2.DescribeLogDirsRequest(
+            partitions=[common_pb2.TopicPartition(topic=topic, partition=partition)]
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    (log_dir,) = response.log_dirs
+    found = [d for d in log_dir.partitions if (d.topic, d.partition) == (topic, partition)]
+    return found[0] if found else None
+
+
+def expect_rpc_error(
+    call: Callable[[], object], status: grpc.StatusCode, code: ErrorCode
+) -> grpc.RpcError:
+    """Run ``call``; assert it fails with ``status`` and ``tidelog-error-code: code``."""
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    error = info.value
+    assert error.code() == status, (error.code(), error.details())
+    metadata: dict[str, object] = {item.key: item.value for item in error.trailing_metadata() or ()}
+    assert metadata.get("tidelog-error-code") == code.name, metadata
+    assert error.details(), "a failed call must say why"
+    # The client side of the same table turns it back into the right exception.
+    converted = error_from_rpc_error(error)
+    assert converted.code == code
+    assert converted.message == error.details()
+    return error
+
+
+def code(error: common_pb2.Error) -> ErrorCode:
+    """The tidelog code of a per-partition error (the protobuf enum as ErrorCode)."""
+    return ErrorCode(int(error.code))
+
+
+def values_of(records: list[Record]) -> list[bytes | None]:
+    return [r.value for r in records]
+
+
+# --- data path --------------------------------------------------------------------------
+
+
+def test_append_fetch_round_trip(storage_node: StorageProcess) -> None:
+    stub = storage_node.stub
+    make_leader(stub, "round-trip")
+    sent = [[b"a", b"b", b"c"], [b"d"], [b"e" * 10_000, b"f"]]
+    next_offset = 0
+    for values in sent:
+        response = append(stub, "round-trip", encode_batch(values, keys=[b"k"] * len(values)))
+        assert code(response.error) == ErrorCode.NONE
+        assert (response.base_offset, response.last_offset) == (
+            next_offset,
+            next_offset + len(values) - 1,
+        )
+        next_offset += len(values)
+        assert response.high_watermark == next_offset  # single replica: HW = LEO
+        assert response.log_append_time_ms > 0
+
+    records = read_all(stub, "round-trip")
+    assert [r.offset for r in records] == list(range(next_offset))
+    assert values_of(records) == [v for values in sent for v in values]
+    assert {r.key for r in records} == {b"k"}
+
+    # A fetch from the middle of a batch returns the whole batch it lies in.
+    middle = fetch_one(stub, "round-trip", 1)
+    assert decode_batches(middle.records)[0].base_offset == 0
+    assert (middle.high_watermark, middle.log_end_offset, middle.log_start_offset) == (6, 6, 0)
+
+    # acks=0 still appends, but answers without offsets.
+    no_acks = append(stub, "round-trip", encode_batch([b"g"]), acks=common_pb2.NONE_ACKS)
+    assert (no_acks.base_offset, no_acks.last_offset) == (-1, -1)
+    assert values_of(read_all(stub, "round-trip"))[-1] == b"g"
+
+
+def test_append_stream_reports_errors_per_message_and_continues(
+    storage_node: StorageProcess,
+) -> None:
+    stub = storage_node.stub
+    make_leader(stub, "stream")
+    bad = bytearray(encode_batch([b"bad"]))
+    bad[-1] ^= 0xFF
+    requests = [
+        storage_pb2.AppendRequest(
+            topic="stream",
+            partition=0,
+            records=encode_batch([b"1"]),
+            correlation_id=1,
+            current_leader_epoch=-1,
+        ),
+        storage_pb2.AppendRequest(
+            topic="stream", partition=0, records=bytes(bad), correlation_id=2
+        ),
+        storage_pb2.AppendRequest(
+            topic="stream", partition=9, records=encode_batch([b"x"]), correlation_id=3
+        ),
+        storage_pb2.AppendRequest(
+            topic="stream", partition=0, records=encode_batch([b"2", b"3"]), correlation_id=4
+        ),
+    ]
+    responses = list(stub.AppendStream(iter(requests), timeout=RPC_TIMEOUT_S))
+    assert [r.correlation_id for r in responses] == [1, 2, 3, 4]
+    assert [code(r.error) for r in responses] == [
+        ErrorCode.NONE,
+        ErrorCode.CORRUPT_BATCH,
+        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+        ErrorCode.NONE,
+    ]
+    assert (responses[3].base_offset, responses[3].last_offset) == (1, 2)
+    assert values_of(read_all(stub, "stream")) == [b"1", b"2", b"3"]
+
+
+def test_multi_partition_fetch_respects_byte_limits(storage_node: StorageProcess) -> None:
+    stub = storage_node.stub
+    for partition in (0, 1):
+        make_leader(stub, "limits", partition)
+        for i in range(3):
+            append(stub, "limits", encode_batch([bytes([65 + i]) * 3000]), partition)
+    request = storage_pb2.FetchRequest(
+        replica_id=-1,
+        max_wait_ms=0,
+        max_bytes=5000,  # the whole response: the first partition takes it all
+        partitions=[
+            storage_pb2.FetchPartition(topic="limits", partition=p, fetch_offset=0, max_bytes=1)
+            for p in (0, 1)
+        ],
+    )
+    first, second = stub.Fetch(request, timeout=RPC_TIMEOUT_S).partitions
+    # At least one batch even though it exceeds the partition's max_bytes...
+    assert len(decode_batches(first.records)) == 1
+    # ...but only for the first partition with data; the second only reports offsets.
+    assert second.records == b""
+    assert code(second.error) == ErrorCode.NONE
+    assert second.high_watermark == 3
+
+
+# --- long polling -----------------------------------------------------------------------
+
+
+def test_long_poll_waits_about_max_wait_ms_when_there_is_no_data(
+    storage_node: StorageProcess,
+) -> None:
+    stub = storage_node.stub
+    make_leader(stub, "poll-empty")
+    started = time.monotonic()
+    result = fetch_one(stub, "poll-empty", 0, max_wait_ms=400)
+    elapsed = time.monotonic() - started
+    assert code(result.error) == ErrorCode.NONE
+    assert result.records == b""
+    assert 0.38 <= elapsed < 3.0, elapsed
+
+
+def test_long_poll_returns_as_soon_as_data_arrives(storage_node: StorageProcess) -> None:
+    stub = storage_node.stub
+    make_leader(stub, "poll-wake", 0)
+    make_leader(stub, "poll-wake", 1)
+    outcome: dict[str, Any] = {}
+
+    def poll() -> None:
+        started = time.monotonic()
+        request = storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=10_000,
+            partitions=[
+                storage_pb2.FetchPartition(topic="poll-wake", partition=p, fetch_offset=0)
+                for p in (0, 1)
+            ],
+        )
+        outcome["response"] = stub.Fetch(request, timeout=30)
+        outcome["elapsed"] = time.monotonic() - started
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.5)  # let the fetch start waiting
+    assert poller.is_alive(), "the fetch must wait while there is no data"
+    append(stub, "poll-wake", encode_batch([b"wake up"]), partition=1)
+    poller.join(15)
+    assert not poller.is_alive()
+    assert 0.45 <= outcome["elapsed"] < 5.0, outcome["elapsed"]
+    empty, woken = outcome["response"].partitions
+    assert empty.records == b""
+    assert values_of(list(decode_batches(woken.records)[0].records)) == [b"wake up"]
+
+
+def test_fetch_waits_for_min_bytes_then_answers_with_what_there_is(
+    storage_node: StorageProcess,
+) -> None:
+    stub = storage_node.stub
+    make_leader(stub, "min-bytes")
+    append(stub, "min-bytes", encode_batch([b"small"]))
+    started = time.monotonic()
+    result = fetch_one(stub, "min-bytes", 0, max_wait_ms=300, min_bytes=1_000_000)
+    assert time.monotonic() - started >= 0.28
+    assert values_of(list(decode_batches(result.records)[0].records)) == [b"small"]
+
+
+# --- bad input: precise status, nothing written ----------------------------------------
+
+
+@pytest.fixture
+def victim(storage_node: StorageProcess) -> Any:
+    """A partition with known contents, and a check that it still has exactly them."""
+    stub = storage_node.stub
+    topic = f"victim-{time.monotonic_ns()}"
+    make_leader(stub, topic, configs={"max.message.bytes": "4096"})
+    append(stub, topic, encode_batch([b"keep-1", b"keep-2"]))
+    before = log_description(stub, topic)
+    assert before is not None
+    expected = (before.log_end_offset, before.size_bytes)
+
+    class Victim:
+        name = topic
+
+        @staticmethod
+        def assert_unchanged() -> None:
+            after = log_description(stub, topic)
+            assert after is not None
+            assert (after.log_end_offset, after.size_bytes) == expected
+            assert values_of(read_all(stub, topic)) == [b"keep-1", b"keep-2"]
+
+    return Victim
+
+
+@pytest.mark.parametrize(
+    ("damage", "status", "code"),
+    [
+        pytest.param(
+            lambda b: b[:-1] + bytes([b[-1] ^ 0xFF]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ErrorCode.CORRUPT_BATCH,
+            id="wrong-crc",
+        ),
+        pytest.param(
+            lambda b: b[: formats.MAGIC_OFFSET] + b"\x07" + b[formats.MAGIC_OFFSET + 1 :],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ErrorCode.CORRUPT_BATCH,
+            id="wrong-magic",
+        ),
+        pytest.param(
+            lambda b: b[:-8],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ErrorCode.CORRUPT_BATCH,
+            id="truncated-batch",
+        ),
+        pytest.param(
+            lambda b: b[:30],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ErrorCode.CORRUPT_BATCH,
+            id="truncated-header",
+        ),
+        pytest.param(
+            # A valid batch followed by a damaged one: the request is all or nothing.
+            lambda b: b + b[:-1] + bytes([b[-1] ^ 0x01]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ErrorCode.CORRUPT_BATCH,
+            id="second-batch-corrupt",
+        ),
+        pytest.param(
+            lambda b: encode_batch([b"x" * 5000]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ErrorCode.MESSAGE_TOO_LARGE,
+            id="over-max-message-bytes",
+        ),
+        pytest.param(
+            lambda b: b"",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ErrorCode.INVALID_REQUEST,
+            id="no-records",
+        ),
+    ],
+)
+def test_bad_batches_are_refused_and_change_nothing(
+    storage_node: StorageProcess,
+    victim: Any,
+    damage: Callable[[bytes], bytes],
+    status: grpc.StatusCode,
+    code: ErrorCode,
+) -> None:
+    records = damage(encode_batch([b"new-1", b"new-2"]))
+    expect_rpc_error(lambda: append(storage_node.stub, victim.name, records), status, code)
+    victim.assert_unchanged()
+
+
+@pytest.mark.parametrize("topic", ["../x", "a/b", "", ".", "..", "t" * 250, "sp ace", "ü"])
+def test_invalid_topic_names_are_refused_everywhere(
+    storage_node: StorageProcess, topic: str
+) -> None:
+    stub = storage_node.stub
+    entries_before = sorted(p.name for p in storage_node.data_dir.iterdir())
+    expect_rpc_error(
+        lambda: append(stub, topic, encode_batch([b"x"])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        ErrorCode.INVALID_TOPIC,
+    )
+    response = leader_and_isr(stub, topic)
+    assert [code(r.error) for r in response.partitions] == [ErrorCode.INVALID_TOPIC]
+    assert response.partitions[0].error.message
+    result = fetch_one(stub, topic, 0)
+    assert code(result.error) == ErrorCode.INVALID_TOPIC
+    # Nothing was created on disk, inside or outside the data directory.
+    assert sorted(p.name for p in storage_node.data_dir.iterdir()) == entries_before
+    assert not (storage_node.data_dir.parent / "x-0").exists()
+
+
+def test_topic_name_of_249_chars_is_fine(storage_node: StorageProcess) -> None:
+    topic = "t" * 249
+    make_leader(storage_node.stub, topic)
+    append(storage_node.stub, topic, encode_batch([b"long name"]))
+    assert values_of(read_all(storage_node.stub, topic)) == [b"long name"]
+
+
+def test_request_level_errors_have_precise_statuses(
+    storage_node: StorageProcess, victim: Any
+) -> None:
+    stub = storage_node.stub
+    batch = encode_batch([b"x"])
+    expect_rpc_error(
+        lambda: append(stub, victim.name, batch, partition=7),
+        grpc.StatusCode.NOT_FOUND,
+        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+    )
+    expect_rpc_error(
+        lambda: append(stub, "no-such-topic", batch),
+        grpc.StatusCode.NOT_FOUND,
+        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+    )
+    expect_rpc_error(
+        lambda: append(stub, victim.name, batch, partition=-1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        ErrorCode.INVALID_REQUEST,
+    )
+    expect_rpc_error(
+        lambda: append(stub, victim.name, batch, acks=9),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        ErrorCode.INVALID_REQUIRED_ACKS,
+    )
+    expect_rpc_error(
+        lambda: append(stub, victim.name, batch, current_leader_epoch=5),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        ErrorCode.UNKNOWN_LEADER_EPOCH,
+    )
+    expect_rpc_error(
+        lambda: fetch_one(stub, victim.name, 0, max_wait_ms=-1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        ErrorCode.INVALID_REQUEST,
+    )
+    expect_rpc_error(
+        lambda: fetch_one(stub, victim.name, 0, max_bytes=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        ErrorCode.INVALID_FETCH_SIZE,
+    )
+    victim.assert_unchanged()
+
+
+def test_stale_leader_epoch_is_fenced(storage_node: StorageProcess) -> None:
+    stub = storage_node.stub
+    make_leader(stub, "epochs", epoch=3)
+    expect_rpc_error(
+        lambda: append(stub, "epochs", encode_batch([b"x"]), current_leader_epoch=2),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        ErrorCode.FENCED_LEADER_EPOCH,
+    )
+    response = leader_and_isr(stub, "epochs", epoch=2)  # a delayed, older decision
+    assert [code(r.error) for r in response.partitions] == [ErrorCode.FENCED_LEADER_EPOCH]
+    ok = append(stub, "epochs", encode_batch([b"y"]), current_leader_epoch=3)
+    assert ok.base_offset == 0
+    (batch,) = decode_batches(read_all_raw(stub, "epochs"))
+    assert batch.partition_leader_epoch == 3  # the leader stamps its epoch on every batch
+
+
+def test_fetch_offsets_out_of_range_are_per_partition_errors(
+    storage_node: StorageProcess, victim: Any
+) -> None:
+    stub = storage_node.stub
+    for offset in (-1, 3, 1_000_000):
+        result = fetch_one(stub, victim.name, offset)
+        assert code(result.error) == ErrorCode.OFFSET_OUT_OF_RANGE, offset
+        assert result.error.message
+        assert result.records == b""
+    at_end = fetch_one(stub, victim.name, 2)
+    assert (code(at_end.error), at_end.records, at_end.high_watermark) == (ErrorCode.NONE, b"", 2)
+    unknown = fetch_one(stub, victim.name, 0, partition=3)
+    assert code(unknown.error) == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+    victim.assert_unchanged()
+
+
+# --- ListOffsets, health, reflection, DescribeLogDirs ------------------------------------
+
+
+def test_list_offsets(storage_node: StorageProcess) -> None:
+    stub = storage_node.stub
+    make_leader(stub, "times")
+    append(stub, "times", encode_batch([b"a", b"b"], timestamps_ms=[1000, 1001]))  # 0, 1
+    append(stub, "times", encode_batch([b"c"], timestamps_ms=[2000]))  # 2
+    append(stub, "times", encode_batch([b"d", b"e"], timestamps_ms=[3000, 3005]))  # 3, 4
+
+    assert list_offset(stub, "times", common_pb2.EARLIEST).offset == 0
+    assert list_offset(stub, "times", common_pb2.LATEST).offset == 5
+    by_time = {
+        ts: (r.offset, r.timestamp_ms)
+        for ts in (0, 1000, 1001, 1500, 2000, 3001, 3005, 3006)
+        for r in [list_offset(stub, "times", common_pb2.BY_TIMESTAMP, ts)]
+    }
+    assert by_time == {
+        0: (0, 1000),
+        1000: (0, 1000),
+        1001: (1, 1001),
+        1500: (2, 2000),
+        2000: (2, 2000),
+        3001: (4, 3005),
+        3005: (4, 3005),
+        3006: (-1, -1),
+    }
+    newest = list_offset(stub, "times", common_pb2.MAX_TIMESTAMP)
+    assert newest.timestamp_ms == 3005
+    assert newest.offset in (3, 4)  # the batch (or record) holding the largest timestamp
+    assert code(newest.error) == ErrorCode.NONE
+
+    bad_spec = list_offset(stub, "times", common_pb2.OFFSET_SPEC_UNSPECIFIED)
+    assert code(bad_spec.error) == ErrorCode.INVALID_REQUEST
+    unknown = list_offset(stub, "no-such-topic", common_pb2.LATEST)
+    assert code(unknown.error) == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+
+
+def test_health_and_reflection(storage_node: StorageProcess) -> None:
+    health = health_pb2_grpc.HealthStub(storage_node.channel)
+    for service in ("", "tidelog.v1.Storage"):
+        response = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(storage_node.channel)
+    (answer,) = reflection.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    )
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"tidelog.v1.Storage", "grpc.health.v1.Health"} <= names
+
+
+def test_describe_log_dirs(storage_node: StorageProcess) -> None:
+    stub = storage_node.stub
+    make_leader(stub, "described")
+    append(stub, "described", encode_batch([b"x" * 100]))
+    response = stub.DescribeLogDirs(storage_pb2.DescribeLogDirsRequest(), timeout=RPC_TIMEOUT_S)
+    (log_dir,) = response.log_dirs
+    assert Path(log_dir.path) == storage_node.data_dir
+    assert log_dir.total_bytes > 0 and 0 <= log_dir.usable_bytes <= log_dir.total_bytes
+    described = log_description(stub, "described")
+    assert described is not None
+    assert described.is_leader
+    assert (described.log_start_offset, described.log_end_offset) == (0, 1)
+    assert described.high_watermark == 1
+    assert described.size_bytes > 100
+    assert described.segment_count == 1
+
+
+def test_stop_replica_with_delete_removes_the_log(storage_node: StorageProcess) -> None:
+    stub = storage_node.stub
+    make_leader(stub, "doomed")
+    append(stub, "doomed", encode_batch([b"x"]))
+    assert (storage_node.data_dir / "doomed-0").is_dir()
+    request = storage_pb2.StopReplicaRequest(
+        controller_epoch=1,
+        partitions=[
+            storage_pb2.StopReplicaPartition(
+                topic="doomed", partition=0, leader_epoch=-1, delete_partition=True
+            )
+        ],
+    )
+    response = stub.StopReplica(request, timeout=RPC_TIMEOUT_S)
+    assert [code(r.error) for r in response.partitions] == [ErrorCode.NONE]
+    assert not (storage_node.data_dir / "doomed-0").exists()
+    expect_rpc_error(
+        lambda: append(stub, "doomed", encode_batch([b"y"])),
+        grpc.StatusCode.NOT_FOUND,
+        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+    )
+    # Deleting again is not an error: a retrying controller must not be told otherwise.
+    again = stub.StopReplica(request, timeout=RPC_TIMEOUT_S)
+    assert [code(r.error) for r in again.partitions] == [ErrorCode.NONE]
+
+
+# --- process lifecycle: clean stop, crashes ---------------------------------------------
+
+
+def test_sigterm_exits_zero_and_restart_keeps_data(
+    start_storage: StartStorage, tmp_path: Path
+) -> None:
+    node = start_storage()
+    make_leader(node.stub, "durable", epoch=1)
+    for i in range(5):
+        append(node.stub, "durable", encode_batch([f"v{i}".encode()] * 2))
+    before = read_all_raw(node.stub, "durable")
+    assert node.terminate() == 0
+
+    checkpoint = (tmp_path / "data" / "recovery-point-offset-checkpoint").read_text()
+    assert "durable 0 10" in checkpoint.splitlines()  # a clean stop leaves nothing to recover
+
+    node = start_storage()
+    # Hosted on disk, but not served until the controller says who leads.
+    described = log_description(node.stub, "durable")
+    assert described is not None and described.log_end_offset == 10
+    expect_rpc_error(
+        lambda: append(node.stub, "durable", encode_batch([b"too early"])),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        ErrorCode.NOT_LEADER_OR_FOLLOWER,
+    )
+    make_leader(node.stub, "durable", epoch=2)
+    assert read_all_raw(node.stub, "durable") == before
+    assert append(node.stub, "durable", encode_batch([b"after"])).base_offset == 10
+    assert node.terminate() == 0
+
+
+def test_sigterm_ends_waiting_long_polls_promptly(start_storage: StartStorage) -> None:
+    node = start_storage()
+    make_leader(node.stub, "waiting")
+    outcome: dict[str, Any] = {}
+
+    def poll() -> None:
+        try:
+            outcome["result"] = fetch_one(node.stub, "waiting", 0, max_wait_ms=20_000)
+        except grpc.RpcError as exc:
+            outcome["error"] = exc
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    assert node.terminate() == 0
+    # Well inside the 5 s grace period: the wait is cut short, not sat out.
+    assert time.monotonic() - started < 4.0
+    poller.join(5)
+    assert not poller.is_alive()
+    if "result" in outcome:  # answered (empty) before the server went away
+        assert outcome["result"].records == b""
+
+
+def _append_until_killed(
+    node: StorageProcess, topic: str, first_index: int, acked: list[tuple[int, list[bytes]]]
+) -> None:
+    """Append 3-record batches one by one until the node dies; record each acknowledged."""
+    stub = node.stub
+    index = first_index
+    while True:
+        values = [f"{topic}-{index}-{j}".encode() for j in range(3)]
+        try:
+            response = append(stub, topic, encode_batch(values))
+        except grpc.RpcError:
+            return
+        acked.append((response.base_offset, values))
+        index += 1
+
+
+def _crash_and_recover(
+    start_storage: StartStorage, topic: str, configs: dict[str, str]
+) -> tuple[list[tuple[int, list[bytes]]], bytes, StorageProcess, storage_pb2.LogDescription]:
+    """Append (first quietly, then while being killed with SIGKILL), restart, re-lead."""
+    node = start_storage()
+    make_leader(node.stub, topic, configs=configs)
+    acked: list[tuple[int, list[bytes]]] = []
+    for i in range(20):
+        values = [f"{topic}-{i}-{j}".encode() for j in range(3)]
+        acked.append((append(node.stub, topic, encode_batch(values)).base_offset, values))
+    quiet_raw = read_all_raw(node.stub, topic)
+    described = log_description(node.stub, topic)
+    assert described is not None
+
+    writer = threading.Thread(target=_append_until_killed, args=(node, topic, 20, acked))
+    writer.start()
+    deadline = time.monotonic() + 10
+    while len(acked) < 60 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert node.kill() == -9
+    writer.join(10)
+    assert not writer.is_alive()
+
+    restarted = start_storage()
+    make_leader(restarted.stub, topic, epoch=1)
+    return acked, quiet_raw, restarted, described
+
+
+def _check_recovered(
+    node: StorageProcess, topic: str, acked: list[tuple[int, list[bytes]]], quiet_raw: bytes
+) -> None:
+    raw = read_all_raw(node.stub, topic)
+    # Everything decodes (both CRCs of every batch are checked) and offsets are contiguous.
+    records = [r for b in decode_batches(raw) for r in b.records]
+    assert [r.offset for r in records] == list(range(len(records)))
+    # The batches written before the crash window read back byte for byte.
+    assert raw.startswith(quiet_raw)
+    # Every acknowledged batch is there, at the offsets it was acknowledged with.
+    for base_offset, values in acked:
+        assert values_of(records[base_offset : base_offset + len(values)]) == values
+    acked_end = acked[-1][0] + len(acked[-1][1])
+    # At most the one append in flight at the kill may have landed beyond that.
+    assert acked_end <= len(records) <= acked_end + 3
+    end = list_offset(node.stub, topic, common_pb2.LATEST).offset
+    assert end == len(records)
+
+
+def test_kill_9_with_fsync_on_every_append_loses_no_acknowledged_batch(
+    start_storage: StartStorage,
+) -> None:
+    topic = "fsynced"
+    acked, quiet_raw, node, described = _crash_and_recover(
+        start_storage, topic, {"flush.messages": "1"}
+    )
+    # flush.messages=1 really flushed: the recovery point had reached the log end.
+    assert described.recovery_point == described.log_end_offset == 60
+    _check_recovered(node, topic, acked, quiet_raw)
+    assert node.terminate() == 0
+
+
+def test_kill_9_without_fsync_recovers_a_valid_prefix(start_storage: StartStorage) -> None:
+    topic = "unflushed"
+    acked, quiet_raw, node, described = _crash_and_recover(start_storage, topic, {})
+    assert described.recovery_point < described.log_end_offset  # nothing forced to disk
+    # On one machine the page cache outlives a killed process, so even unflushed data is
+    # all there; what this proves is that recovery accepts it and serves it intact.
+    _check_recovered(node, topic, acked, quiet_raw)
+    assert node.terminate() == 0
+
+
+# --- the command line ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["storage", "--broker-id", "-1", "--data-dir", "{tmp}"],
+        ["storage", "--broker-id", "x", "--data-dir", "{tmp}"],
+        ["storage", "--broker-id", "1"],
+        ["storage", "--broker-id", "1", "--data-dir", "{tmp}", "--listen", "nohost"],
+        ["storage", "--broker-id", "1", "--data-dir", "{tmp}", "--listen", "h:70000"],
+        ["no-such-command"],
+    ],
+)
+def test_cli_rejects_bad_input_in_one_line(tmp_path: Path, args: list[str]) -> None:
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    done = subprocess.run(
+        [sys.executable, "-m", "tidelog", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=tidelog_env(),
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_cli_reports_a_port_in_use(start_storage: StartStorage, tmp_path: Path) -> None:
+    node = start_storage()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tidelog",
+            "storage",
+            "--broker-id",
+            "2",
+            "--data-dir",
+            str(tmp_path / "other"),
+            "--listen",
+            node.address,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=tidelog_env(),
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "cannot listen" in done.stderr
+
+
+# --- the shared pieces under the service: status table, topic names ------------------------
+
+
+def test_every_error_code_has_a_status_and_round_trips_through_error_protos() -> None:
+    assert set(STATUS_FOR_CODE) == set(ErrorCode)
+    assert STATUS_FOR_CODE[ErrorCode.NONE] == grpc.StatusCode.OK
+    assert error_from_proto(to_error_proto(None)) is None
+    for error_code in ErrorCode:
+        if error_code is ErrorCode.NONE:
+            continue
+        back = error_from_proto(to_error_proto(error_for_code(error_code, "why")))
+        assert back is not None
+        assert (back.code, back.message) == (error_code, "why")
+    unexpected = error_from_proto(to_error_proto(ValueError("boom")))
+    assert isinstance(unexpected, UnknownServerError)
+    assert "boom" in unexpected.message
+
+
+def test_statuses_without_a_tidelog_code_still_become_tidelog_errors() -> None:
+    # Nothing listens on port 1: gRPC itself fails the call with UNAVAILABLE.
+    with grpc.insecure_channel("127.0.0.1:1") as channel:
+        stub = storage_pb2_grpc.StorageStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.DescribeLogDirs(storage_pb2.DescribeLogDirsRequest(), timeout=2)
+    error = error_from_rpc_error(info.value)
+    assert isinstance(error, NetworkError)
+    assert error.retriable
+
+
+def test_deadline_enforced_by_grpc_becomes_request_timed_out(storage_node: StorageProcess) -> None:
+    # An append stream whose client sends nothing: the call outlives its deadline.
+    def silent() -> Iterator[storage_pb2.AppendRequest]:
+        time.sleep(1.0)
+        yield from ()
+
+    with pytest.raises(grpc.RpcError) as info:
+        list(storage_node.stub.AppendStream(silent(), timeout=0.2))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    error: TidelogError = error_from_rpc_error(info.value)
+    assert isinstance(error, RequestTimedOutError)
+    assert error.retriable
+
+
+@pytest.mark.parametrize(
+    ("name", "parsed"),
+    [
+        ("orders-0", ("orders", 0)),
+        ("my-topic-12", ("my-topic", 12)),
+        ("a.b_c-2147483647", ("a.b_c", 2147483647)),
+        ("orders-01", None),  # not canonical: would not round-trip
+        ("orders--1", ("orders-", 1)),  # "orders-" is a legal topic name
+        ("orders-", None),
+        ("orders", None),
+        ("-0", None),
+        ("..-0", None),  # topic ".." would escape the data directory
+        ("orders-0.abcdef-delete", None),  # a directory being deleted
+        ("orders-2147483648", None),
+        ("recovery-point-offset-checkpoint", None),
+    ],
+)
+def test_partition_dir_names(name: str, parsed: tuple[str, int] | None) -> None:
+    assert parse_partition_dir_name(name) == parsed
+    if parsed is not None:
+        assert partition_dir_name(*parsed) == name
+
+
+def test_topic_name_rule() -> None:
+    for good in ("a", "A-z_0.9", "t" * 249, "...", "-"):
+        validate_topic_name(good)
+    for bad in ("", ".", "..", "t" * 250, "a/b", "../x", "a b", "é", "a\x00"):
+        with pytest.raises(TidelogError) as info:
+            validate_topic_name(bad)
+        assert info.value.code == ErrorCode.INVALID_TOPIC
+    with pytest.raises(TidelogError) as negative:
+        partition_dir_name("t", -1)
+    assert negative.value.code == ErrorCode.INVALID_REQUEST

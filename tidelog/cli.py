@@ -1,0 +1,145 @@
+"""The ``tidelog`` command line: one entry point, one subcommand per role or tool.
+
+``main(argv)`` parses the arguments and dispatches to the module that implements the
+chosen command, importing it only then, so ``tidelog --help`` stays fast and one
+command's heavy dependencies (gRPC servers, PySpark) never load for another.
+
+Adding a command group: write ``_add_<name>(subparsers)`` that declares its arguments and
+sets ``handler`` to a ``"module:function"`` string, then list it in ``_COMMANDS``. The
+function receives the parsed ``argparse.Namespace`` and returns the exit status.
+
+Bad input prints one line (``tidelog: error: ...``) and exits with status 2, never a
+traceback; failures at run time are the handler's to report in one line with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+_HOST_PORT = re.compile(r"^(?:\[(?P<ipv6>[0-9a-fA-F:.]+)\]|(?P<host>[^:\[\]]+)):(?P<port>\d{1,5})$")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``"127.0.0.1:9092"`` -> ``("127.0.0.1", 9092)``; ``"[::1]:0"`` -> ``("::1", 0)``."""
+    match = _HOST_PORT.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    port = int(match["port"])
+    if port > 65535:
+        raise ValueError(f"port {port} is out of range 0..65535")
+    return match["ipv6"] or match["host"], port
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    try:
+        return parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _broker_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"broker id {value} must be between 0 and 2^31-1")
+    return value
+
+
+def _add_logging(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="JSON log lines on stderr at this level and above (default: info)",
+    )
+
+
+def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser(
+        "storage",
+        help="run a storage node (broker)",
+        description=(
+            "Run a storage node: serves tidelog.v1.Storage (plus gRPC health and "
+            "reflection) for the partition logs under --data-dir. Prints "
+            "'tidelog storage broker N listening on HOST:PORT' once serving; "
+            "SIGTERM or SIGINT stops it cleanly (exit status 0)."
+        ),
+    )
+    parser.add_argument("--broker-id", type=_broker_id, required=True, help="unique id, >= 0")
+    parser.add_argument(
+        "--data-dir", required=True, help="directory of partition logs (created if missing)"
+    )
+    parser.add_argument(
+        "--listen",
+        type=_host_port,
+        default=("127.0.0.1", 9092),
+        metavar="HOST:PORT",
+        help="address to serve on; port 0 picks a free port (default: 127.0.0.1:9092)",
+    )
+    parser.add_argument(
+        "--etcd",
+        metavar="URL",
+        help="etcd endpoint for broker registration; accepted but not used yet "
+        "(registration arrives with the controller)",
+    )
+    parser.add_argument(
+        "--rack",
+        metavar="R",
+        help="failure domain (e.g. zone) for rack-aware replica placement; accepted but "
+        "not used yet (placement arrives with the controller)",
+    )
+    _add_logging(parser)
+    parser.set_defaults(handler="services.storage.node:main")
+
+
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction[_Parser]], None], ...] = (
+    _add_storage,
+    # Later: controller, gateway, dev, topics, produce, consume, groups, cluster, bench.
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="tidelog",
+        description="tidelog: a replicated, partitioned commit log.",
+    )
+    subparsers = parser.add_subparsers(
+        title="commands", dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
+    for add in _COMMANDS:
+        add(subparsers)
+    return parser
+
+
+def _load_handler(spec: str) -> Callable[[argparse.Namespace], int]:
+    module_name, _, function_name = spec.partition(":")
+    handler: Callable[[argparse.Namespace], int] = getattr(
+        importlib.import_module(module_name), function_name
+    )
+    return handler
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its status."""
+    args = build_parser().parse_args(argv)
+    # Commands get flat, typed fields rather than tuples.
+    if isinstance(getattr(args, "listen", None), tuple):
+        args.listen_host, args.listen_port = args.listen
+    handler = _load_handler(args.handler)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130

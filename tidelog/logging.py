@@ -1,0 +1,80 @@
+"""Structured logging for tidelog services: one JSON object per line on stderr.
+
+``configure("storage", broker_id=1)`` once at process start; afterwards
+``get_logger(topic=..., partition=...)`` anywhere. Every event carries ``timestamp`` (UTC,
+ISO 8601), ``level``, ``service``, ``event`` and the fields bound at ``configure`` time
+(e.g. ``broker_id``), plus whatever the call site adds (topic, partition, epoch, ...).
+
+The process-wide fields are added by a processor rather than through contextvars: gRPC
+handlers run on pool threads, which start with an empty context, and the broker id must
+be on their lines too.
+
+Thread-safety: after ``configure`` returns, loggers may be used from any thread; structlog's
+PrintLogger serializes writes to the stream, so lines never interleave.
+"""
+
+from __future__ import annotations
+
+import logging as _stdlib_logging
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any, TextIO
+
+import structlog
+from structlog.typing import FilteringBoundLogger, WrappedLogger
+
+_LEVELS: dict[str, int] = {
+    "debug": _stdlib_logging.DEBUG,
+    "info": _stdlib_logging.INFO,
+    "warning": _stdlib_logging.WARNING,
+    "error": _stdlib_logging.ERROR,
+}
+
+
+class _AddStaticFields:
+    """A processor that adds fixed fields (service, broker_id) unless the event sets them."""
+
+    def __init__(self, fields: Mapping[str, object]) -> None:
+        self._fields = dict(fields)
+
+    def __call__(
+        self, logger: WrappedLogger, method_name: str, event_dict: MutableMapping[str, Any]
+    ) -> MutableMapping[str, Any]:
+        for key, value in self._fields.items():
+            event_dict.setdefault(key, value)
+        return event_dict
+
+
+def configure(
+    service: str, *, level: str = "info", stream: TextIO | None = None, **bound: object
+) -> FilteringBoundLogger:
+    """Route structlog output to JSON lines on ``stream`` (stderr) and bind process fields.
+
+    ``service`` names the role (``storage``, ``controller``, ...); ``bound`` holds fields
+    that belong on every line of this process, such as ``broker_id``. Returns a logger.
+    Calling it again replaces the configuration (tests start several roles in-process).
+    """
+    if level not in _LEVELS:
+        raise ValueError(f"unknown log level {level!r}; expected one of {sorted(_LEVELS)}")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            _AddStaticFields({"service": service, **bound}),
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.dict_tracebacks,
+            structlog.processors.JSONRenderer(sort_keys=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stderr),
+        # Not cached, so loggers created before a later configure() follow the new settings.
+        cache_logger_on_first_use=False,
+    )
+    return get_logger()
+
+
+def get_logger(**bound: object) -> FilteringBoundLogger:
+    """A logger with ``bound`` fields on every event it emits."""
+    logger: FilteringBoundLogger = structlog.get_logger().bind(**bound)
+    return logger
