@@ -1,0 +1,453 @@
+"""The controller's partition state machine: pure decisions about leaders and ISRs.
+
+Like etcd's raft package, this module does no I/O, starts no threads and never sleeps: it
+holds the cluster state as plain data and turns events (a broker registered or expired, a
+leader asked to change its ISR, a broker shutting down, an election requested) into
+``PartitionChange`` lists. The controller service persists each change to etcd with a
+compare-and-swap and pushes LeaderAndIsr / UpdateMetadata to the brokers; only then does
+it ``apply`` the change here. That split is what lets the simulation tests drive this code
+deterministically.
+
+Rules (Kafka's, DESIGN §4):
+
+- A partition's leader is chosen from its ISR, in assignment order, among live brokers.
+  Only a topic with ``unclean.leader.election.enable=true`` may elect a live replica
+  outside the ISR (and that may lose acknowledged data, which is why it is off).
+- Every leader change increments ``leader_epoch``; every change of any kind increments
+  ``partition_epoch`` (the version AlterPartition requests are checked against).
+- A dead broker leaves the ISR, except that the ISR never becomes empty: when the last
+  in-sync replica dies the partition goes offline (leader -1) keeping that replica in the
+  ISR, so that the replica that holds every acknowledged record is the one elected when
+  it returns.
+- The ISR always contains the leader (when there is one) and only assigned replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tidelog.errors import (
+    ElectionNotNeededError,
+    EligibleLeadersNotAvailableError,
+    FencedLeaderEpochError,
+    InvalidRequestError,
+    InvalidUpdateVersionError,
+    NotLeaderOrFollowerError,
+    StaleBrokerEpochError,
+    TidelogError,
+    UnknownTopicOrPartitionError,
+)
+
+NO_LEADER = -1
+
+LEADER_IMBALANCE_PERCENTAGE = 10
+"""Kafka's leader.imbalance.per.broker.percentage: rebalance once more than this share of
+a broker's preferred partitions are led by someone else."""
+
+TopicPartition = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Broker:
+    """A live, registered broker."""
+
+    broker_id: int
+    host: str
+    port: int
+    rack: str = ""
+    epoch: int = 0  # registration epoch (etcd create revision of its key)
+
+
+@dataclass(frozen=True, slots=True)
+class Topic:
+    """A topic's static description; ``assignment[p]`` lists partition p's replicas."""
+
+    name: str
+    topic_id: str
+    assignment: tuple[tuple[int, ...], ...]
+    configs: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def partition_count(self) -> int:
+        return len(self.assignment)
+
+    @property
+    def replication_factor(self) -> int:
+        return len(self.assignment[0]) if self.assignment else 0
+
+    @property
+    def unclean_leader_election(self) -> bool:
+        return self.configs.get("unclean.leader.election.enable", "false").lower() == "true"
+
+    @property
+    def min_insync_replicas(self) -> int:
+        return int(self.configs.get("min.insync.replicas", "1"))
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionRecord:
+    """What etcd holds under ``partitions/<topic>/<p>``."""
+
+    leader: int
+    leader_epoch: int
+    isr: tuple[int, ...]
+    partition_epoch: int
+
+    def is_online(self) -> bool:
+        return self.leader != NO_LEADER
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionChange:
+    """A decided transition of one partition, from ``old`` (None: new partition) to ``new``."""
+
+    topic: str
+    partition: int
+    old: PartitionRecord | None
+    new: PartitionRecord
+
+    @property
+    def key(self) -> TopicPartition:
+        return self.topic, self.partition
+
+    @property
+    def leader_changed(self) -> bool:
+        return self.old is None or self.old.leader != self.new.leader
+
+
+class ElectionType(enum.Enum):
+    PREFERRED = "preferred"
+    UNCLEAN = "unclean"
+
+
+def _next(old: PartitionRecord, leader: int, isr: Sequence[int]) -> PartitionRecord:
+    """The successor record: epochs bumped as the rules say."""
+    return PartitionRecord(
+        leader=leader,
+        leader_epoch=old.leader_epoch + (1 if leader != old.leader else 0),
+        isr=tuple(isr),
+        partition_epoch=old.partition_epoch + 1,
+    )
+
+
+@dataclass
+class ClusterState:
+    """Brokers, topics and partition records as the active controller knows them.
+
+    Invariants: every partition record belongs to a known topic; a record's ISR is a
+    non-empty subset of the partition's replicas and contains its leader when online.
+    Thread-safety: none; the controller service owns one instance behind its lock.
+    """
+
+    brokers: dict[int, Broker] = field(default_factory=dict)
+    topics: dict[str, Topic] = field(default_factory=dict)
+    partitions: dict[TopicPartition, PartitionRecord] = field(default_factory=dict)
+    # Brokers in controlled shutdown: alive, but never chosen as leaders.
+    shutting_down: set[int] = field(default_factory=set)
+
+    # --- queries ----------------------------------------------------------------------
+
+    @property
+    def live_broker_ids(self) -> list[int]:
+        return sorted(self.brokers)
+
+    def replicas(self, topic: str, partition: int) -> tuple[int, ...]:
+        return self.topics[topic].assignment[partition]
+
+    def record(self, topic: str, partition: int) -> PartitionRecord:
+        try:
+            return self.partitions[(topic, partition)]
+        except KeyError:
+            raise UnknownTopicOrPartitionError(
+                f"partition {topic}-{partition} does not exist"
+            ) from None
+
+    def partitions_of(self, topic: str) -> list[TopicPartition]:
+        return [(topic, p) for p in range(self.topics[topic].partition_count)]
+
+    def partitions_hosted_by(self, broker_id: int) -> list[TopicPartition]:
+        return [
+            (name, p)
+            for name, topic in sorted(self.topics.items())
+            for p, replicas in enumerate(topic.assignment)
+            if broker_id in replicas
+        ]
+
+    def _eligible(self, broker_id: int) -> bool:
+        return broker_id in self.brokers and broker_id not in self.shutting_down
+
+    # --- the election rule ----------------------------------------------------------------
+
+    def _elect(
+        self, topic: Topic, partition: int, isr: Sequence[int], *, allow_unclean: bool
+    ) -> tuple[int, tuple[int, ...]]:
+        """(leader, isr) after an election among ``isr``; NO_LEADER when nobody qualifies.
+
+        The first eligible ISR member in assignment order wins, which makes the preferred
+        replica the leader whenever it is in sync. Unclean: the first eligible replica,
+        whose ISR then restarts as just itself.
+        """
+        replicas = topic.assignment[partition]
+        for broker_id in replicas:
+            if broker_id in isr and self._eligible(broker_id):
+                return broker_id, tuple(isr)
+        if allow_unclean:
+            for broker_id in replicas:
+                if self._eligible(broker_id):
+                    return broker_id, (broker_id,)
+        return NO_LEADER, tuple(isr)
+
+    # --- topics -------------------------------------------------------------------------
+
+    def new_topic_partitions(self, topic: Topic, first_partition: int = 0) -> list[PartitionChange]:
+        """Initial records for partitions ``[first_partition, count)`` of ``topic``.
+
+        The ISR starts as the live replicas (an empty new log is trivially in sync); the
+        leader is the first live one, normally the preferred replica.
+        """
+        changes = []
+        for p in range(first_partition, topic.partition_count):
+            replicas = topic.assignment[p]
+            live = tuple(b for b in replicas if b in self.brokers)
+            isr = live or replicas[:1]
+            leader = next((b for b in replicas if self._eligible(b)), NO_LEADER)
+            record = PartitionRecord(
+                leader=leader if leader in isr else NO_LEADER,
+                leader_epoch=0,
+                isr=isr,
+                partition_epoch=0,
+            )
+            changes.append(PartitionChange(topic.name, p, None, record))
+        return changes
+
+    # --- broker membership --------------------------------------------------------------
+
+    def on_broker_down(self, broker_id: int) -> list[PartitionChange]:
+        """The broker's lease expired: move its leaderships, drop it from every ISR."""
+        self.shutting_down.discard(broker_id)
+        self.brokers.pop(broker_id, None)
+        return self._evict(broker_id)
+
+    def _evict(self, broker_id: int) -> list[PartitionChange]:
+        changes = []
+        for name, p in self.partitions_hosted_by(broker_id):
+            old = self.partitions.get((name, p))
+            if old is None or (broker_id not in old.isr and old.leader != broker_id):
+                continue
+            topic = self.topics[name]
+            remaining = [b for b in old.isr if b != broker_id]
+            if not remaining:
+                # Never empty the ISR: the last in-sync replica is the only safe leader.
+                remaining = [broker_id]
+            if old.leader in (broker_id, NO_LEADER):
+                leader, isr = self._elect(
+                    topic, p, remaining, allow_unclean=topic.unclean_leader_election
+                )
+            else:
+                leader, isr = old.leader, tuple(remaining)
+            new = _next(old, leader, isr)
+            if new.leader != old.leader or new.isr != old.isr:
+                changes.append(PartitionChange(name, p, old, new))
+        return changes
+
+    def on_broker_up(self, broker: Broker) -> list[PartitionChange]:
+        """A broker (re)registered: elect it where a partition waits for exactly it.
+
+        It does not take back leaderships it held before: it rejoins as follower and its
+        leader re-admits it to the ISR once it catches up (AlterPartition). Offline
+        partitions whose ISR holds it (or, for unclean topics, any offline partition it
+        replicates) get it as leader.
+        """
+        self.brokers[broker.broker_id] = broker
+        self.shutting_down.discard(broker.broker_id)
+        changes = []
+        for name, p in self.partitions_hosted_by(broker.broker_id):
+            old = self.partitions.get((name, p))
+            if old is None or old.is_online():
+                continue
+            topic = self.topics[name]
+            leader, isr = self._elect(
+                topic, p, old.isr, allow_unclean=topic.unclean_leader_election
+            )
+            if leader != NO_LEADER:
+                changes.append(PartitionChange(name, p, old, _next(old, leader, isr)))
+        return changes
+
+    def controlled_shutdown(
+        self, broker_id: int, broker_epoch: int
+    ) -> tuple[list[PartitionChange], list[TopicPartition]]:
+        """Move leadership off a broker about to stop, and take it out of every ISR.
+
+        Returns the changes and the partitions it still leads because no other in-sync
+        replica is alive (RF 1, or everyone else is out of sync).
+        """
+        broker = self.brokers.get(broker_id)
+        if broker is None:
+            raise NotLeaderOrFollowerError(f"broker {broker_id} is not registered")
+        if broker_epoch >= 0 and broker_epoch != broker.epoch:
+            raise StaleBrokerEpochError(
+                f"broker {broker_id} is registered with epoch {broker.epoch}, not {broker_epoch}"
+            )
+        self.shutting_down.add(broker_id)
+        changes = []
+        remaining = []
+        for name, p in self.partitions_hosted_by(broker_id):
+            old = self.partitions.get((name, p))
+            if old is None:
+                continue
+            topic = self.topics[name]
+            others = [b for b in old.isr if b != broker_id]
+            if old.leader == broker_id:
+                leader, isr = self._elect(topic, p, others, allow_unclean=False)
+                if leader == NO_LEADER:
+                    remaining.append((name, p))
+                    continue
+                changes.append(PartitionChange(name, p, old, _next(old, leader, isr)))
+            elif broker_id in old.isr and others:
+                changes.append(PartitionChange(name, p, old, _next(old, old.leader, others)))
+        return changes, remaining
+
+    # --- ISR changes requested by leaders -------------------------------------------------
+
+    def alter_partition(
+        self,
+        *,
+        broker_id: int,
+        broker_epoch: int,
+        topic: str,
+        partition: int,
+        leader_epoch: int,
+        new_isr: Sequence[int],
+        partition_epoch: int,
+    ) -> PartitionChange:
+        """Validate a leader's ISR proposal (Kafka's AlterPartition) and decide it.
+
+        Fenced by the leader epoch (an older leader), the partition epoch (a proposal
+        based on a state that has since changed) and the broker epoch (an older
+        incarnation of the broker). New members must be live, assigned replicas.
+        """
+        old = self.record(topic, partition)
+        broker = self.brokers.get(broker_id)
+        if broker is None or (broker_epoch >= 0 and broker.epoch != broker_epoch):
+            raise StaleBrokerEpochError(
+                f"broker {broker_id} with epoch {broker_epoch} is not the registered incarnation"
+            )
+        if old.leader != broker_id:
+            raise NotLeaderOrFollowerError(
+                f"broker {broker_id} does not lead {topic}-{partition} (leader is {old.leader})"
+            )
+        if leader_epoch < old.leader_epoch:
+            raise FencedLeaderEpochError(
+                f"{topic}-{partition}: leader epoch {leader_epoch} is older than {old.leader_epoch}"
+            )
+        if leader_epoch > old.leader_epoch:
+            raise InvalidRequestError(
+                f"{topic}-{partition}: leader epoch {leader_epoch} is newer than the "
+                f"controller's {old.leader_epoch}"
+            )
+        if partition_epoch != old.partition_epoch:
+            raise InvalidUpdateVersionError(
+                f"{topic}-{partition}: partition epoch {partition_epoch} is not the current "
+                f"{old.partition_epoch}"
+            )
+        replicas = self.replicas(topic, partition)
+        isr = tuple(b for b in replicas if b in set(new_isr))  # canonical: assignment order
+        if len(isr) != len(new_isr) or broker_id not in isr:
+            raise InvalidRequestError(
+                f"{topic}-{partition}: proposed ISR {list(new_isr)} must contain the leader "
+                f"and only replicas {list(replicas)}, each once"
+            )
+        for member in isr:
+            if member not in old.isr and not self._eligible(member):
+                raise InvalidRequestError(
+                    f"{topic}-{partition}: broker {member} cannot join the ISR: it is not "
+                    "live (or is shutting down)"
+                )
+        return PartitionChange(topic, partition, old, _next(old, old.leader, isr))
+
+    # --- elections on demand ----------------------------------------------------------------
+
+    def elect(
+        self, election: ElectionType, partitions: Iterable[TopicPartition]
+    ) -> tuple[list[PartitionChange], dict[TopicPartition, TidelogError]]:
+        """Preferred or unclean elections for ``partitions``; per-partition errors."""
+        changes: list[PartitionChange] = []
+        errors: dict[TopicPartition, TidelogError] = {}
+        for name, p in partitions:
+            try:
+                old = self.record(name, p)
+                topic = self.topics[name]
+                if election is ElectionType.PREFERRED:
+                    preferred = topic.assignment[p][0]
+                    if old.leader == preferred:
+                        raise ElectionNotNeededError(
+                            f"{name}-{p}: the preferred replica {preferred} already leads"
+                        )
+                    if preferred not in old.isr or not self._eligible(preferred):
+                        raise EligibleLeadersNotAvailableError(
+                            f"{name}-{p}: preferred replica {preferred} is not live and in sync"
+                        )
+                    changes.append(PartitionChange(name, p, old, _next(old, preferred, old.isr)))
+                else:
+                    if old.is_online():
+                        raise ElectionNotNeededError(f"{name}-{p} already has leader {old.leader}")
+                    leader, isr = self._elect(topic, p, old.isr, allow_unclean=True)
+                    if leader == NO_LEADER:
+                        raise EligibleLeadersNotAvailableError(
+                            f"{name}-{p}: no replica of {list(topic.assignment[p])} is live"
+                        )
+                    changes.append(PartitionChange(name, p, old, _next(old, leader, isr)))
+            except TidelogError as exc:
+                errors[(name, p)] = exc
+        return changes, errors
+
+    def imbalanced_partitions(
+        self, threshold_percent: int = LEADER_IMBALANCE_PERCENTAGE
+    ) -> list[TopicPartition]:
+        """Partitions to hand back to their preferred leader (Kafka's auto rebalance).
+
+        For each live broker, the share of the partitions it is preferred for that someone
+        else leads; where that share exceeds the threshold, every such partition whose
+        preferred replica is in sync is returned.
+        """
+        preferred_of: dict[int, list[TopicPartition]] = {}
+        for name, topic in self.topics.items():
+            for p, replicas in enumerate(topic.assignment):
+                preferred_of.setdefault(replicas[0], []).append((name, p))
+        chosen = []
+        for broker_id, owned in sorted(preferred_of.items()):
+            if not self._eligible(broker_id):
+                continue
+            misplaced = [
+                tp
+                for tp in owned
+                if tp in self.partitions
+                and self.partitions[tp].leader != broker_id
+                and broker_id in self.partitions[tp].isr
+            ]
+            if len(misplaced) * 100 > threshold_percent * len(owned):
+                chosen.extend(misplaced)
+        return chosen
+
+    # --- applying decided (and persisted) changes -----------------------------------------
+
+    def apply(self, changes: Iterable[PartitionChange]) -> None:
+        for change in changes:
+            self.partitions[change.key] = change.new
+
+    def add_topic(self, topic: Topic) -> None:
+        self.topics[topic.name] = topic
+
+    def remove_topic(self, name: str) -> None:
+        topic = self.topics.pop(name, None)
+        if topic is None:
+            return
+        for p in range(topic.partition_count):
+            self.partitions.pop((name, p), None)
+
+    def replace_topic(self, topic: Topic) -> None:
+        """A topic grew partitions (CreatePartitions): same id, longer assignment."""
+        self.topics[topic.name] = dataclasses.replace(topic)

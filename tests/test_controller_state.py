@@ -1,0 +1,288 @@
+"""The controller's partition state machine, driven directly (it is pure: no I/O, no time)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from services.controller.state import (
+    NO_LEADER,
+    Broker,
+    ClusterState,
+    ElectionType,
+    PartitionChange,
+    PartitionRecord,
+    Topic,
+)
+from tidelog.errors import (
+    ElectionNotNeededError,
+    EligibleLeadersNotAvailableError,
+    FencedLeaderEpochError,
+    InvalidRequestError,
+    InvalidUpdateVersionError,
+    NotLeaderOrFollowerError,
+    StaleBrokerEpochError,
+)
+
+
+def cluster(brokers: int = 3, *, unclean: bool = False) -> ClusterState:
+    state = ClusterState()
+    for b in range(brokers):
+        state.on_broker_up(Broker(b, "127.0.0.1", 9000 + b, epoch=100 + b))
+    configs = {"unclean.leader.election.enable": "true"} if unclean else {}
+    topic = Topic("t", "id-t", ((0, 1, 2), (1, 2, 0), (2, 0, 1)), configs)
+    state.add_topic(topic)
+    state.apply(state.new_topic_partitions(topic))
+    return state
+
+
+def step(state: ClusterState, changes: list[PartitionChange]) -> list[PartitionChange]:
+    state.apply(changes)
+    return changes
+
+
+def test_new_partitions_lead_with_preferred_replica_and_full_isr() -> None:
+    state = cluster()
+    assert state.partitions[("t", 0)] == PartitionRecord(0, 0, (0, 1, 2), 0)
+    assert state.partitions[("t", 1)].leader == 1
+    assert state.partitions[("t", 2)].leader == 2
+
+
+def test_new_partitions_skip_dead_brokers() -> None:
+    state = ClusterState()
+    state.on_broker_up(Broker(1, "h", 1, epoch=1))
+    topic = Topic("x", "id", ((0, 1),), {})
+    state.add_topic(topic)
+    (change,) = state.new_topic_partitions(topic)
+    assert change.new.leader == 1
+    assert change.new.isr == (1,)
+
+
+def test_leader_death_elects_first_live_isr_member_with_higher_epoch() -> None:
+    state = cluster()
+    changes = step(state, state.on_broker_down(0))
+    by_key = {c.key: c.new for c in changes}
+    assert by_key[("t", 0)] == PartitionRecord(1, 1, (1, 2), 1)
+    # Partitions it followed keep their leader and epoch, but lose it from the ISR.
+    assert by_key[("t", 1)].leader == 1 and by_key[("t", 1)].leader_epoch == 0
+    assert 0 not in by_key[("t", 1)].isr
+    assert by_key[("t", 1)].partition_epoch == 1
+
+
+def test_last_isr_member_death_takes_partition_offline_and_keeps_it_in_isr() -> None:
+    state = cluster()
+    step(state, state.on_broker_down(1))
+    step(state, state.on_broker_down(2))
+    step(state, state.on_broker_down(0))
+    record = state.partitions[("t", 0)]
+    assert record.leader == NO_LEADER
+    assert record.isr == (0,)  # the last in-sync replica, the only safe future leader
+    # Broker 1 returns: it is not in the ISR, so with unclean election off nothing happens.
+    assert state.on_broker_up(Broker(1, "h", 1, epoch=7)) == []
+    # Broker 0 returns: it is the ISR, so it leads again with a new epoch.
+    changes = step(state, state.on_broker_up(Broker(0, "h", 1, epoch=8)))
+    assert {c.key: c.new.leader for c in changes}[("t", 0)] == 0
+    assert state.partitions[("t", 0)].leader_epoch > record.leader_epoch
+
+
+def test_unclean_topic_elects_out_of_sync_replica() -> None:
+    state = cluster(unclean=True)
+    step(state, state.on_broker_down(1))
+    step(state, state.on_broker_down(2))
+    step(state, state.on_broker_down(0))
+    changes = step(state, state.on_broker_up(Broker(1, "h", 1, epoch=9)))
+    record = {c.key: c.new for c in changes}[("t", 0)]
+    assert record.leader == 1
+    assert record.isr == (1,)
+
+
+def test_returning_broker_does_not_take_back_leadership() -> None:
+    state = cluster()
+    step(state, state.on_broker_down(0))
+    assert state.on_broker_up(Broker(0, "h", 1, epoch=200)) == []
+    assert state.partitions[("t", 0)].leader == 1
+
+
+def test_alter_partition_expand_then_preferred_election() -> None:
+    state = cluster()
+    step(state, state.on_broker_down(0))
+    state.on_broker_up(Broker(0, "h", 1, epoch=200))
+    old = state.partitions[("t", 0)]
+    change = state.alter_partition(
+        broker_id=1,
+        broker_epoch=101,
+        topic="t",
+        partition=0,
+        leader_epoch=old.leader_epoch,
+        new_isr=[1, 2, 0],
+        partition_epoch=old.partition_epoch,
+    )
+    assert change.new.isr == (0, 1, 2)  # canonical order: assignment order
+    assert change.new.leader_epoch == old.leader_epoch
+    state.apply([change])
+    assert ("t", 0) in state.imbalanced_partitions()
+    changes, errors = state.elect(ElectionType.PREFERRED, [("t", 0), ("t", 1)])
+    assert [c.key for c in changes] == [("t", 0)]
+    assert changes[0].new.leader == 0
+    assert isinstance(errors[("t", 1)], ElectionNotNeededError)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error"),
+    [
+        ({"broker_id": 1}, NotLeaderOrFollowerError),
+        ({"leader_epoch": -1}, FencedLeaderEpochError),
+        ({"leader_epoch": 5}, InvalidRequestError),
+        ({"partition_epoch": 7}, InvalidUpdateVersionError),
+        ({"broker_epoch": 999}, StaleBrokerEpochError),
+        ({"new_isr": [1, 2]}, InvalidRequestError),  # leader missing
+        ({"new_isr": [0, 0, 1]}, InvalidRequestError),  # duplicate
+        ({"new_isr": [0, 5]}, InvalidRequestError),  # not a replica
+    ],
+)
+def test_alter_partition_rejections_change_nothing(
+    overrides: dict[str, object], error: type[Exception]
+) -> None:
+    state = cluster()
+    before = dict(state.partitions)
+    args: dict[str, object] = {
+        "broker_id": 0,
+        "broker_epoch": 100,
+        "topic": "t",
+        "partition": 0,
+        "leader_epoch": 0,
+        "new_isr": [0, 1],
+        "partition_epoch": 0,
+    }
+    args.update(overrides)
+    if overrides.get("broker_id") == 1:
+        args["broker_epoch"] = 101
+    with pytest.raises(error):
+        state.alter_partition(**args)  # type: ignore[arg-type]
+    assert state.partitions == before
+
+
+def test_alter_partition_cannot_add_a_dead_broker() -> None:
+    state = cluster()
+    step(state, state.on_broker_down(2))
+    old = state.partitions[("t", 0)]
+    with pytest.raises(InvalidRequestError, match="not live"):
+        state.alter_partition(
+            broker_id=0,
+            broker_epoch=100,
+            topic="t",
+            partition=0,
+            leader_epoch=old.leader_epoch,
+            new_isr=[0, 1, 2],
+            partition_epoch=old.partition_epoch,
+        )
+
+
+def test_controlled_shutdown_moves_leaders_and_reports_stuck_partitions() -> None:
+    state = cluster()
+    single = Topic("solo", "id-s", ((0,),), {})
+    state.add_topic(single)
+    state.apply(state.new_topic_partitions(single))
+    changes, remaining = state.controlled_shutdown(0, 100)
+    state.apply(changes)
+    assert remaining == [("solo", 0)]
+    assert state.partitions[("t", 0)].leader == 1
+    assert all(0 not in state.partitions[("t", p)].isr for p in range(3))
+    # A broker in controlled shutdown is never elected.
+    step(state, state.on_broker_down(1))
+    assert state.partitions[("t", 0)].leader == 2
+    with pytest.raises(StaleBrokerEpochError):
+        state.controlled_shutdown(2, 1)
+
+
+def test_unclean_election_on_demand() -> None:
+    state = cluster()
+    for b in (1, 2, 0):
+        step(state, state.on_broker_down(b))
+    state.on_broker_up(Broker(2, "h", 1, epoch=300))
+    changes, errors = state.elect(ElectionType.UNCLEAN, [("t", 0)])
+    assert not errors
+    assert changes[0].new.leader == 2
+    _, errors = state.elect(ElectionType.PREFERRED, [("t", 1)])
+    assert isinstance(errors[("t", 1)], EligibleLeadersNotAvailableError)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_event_sequences_keep_invariants(seed: int) -> None:
+    """A seeded simulation: any sequence of events keeps the state machine's invariants."""
+    rng = random.Random(seed)
+    brokers = rng.randint(1, 5)
+    state = ClusterState()
+    epoch = 0
+    for b in range(brokers):
+        epoch += 1
+        state.on_broker_up(Broker(b, "h", b, epoch=epoch))
+    for t in range(rng.randint(1, 3)):
+        rf = rng.randint(1, brokers)
+        assignment = tuple(tuple(rng.sample(range(brokers), rf)) for _ in range(rng.randint(1, 6)))
+        topic = Topic(f"t{t}", f"id{t}", assignment, {"unclean.leader.election.enable": "false"})
+        state.add_topic(topic)
+        state.apply(state.new_topic_partitions(topic))
+    history: dict[tuple[str, int], list[PartitionRecord]] = {
+        key: [record] for key, record in state.partitions.items()
+    }
+    for _ in range(200):
+        event = rng.choice(["down", "up", "expand", "shrink", "shutdown", "preferred"])
+        changes: list[PartitionChange] = []
+        if event == "down" and state.brokers:
+            changes = state.on_broker_down(rng.choice(state.live_broker_ids))
+        elif event == "up":
+            dead = [b for b in range(brokers) if b not in state.brokers]
+            if dead:
+                epoch += 1
+                changes = state.on_broker_up(Broker(rng.choice(dead), "h", 0, epoch=epoch))
+        elif event in ("expand", "shrink"):
+            key = rng.choice(sorted(state.partitions))
+            record = state.partitions[key]
+            replicas = state.replicas(*key)
+            if record.leader != NO_LEADER:
+                live = [b for b in replicas if b in state.brokers]
+                if event == "expand":
+                    proposal = sorted(set(record.isr) | set(live))
+                else:
+                    proposal = [record.leader]
+                try:
+                    changes = [
+                        state.alter_partition(
+                            broker_id=record.leader,
+                            broker_epoch=state.brokers[record.leader].epoch,
+                            topic=key[0],
+                            partition=key[1],
+                            leader_epoch=record.leader_epoch,
+                            new_isr=proposal,
+                            partition_epoch=record.partition_epoch,
+                        )
+                    ]
+                except InvalidRequestError:
+                    changes = []
+        elif event == "shutdown" and state.brokers:
+            b = rng.choice(state.live_broker_ids)
+            changes, _ = state.controlled_shutdown(b, state.brokers[b].epoch)
+        elif event == "preferred":
+            changes, _ = state.elect(ElectionType.PREFERRED, state.imbalanced_partitions())
+        state.apply(changes)
+        for change in changes:
+            history[change.key].append(change.new)
+        for key, record in state.partitions.items():
+            replicas = state.replicas(*key)
+            assert record.isr, f"{key}: empty ISR"
+            assert set(record.isr) <= set(replicas), f"{key}: ISR outside replicas"
+            if record.leader != NO_LEADER:
+                assert record.leader in record.isr, f"{key}: leader outside ISR"
+                assert record.leader in state.brokers, f"{key}: dead leader"
+            records = history[key]
+            for before, after in itertools.pairwise(records):
+                assert after.partition_epoch == before.partition_epoch + 1
+                assert after.leader_epoch >= before.leader_epoch
+                if after.leader != before.leader:
+                    assert after.leader_epoch == before.leader_epoch + 1
+                # Without unclean election, a new leader was in the previous ISR.
+                if after.leader not in (NO_LEADER, before.leader):
+                    assert after.leader in before.isr, f"{key}: unclean election"
