@@ -62,6 +62,11 @@ class OffsetCheckpointFile:
             text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
             return {}
+        except UnicodeDecodeError as exc:
+            # Fix (test_storage_recovery.py::test_log_manager_corrupt_checkpoint_means_full_
+            # recovery): binary garbage (a torn or zeroed file) escaped as UnicodeDecodeError
+            # and failed start-up instead of falling back to full recovery.
+            raise CheckpointCorruptError(f"{self.path}: not UTF-8 text: {exc}") from None
         lines = text.splitlines()
         try:
             if int(lines[0]) != VERSION:

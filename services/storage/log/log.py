@@ -326,6 +326,24 @@ class Log:
                 return data
         return b""
 
+    def lookup(self, offset: int) -> tuple[int, int, int]:
+        """Where the batch holding ``offset`` is: ``(segment base offset, position, batch
+        base offset)``. The offset lookup of seed 000: bisect the segments, binary-search
+        the sparse index, scan a few headers. OffsetOutOfRangeError outside
+        ``[log_start_offset, log_end_offset)``.
+        """
+        if not self.log_start_offset <= offset < self._log_end_offset:
+            raise OffsetOutOfRangeError(
+                f"offset {offset} is outside the log's range "
+                f"[{self.log_start_offset}, {self._log_end_offset})"
+            )
+        for i in range(self._segments.floor_index(offset), len(self._segments)):
+            segment = self._segments[i]
+            found = segment.translate_offset(offset)
+            if found is not None:
+                return segment.base_offset, found[0], found[1].base_offset
+        raise StorageError(f"offset {offset} is below the log end but in no segment")
+
     def offset_for_timestamp(
         self, timestamp_ms: int, max_offset: int | None = None
     ) -> tuple[int, int] | None:

@@ -133,32 +133,76 @@ class LogSegment:
             yield position, header
             position += header.size_bytes
 
+    def _scan_from(
+        self, start: tuple[int, BatchHeader] | None
+    ) -> Iterator[tuple[int, BatchHeader]]:
+        """Headers from an index-confirmed start (or position 0) to the end of the segment.
+
+        Optimisation (bench/storage_engine.py): ``_indexed_start`` has already read and
+        verified the header at the start, so it is reused rather than read and checked a
+        second time; that saves a pread and a header check on every lookup.
+        """
+        if start is None:
+            yield from self._scan_headers(0)
+            return
+        position, header = start
+        yield position, header
+        yield from self._scan_headers(position + header.size_bytes)
+
     def _indexed_start(self, offset: int) -> tuple[int, BatchHeader] | None:
         """The index's floor entry for ``offset``, confirmed against the header it names.
 
-        None when the index has no usable entry (scan from position 0). An entry that
+        None when the index has no entry that low (scan from position 0). An entry that
         does not land on a batch with the expected base offset means the index is damaged:
-        it is dropped (the segment is flagged for rebuild) rather than trusted.
+        both indexes are rebuilt from the log on the spot and the lookup is repeated, so
+        the damage costs one scan, not a scan on every later read.
         """
-        indexed_offset, position = self.offset_index.lookup(offset)
-        if position == 0:
-            return None
+        for attempt in range(2):
+            indexed_offset, position = self.offset_index.lookup(offset)
+            if position == 0:
+                return None
+            try:
+                header = self._header_at(position)
+            except StorageError:
+                header = None
+            if header is not None and header.base_offset == indexed_offset:
+                return position, header
+            if attempt == 0:
+                self.rebuild_indexes()
+        return None  # the rebuilt index still disagrees: data damage; scan and fail there
+
+    def rebuild_indexes(self) -> None:
+        """Rebuild both indexes from the batch headers in the log.
+
+        Stops at the first damaged batch: entries before it are right, and reads past it
+        fail as they must. Used when an entry proves wrong after the segment was opened.
+        """
+        was_writable = self.offset_index.writable
+        self.offset_index.make_writable()
+        self.time_index.make_writable()
+        self.offset_index.reset()
+        self.time_index.reset()
+        self._bytes_since_index_entry = 0
+        self._max_timestamp_ms, self._offset_of_max_timestamp = -1, self.base_offset
+        next_offset = self.base_offset
         try:
-            header = self._header_at(position)
+            for position, header in self._scan_headers(0):
+                self.append_index_entries(position, header)
+                next_offset = header.next_offset
+            self._next_offset, self._tail_loaded = next_offset, True
         except StorageError:
-            header = None
-        if header is None or header.base_offset != indexed_offset:
-            self.offset_index.reset()
-            self.needs_rebuild = True
-            return None
-        return position, header
+            self._tail_loaded = False
+        if not was_writable:
+            self.offset_index.trim()
+            self.time_index.trim()
+        self.needs_rebuild = False
 
     def translate_offset(self, offset: int) -> tuple[int, BatchHeader] | None:
         """Position and header of the batch holding ``offset``; None if past this segment."""
         if self.size_bytes == 0:
             return None
         start = self._indexed_start(offset)
-        for position, header in self._scan_headers(start[0] if start else 0):
+        for position, header in self._scan_from(start):
             if header.last_offset >= offset:
                 return position, header
         return None
@@ -166,22 +210,29 @@ class LogSegment:
     # --- tail state ---------------------------------------------------------------------
 
     def _load_tail(self) -> None:
-        """Next offset and largest timestamp: last index entries plus a scan of the tail."""
+        """Next offset and largest timestamp, loaded on first use (see ``_scan_tail``).
+
+        If the index's last entry proves wrong, the indexes are rebuilt (which also finds
+        the tail); damage in the tail itself raises StorageError.
+        """
         if self._tail_loaded:
             return
+        try:
+            self._scan_tail()
+        except StorageError:
+            self.rebuild_indexes()
+            if not self._tail_loaded:
+                self._scan_tail()
+
+    def _scan_tail(self) -> None:
+        """Last index entries plus a header scan of the batches after them."""
         _, position = self.offset_index.lookup(self.base_offset + formats.MAX_RELATIVE_OFFSET)
-        max_ts, offset_of_max = self.time_index.last_timestamp_ms, self.base_offset
+        max_ts, offset_of_max = -1, self.base_offset
         if self.time_index.entries:
             max_ts, rel = self.time_index.entry(self.time_index.entries - 1)
             offset_of_max = self.base_offset + rel
         next_offset = self.base_offset
-        try:
-            scanned = list(self._scan_headers(position))
-        except StorageError:
-            # The index pointed at garbage: rebuild from the start of the segment.
-            self.offset_index.reset()
-            scanned = list(self._scan_headers(0))
-        for _, header in scanned:
+        for _, header in self._scan_headers(position):
             next_offset = header.next_offset
             if header.max_timestamp > max_ts:
                 max_ts, offset_of_max = header.max_timestamp, header.last_offset
@@ -225,6 +276,24 @@ class LogSegment:
             or last_offset - self.base_offset > formats.MAX_RELATIVE_OFFSET
         )
 
+    def _index_entry_due(self) -> bool:
+        """Whether the next batch gets an index entry: the interval has passed and both
+        indexes have room.
+
+        Fix (test_storage_log.py::test_multi_batch_append_fills_index): ``should_roll``
+        checks ``is_full`` once per append, but one append of many batches can add several
+        entries, and appending to a full index raised RuntimeError after the data had
+        already been written (the segment's size and the log end were then left stale).
+        The index is sparse, so skipping entries once it is full is harmless: lookups scan
+        a little further, and the next append rolls. The same guard lets recovery rebuild
+        a segment under a smaller ``segment_index_bytes`` than it was written with.
+        """
+        return (
+            self._bytes_since_index_entry > self.config.index_interval_bytes
+            and not self.offset_index.is_full
+            and not self.time_index.is_full
+        )
+
     def append(self, data: bytes | bytearray | memoryview, spans: list[BatchSpan]) -> None:
         """Write validated batches (offsets already assigned) at the end of the segment."""
         self._load_tail()
@@ -237,7 +306,7 @@ class LogSegment:
             if span.max_timestamp_ms > self._max_timestamp_ms:
                 self._max_timestamp_ms = span.max_timestamp_ms
                 self._offset_of_max_timestamp = span.last_offset
-            if self._bytes_since_index_entry > self.config.index_interval_bytes:
+            if self._index_entry_due():
                 self.offset_index.append(span.base_offset, start + span.position)
                 self.time_index.maybe_append(self._max_timestamp_ms, self._offset_of_max_timestamp)
                 self._bytes_since_index_entry = 0
@@ -286,7 +355,7 @@ class LogSegment:
             return None
         _, offset = self.time_index.lookup(timestamp_ms)
         start = self._indexed_start(offset)
-        for position, header in self._scan_headers(start[0] if start else 0):
+        for position, header in self._scan_from(start):
             if header.max_timestamp >= timestamp_ms:
                 return position, header
         return None
@@ -328,7 +397,7 @@ class LogSegment:
         if header.max_timestamp > self._max_timestamp_ms:
             self._max_timestamp_ms = header.max_timestamp
             self._offset_of_max_timestamp = header.last_offset
-        if self._bytes_since_index_entry > self.config.index_interval_bytes:
+        if self._index_entry_due():
             self.offset_index.append(header.base_offset, position)
             self.time_index.maybe_append(self._max_timestamp_ms, self._offset_of_max_timestamp)
             self._bytes_since_index_entry = 0
@@ -399,7 +468,13 @@ class LogSegment:
     def on_become_inactive(self) -> None:
         """Called when a newer segment takes over: final time entry, trimmed indexes."""
         self._load_tail()
-        if self._max_timestamp_ms >= 0:
+        # Fix (test_storage_log.py::test_roll_on_full_time_index): a segment often rolls
+        # *because* its time index is full; if batches appended after it filled raised the
+        # max timestamp, adding the final entry raised RuntimeError and the log could never
+        # roll again. The final entry only saves a tail scan (``_load_tail`` and
+        # ``find_by_timestamp`` scan past the last entry anyway), so a full index goes
+        # without it.
+        if self._max_timestamp_ms >= 0 and not self.time_index.is_full:
             self.time_index.maybe_append(self._max_timestamp_ms, self._offset_of_max_timestamp)
         self.offset_index.trim()
         self.time_index.trim()
