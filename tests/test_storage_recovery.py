@@ -26,6 +26,7 @@ import pytest
 
 from services.storage.log import AppendInfo, Log, LogConfig
 from services.storage.log.checkpoint import OffsetCheckpointFile
+from services.storage.log.segment import LogSegment
 from services.storage.log_manager import RECOVERY_POINT_CHECKPOINT, LogManager
 from tidelog import formats as f
 from tidelog.batch import parse_header, stamp
@@ -510,6 +511,256 @@ def test_old_segment_with_bad_base_offset_is_cut(tmp_path: Path) -> None:
     log = reopen(tmp_path / "t-0", built, 0)
     assert log.log_end_offset == second
     check_intact(log, built.in_segment(built.segments[0]))
+    log.close()
+
+
+# --- index entries that prove wrong after the segment was opened -------------------------
+
+# Seeds whose logs have offset-index entries in the active segment and 2+ in old ones.
+REBUILD_SEEDS = (1, 2, 3, 4)
+
+
+def index_entries(path: Path) -> list[tuple[int, int]]:
+    """``(relative offset, position)`` entries of an ``.index`` file, without the zero slots
+    a preallocated (active) file ends in (no entry has position 0)."""
+    entries = []
+    for relative, position in f.OFFSET_INDEX_ENTRY.iter_unpack(path.read_bytes()):
+        if position == 0:
+            break
+        entries.append((relative, position))
+    return entries
+
+
+def check_index_consistent(path: Path, built: Built, base: int, batches: list[Appended]) -> None:
+    """Every entry points at the first byte of a batch with that base offset."""
+    starts = {b.position: b.base_offset for b in batches if b.segment == base}
+    for relative, position in index_entries(path):
+        assert starts.get(position) == base + relative, (path.name, relative, position)
+
+
+def corrupt_index_entry(
+    path: Path,
+    slots: list[int],
+    batches: list[Appended],
+    kind: str,
+    rng: random.Random,
+    *,
+    pass_open_checks: bool = True,
+) -> int:
+    """Overwrite the position of one of the entries ``slots`` with a wrong but plausible
+    one: the start of another batch of the segment, or a position inside a batch. With
+    ``pass_open_checks`` the index still passes the O(1) checks at open (positions inside
+    the log, last entry after the first). Returns the slot."""
+    entries = index_entries(path)
+    log_size = sum(len(b.data) for b in batches)
+    for slot in rng.sample(slots, len(slots)):
+        relative, right = entries[slot]
+        low, high = 0, log_size  # exclusive bounds
+        if pass_open_checks and len(entries) > 1 and slot == 0:
+            high = entries[-1][1]
+        if pass_open_checks and len(entries) > 1 and slot == len(entries) - 1:
+            low = entries[0][1]
+        if kind == "other batch":
+            candidates = [b.position for b in batches]
+        else:
+            candidates = [b.position + rng.randrange(1, len(b.data)) for b in batches]
+        candidates = [c for c in candidates if low < c < high and c != right]
+        if candidates:
+            with open(path, "r+b") as out:
+                out.seek(slot * f.OFFSET_INDEX_ENTRY.size)
+                out.write(f.OFFSET_INDEX_ENTRY.pack(relative, rng.choice(candidates)))
+            return slot
+    raise AssertionError(f"no plausible wrong position for slots {slots} of {entries}")
+
+
+@pytest.fixture
+def rebuilds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Base offsets of the segments whose indexes ``rebuild_indexes`` rebuilt, in order."""
+    calls: list[int] = []
+    original = LogSegment.rebuild_indexes
+
+    def spy(self: LogSegment) -> None:
+        calls.append(self.base_offset)
+        original(self)
+
+    monkeypatch.setattr(LogSegment, "rebuild_indexes", spy)
+    return calls
+
+
+def read_every_offset(log: Log, batches: list[Appended]) -> None:
+    for batch in batches:
+        for offset in range(batch.base_offset, batch.last_offset + 1):
+            assert log.read(offset, 1) == batch.data
+            assert log.lookup(offset) == (batch.segment, batch.position, batch.base_offset)
+
+
+def append_batches(log: Log, rng: random.Random, count: int) -> list[Appended]:
+    appended = []
+    for _ in range(count):
+        raw, values = random_batch(rng)
+        info = log.append(raw, 3)
+        stamped = bytearray(raw)
+        stamp(stamped, 0, info.first_offset, 3)
+        appended.append(Appended(info.first_offset, info.last_offset, bytes(stamped), values))
+    return appended
+
+
+@pytest.mark.parametrize("kind", ["other batch", "inside batch"])
+@pytest.mark.parametrize("seed", REBUILD_SEEDS)
+def test_wrong_entry_in_trusted_old_index_is_rebuilt_on_the_spot(
+    tmp_path: Path, seed: int, kind: str, pristine: tuple[Path, Built], rebuilds: list[int]
+) -> None:
+    """An old segment below the recovery point is trusted at open, so a wrong index entry
+    is found by the first lookup through it: both indexes are rebuilt then (not reset to
+    empty, which made every later read scan the segment from position 0)."""
+    source, built = pristine
+    rng = random.Random(seed * 7 + 9)
+    directory = damaged_copy(source, tmp_path, "old")
+    old = rng.choice(
+        [b for b in built.segments[:-1] if index_entries(seg_file(source, b, ".index"))]
+    )
+    index = seg_file(directory, old, ".index")
+    good = index.read_bytes()
+    slots = list(range(len(index_entries(index))))
+    corrupt_index_entry(index, slots, built.in_segment(old), kind, rng)
+    damaged = index.read_bytes()
+    log = reopen(directory, built, built.end)
+    assert log.truncated_on_recovery_bytes == 0
+    assert index.read_bytes() == damaged  # trusted: not re-verified at open
+    assert rebuilds == []
+    read_every_offset(log, built.batches)
+    assert rebuilds == [old]  # once, by the first lookup through the wrong entry
+    # Rebuilt and trimmed: the entries the appends wrote, every one pointing at its batch.
+    assert index.read_bytes() == good
+    assert index_entries(index)
+    check_index_consistent(index, built, old, built.batches)
+    read_every_offset(log, built.batches)
+    assert rebuilds == [old]  # the second pass trusts the rebuilt index
+    check_intact(log, built.batches)
+    check_continues(directory, built, log, built.batches)
+    assert rebuilds == [old]
+
+
+@pytest.mark.parametrize("seed", REBUILD_SEEDS)
+def test_wrong_entry_in_active_index_is_rebuilt_on_the_spot(
+    tmp_path: Path, seed: int, pristine: tuple[Path, Built], rebuilds: list[int]
+) -> None:
+    source, built = pristine
+    rng = random.Random(seed * 7 + 10)
+    directory = damaged_copy(source, tmp_path, "active")
+    active = built.active
+    index = seg_file(directory, active, ".index")
+    good = index_entries(index)
+    batches = built.in_segment(active)
+    # Damaged on disk after a clean close: the active segment holds the recovery point
+    # (the log end), so the open re-verifies it and rebuilds its indexes from the log.
+    slots = list(range(len(good)))
+    corrupt_index_entry(index, slots, batches, "other batch", rng, pass_open_checks=False)
+    log = reopen(directory, built, built.end)
+    assert log.truncated_on_recovery_bytes == 0
+    assert index_entries(index) == good
+    read_every_offset(log, built.batches)
+    assert rebuilds == []
+    # Damaged while open (the file is mapped, so the write shows through): the first
+    # lookup through the entry rebuilds the indexes, which stay preallocated and writable.
+    for kind in ("other batch", "inside batch"):
+        rebuilds.clear()
+        corrupt_index_entry(index, slots, batches, kind, rng, pass_open_checks=False)
+        read_every_offset(log, built.batches)
+        assert rebuilds == [active]
+        assert index_entries(index) == good
+        assert index.stat().st_size == INDEX_BYTES
+        check_index_consistent(index, built, active, built.batches)
+        read_every_offset(log, built.batches)
+        assert rebuilds == [active]
+    # Appends go on from the rebuilt state: the files left at close are what a full
+    # recovery builds, and a trusting reopen reads everything back.
+    more = append_batches(log, rng, 12)
+    kept = [*built.batches, *more]
+    check_intact(log, kept)
+    log.flush()
+    point, bases = log.recovery_point, log.segment_base_offsets
+    log.close()
+    files = {
+        (base, suffix): seg_file(directory, base, suffix).read_bytes()
+        for base in bases
+        for suffix in (".index", ".timeindex")
+    }
+    again = reopen(directory, built, point)
+    assert again.truncated_on_recovery_bytes == 0
+    assert again.segment_base_offsets == bases
+    check_intact(again, kept)
+    again.close()
+    full = reopen(directory, built, 0)
+    assert full.truncated_on_recovery_bytes == 0
+    full.close()
+    for (base, suffix), content in files.items():
+        assert seg_file(directory, base, suffix).read_bytes() == content, (base, suffix)
+    assert rebuilds == [active]
+    log = reopen(directory, built, point)
+    check_continues(directory, built, log, kept)
+
+
+@pytest.mark.parametrize("where", ["header", "body"])
+@pytest.mark.parametrize("seed", REBUILD_SEEDS)
+def test_rebuild_after_wrong_entry_stops_at_damaged_batch(
+    tmp_path: Path, seed: int, where: str, pristine: tuple[Path, Built], rebuilds: list[int]
+) -> None:
+    """A trusted old segment with a damaged batch in the middle and a wrong index entry
+    after it: the rebuild keeps the entries before the damage (all of them when only the
+    body is damaged, since the rebuild reads headers), the damaged batch is never served."""
+    source, built = pristine
+    rng = random.Random(seed * 7 + 11)
+    choices = []
+    for base in built.segments[:-1]:
+        entries = index_entries(seg_file(source, base, ".index"))
+        if len(entries) >= 2:
+            first, last = entries[0][1], entries[-1][1]
+            choices += [b for b in built.in_segment(base) if first < b.position < last]
+    victim = rng.choice(choices)
+    old = victim.segment
+    directory = damaged_copy(source, tmp_path, "damaged")
+    index = seg_file(directory, old, ".index")
+    good = index_entries(index)
+    if where == "header":  # bytes covered by the header checksum
+        where_at = rng.randrange(f.HEADER_CRC_OFFSET + 4)
+    else:
+        where_at = rng.randrange(f.BATCH_HEADER_SIZE, len(victim.data))
+    flip_byte(seg_file(directory, old, ".log"), victim.position + where_at)
+    after = [slot for slot, (_, position) in enumerate(good) if position > victim.position]
+    corrupt_index_entry(index, after, built.in_segment(old), "other batch", rng)
+    damaged = index.read_bytes()
+    log = reopen(directory, built, built.end)
+    assert log.truncated_on_recovery_bytes == 0
+    assert index.read_bytes() == damaged
+    for _ in range(2):  # the second pass finds the rebuilt index right: no new rebuild
+        for batch in built.batches:
+            for offset in range(batch.base_offset, batch.last_offset + 1):
+                if batch is victim:
+                    with pytest.raises(StorageError):
+                        log.read(offset, 1)
+                elif batch.segment == old and batch.base_offset > victim.base_offset:
+                    # Past the damage in its segment: served right, or refused when the
+                    # scan to it must cross a damaged header (the rebuild stopped there).
+                    try:
+                        assert log.read(offset, 1) == batch.data
+                    except StorageError:
+                        assert where == "header"
+                else:
+                    assert log.read(offset, 1) == batch.data
+                    assert log.lookup(offset) == (
+                        old if batch.segment == old else batch.segment,
+                        batch.position,
+                        batch.base_offset,
+                    )
+        assert rebuilds == [old]
+        rebuilt = index_entries(index)
+        if where == "header":
+            assert rebuilt == [e for e in good if e[1] < victim.position]
+        else:
+            assert rebuilt == good
+        assert rebuilt  # the entries before the damage are kept
+        check_index_consistent(index, built, old, built.batches)
     log.close()
 
 

@@ -159,8 +159,9 @@ class LogSegment:
         """
         for attempt in range(2):
             indexed_offset, position = self.offset_index.lookup(offset)
-            if position == 0:
-                return None
+            if position == 0 and indexed_offset == self.base_offset:
+                return None  # no entry that low: scan from the start
+            # (An entry never points at position 0, so one that does is damage.)
             try:
                 header = self._header_at(position)
             except StorageError:
