@@ -92,14 +92,35 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser.add_argument(
         "--etcd",
         metavar="URL",
-        help="etcd endpoint for broker registration; accepted but not used yet "
-        "(registration arrives with the controller)",
+        help="etcd endpoint(s), comma-separated: the broker registers there and takes part "
+        "in the cluster; without it the node runs alone (partitions made by LeaderAndIsr)",
+    )
+    parser.add_argument(
+        "--cluster",
+        default="default",
+        metavar="NAME",
+        help="cluster name: the etcd key prefix /tidelog/NAME/ (default: default)",
     )
     parser.add_argument(
         "--rack",
         metavar="R",
-        help="failure domain (e.g. zone) for rack-aware replica placement; accepted but "
-        "not used yet (placement arrives with the controller)",
+        help="failure domain (e.g. zone), for rack-aware replica placement",
+    )
+    parser.add_argument(
+        "--session-ttl-s",
+        type=int,
+        default=10,
+        metavar="S",
+        help="lease TTL of the broker's registration: a broker silent this long is "
+        "considered dead (default: 10)",
+    )
+    parser.add_argument(
+        "--controlled-shutdown-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, how long to wait for the controller to move this broker's "
+        "leaderships away before stopping anyway (default: 30)",
     )
     _add_logging(parser)
     parser.set_defaults(handler="services.storage.node:main")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import threading
 import time
@@ -31,8 +32,11 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.controller.state import Broker
+from services.metastore import MetaStore
 from services.storage.log import LogConfig
 from services.storage.log_manager import LogManager
+from services.storage.registration import BrokerRegistration
 from services.storage.server import ReplicaManager, ServerLimits, StorageServicer
 from tidelog import logging as tidelog_logging
 from tidelog.clock import SYSTEM_CLOCK, Clock
@@ -57,9 +61,15 @@ class StorageNodeConfig:
     # Address to bind; port 0 lets the OS choose (see StorageNode.port).
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
-    # etcd endpoint and rack: accepted now, used once brokers register in etcd.
+    # etcd endpoint(s): when set, the broker registers under brokers/<id> with a lease and
+    # takes part in the cluster (controller, controlled shutdown). None: standalone.
     etcd: str | None = None
+    cluster: str = "default"
     rack: str | None = None
+    # Registration lease TTL: a broker silent this long is declared dead by the controller.
+    session_ttl_s: int = 10
+    # How long SIGTERM waits for the controller to move this broker's leaderships away.
+    controlled_shutdown_timeout_s: float = 30.0
     # Pool threads serving calls. Long-polling fetches and append streams hold a thread
     # each, so ServerLimits keeps their counts well below this.
     max_workers: int = 64
@@ -96,6 +106,8 @@ class StorageNodeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.shutdown_grace_ms < 0:
             raise ValueError("shutdown_grace_ms must be >= 0")
+        if self.session_ttl_s < 1:
+            raise ValueError("session_ttl_s must be >= 1")
         if self.limits.max_fetch_response_bytes > self.max_message_bytes:
             raise ValueError("max_fetch_response_bytes must not exceed max_message_bytes")
 
@@ -117,6 +129,8 @@ class StorageNode:
         self._port = 0
         self._stopping = threading.Event()
         self._maintenance_thread: threading.Thread | None = None
+        self._store: MetaStore | None = None
+        self._registration: BrokerRegistration | None = None
         self._stopped = False
 
     @property
@@ -190,6 +204,27 @@ class StorageNode:
         )
         self._maintenance_thread.start()
         _log.info("listening", address=self.address)
+        if config.etcd:
+            self._register(replicas)
+
+    def _register(self, replicas: ReplicaManager) -> None:
+        """Join the cluster: register in etcd (waiting out a previous incarnation)."""
+        config = self.config
+        self._store = MetaStore(config.etcd or "", cluster=config.cluster)
+        host = config.listen_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()  # a wildcard is not an address others can dial
+        self._registration = BrokerRegistration(
+            self._store,
+            Broker(config.broker_id, host, self.port, config.rack or ""),
+            ttl_s=config.session_ttl_s,
+            on_epoch=replicas.set_broker_epoch,
+        )
+        try:
+            self._registration.start()
+        except Exception:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         """Clean shutdown: refuse new calls, drain, flush and checkpoint every log."""
@@ -197,6 +232,10 @@ class StorageNode:
             return
         self._stopped = True
         _log.info("stopping")
+        if self._registration is not None and self._registration.epoch > 0:
+            # While still serving: leaderships move first, so producers fail over to
+            # replicas that have everything instead of waiting out a session timeout.
+            self._registration.controlled_shutdown(self.config.controlled_shutdown_timeout_s)
         self._health.enter_graceful_shutdown()  # NOT_SERVING, so balancers move away first
         self._stopping.set()
         if self._server is not None:
@@ -206,6 +245,10 @@ class StorageNode:
             if self._servicer is not None:
                 self._servicer.begin_shutdown()
             drained.wait(grace_s + 1)
+        if self._registration is not None:
+            self._registration.stop()  # deregister at once rather than after a TTL
+        if self._store is not None:
+            self._store.close()
         if self._maintenance_thread is not None:
             self._maintenance_thread.join()
         if self._replicas is not None:
@@ -242,7 +285,10 @@ def main(args: argparse.Namespace) -> int:
             listen_host=args.listen_host,
             listen_port=args.listen_port,
             etcd=args.etcd,
+            cluster=args.cluster,
             rack=args.rack,
+            session_ttl_s=args.session_ttl_s,
+            controlled_shutdown_timeout_s=args.controlled_shutdown_timeout_s,
         )
     except (ValueError, TidelogError) as exc:
         print(f"tidelog storage: error: {exc}", file=sys.stderr)

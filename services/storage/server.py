@@ -25,7 +25,7 @@ import shutil
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import grpc
@@ -52,6 +52,7 @@ from tidelog.errors import (
     InvalidRequestError,
     InvalidRequiredAcksError,
     NotLeaderOrFollowerError,
+    StaleBrokerEpochError,
     StaleControllerEpochError,
     StorageError,
     TidelogError,
@@ -107,6 +108,29 @@ class StopReplicaItem:
     delete: bool
 
 
+@dataclass(frozen=True, slots=True)
+class BrokerAddress:
+    """A live broker as UpdateMetadata describes it."""
+
+    broker_id: int
+    host: str
+    port: int
+    rack: str
+    broker_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterMetadata:
+    """The metadata cache: what the controller last told this broker about the cluster.
+
+    Followers find their leaders' addresses here (replication); immutable, replaced whole.
+    """
+
+    brokers: dict[int, BrokerAddress] = field(default_factory=dict)
+    partitions: dict[tuple[str, int], PartitionState] = field(default_factory=dict)
+    controller_epoch: int = -1
+
+
 class ReplicaManager:
     """The partitions hosted by this broker, and the LogManager that owns their logs.
 
@@ -129,6 +153,11 @@ class ReplicaManager:
         self._lock = threading.Lock()
         self._partitions: dict[tuple[str, int], Partition] = {}
         self._controller_epoch = -1
+        # This incarnation's registration epoch in etcd; -1 when running without etcd.
+        self._broker_epoch = -1
+        # The cluster as the controller last described it (UpdateMetadata): live brokers
+        # and partition states. Replaced whole, never mutated, so readers need no lock.
+        self._metadata: ClusterMetadata = ClusterMetadata()
         self._closed = False
 
     @property
@@ -160,28 +189,57 @@ class ReplicaManager:
     def partitions(self) -> list[Partition]:
         return list(self._partitions.values())
 
-    def _check_controller_epoch(self, controller_epoch: int) -> None:
+    def set_broker_epoch(self, broker_epoch: int) -> None:
+        """Called when this broker (re)registers in etcd and learns its new epoch."""
+        with self._lock:
+            self._broker_epoch = broker_epoch
+
+    @property
+    def broker_epoch(self) -> int:
+        return self._broker_epoch
+
+    @property
+    def metadata(self) -> ClusterMetadata:
+        return self._metadata
+
+    def _check_controller_request(self, controller_epoch: int, broker_epoch: int) -> None:
         # Called with _lock held. A request from a deposed controller must not undo the
-        # decisions of its successor.
+        # decisions of its successor; one addressed to an earlier incarnation of this
+        # broker describes state this incarnation never had (Kafka's KIP-380).
         if controller_epoch < self._controller_epoch:
             raise StaleControllerEpochError(
                 f"controller epoch {controller_epoch} is older than {self._controller_epoch}"
             )
+        if broker_epoch > 0 and self._broker_epoch > 0 and broker_epoch != self._broker_epoch:
+            raise StaleBrokerEpochError(
+                f"request for broker epoch {broker_epoch}; broker {self.broker_id} is "
+                f"registered with epoch {self._broker_epoch}"
+            )
         self._controller_epoch = controller_epoch
 
+    def update_metadata(
+        self, controller_epoch: int, broker_epoch: int, metadata: ClusterMetadata
+    ) -> None:
+        """Replace the metadata cache (UpdateMetadata). Fenced like LeaderAndIsr."""
+        with self._lock:
+            self._check_open()
+            self._check_controller_request(controller_epoch, broker_epoch)
+            self._metadata = metadata
+
     def apply_leader_and_isr(
-        self, controller_epoch: int, states: Sequence[PartitionState]
+        self, controller_epoch: int, states: Sequence[PartitionState], broker_epoch: int = -1
     ) -> list[TidelogError | None]:
         """Create logs as needed and take the roles ``states`` assign; one result each.
 
-        Raises StaleControllerEpochError (changing nothing) for an old controller epoch.
+        Raises StaleControllerEpochError / StaleBrokerEpochError (changing nothing) for a
+        request from a deposed controller or for an earlier incarnation of this broker.
         Per partition: bad names, bad epochs or bad configs fail that partition only, and
         leave it as it was.
         """
         results: list[TidelogError | None] = []
         with self._lock:
             self._check_open()
-            self._check_controller_epoch(controller_epoch)
+            self._check_controller_request(controller_epoch, broker_epoch)
             for state in states:
                 try:
                     self._apply_state(state)
@@ -232,7 +290,7 @@ class ReplicaManager:
         )
 
     def stop_replicas(
-        self, controller_epoch: int, items: Sequence[StopReplicaItem]
+        self, controller_epoch: int, items: Sequence[StopReplicaItem], broker_epoch: int = -1
     ) -> list[TidelogError | None]:
         """Stop serving partitions, deleting their logs where asked; one result each.
 
@@ -242,7 +300,7 @@ class ReplicaManager:
         results: list[TidelogError | None] = []
         with self._lock:
             self._check_open()
-            self._check_controller_epoch(controller_epoch)
+            self._check_controller_request(controller_epoch, broker_epoch)
             for item in items:
                 try:
                     self._stop_replica(item)
@@ -685,7 +743,6 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         self, request: storage_pb2.LeaderAndIsrRequest, context: grpc.ServicerContext
     ) -> storage_pb2.LeaderAndIsrResponse:
         self._check_partition_count(len(request.partitions))
-        # broker_epoch fencing arrives with broker registration in etcd (a later issue).
         states = [
             PartitionState(
                 topic=lp.state.topic,
@@ -699,10 +756,10 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             )
             for lp in request.partitions
         ]
-        try:
-            outcomes = self._replicas.apply_leader_and_isr(request.controller_epoch, states)
-        except StaleControllerEpochError as exc:
-            return storage_pb2.LeaderAndIsrResponse(error=to_error_proto(exc))
+        # Stale controller or broker epochs abort the call (a gRPC status, see common.proto).
+        outcomes = self._replicas.apply_leader_and_isr(
+            request.controller_epoch, states, request.broker_epoch
+        )
         return storage_pb2.LeaderAndIsrResponse(
             error=to_error_proto(None),
             partitions=[
@@ -714,6 +771,33 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         )
 
     @unary_errors
+    def UpdateMetadata(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.UpdateMetadataRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.UpdateMetadataResponse:
+        self._check_partition_count(len(request.partitions))
+        metadata = ClusterMetadata(
+            brokers={
+                b.broker_id: BrokerAddress(b.broker_id, b.host, b.port, b.rack, b.broker_epoch)
+                for b in request.brokers
+            },
+            partitions={
+                (p.topic, p.partition): PartitionState(
+                    topic=p.topic,
+                    partition=p.partition,
+                    leader=p.leader,
+                    leader_epoch=p.leader_epoch,
+                    isr=tuple(p.isr),
+                    replicas=tuple(p.replicas),
+                    partition_epoch=p.partition_epoch,
+                )
+                for p in request.partitions
+            },
+            controller_epoch=request.controller_epoch,
+        )
+        self._replicas.update_metadata(request.controller_epoch, request.broker_epoch, metadata)
+        return storage_pb2.UpdateMetadataResponse(error=to_error_proto(None))
+
+    @unary_errors
     def StopReplica(  # noqa: N802 - gRPC's method name
         self, request: storage_pb2.StopReplicaRequest, context: grpc.ServicerContext
     ) -> storage_pb2.StopReplicaResponse:
@@ -722,10 +806,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             StopReplicaItem(sp.topic, sp.partition, sp.leader_epoch, sp.delete_partition)
             for sp in request.partitions
         ]
-        try:
-            outcomes = self._replicas.stop_replicas(request.controller_epoch, items)
-        except StaleControllerEpochError as exc:
-            return storage_pb2.StopReplicaResponse(error=to_error_proto(exc))
+        outcomes = self._replicas.stop_replicas(
+            request.controller_epoch, items, request.broker_epoch
+        )
         return storage_pb2.StopReplicaResponse(
             error=to_error_proto(None),
             partitions=[

@@ -1,0 +1,212 @@
+"""Cluster metadata in etcd: the key layout and the value codecs, in one place.
+
+``docs/METADATA.md`` describes the layout for people; this module is what the code uses.
+Keys are relative to the cluster root that ``MetaStore`` adds (``/tidelog/<cluster>/``).
+Values are UTF-8 JSON objects; readers ignore unknown fields.
+
+Epochs that etcd assigns are taken from revisions, not from values: a broker's epoch is
+its registration key's create revision, the controller epoch is the election key's create
+revision. Both only grow, and a new incarnation always gets a larger one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from services.controller.state import Broker, PartitionRecord, Topic
+from services.metastore import KeyValue
+from tidelog.errors import StorageError
+
+BROKERS_PREFIX: Final = "brokers/"
+CONTROLLER_KEY: Final = "controller"
+TOPICS_PREFIX: Final = "topics/"
+PARTITIONS_PREFIX: Final = "partitions/"
+GROUPS_PREFIX: Final = "groups/"
+CLUSTER_ID_KEY: Final = "cluster_id"
+
+
+def broker_key(broker_id: int) -> str:
+    return f"{BROKERS_PREFIX}{broker_id}"
+
+
+def topic_key(name: str) -> str:
+    return f"{TOPICS_PREFIX}{name}"
+
+
+def partitions_prefix(topic: str) -> str:
+    """The exact prefix of one topic's partition keys (names never contain ``/``)."""
+    return f"{PARTITIONS_PREFIX}{topic}/"
+
+
+def partition_key(topic: str, partition: int) -> str:
+    return f"{partitions_prefix(topic)}{partition}"
+
+
+def _dump(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _load(kv: KeyValue) -> dict[str, Any]:
+    try:
+        value = json.loads(kv.value)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StorageError(f"metadata key {kv.key!r} does not hold JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise StorageError(f"metadata key {kv.key!r} does not hold a JSON object")
+    return value
+
+
+# --- brokers ------------------------------------------------------------------------------
+
+
+def encode_broker(broker: Broker) -> bytes:
+    return _dump(
+        {
+            "host": broker.host,
+            "port": broker.port,
+            "rack": broker.rack or None,
+            "broker_epoch": broker.epoch,
+        }
+    )
+
+
+def decode_broker(kv: KeyValue) -> Broker:
+    value = _load(kv)
+    broker_id = int(kv.key.removeprefix(BROKERS_PREFIX))
+    # The create revision is the authority for the epoch (the field is for people).
+    return Broker(
+        broker_id=broker_id,
+        host=str(value["host"]),
+        port=int(value["port"]),
+        rack=str(value.get("rack") or ""),
+        epoch=kv.create_revision,
+    )
+
+
+# --- the controller election key ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerInfo:
+    """The active controller as its election key says: id, gRPC address and epoch."""
+
+    controller_id: int
+    address: str
+    epoch: int
+
+
+def encode_controller(controller_id: int, address: str) -> bytes:
+    return _dump({"id": controller_id, "address": address})
+
+
+def decode_controller(kv: KeyValue) -> ControllerInfo:
+    value = _load(kv)
+    return ControllerInfo(
+        controller_id=int(value["id"]),
+        address=str(value["address"]),
+        epoch=kv.create_revision,
+    )
+
+
+# --- topics and partitions ------------------------------------------------------------------
+
+
+def encode_topic(topic: Topic) -> bytes:
+    return _dump(
+        {
+            "topic_id": topic.topic_id,
+            "partitions": topic.partition_count,
+            "replication_factor": topic.replication_factor,
+            "configs": dict(topic.configs),
+            "assignment": [list(replicas) for replicas in topic.assignment],
+        }
+    )
+
+
+def decode_topic(kv: KeyValue) -> Topic:
+    value = _load(kv)
+    return Topic(
+        name=kv.key.removeprefix(TOPICS_PREFIX),
+        topic_id=str(value["topic_id"]),
+        assignment=tuple(tuple(int(b) for b in replicas) for replicas in value["assignment"]),
+        configs={str(k): str(v) for k, v in value.get("configs", {}).items()},
+    )
+
+
+def encode_partition(record: PartitionRecord) -> bytes:
+    return _dump(
+        {
+            "leader": record.leader,
+            "leader_epoch": record.leader_epoch,
+            "isr": list(record.isr),
+            "partition_epoch": record.partition_epoch,
+        }
+    )
+
+
+def decode_partition(kv: KeyValue) -> tuple[str, int, PartitionRecord]:
+    """``(topic, partition, record)`` from a ``partitions/<topic>/<p>`` key."""
+    topic, _, partition = kv.key.removeprefix(PARTITIONS_PREFIX).rpartition("/")
+    value = _load(kv)
+    record = PartitionRecord(
+        leader=int(value["leader"]),
+        leader_epoch=int(value["leader_epoch"]),
+        isr=tuple(int(b) for b in value["isr"]),
+        partition_epoch=int(value["partition_epoch"]),
+    )
+    return topic, int(partition), record
+
+
+# --- pending topic deletions ----------------------------------------------------------------
+
+DELETIONS_PREFIX: Final = "deletions/"
+
+
+def deletion_key(topic: str) -> str:
+    return f"{DELETIONS_PREFIX}{topic}"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingDeletion:
+    """A deleted topic whose replicas may still be on brokers' disks (``deletions/<t>``).
+
+    Written in the same transaction that deletes the topic, removed once every replica's
+    broker acknowledged StopReplica(delete_partition=true). While it exists the name cannot
+    be reused: a broker that was down during the deletion must not have the new topic's
+    logs deleted when it returns.
+    """
+
+    topic: str
+    topic_id: str
+    assignment: tuple[tuple[int, ...], ...]
+
+
+def encode_deletion(deletion: PendingDeletion) -> bytes:
+    return _dump(
+        {
+            "topic_id": deletion.topic_id,
+            "assignment": [list(replicas) for replicas in deletion.assignment],
+        }
+    )
+
+
+def decode_deletion(kv: KeyValue) -> PendingDeletion:
+    value = _load(kv)
+    return PendingDeletion(
+        topic=kv.key.removeprefix(DELETIONS_PREFIX),
+        topic_id=str(value["topic_id"]),
+        assignment=tuple(tuple(int(b) for b in replicas) for replicas in value["assignment"]),
+    )
+
+
+# --- the cluster id ---------------------------------------------------------------------------
+
+
+def encode_cluster_id(cluster_id: str) -> bytes:
+    return _dump({"cluster_id": cluster_id})
+
+
+def decode_cluster_id(kv: KeyValue) -> str:
+    return str(_load(kv)["cluster_id"])

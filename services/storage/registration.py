@@ -1,0 +1,195 @@
+"""A storage node's registration in etcd, and its controlled shutdown.
+
+The broker's liveness, as the controller sees it, is the key ``brokers/<id>`` bound to a
+lease the broker keeps alive (refresh every TTL/3). If the process dies or hangs, the
+lease expires, etcd deletes the key, and the controller moves the broker's leaderships.
+
+The broker epoch is the key's create revision: each incarnation gets a new, larger one,
+so requests meant for an older incarnation (from the controller) or sent by one (to the
+controller) can be told apart and refused (Kafka's KIP-380).
+
+Rules:
+- A registration is created only if the key is absent: a previous incarnation's key
+  (still alive until its lease runs out after a kill -9) is waited for, never
+  overwritten; a key held by another live process past that wait is an error.
+- After losing the lease (etcd unreachable for a TTL, or the process paused past it),
+  the broker registers again as a new incarnation, with a new epoch.
+
+Thread-safety: ``start``/``stop`` from the owner thread; the keepalive and re-register
+work happens on the LeaseKeeper's thread and one re-registration thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from services.cluster_metadata import (
+    CONTROLLER_KEY,
+    broker_key,
+    decode_broker,
+    decode_controller,
+    encode_broker,
+)
+from services.controller.state import Broker
+from services.metastore import Lease, LeaseKeeper, MetaStore, MetaStoreError
+from services.status import error_from_rpc_error
+from tidelog.errors import BrokerNotAvailableError, TidelogError
+from tidelog.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+
+_log = structlog.get_logger("tidelog.storage.registration")
+
+CONTROLLED_SHUTDOWN_TIMEOUT_S = 30.0
+"""How long a stopping broker keeps asking the controller to move its leaderships."""
+CONTROLLED_SHUTDOWN_RPC_TIMEOUT_S = 5.0
+RETRY_BACKOFF_S = 0.25
+
+
+class BrokerRegistration:
+    """Keeps ``brokers/<id>`` registered while the node runs; see the module docstring."""
+
+    def __init__(
+        self,
+        store: MetaStore,
+        broker: Broker,
+        *,
+        ttl_s: int,
+        on_epoch: Callable[[int], None],
+    ) -> None:
+        self._store = store
+        self._broker = broker
+        self._ttl_s = ttl_s
+        self._on_epoch = on_epoch
+        self._lease: Lease | None = None
+        self._keeper: LeaseKeeper | None = None
+        self._stopping = threading.Event()
+        self._reregister_thread: threading.Thread | None = None
+        self.epoch = -1
+
+    @property
+    def key(self) -> str:
+        return broker_key(self._broker.broker_id)
+
+    def start(self) -> int:
+        """Register, waiting up to two TTLs for a previous incarnation's key to expire."""
+        deadline = time.monotonic() + 2 * self._ttl_s + 2
+        while not self._register_once():
+            holder = self._store.get(self.key)
+            if time.monotonic() > deadline:
+                where = ""
+                if holder is not None:
+                    other = decode_broker(holder)
+                    where = f" by {other.host}:{other.port}"
+                raise BrokerNotAvailableError(
+                    f"broker id {self._broker.broker_id} is registered{where} by another live "
+                    "process; broker ids must be unique"
+                )
+            _log.info("waiting_for_previous_registration", broker_id=self._broker.broker_id)
+            if self._stopping.wait(RETRY_BACKOFF_S):
+                raise BrokerNotAvailableError("stopped while registering")
+        return self.epoch
+
+    def _register_once(self) -> bool:
+        lease = self._store.grant_lease(self._ttl_s)
+        if not self._store.create_if_absent(self.key, encode_broker(self._broker), lease=lease):
+            lease.revoke()
+            return False
+        created = self._store.get(self.key)
+        if created is None or created.lease_id != lease.id:
+            lease.revoke()  # expired between the create and the read: try again
+            return False
+        self.epoch = created.create_revision
+        # Record the epoch in the value for people reading etcd; the create revision stays
+        # the authority, so losing this write changes nothing.
+        self._store.compare_and_swap(
+            self.key,
+            created.mod_revision,
+            encode_broker(dataclasses.replace(self._broker, epoch=self.epoch)),
+            lease=lease,
+        )
+        self._lease = lease
+        self._keeper = LeaseKeeper(lease, on_lost=self._lease_lost).start()
+        self._on_epoch(self.epoch)
+        _log.info("registered", broker_id=self._broker.broker_id, broker_epoch=self.epoch)
+        return True
+
+    def _lease_lost(self, error: MetaStoreError) -> None:
+        if self._stopping.is_set():
+            return
+        _log.warning(
+            "registration_lost",
+            broker_id=self._broker.broker_id,
+            broker_epoch=self.epoch,
+            error=str(error),
+        )
+        self._reregister_thread = threading.Thread(
+            target=self._reregister, name="broker-reregister", daemon=True
+        )
+        self._reregister_thread.start()
+
+    def _reregister(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                if self._register_once():
+                    return
+            except MetaStoreError as exc:
+                _log.warning("reregister_failed", error=str(exc))
+            self._stopping.wait(RETRY_BACKOFF_S)
+
+    def controlled_shutdown(self, timeout_s: float = CONTROLLED_SHUTDOWN_TIMEOUT_S) -> bool:
+        """Ask the active controller to move this broker's leaderships away first.
+
+        Retries (the controller may be changing, or still electing leaders) until the
+        controller reports nothing left or ``timeout_s`` passes. True when nothing is left.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                remaining = self._ask_controller()
+            except (TidelogError, grpc.RpcError) as exc:
+                _log.info("controlled_shutdown_retry", error=str(exc))
+            else:
+                if not remaining:
+                    _log.info("controlled_shutdown_done", broker_id=self._broker.broker_id)
+                    return True
+                _log.info("controlled_shutdown_pending", remaining=len(remaining))
+            time.sleep(RETRY_BACKOFF_S)
+        _log.warning("controlled_shutdown_timed_out", broker_id=self._broker.broker_id)
+        return False
+
+    def _ask_controller(self) -> list[common_pb2.TopicPartition]:
+        found = self._store.get(CONTROLLER_KEY)
+        if found is None:
+            raise BrokerNotAvailableError("no active controller")
+        address = decode_controller(found).address
+        with grpc.insecure_channel(address) as channel:
+            stub = controller_pb2_grpc.ControllerStub(channel)
+            try:
+                response = stub.ControlledShutdown(
+                    controller_pb2.ControlledShutdownRequest(
+                        broker_id=self._broker.broker_id, broker_epoch=self.epoch
+                    ),
+                    timeout=CONTROLLED_SHUTDOWN_RPC_TIMEOUT_S,
+                )
+            except grpc.RpcError as exc:
+                raise error_from_rpc_error(exc) from None
+        if response.error.code:
+            raise BrokerNotAvailableError(response.error.message)
+        return list(response.remaining_partitions)
+
+    def stop(self) -> None:
+        """Deregister now (revoke the lease) so the controller reacts at once."""
+        self._stopping.set()
+        if self._keeper is not None:
+            self._keeper.stop()
+        if self._lease is not None:
+            try:
+                self._lease.revoke()
+            except MetaStoreError as exc:
+                # Unreachable etcd: the lease expires by itself within a TTL.
+                _log.warning("deregister_failed", error=str(exc))

@@ -1,0 +1,229 @@
+"""A storage node in a cluster: registration in etcd, epochs, fencing, deregistration.
+
+Real etcd, real ``tidelog storage`` processes, real gRPC. The controller side of these
+interactions is tested in ``test_controller.py``; here the test plays the controller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.cluster_metadata import broker_key, decode_broker
+from services.metastore import MetaStore
+from tests.support.process import StorageProcess
+from tidelog.etcd_launcher import EtcdProcess, EtcdTuning
+from tidelog.records import encode_batch
+from tidelog.v1 import common_pb2, storage_pb2
+
+TTL_S = 2
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    with EtcdProcess(tmp_path_factory.mktemp("etcd"), tuning=EtcdTuning()) as server:
+        yield server
+
+
+@pytest.fixture
+def store(etcd: EtcdProcess, request: pytest.FixtureRequest) -> Iterator[MetaStore]:
+    # A cluster name per test keeps tests independent on the shared etcd.
+    cluster = request.node.name.replace("[", "-").replace("]", "")
+    with MetaStore(etcd.endpoint, cluster=cluster) as meta:
+        yield meta
+
+
+def start_member(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore, broker_id: int = 1, name: str = "data"
+) -> StorageProcess:
+    return StorageProcess(
+        tmp_path / name,
+        broker_id=broker_id,
+        extra_args=[
+            "--etcd",
+            etcd.endpoint,
+            "--cluster",
+            store.cluster,
+            "--rack",
+            "zone-a",
+            "--session-ttl-s",
+            str(TTL_S),
+            "--controlled-shutdown-timeout-s",
+            "1",
+        ],
+    ).start()
+
+
+def port_of(node: StorageProcess) -> int:
+    return int(node.address.rsplit(":", 1)[1])
+
+
+def wait_for(condition: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if callable(condition) and condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def leader_and_isr(
+    node: StorageProcess, *, controller_epoch: int, broker_epoch: int, leader_epoch: int = 0
+) -> storage_pb2.LeaderAndIsrResponse:
+    state = common_pb2.PartitionState(
+        topic="members",
+        partition=0,
+        leader=node.broker_id,
+        leader_epoch=leader_epoch,
+        isr=[node.broker_id],
+        replicas=[node.broker_id],
+    )
+    response: storage_pb2.LeaderAndIsrResponse = node.stub.LeaderAndIsr(
+        storage_pb2.LeaderAndIsrRequest(
+            controller_id=1,
+            controller_epoch=controller_epoch,
+            broker_epoch=broker_epoch,
+            partitions=[storage_pb2.LeaderAndIsrPartition(state=state, is_new=True)],
+        ),
+        timeout=10,
+    )
+    return response
+
+
+def error_code(exc: grpc.RpcError) -> str | None:
+    for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == "tidelog-error-code":
+            return str(value)
+    return None
+
+
+def test_registers_with_lease_and_epoch(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    node = start_member(tmp_path, etcd, store)
+    try:
+        kv = store.get(broker_key(1))
+        assert kv is not None
+        broker = decode_broker(kv)
+        assert (broker.host, broker.port, broker.rack) == (
+            "127.0.0.1",
+            port_of(node),
+            "zone-a",
+        )
+        assert broker.epoch == kv.create_revision > 0
+        assert kv.lease_id != 0
+        assert kv.json()["broker_epoch"] == kv.create_revision  # recorded for people
+        # The lease is kept alive well past its TTL.
+        time.sleep(TTL_S * 2)
+        again = store.get(broker_key(1))
+        assert again is not None and again.create_revision == kv.create_revision
+    finally:
+        assert node.terminate() == 0
+    # A clean stop deregisters at once (revoked lease), not after the TTL.
+    assert store.get(broker_key(1)) is None
+
+
+def test_kill_9_expires_and_restart_gets_a_newer_epoch(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    node = start_member(tmp_path, etcd, store)
+    first = store.get(broker_key(1))
+    assert first is not None
+    node.kill()
+    # The restarted incarnation waits for the old key to expire, then registers anew.
+    restarted = start_member(tmp_path, etcd, store)
+    try:
+        second = store.get(broker_key(1))
+        assert second is not None
+        assert second.create_revision > first.create_revision
+        assert decode_broker(second).port == port_of(restarted)
+    finally:
+        restarted.terminate()
+
+
+def test_expiry_without_restart_removes_the_key(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    node = start_member(tmp_path, etcd, store)
+    node.kill()
+    wait_for(lambda: store.get(broker_key(1)) is None, TTL_S + 3, "the lease to expire")
+
+
+def test_controller_and_broker_epoch_fencing(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    node = start_member(tmp_path, etcd, store)
+    try:
+        kv = store.get(broker_key(1))
+        assert kv is not None
+        epoch = kv.create_revision
+        ok = leader_and_isr(node, controller_epoch=5, broker_epoch=epoch)
+        assert ok.partitions[0].error.code == common_pb2.NONE
+        # A deposed controller (older epoch) changes nothing.
+        with pytest.raises(grpc.RpcError) as stale:
+            leader_and_isr(node, controller_epoch=4, broker_epoch=epoch, leader_epoch=1)
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_code(stale.value) == "STALE_CONTROLLER_EPOCH"
+        # A request meant for an earlier incarnation of the broker changes nothing either.
+        with pytest.raises(grpc.RpcError) as old_broker:
+            leader_and_isr(node, controller_epoch=6, broker_epoch=epoch - 1, leader_epoch=1)
+        assert error_code(old_broker.value) == "STALE_BROKER_EPOCH"
+        # The partition is still at leader epoch 0: a current-epoch append is accepted and
+        # an epoch-1 append is refused as unknown.
+        append = storage_pb2.AppendRequest(
+            topic="members", partition=0, records=encode_batch([b"x"]), current_leader_epoch=0
+        )
+        assert node.stub.Append(append, timeout=10).last_offset == 0
+        with pytest.raises(grpc.RpcError) as newer:
+            node.stub.Append(
+                storage_pb2.AppendRequest(
+                    topic="members",
+                    partition=0,
+                    records=encode_batch([b"y"]),
+                    current_leader_epoch=1,
+                ),
+                timeout=10,
+            )
+        assert error_code(newer.value) == "UNKNOWN_LEADER_EPOCH"
+        # UpdateMetadata is fenced the same way and accepted when current.
+        update = storage_pb2.UpdateMetadataRequest(
+            controller_id=1,
+            controller_epoch=6,
+            broker_epoch=epoch,
+            brokers=[common_pb2.BrokerInfo(broker_id=1, host="127.0.0.1", port=port_of(node))],
+        )
+        assert node.stub.UpdateMetadata(update, timeout=10).error.code == common_pb2.NONE
+        update.controller_epoch = 2
+        with pytest.raises(grpc.RpcError) as stale_update:
+            node.stub.UpdateMetadata(update, timeout=10)
+        assert error_code(stale_update.value) == "STALE_CONTROLLER_EPOCH"
+    finally:
+        node.terminate()
+
+
+def test_duplicate_broker_id_is_refused(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    first = start_member(tmp_path, etcd, store, name="one")
+    try:
+        second = StorageProcess(
+            tmp_path / "two",
+            broker_id=1,
+            extra_args=[
+                "--etcd",
+                etcd.endpoint,
+                "--cluster",
+                store.cluster,
+                "--session-ttl-s",
+                "1",
+            ],
+        )
+        # It waits two TTLs for the key to go away, then gives up with one clear line.
+        assert second.wait(30) != 0
+        assert "broker id 1 is registered" in second.log_tail(200)
+    finally:
+        first.terminate()
