@@ -1,0 +1,174 @@
+"""Leader-side replication state of one partition: follower progress, HW and ISR decisions.
+
+Pure (DESIGN §7): no threads, no RPC, no clock reads — every method takes ``now_ms``. The
+partition layer feeds it appends and follower fetches, and acts on what it returns: a
+moved high watermark completes waiting produce requests and fetches; an ISR proposal
+becomes an AlterPartition request to the controller.
+
+Rules (Kafka's ``Partition`` / ``Replica``, seeds 000 and 004):
+
+- A follower's log end offset (LEO) is the offset it asks to fetch from: everything
+  before it has been written to its log.
+- A follower is *caught up* at time t if at t it had fetched up to the leader's LEO as it
+  was at its previous fetch (Kafka's ``lastCaughtUpTimeMs``); it falls out of sync once it
+  has not been caught up for ``replica_lag_time_max_ms``.
+- The high watermark is the smallest LEO over the ISR (leader included) and never moves
+  backwards. While an ISR change is in flight the *maximal* ISR is used — the union of
+  the current and the proposed ISR — so a pending shrink cannot advance the HW past a
+  replica that may still be counted on, and a pending expansion already waits for the
+  joining replica (Kafka KIP-497's "maximal ISR").
+- A follower may join the ISR only once its LEO reaches the HW *and* the start of the
+  leader's current epoch, so a new member holds everything committed (KIP-101).
+
+Invariants: ``log_start_offset <= high_watermark <= leader LEO``; the leader is always in
+the ISR it proposes; at most one ISR proposal is pending at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class FollowerProgress:
+    """What the leader knows about one follower."""
+
+    broker_id: int
+    log_end_offset: int = -1  # unknown until its first fetch
+    last_caught_up_ms: int = -1
+    last_fetch_ms: int = -1
+    leader_end_offset_at_last_fetch: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class IsrProposal:
+    """An ISR change to send to the controller (AlterPartition)."""
+
+    new_isr: tuple[int, ...]
+    leader_epoch: int
+    partition_epoch: int
+
+
+class LeaderReplicationState:
+    """See the module docstring. Created when this broker becomes leader."""
+
+    def __init__(
+        self,
+        *,
+        local_broker_id: int,
+        replicas: Iterable[int],
+        isr: Iterable[int],
+        leader_epoch: int,
+        partition_epoch: int,
+        high_watermark: int,
+        log_end_offset: int,
+        leader_epoch_start_offset: int,
+        now_ms: int,
+    ) -> None:
+        self.local_broker_id = local_broker_id
+        self.replicas = tuple(replicas)
+        self.isr = tuple(isr)
+        self.leader_epoch = leader_epoch
+        self.partition_epoch = partition_epoch
+        self._leader_end_offset = log_end_offset
+        # A new leader never lowers the HW it inherited, but also never claims more than
+        # it has: offsets it does not hold cannot be committed by it.
+        self.high_watermark = min(high_watermark, log_end_offset)
+        self.leader_epoch_start_offset = leader_epoch_start_offset
+        self.pending: IsrProposal | None = None
+        # Followers start as caught up "now": a new leader gives them one full lag window
+        # before it considers removing them (Kafka resets lastCaughtUpTime on election).
+        self.followers = {
+            broker_id: FollowerProgress(broker_id, last_caught_up_ms=now_ms)
+            for broker_id in self.replicas
+            if broker_id != local_broker_id
+        }
+
+    # --- inputs -------------------------------------------------------------------------
+
+    @property
+    def maximal_isr(self) -> tuple[int, ...]:
+        if self.pending is None:
+            return self.isr
+        return tuple(sorted(set(self.isr) | set(self.pending.new_isr)))
+
+    def on_leader_append(self, log_end_offset: int) -> bool:
+        """The leader's log grew; returns True if the HW moved (RF 1 / ISR of one)."""
+        self._leader_end_offset = log_end_offset
+        return self._advance_high_watermark()
+
+    def on_follower_fetch(self, broker_id: int, fetch_offset: int, now_ms: int) -> bool:
+        """A follower asked for ``fetch_offset``: its LEO. Returns True if the HW moved."""
+        progress = self.followers.get(broker_id)
+        if progress is None:
+            raise KeyError(f"broker {broker_id} is not a replica")
+        if fetch_offset >= self._leader_end_offset:
+            progress.last_caught_up_ms = now_ms
+        elif fetch_offset >= progress.leader_end_offset_at_last_fetch >= 0:
+            progress.last_caught_up_ms = max(progress.last_caught_up_ms, progress.last_fetch_ms)
+        progress.log_end_offset = fetch_offset
+        progress.last_fetch_ms = now_ms
+        progress.leader_end_offset_at_last_fetch = self._leader_end_offset
+        return self._advance_high_watermark()
+
+    def _leo_of(self, broker_id: int) -> int:
+        if broker_id == self.local_broker_id:
+            return self._leader_end_offset
+        return self.followers[broker_id].log_end_offset
+
+    def _advance_high_watermark(self) -> bool:
+        candidate = min(self._leo_of(b) for b in self.maximal_isr)
+        if candidate > self.high_watermark:
+            self.high_watermark = candidate
+            return True
+        return False
+
+    # --- ISR decisions ------------------------------------------------------------------
+
+    def out_of_sync(self, now_ms: int, replica_lag_time_max_ms: int) -> list[int]:
+        """ISR followers that have not been caught up for the lag limit."""
+        return [
+            b
+            for b in self.isr
+            if b != self.local_broker_id
+            and now_ms - self.followers[b].last_caught_up_ms > replica_lag_time_max_ms
+        ]
+
+    def ready_to_join(self) -> list[int]:
+        """Followers outside the ISR that hold everything committed and this epoch's start."""
+        threshold = max(self.high_watermark, self.leader_epoch_start_offset)
+        return [
+            b
+            for b, progress in sorted(self.followers.items())
+            if b not in self.isr and progress.log_end_offset >= threshold
+        ]
+
+    def propose_isr_change(
+        self, now_ms: int, replica_lag_time_max_ms: int
+    ) -> IsrProposal | None:
+        """The next AlterPartition to send, or None (nothing to change, or one pending).
+
+        Shrinks take precedence: a lagging member holds back the HW for everyone.
+        """
+        if self.pending is not None:
+            return None
+        shrink = set(self.out_of_sync(now_ms, replica_lag_time_max_ms))
+        grow = set(self.ready_to_join())
+        if not shrink and not grow:
+            return None
+        members = (set(self.isr) - shrink) if shrink else (set(self.isr) | grow)
+        new_isr = tuple(b for b in self.replicas if b in members)
+        self.pending = IsrProposal(new_isr, self.leader_epoch, self.partition_epoch)
+        return self.pending
+
+    def on_isr_committed(self, isr: Iterable[int], partition_epoch: int) -> bool:
+        """The controller accepted (or reported) the ISR in force; returns True if HW moved."""
+        self.isr = tuple(isr)
+        self.partition_epoch = partition_epoch
+        self.pending = None
+        return self._advance_high_watermark()
+
+    def on_isr_rejected(self) -> None:
+        """The proposal failed (stale epoch, unreachable controller): forget it, retry later."""
+        self.pending = None

@@ -1,0 +1,149 @@
+"""Leader-side replication state: follower LEOs, the high watermark, ISR decisions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.storage.replication import LeaderReplicationState
+
+LAG_MS = 1_000
+
+
+def leader(
+    *, isr: tuple[int, ...] = (1, 2, 3), leo: int = 0, hw: int = 0, epoch_start: int = 0
+) -> LeaderReplicationState:
+    return LeaderReplicationState(
+        local_broker_id=1,
+        replicas=(1, 2, 3),
+        isr=isr,
+        leader_epoch=4,
+        partition_epoch=9,
+        high_watermark=hw,
+        log_end_offset=leo,
+        leader_epoch_start_offset=epoch_start,
+        now_ms=0,
+    )
+
+
+def test_high_watermark_is_min_leo_over_isr_and_monotonic() -> None:
+    state = leader()
+    assert not state.on_leader_append(10)
+    assert state.high_watermark == 0
+    assert not state.on_follower_fetch(2, 10, now_ms=1)
+    assert state.on_follower_fetch(3, 7, now_ms=1)
+    assert state.high_watermark == 7
+    # A follower refetching an older offset (it truncated) never lowers the HW.
+    state.on_follower_fetch(3, 5, now_ms=2)
+    assert state.high_watermark == 7
+    assert state.on_follower_fetch(3, 10, now_ms=3)
+    assert state.high_watermark == 10
+
+
+def test_single_replica_isr_commits_on_append() -> None:
+    state = leader(isr=(1,))
+    assert state.on_leader_append(5)
+    assert state.high_watermark == 5
+
+
+def test_new_leader_does_not_claim_offsets_it_lacks() -> None:
+    assert leader(leo=3, hw=8).high_watermark == 3
+
+
+def test_lagging_follower_is_proposed_for_removal_after_lag_limit() -> None:
+    state = leader(isr=(1, 2, 3))
+    state.on_leader_append(100)
+    state.on_follower_fetch(2, 100, now_ms=10)
+    state.on_follower_fetch(3, 50, now_ms=10)  # behind, but it started as caught up at 0
+    assert state.propose_isr_change(now_ms=900, replica_lag_time_max_ms=LAG_MS) is None
+    state.on_follower_fetch(2, 100, now_ms=1_500)
+    proposal = state.propose_isr_change(now_ms=1_500, replica_lag_time_max_ms=LAG_MS)
+    assert proposal is not None
+    assert proposal.new_isr == (1, 2)
+    assert (proposal.leader_epoch, proposal.partition_epoch) == (4, 9)
+    # One proposal at a time.
+    assert state.propose_isr_change(now_ms=1_600, replica_lag_time_max_ms=LAG_MS) is None
+
+
+def test_follower_catching_up_to_the_previous_leo_counts_as_caught_up() -> None:
+    state = leader()
+    state.on_leader_append(100)
+    state.on_follower_fetch(2, 50, now_ms=500)  # leader LEO at this fetch: 100
+    state.on_leader_append(200)
+    state.on_follower_fetch(2, 100, now_ms=1_400)  # reached the LEO of its previous fetch
+    assert state.followers[2].last_caught_up_ms == 500
+    assert 2 not in state.out_of_sync(now_ms=1_400, replica_lag_time_max_ms=LAG_MS)
+
+
+def test_pending_shrink_keeps_hw_behind_the_member_being_removed() -> None:
+    state = leader()
+    state.on_leader_append(100)
+    state.on_follower_fetch(2, 100, now_ms=1_200)
+    proposal = state.propose_isr_change(now_ms=1_200, replica_lag_time_max_ms=LAG_MS)
+    assert proposal is not None and proposal.new_isr == (1, 2)
+    # Until the controller commits the shrink, broker 3 (LEO unknown) still holds the HW.
+    assert state.high_watermark == 0
+    assert state.on_isr_committed((1, 2), partition_epoch=10)
+    assert state.high_watermark == 100
+
+
+def test_expansion_needs_hw_and_epoch_start() -> None:
+    state = leader(isr=(1, 2), leo=100, hw=0, epoch_start=80)
+    state.on_follower_fetch(2, 100, now_ms=1)
+    assert state.high_watermark == 100
+    state.on_follower_fetch(3, 90, now_ms=1)
+    assert state.ready_to_join() == []  # below the HW
+    state.on_follower_fetch(3, 100, now_ms=2)
+    proposal = state.propose_isr_change(now_ms=2, replica_lag_time_max_ms=LAG_MS)
+    assert proposal is not None and proposal.new_isr == (1, 2, 3)
+    state.on_isr_rejected()
+    assert state.pending is None
+
+
+def test_pending_expansion_already_waits_for_the_joiner() -> None:
+    state = leader(isr=(1,), leo=10, hw=10)
+    state.on_follower_fetch(2, 10, now_ms=1)
+    assert state.propose_isr_change(now_ms=1, replica_lag_time_max_ms=LAG_MS) is not None
+    state.on_leader_append(20)
+    assert state.high_watermark == 10  # maximal ISR {1, 2}: broker 2 is at 10
+    state.on_follower_fetch(2, 20, now_ms=2)
+    assert state.high_watermark == 20
+
+
+def test_unknown_follower_is_rejected() -> None:
+    with pytest.raises(KeyError):
+        leader().on_follower_fetch(7, 0, now_ms=0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_progress_keeps_invariants(seed: int) -> None:
+    rng = random.Random(seed)
+    state = leader(isr=(1, 2, 3))
+    leo = 0
+    follower_leo = {2: 0, 3: 0}
+    now = 0
+    previous_hw = 0
+    for _ in range(300):
+        now += rng.randint(0, 400)
+        action = rng.random()
+        if action < 0.3:
+            leo += rng.randint(1, 50)
+            state.on_leader_append(leo)
+        elif action < 0.8:
+            b = rng.choice((2, 3))
+            follower_leo[b] = rng.randint(follower_leo[b], leo)
+            state.on_follower_fetch(b, follower_leo[b], now_ms=now)
+        else:
+            proposal = state.propose_isr_change(now_ms=now, replica_lag_time_max_ms=LAG_MS)
+            if proposal is not None:
+                assert 1 in proposal.new_isr
+                if rng.random() < 0.8:
+                    state.on_isr_committed(proposal.new_isr, state.partition_epoch + 1)
+                else:
+                    state.on_isr_rejected()
+        assert previous_hw <= state.high_watermark <= leo
+        for b in state.maximal_isr:
+            if b != 1:
+                assert state.high_watermark <= max(follower_leo[b], 0)
+        previous_hw = state.high_watermark
