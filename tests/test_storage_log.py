@@ -217,13 +217,15 @@ def test_appended_batches_keep_producer_fields(tmp_path: Path) -> None:
         compression="zstd",
         producer_id=42,
         producer_epoch=1,
-        base_sequence=9,
+        # 0: an idempotent producer unknown to the partition must start at sequence 0
+        # (producer-state validation, tests/test_producer_state.py).
+        base_sequence=0,
     )
     log.append(make_batch(2))
     log.append(raw, 4)
     [batch] = decode_batches(log.read(2, 1 << 20))
     assert (batch.base_offset, batch.partition_leader_epoch) == (2, 4)
-    assert (batch.producer_id, batch.producer_epoch, batch.base_sequence) == (42, 1, 9)
+    assert (batch.producer_id, batch.producer_epoch, batch.base_sequence) == (42, 1, 0)
     assert [(r.offset, r.key, r.value, r.headers, r.timestamp_ms) for r in batch.records] == [
         (2, b"k", b"a", (("h", b"1"),), T0),
         (3, None, None, (), T0 + 5),

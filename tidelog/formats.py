@@ -110,6 +110,33 @@ MAX_RELATIVE_OFFSET: Final = (1 << 32) - 1
 MAX_SEGMENT_POSITION: Final = (1 << 31) - 1
 """Segments stay below 2 GiB so a position fits comfortably in an index entry."""
 
+# --- producer state snapshots (<offset>.snapshot) ------------------------------------------
+# The idempotent-producer state of a partition as of an offset (docs/FORMAT.md 3.3): a
+# header, then per producer an entry followed by its cached batches (up to
+# PRODUCER_BATCHES_RETAINED). Written by services/storage/log/producer_state.py.
+
+PRODUCER_SNAPSHOT_VERSION: Final = 1
+
+PRODUCER_SNAPSHOT_HEADER = struct.Struct("<hIqi")
+"""version, crc (CRC32C of every byte after this field), snapshot offset, producer count."""
+
+PRODUCER_SNAPSHOT_ENTRY = struct.Struct("<qhqh")
+"""producer id, producer epoch, last update time (ms), number of cached batches."""
+
+PRODUCER_SNAPSHOT_BATCH = struct.Struct("<iiqq")
+"""first sequence, last sequence, first offset, last offset of one cached batch."""
+
+PRODUCER_SNAPSHOT_CRC_START: Final = 6
+"""The snapshot checksum covers bytes [6, end): everything after version and crc."""
+
+PRODUCER_BATCHES_RETAINED: Final = 5
+"""Batches remembered per producer for duplicate detection: Kafka's limit on
+max.in.flight.requests.per.connection with idempotence, so every batch a producer may
+retry is still known."""
+
+MAX_SEQUENCE: Final = (1 << 31) - 1
+"""Sequence numbers are non-negative i32s; after MAX_SEQUENCE the next one is 0."""
+
 # --- file names -------------------------------------------------------------------------
 
 LOG_SUFFIX: Final = ".log"
@@ -118,6 +145,8 @@ TIME_INDEX_SUFFIX: Final = ".timeindex"
 DELETED_SUFFIX: Final = ".deleted"
 SWAP_SUFFIX: Final = ".swap"
 TMP_SUFFIX: Final = ".tmp"
+SNAPSHOT_SUFFIX: Final = ".snapshot"
+LEADER_EPOCH_CHECKPOINT: Final = "leader-epoch-checkpoint"
 SEGMENT_NAME_DIGITS: Final = 20
 
 
@@ -144,3 +173,7 @@ assert BASE_SEQUENCE_OFFSET + 4 == RECORD_COUNT_OFFSET
 assert RECORD_COUNT_OFFSET + 4 == BATCH_HEADER_SIZE
 assert OFFSET_INDEX_ENTRY_SIZE == 8
 assert TIME_INDEX_ENTRY_SIZE == 12
+assert PRODUCER_SNAPSHOT_HEADER.size == 18
+assert struct.calcsize("<hI") == PRODUCER_SNAPSHOT_CRC_START
+assert PRODUCER_SNAPSHOT_ENTRY.size == 20
+assert PRODUCER_SNAPSHOT_BATCH.size == 24

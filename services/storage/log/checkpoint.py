@@ -36,13 +36,27 @@ def fsync_dir(directory: Path) -> None:
 
 
 def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` durably: temp file, fsync, rename, fsync directory."""
+    write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def write_bytes_atomically(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """Replace ``path`` with ``data`` through ``<name>.tmp`` and a rename.
+
+    With ``sync`` the file and the directory are fsynced, so after a crash ``path`` holds
+    either the old or the new content. Without it (producer-state snapshots, which carry
+    their own checksum and are only a cache of the log) a crash may leave the new name
+    with incomplete content, which the reader must detect.
+    """
     tmp = path.with_name(path.name + formats.TMP_SUFFIX)
-    with open(tmp, "w", encoding="utf-8") as out:
-        out.write(text)
-        out.flush()
-        os.fsync(out.fileno())
+    with open(tmp, "wb") as out:
+        out.write(data)
+        if sync:
+            out.flush()
+            os.fsync(out.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
 
 
 class OffsetCheckpointFile:

@@ -6,6 +6,16 @@ broker owns, rolls segments, reads whole batches by offset, flushes by policy, r
 after a crash, truncates for replication, and applies retention. It is pure library code:
 no threads, no RPC, no sleeping; time comes from an injected clock.
 
+Two pieces of replication state live beside the segments and are kept consistent with
+them by every operation here (append, truncation, retention, recovery):
+
+- the leader epoch cache (``leader_epoch.LeaderEpochCache``, file
+  ``leader-epoch-checkpoint``): where each leader epoch starts, for OffsetForLeaderEpoch
+  (``end_offset_for_epoch``) and divergence truncation (KIP-101/KIP-279);
+- the idempotent-producer state (``producer_state.ProducerStateManager``, files
+  ``<offset>.snapshot``): the last batches of each producer id, so a leader append dedupes
+  retries and rejects out-of-order or fenced batches before writing anything.
+
 Invariants:
 - offsets are contiguous: ``[log_start_offset, log_end_offset)`` are all present;
 - ``log_start_offset`` is the first segment's base offset (retention removes whole
@@ -13,7 +23,13 @@ Invariants:
 - ``recovery_point <= log_end_offset``, and every offset below the recovery point has been
   fsynced; recovery after a crash re-verifies everything from the segment holding the
   recovery point onwards;
-- nothing damaged is ever returned by ``read``.
+- nothing damaged is ever returned by ``read``;
+- the leader epoch cache only names offsets in ``[log_start_offset, log_end_offset]``,
+  and its file is written before the batches that start a new epoch (so after a crash it
+  covers the data; the excess is trimmed on open);
+- the producer state reflects exactly the batches below ``log_end_offset``; every
+  producer snapshot on disk is at or below it (snapshots above are deleted when the log
+  shrinks, with a directory fsync, so a stale one cannot come back).
 
 Thread-safety: none. One caller at a time; the partition layer holds a lock around every
 call (reads included, because a read may rebuild a damaged index).
@@ -23,11 +39,12 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 from tidelog import formats
-from tidelog.batch import check_batch, stamp
+from tidelog.batch import BatchHeader, check_batch, stamp
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
     CorruptBatchError,
@@ -39,17 +56,29 @@ from tidelog.errors import (
 )
 from tidelog.records import decode_batches
 
-from .checkpoint import fsync_dir
+from .checkpoint import CheckpointCorruptError, fsync_dir
 from .config import LogConfig
+from .leader_epoch import LeaderEpochCache
+from .producer_state import DEFAULT_PRODUCER_ID_EXPIRATION_MS, ProducerStateManager
 from .segment import BatchSpan, LogSegment
 from .segments import LogSegments
 
+PRODUCER_SNAPSHOT_SEGMENTS = 2
+"""Producer snapshots are kept for the base offsets of this many newest segments (plus the
+newest snapshot), as Kafka does: enough to rebuild the state after a truncation within
+them without replaying the whole log."""
+
 
 class AppendInfo(NamedTuple):
-    """Offsets assigned by an append (inclusive)."""
+    """Offsets of an append (inclusive).
+
+    ``duplicate`` is True when the request repeated idempotent batches already in the log
+    (a producer retry): nothing was written and the offsets are the original ones.
+    """
 
     first_offset: int
     last_offset: int
+    duplicate: bool = False
 
 
 class Log:
@@ -68,6 +97,8 @@ class Log:
         self._first_unflushed_ms: int | None = None
         self._dir_dirty = False  # a segment file was created since the last directory fsync
         self._pending_deletes: list[tuple[int, list[Path]]] = []  # (due_ms, files)
+        self._epochs = LeaderEpochCache(directory / formats.LEADER_EPOCH_CHECKPOINT)
+        self._producer_state: ProducerStateManager | None = None  # made by _load
         self.truncated_on_recovery_bytes = 0
         self.last_flush_ms = clock.now_ms()
 
@@ -125,6 +156,87 @@ class Log:
         self._log_end_offset = active.next_offset
         self._recovery_point = min(recovery_point, self._log_end_offset)
         self._recovery_point = max(self._recovery_point, self.log_start_offset)
+        self._load_leader_epochs()
+        self._load_producer_state()
+
+    def _headers_from(self, offset: int) -> Iterator[BatchHeader]:
+        """Verified headers of the batches from the one holding ``offset`` to the log end."""
+        for i in range(self._segments.floor_index(offset), len(self._segments)):
+            for _, header in self._segments[i].headers_from(offset):
+                yield header
+
+    def _last_batch_header(self) -> BatchHeader | None:
+        if self._log_end_offset <= self.log_start_offset:
+            return None
+        last = self._log_end_offset - 1
+        segment = self._segments[self._segments.floor_index(last)]
+        found = segment.translate_offset(last)
+        return None if found is None else found[1]
+
+    def _load_leader_epochs(self) -> None:
+        """Load ``leader-epoch-checkpoint`` and fit it to the recovered log, or rebuild it.
+
+        The file is trimmed to ``[log_start_offset, log_end_offset]`` (it may name epochs
+        for offsets the crash lost, since it is written before the data). It is rebuilt
+        from the batch headers when it is missing, unreadable, empty for a non-empty log,
+        or disagrees with the epoch of the last batch.
+        """
+        path = self.dir / formats.LEADER_EPOCH_CHECKPOINT
+        try:
+            cache: LeaderEpochCache | None = LeaderEpochCache.load(path)
+        except CheckpointCorruptError:
+            cache = None
+        if cache is not None:
+            changed = cache.truncate_from_end(self._log_end_offset, write=False)
+            changed |= cache.truncate_from_start(self.log_start_offset, write=False)
+            if not self._epochs_match_log(cache):
+                cache = None
+            elif changed:
+                cache.write()
+        if cache is None:
+            cache = LeaderEpochCache(path)
+            try:
+                for header in self._headers_from(self.log_start_offset):
+                    if header.partition_leader_epoch >= 0:
+                        cache.assign(header.partition_leader_epoch, header.base_offset, write=False)
+            except StorageError:
+                pass  # damage below the recovery point: what precedes it is still right
+            cache.write()
+        self._epochs = cache
+
+    def _epochs_match_log(self, cache: LeaderEpochCache) -> bool:
+        """A cheap consistency check: the last batch's epoch is the cache's latest."""
+        try:
+            last = self._last_batch_header()
+        except StorageError:
+            return True  # unreadable tail below the recovery point: nothing to compare
+        if last is None or last.partition_leader_epoch < 0:
+            return True
+        return cache.latest_epoch == last.partition_leader_epoch
+
+    def _load_producer_state(self) -> None:
+        state = ProducerStateManager(self.dir)
+        self._producer_state = state
+        # Snapshots above the log end summarize data the crash lost; below the log start,
+        # data retention removed (so the batches after them cannot be replayed).
+        if state.delete_snapshots(below=self.log_start_offset, above=self._log_end_offset):
+            fsync_dir(self.dir)
+        self._rebuild_producer_state()
+
+    def _rebuild_producer_state(self) -> None:
+        """The state as of the log end: the newest usable snapshot plus a header replay."""
+        state = self.producer_state
+        state.load_snapshot(self.log_start_offset, self._log_end_offset)
+        now_ms = self._clock.now_ms()
+        try:
+            for header in self._headers_from(state.end_offset):
+                state.update(header, header.base_offset, now_ms)
+        except StorageError:
+            # Damage below the recovery point ends the replay. Producers after it are then
+            # unknown or behind, which only makes their next batches fail validation
+            # (out of order), never lets a duplicate through.
+            pass
+        state.end_offset = self._log_end_offset
 
     def _clean_directory(self) -> list[int]:
         """Delete leftovers of interrupted operations; return the segment base offsets."""
@@ -204,11 +316,12 @@ class Log:
 
     # --- appending --------------------------------------------------------------------------
 
-    def _validate(self, view: memoryview) -> list[BatchSpan]:
+    def _validate(self, view: memoryview) -> tuple[list[BatchSpan], list[BatchHeader]]:
         """Check every batch in a request; O(1) Python work per batch, checksums in C."""
         if not len(view):
             raise InvalidRequestError("no record batches in the request")
         spans: list[BatchSpan] = []
+        headers: list[BatchHeader] = []
         position = 0
         while position < len(view):
             if len(view) - position < formats.LOG_OVERHEAD:
@@ -222,6 +335,7 @@ class Log:
                     f"is {self.config.max_message_bytes}"
                 )
             header = check_batch(view, position)
+            headers.append(header)
             spans.append(
                 BatchSpan(
                     position,
@@ -232,7 +346,7 @@ class Log:
                 )
             )
             position += size
-        return spans
+        return spans, headers
 
     def append(
         self,
@@ -244,14 +358,26 @@ class Log:
         """Validate and append one or more concatenated batches.
 
         As leader (``assign_offsets``), offsets continue from the log end and each batch
-        is stamped with ``leader_epoch``. As follower, the batches keep the leader's
-        offsets and epochs, and must start exactly at the log end. Nothing is written
-        unless every batch is valid.
+        is stamped with ``leader_epoch``; idempotent batches are checked against the
+        producer state first (InvalidProducerEpochError, OutOfOrderSequenceError,
+        DuplicateSequenceError, InvalidRecordError), and a request that only repeats
+        batches already written returns their original offsets with ``duplicate=True``.
+        As follower, the batches keep the leader's offsets and epochs, must start exactly
+        at the log end, and update the producer state without validation. Nothing is
+        written unless every batch is valid.
+
+        Leader epochs: each batch's epoch (``leader_epoch``, or the header's as follower)
+        is assigned in the epoch cache at the batch's base offset; a new epoch is
+        checkpointed before the data is written.
         """
         view = memoryview(batches).cast("B")
-        spans = self._validate(view)
+        spans, headers = self._validate(view)
         data: bytes | bytearray | memoryview = view
+        state = self.producer_state
         if assign_offsets:
+            duplicate = state.validate_append(headers)
+            if duplicate is not None:
+                return AppendInfo(duplicate[0], duplicate[1], duplicate=True)
             buf = bytearray(view)  # one copy so the header fields can be rewritten
             next_offset = self._log_end_offset
             for i, span in enumerate(spans):
@@ -272,12 +398,23 @@ class Log:
                     )
                 expected = span.last_offset + 1
         first, last = spans[0].base_offset, spans[-1].last_offset
+        saved_epochs = self._assign_epochs(spans, headers, leader_epoch if assign_offsets else None)
         now_ms = self._clock.now_ms()
-        segment = self._segments.last
-        if segment.should_roll(len(view), last, now_ms):
-            segment = self.roll()
-        segment.append(data, spans)
+        try:
+            segment = self._segments.last
+            if segment.should_roll(len(view), last, now_ms):
+                segment = self.roll()
+            segment.append(data, spans)
+        except BaseException:
+            if saved_epochs is not None:  # the new epoch never got its data
+                self._epochs = LeaderEpochCache(self._epochs.path, saved_epochs.entries)
+                self._epochs.write()
+            raise
         self._log_end_offset = last + 1
+        for span, header in zip(spans, headers, strict=True):
+            if header.producer_id >= 0:
+                state.update(header, span.base_offset, now_ms)
+        state.end_offset = self._log_end_offset
         if self._first_unflushed_ms is None:
             self._first_unflushed_ms = now_ms
         if (
@@ -287,8 +424,32 @@ class Log:
             self.flush()
         return AppendInfo(first, last)
 
+    def _assign_epochs(
+        self, spans: list[BatchSpan], headers: list[BatchHeader], leader_epoch: int | None
+    ) -> LeaderEpochCache | None:
+        """Assign the request's epochs (O(1) per batch: a compare with the latest) and
+        checkpoint them if they changed; returns the cache as it was then, else None."""
+        cache = self._epochs
+        latest = cache.latest_epoch
+        before: LeaderEpochCache | None = None
+        for span, header in zip(spans, headers, strict=True):
+            epoch = header.partition_leader_epoch if leader_epoch is None else leader_epoch
+            if epoch < 0 or epoch == latest:
+                continue
+            if before is None:
+                before = LeaderEpochCache(None, cache.entries)
+            cache.assign(epoch, span.base_offset, write=False)
+            latest = epoch
+        if before is not None:
+            cache.write()
+        return before
+
     def roll(self) -> LogSegment:
-        """Start a new active segment at the log end (a no-op while the active one is empty)."""
+        """Start a new active segment at the log end (a no-op while the active one is empty).
+
+        Snapshots the producer state at the new segment's base offset, as Kafka does, so a
+        restart replays at most the active segment's headers.
+        """
         active = self._segments.last
         if active.size_bytes == 0:
             return active
@@ -299,7 +460,13 @@ class Log:
         segment = self._new_segment(self._log_end_offset, active=True)
         self._segments.append(segment)
         self._dir_dirty = True
+        self._take_producer_snapshot()
         return segment
+
+    def _take_producer_snapshot(self) -> None:
+        state = self.producer_state
+        state.take_snapshot()
+        state.retain_snapshots(self._segments.base_offsets[-PRODUCER_SNAPSHOT_SEGMENTS:])
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -390,6 +557,7 @@ class Log:
         if self._log_end_offset > self._recovery_point or self._dir_dirty:
             for i in range(self._segments.floor_index(self._recovery_point), len(self._segments)):
                 self._segments[i].flush()
+            self.producer_state.flush()
             if self._dir_dirty:
                 fsync_dir(self.dir)
                 self._dir_dirty = False
@@ -414,29 +582,55 @@ class Log:
         """Remove every batch at or after ``offset`` (a follower diverged from its leader).
 
         Truncation is by whole batches: if ``offset`` falls inside a batch, that batch
-        goes too and the log end becomes its base offset.
+        goes too and the log end becomes its base offset. The leader epoch cache loses
+        the entries from the new log end on (even when no data goes: see below); the
+        producer state is rebuilt as of it (from the newest snapshot at or below it plus a
+        header replay), and snapshots above it are deleted and the directory fsynced
+        before anything new can be appended.
         """
         if offset < 0:
             raise InvalidRequestError(f"cannot truncate to negative offset {offset}")
         if offset >= self._log_end_offset:
+            # No data goes, but an epoch this replica assigned at its log end when it
+            # became leader, without appending anything in it, conflicts with the new
+            # leader's history; left in place, OffsetForLeaderEpoch would keep asking
+            # about it (Kafka's truncateTo does the same).
+            self._epochs.truncate_from_end(self._log_end_offset)
             return
         if offset < self.log_start_offset:
             self.truncate_fully_and_start_at(offset)
             return
+        removed_files = False
         while len(self._segments) > 1 and self._segments.last.base_offset >= offset:
             self._delete_now(self._segments.pop_from(len(self._segments) - 1))
+            removed_files = True
         active = self._segments.last
         active.truncate_to(offset)
         active.make_active()
         self._log_end_offset = active.next_offset
         self._recovery_point = min(self._recovery_point, self._log_end_offset)
+        self._epochs.truncate_from_end(self._log_end_offset)
+        state = self.producer_state
+        removed_files |= state.delete_snapshots(above=self._log_end_offset)
+        if removed_files:
+            fsync_dir(self.dir)
+        if state.end_offset != self._log_end_offset:
+            self._rebuild_producer_state()
 
     def truncate_fully_and_start_at(self, offset: int) -> None:
-        """Drop every segment and restart the log empty at ``offset``."""
+        """Drop every segment and restart the log empty at ``offset``.
+
+        The leader epoch cache and the producer state (with its snapshots) are cleared.
+        """
         self._delete_now(self._segments.pop_from(0))
         self._segments.append(self._new_segment(offset, active=True))
         self._dir_dirty = True
         self._log_end_offset = self._recovery_point = offset
+        self._epochs.clear()
+        state = self.producer_state
+        state.delete_all_snapshots()
+        state.clear(offset)
+        fsync_dir(self.dir)
 
     @staticmethod
     def _delete_now(segments: list[LogSegment]) -> None:
@@ -469,6 +663,12 @@ class Log:
                 excess -= self._segments.first.size_bytes
                 self._retire_first(now_ms)
                 retired += 1
+        if retired:
+            # The epochs of removed offsets go; the producer state stays (as in Kafka since
+            # KIP-360, a producer is forgotten only by expiry), but snapshots below the new
+            # log start can no longer be replayed from.
+            self._epochs.truncate_from_start(self.log_start_offset)
+            self.producer_state.delete_snapshots(below=self.log_start_offset)
         return retired
 
     def _retire_first(self, now_ms: int) -> None:
@@ -496,11 +696,81 @@ class Log:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release files and mappings (trimming the active indexes). Does not flush."""
+        """Release files and mappings (trimming the active indexes). Does not flush.
+
+        Snapshots the producer state at the log end first (unless one is there), so a
+        clean restart replays no headers.
+        """
+        try:
+            state = self._producer_state
+            if (
+                state is not None
+                and self._log_end_offset > self.log_start_offset
+                and self._log_end_offset not in state.snapshot_offsets
+            ):
+                self._take_producer_snapshot()
+        except OSError:
+            pass  # (disk full, directory gone) the next open replays more headers instead
+        finally:
+            self._close_segments()
+
+    def _close_segments(self) -> None:
         for segment in self._segments:
             segment.close()
 
     def delete(self) -> None:
         """Close and remove the whole partition directory."""
-        self.close()
+        self._close_segments()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    # --- leader epochs (replication) -------------------------------------------------------
+
+    @property
+    def leader_epoch_cache(self) -> LeaderEpochCache:
+        """The epoch cache (read it; change it only through this Log)."""
+        return self._epochs
+
+    @property
+    def latest_epoch(self) -> int:
+        """The newest leader epoch in the log's cache; -1 when none is known."""
+        return self._epochs.latest_epoch
+
+    def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:
+        """OffsetForLeaderEpoch: ``(largest epoch <= epoch, where it ends)``.
+
+        See ``LeaderEpochCache.end_offset_for``: the log end for the latest epoch,
+        ``(-1, -1)`` for an unknown newer epoch or an empty cache.
+        """
+        return self._epochs.end_offset_for(epoch, self._log_end_offset)
+
+    def assign_epoch_start_offset(self, epoch: int, start_offset: int | None = None) -> None:
+        """Record that leader ``epoch`` starts at ``start_offset`` (default: the log end).
+
+        A replica that becomes leader calls this with its new epoch before taking appends
+        (Kafka's ``maybeAssignEpochStartOffset``), so OffsetForLeaderEpoch for the previous
+        epoch answers with the log end at the moment of the change even before the first
+        append of the new epoch. A no-op if ``epoch`` is already the latest or negative.
+        """
+        offset = self._log_end_offset if start_offset is None else start_offset
+        if not self.log_start_offset <= offset <= self._log_end_offset:
+            raise InvalidRequestError(
+                f"epoch start offset {offset} is outside the log's range "
+                f"[{self.log_start_offset}, {self._log_end_offset}]"
+            )
+        if epoch >= 0 and epoch != self._epochs.latest_epoch:
+            self._epochs.assign(epoch, offset)
+
+    # --- idempotent producers ---------------------------------------------------------------
+
+    @property
+    def producer_state(self) -> ProducerStateManager:
+        """The producer id -> last batches map (read it; change it only through this Log)."""
+        assert self._producer_state is not None, "the log is not loaded"
+        return self._producer_state
+
+    def remove_expired_producers(
+        self, expiration_ms: int = DEFAULT_PRODUCER_ID_EXPIRATION_MS
+    ) -> int:
+        """Forget producers idle for ``expiration_ms`` (producer.id.expiration.ms);
+        returns how many. Periodic maintenance, like retention."""
+        return self.producer_state.remove_expired(self._clock.now_ms(), expiration_ms)

@@ -208,6 +208,16 @@ class LogSegment:
                 return position, header
         return None
 
+    def headers_from(self, offset: int) -> Iterator[tuple[int, BatchHeader]]:
+        """Positions and verified headers of the batches from the one holding ``offset`` to
+        the end of the segment (the leader-epoch and producer-state rebuilds use these:
+        header fields only, one 65-byte read per batch). StorageError on damage."""
+        if self.size_bytes == 0:
+            return
+        for position, header in self._scan_from(self._indexed_start(offset)):
+            if header.last_offset >= offset:
+                yield position, header
+
     # --- tail state ---------------------------------------------------------------------
 
     def _load_tail(self) -> None:
