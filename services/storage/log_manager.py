@@ -150,6 +150,9 @@ class LogManager:
                 log_start_offset=partition_log.log_start_offset,
             )
         partition_log.remove_deleted_files()
+        # producer.id.expiration.ms: idempotence state of producers gone quiet for a day
+        # would otherwise accumulate forever.
+        partition_log.remove_expired_producers()
 
     def checkpoint(self) -> None:
         """Write every log's recovery point atomically."""
