@@ -98,6 +98,35 @@ def test_unclean_topic_elects_out_of_sync_replica() -> None:
     assert record.isr == (1,)
 
 
+def test_takeover_evicts_brokers_that_died_unseen() -> None:
+    # What a new controller reads: broker 0 died while no controller was active; it still
+    # leads t-0 and sits in every ISR.
+    state = cluster()
+    del state.brokers[0]
+    assert state.dead_replicas() == [0]
+    changes = step(state, state.on_broker_down(0))
+    assert {c.key: c.new.leader for c in changes}[("t", 0)] == 1
+    assert state.dead_replicas() == []
+    assert all(0 not in record.isr for record in state.partitions.values())
+
+
+def test_takeover_elects_offline_partitions_whose_isr_member_returned_unseen() -> None:
+    state = cluster()
+    for broker_id in (0, 1, 2):  # 2 dies last: the last ISR member of everything
+        step(state, state.on_broker_down(broker_id))
+    assert all(r.leader == NO_LEADER and r.isr == (2,) for r in state.partitions.values())
+    assert state.elect_offline_partitions() == []  # nobody eligible yet
+    # Broker 2 re-registered while no controller was active: on_broker_up never ran.
+    state.brokers[2] = Broker(2, "h", 2, epoch=300)
+    before = dict(state.partitions)
+    elected = step(state, state.elect_offline_partitions())
+    assert {c.key for c in elected} == set(before)
+    for change in elected:
+        assert change.new.leader == 2
+        assert change.new.leader_epoch == before[change.key].leader_epoch + 1
+    assert state.elect_offline_partitions() == []  # idempotent once applied
+
+
 def test_returning_broker_does_not_take_back_leadership() -> None:
     state = cluster()
     step(state, state.on_broker_down(0))

@@ -126,8 +126,95 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser.set_defaults(handler="services.storage.node:main")
 
 
+def _controller_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"controller id {value} must be between 1 and 2^31-1")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def _add_controller(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser(
+        "controller",
+        help="run a controller (one active, the others standby)",
+        description=(
+            "Run a controller: takes part in the election in etcd; the active one manages "
+            "topics, replica assignment, leaders and ISRs and pushes them to the brokers, "
+            "standbys answer NOT_CONTROLLER with the active one's address. Serves "
+            "tidelog.v1.Controller (plus gRPC health and reflection). Prints "
+            "'tidelog controller ID listening on HOST:PORT' once serving; SIGTERM or SIGINT "
+            "resigns (a standby takes over at once) and exits with status 0."
+        ),
+    )
+    parser.add_argument(
+        "--etcd", metavar="URL", required=True, help="etcd endpoint(s), comma-separated"
+    )
+    parser.add_argument(
+        "--listen",
+        type=_host_port,
+        default=("127.0.0.1", 9093),
+        metavar="HOST:PORT",
+        help="address to serve on; port 0 picks a free port (default: 127.0.0.1:9093)",
+    )
+    parser.add_argument(
+        "--controller-id",
+        type=_controller_id,
+        default=None,
+        metavar="N",
+        help="id of this controller, unique among controllers (default: a random positive int)",
+    )
+    parser.add_argument(
+        "--cluster",
+        default="default",
+        metavar="NAME",
+        help="cluster name: the etcd key prefix /tidelog/NAME/ (default: default)",
+    )
+    parser.add_argument(
+        "--session-ttl-s",
+        type=_positive_int,
+        default=10,
+        metavar="S",
+        help="lease TTL of the election key: a silent active controller is replaced after "
+        "this long (default: 10)",
+    )
+    parser.add_argument(
+        "--imbalance-check-interval-s",
+        type=_positive_float,
+        default=300.0,
+        metavar="S",
+        help="how often to restore preferred leaders where a broker's leadership imbalance "
+        "exceeds 10%% (Kafka's leader.imbalance.check.interval.seconds; default: 300)",
+    )
+    _add_logging(parser)
+    parser.set_defaults(handler="services.controller.node:main")
+
+
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction[_Parser]], None], ...] = (
     _add_storage,
+    _add_controller,
     # Later: controller, gateway, dev, topics, produce, consume, groups, cluster, bench.
 )
 

@@ -276,6 +276,38 @@ class ClusterState:
                 changes.append(PartitionChange(name, p, old, _next(old, leader, isr)))
         return changes
 
+    def elect_offline_partitions(self) -> list[PartitionChange]:
+        """Leaders for offline partitions that now have an eligible replica.
+
+        What a controller taking office runs after evicting dead brokers: a broker may
+        have registered while no controller was active, so nobody ran ``on_broker_up``
+        for it. The rule is the usual one (ISR first, unclean only where the topic allows).
+        """
+        changes = []
+        for (name, p), old in sorted(self.partitions.items()):
+            topic = self.topics.get(name)
+            if old.is_online() or topic is None:
+                continue
+            leader, isr = self._elect(
+                topic, p, old.isr, allow_unclean=topic.unclean_leader_election
+            )
+            if leader != NO_LEADER:
+                changes.append(PartitionChange(name, p, old, _next(old, leader, isr)))
+        return changes
+
+    def dead_replicas(self) -> list[int]:
+        """Brokers that are not live but lead or are in the ISR of some partition.
+
+        A controller taking office evicts each (``on_broker_down``): they died while no
+        controller was active, or before this controller's first read.
+        """
+        dead: set[int] = set()
+        for record in self.partitions.values():
+            dead.update(b for b in record.isr if b not in self.brokers)
+            if record.leader != NO_LEADER and record.leader not in self.brokers:
+                dead.add(record.leader)
+        return sorted(dead)
+
     def controlled_shutdown(
         self, broker_id: int, broker_epoch: int
     ) -> tuple[list[PartitionChange], list[TopicPartition]]:

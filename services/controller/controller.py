@@ -1,0 +1,1457 @@
+"""The controller service's core: one ClusterState, persisted to etcd, pushed to brokers.
+
+``ClusterState`` (``state.py``) decides; this adapter does the I/O around each decision,
+always in the same order:
+
+1. **decide** on the in-memory state (pure; nothing is applied yet);
+2. **persist** the decision as one etcd transaction that compares the ``mod_revision`` of
+   every key it changes (tracked from the last read or write) and carries
+   ``Guard("controller", create_revision=epoch)``;
+3. only after the transaction succeeded, **apply** it to the state, then **push**
+   LeaderAndIsr to the replicas of the changed partitions and UpdateMetadata to every
+   broker (``ControllerChannelManager``; asynchronous, retried until acknowledged).
+
+A failed guard means this controller was deposed: it resigns at once and the error goes to
+the caller. A failed revision comparison means the keys changed behind its back: it
+re-reads topics, partitions and deletions and decides once more; a second conflict is an
+error. A write whose outcome is unknown (etcd unreachable) marks the term for a
+**resync**: re-read everything, reconcile, push the full state to every broker.
+
+Taking office (``on_elected``) is a resync: read brokers, topics, partitions and pending
+deletions (``get_prefix_with_revision``), watch ``brokers/`` from the next revision,
+evict brokers that died unseen, elect leaders for offline partitions whose ISR has a live
+member, then send every live broker the full LeaderAndIsr for its partitions and
+UpdateMetadata, and resume pending topic deletions. Broker watch events drive
+``on_broker_up`` / ``on_broker_down``; a watch failure triggers a resync.
+
+Thread-safety: one lock (``_lock``) guards the current term - its state, tracked revisions
+and deletions - and is held across each decide/persist/apply sequence, so decisions are
+serialized like Kafka's single controller event thread. Callers are gRPC pool threads,
+the etcd watch thread, the election thread, sender threads (acknowledgements) and the
+housekeeping thread (resync, deletion clean-up, automatic preferred elections). Never
+done with the lock held: cancelling a watch (it waits for a callback that may be waiting
+for the lock), waiting for brokers' acknowledgements, calling into the election
+synchronously.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import structlog
+
+from services.cluster_metadata import (
+    BROKERS_PREFIX,
+    CLUSTER_ID_KEY,
+    CONTROLLER_KEY,
+    DELETIONS_PREFIX,
+    PARTITIONS_PREFIX,
+    TOPICS_PREFIX,
+    ControllerInfo,
+    PendingDeletion,
+    decode_broker,
+    decode_cluster_id,
+    decode_controller,
+    decode_deletion,
+    decode_partition,
+    decode_topic,
+    deletion_key,
+    encode_cluster_id,
+    encode_deletion,
+    encode_partition,
+    encode_topic,
+    partition_key,
+    partitions_prefix,
+    topic_key,
+)
+from services.controller.assignment import (
+    assign_replicas,
+    extend_assignment,
+    validate_assignment,
+)
+from services.controller.channel import (
+    DEFAULT_RPC_TIMEOUT_S,
+    Completion,
+    ControllerChannelManager,
+    PartitionAssignmentState,
+)
+from services.controller.election import ControllerElection
+from services.controller.state import (
+    LEADER_IMBALANCE_PERCENTAGE,
+    Broker,
+    ClusterState,
+    ElectionType,
+    PartitionChange,
+    PartitionRecord,
+    Topic,
+    TopicPartition,
+)
+from services.controller.topic_config import effective_configs, validate_topic_configs
+from services.metastore import (
+    Compare,
+    DeleteOp,
+    GetOp,
+    GetResult,
+    Guard,
+    KeyValue,
+    MetaStore,
+    MetaStoreError,
+    PutOp,
+    TxnOp,
+    WatchEvent,
+)
+from tidelog.errors import (
+    ElectionNotNeededError,
+    InvalidPartitionsError,
+    InvalidReplicaAssignmentError,
+    InvalidReplicationFactorError,
+    InvalidRequestError,
+    InvalidTopicError,
+    InvalidUpdateVersionError,
+    NotControllerError,
+    TidelogError,
+    TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
+)
+from tidelog.topics import MAX_PARTITION, validate_topic_name
+
+_log = structlog.get_logger("tidelog.controller")
+
+MAX_PARTITIONS_PER_TOPIC: Final = 4_000
+"""Creating a topic writes one etcd key per partition in one transaction, and etcd caps
+the operations of a transaction (``--max-txn-ops``; ``EtcdProcess`` sets 4096, etcd's own
+default is 128). The same bound applies to the total after CreatePartitions."""
+
+
+# --- configuration -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    """How one controller process behaves. Durations in the unit their name ends with."""
+
+    controller_id: int
+    # host:port brokers and clients reach this controller at (in the election key).
+    advertised_address: str
+    # Lease TTL of the election key: a silent active controller is replaced after this.
+    session_ttl_s: int = 10
+    # Kafka's leader.imbalance.check.interval.seconds and
+    # leader.imbalance.per.broker.percentage: how often, and past which share of a
+    # broker's preferred partitions led elsewhere, preferred leaders are restored.
+    imbalance_check_interval_s: float = 300.0
+    leader_imbalance_percentage: int = LEADER_IMBALANCE_PERCENTAGE
+    # Deadline of each LeaderAndIsr / UpdateMetadata / StopReplica call to a broker.
+    broker_rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S
+    # How long admin calls wait for brokers to acknowledge when the request says 0, and
+    # the most any request may ask for.
+    default_wait_ms: int = 5_000
+    max_wait_ms: int = 60_000
+    # Request limits: topics per CreateTopics/DeleteTopics/CreatePartitions/Metadata,
+    # partitions per topic (see MAX_PARTITIONS_PER_TOPIC), partitions per AlterPartition /
+    # ElectLeaders request.
+    max_topics_per_request: int = 1_000
+    max_partitions_per_topic: int = MAX_PARTITIONS_PER_TOPIC
+    max_partitions_per_request: int = 10_000
+    # Period of the housekeeping pass (resync after failures, deletion clean-up, the
+    # imbalance check's clock).
+    housekeeping_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.controller_id < 0:
+            raise ValueError(f"controller id must be >= 0, got {self.controller_id}")
+        if self.session_ttl_s < 1:
+            raise ValueError("session_ttl_s must be >= 1")
+        if self.imbalance_check_interval_s <= 0 or self.housekeeping_interval_s <= 0:
+            raise ValueError("intervals must be positive")
+        if not 0 <= self.leader_imbalance_percentage <= 100:
+            raise ValueError("leader_imbalance_percentage must be within 0..100")
+        if not 1 <= self.max_partitions_per_topic <= MAX_PARTITIONS_PER_TOPIC:
+            raise ValueError(f"max_partitions_per_topic must be 1..{MAX_PARTITIONS_PER_TOPIC}")
+
+
+# --- the API's dataclasses (server.py translates them to and from protobuf) ------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NewTopic:
+    """A topic to create. ``assignments``: explicit ``(partition, replicas)`` placement."""
+
+    name: str
+    num_partitions: int
+    replication_factor: int
+    configs: tuple[tuple[str, str], ...] = ()
+    assignments: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedTopic:
+    """The outcome for one topic of CreateTopics: ``topic`` on success, else ``error``."""
+
+    name: str
+    error: TidelogError | None
+    topic: Topic | None = None
+
+    @property
+    def effective_configs(self) -> dict[str, str]:
+        return effective_configs(self.topic.configs) if self.topic is not None else {}
+
+
+@dataclass(frozen=True, slots=True)
+class NewPartitions:
+    """Grow topic ``name`` to ``count`` partitions; optional placement of the new ones."""
+
+    name: str
+    count: int
+    assignments: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TopicOutcome:
+    name: str
+    error: TidelogError | None
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionView:
+    topic: str
+    partition: int
+    record: PartitionRecord
+    replicas: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TopicView:
+    name: str
+    error: TidelogError | None
+    topic: Topic | None = None
+    partitions: tuple[PartitionView, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    cluster_id: str
+    controller_id: int
+    controller_address: str
+    controller_epoch: int
+    brokers: tuple[Broker, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class IsrProposal:
+    """One item of AlterPartition: the leader's proposed ISR and the epochs it read."""
+
+    topic: str
+    partition: int
+    leader_epoch: int
+    new_isr: tuple[int, ...]
+    partition_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class IsrOutcome:
+    """The result for one proposal: ``view`` is the state in force (when the partition exists)."""
+
+    topic: str
+    partition: int
+    error: TidelogError | None
+    view: PartitionView | None
+
+
+@dataclass(frozen=True, slots=True)
+class ElectionOutcome:
+    topic: str
+    partition: int
+    error: TidelogError | None
+
+
+class StandbyError(NotControllerError):
+    """NOT_CONTROLLER from a standby; ``active`` is the active controller, if one is known."""
+
+    def __init__(self, message: str, active: ControllerInfo | None) -> None:
+        super().__init__(message)
+        self.active = active
+
+
+# --- internals -----------------------------------------------------------------------------
+
+
+class _ConflictError(Exception):
+    """A transaction's revision comparison failed: someone changed a key we track."""
+
+
+@dataclass
+class _Plan:
+    """One decision as etcd writes and the in-memory updates that follow them."""
+
+    changes: list[PartitionChange] = field(default_factory=list)
+    put_topics: list[Topic] = field(default_factory=list)
+    removed_topics: list[str] = field(default_factory=list)
+    put_deletions: list[PendingDeletion] = field(default_factory=list)
+    removed_deletions: list[str] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (
+            self.changes
+            or self.put_topics
+            or self.removed_topics
+            or self.put_deletions
+            or self.removed_deletions
+        )
+
+
+@dataclass(eq=False)
+class _Term:
+    """Everything that belongs to one period in office (one controller epoch).
+
+    A new term starts from scratch; callbacks from an older term's watch or senders check
+    ``controller._term is term`` and are ignored once it ended.
+    """
+
+    epoch: int
+    channel: ControllerChannelManager
+    state: ClusterState = field(default_factory=ClusterState)
+    # mod_revision of every controller-owned key (topics/, partitions/, deletions/).
+    revisions: dict[str, int] = field(default_factory=dict)
+    cluster_id: str = ""
+    deletions: dict[str, PendingDeletion] = field(default_factory=dict)
+    # topic -> broker -> partitions whose StopReplica(delete) is not acknowledged yet.
+    deletion_pending: dict[str, dict[int, set[int]]] = field(default_factory=dict)
+    cancel_watch: Callable[[], None] | None = None
+    watch_generation: int = 0
+    # Read-only flags set from other threads without the lock (a bool store is atomic).
+    resync_needed: bool = False
+    deposed: bool = False
+    # False until the first read of etcd completed: requests wait for it (NOT_CONTROLLER).
+    ready: bool = False
+    next_imbalance_check: float = 0.0
+
+
+def _kv_from_event(event: WatchEvent) -> KeyValue:
+    return KeyValue(
+        key=event.key,
+        value=event.value,
+        mod_revision=event.mod_revision,
+        create_revision=event.create_revision,
+        version=event.version,
+        lease_id=0,
+    )
+
+
+# --- the controller --------------------------------------------------------------------------
+
+
+class Controller:
+    """An elected controller (active or standby); see the module docstring.
+
+    Invariants while active: ``_term.state`` equals what etcd holds under topics/ and
+    partitions/ as of the last successful write (every change is persisted before it is
+    applied); ``_term.revisions`` holds the mod_revision of each of those keys; every live
+    broker has a sender in ``_term.channel``.
+    """
+
+    def __init__(self, store: MetaStore, config: ControllerConfig) -> None:
+        self._store = store
+        self.config = config
+        self._lock = threading.Lock()
+        self._term: _Term | None = None
+        self._stopping = threading.Event()
+        self._wake = threading.Event()
+        self._election = ControllerElection(
+            store,
+            controller_id=config.controller_id,
+            address=config.advertised_address,
+            ttl_s=config.session_ttl_s,
+            on_elected=self._on_elected,
+            on_resigned=self._on_resigned,
+        )
+        self._housekeeper = threading.Thread(
+            target=self._housekeeping_loop,
+            name=f"controller-housekeeping-{config.controller_id}",
+            daemon=True,
+        )
+        self._log = _log.bind(controller_id=config.controller_id)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Controller:
+        self._housekeeper.start()
+        self._election.start()
+        return self
+
+    def stop(self) -> None:
+        """Resign (a standby takes over at once) and stop every thread. Idempotent."""
+        self._stopping.set()
+        self._wake.set()
+        self._election.stop()
+        self._on_resigned()  # in case the election thread could not finish in time
+        if self._housekeeper.is_alive():
+            self._housekeeper.join(5.0)
+
+    @property
+    def epoch(self) -> int | None:
+        """The controller epoch while active, else None."""
+        term = self._term
+        return term.epoch if term is not None and term.ready and not term.deposed else None
+
+    @property
+    def is_active(self) -> bool:
+        return self.epoch is not None
+
+    def active_controller(self) -> ControllerInfo | None:
+        return self._election.known_controller()
+
+    # --- election callbacks -----------------------------------------------------------------
+
+    def _on_elected(self, epoch: int) -> None:
+        """Take office: read everything, watch brokers, reconcile, push the full state."""
+        term_box: list[_Term] = []
+        channel = ControllerChannelManager(
+            self.config.controller_id,
+            epoch,
+            on_stale_controller=lambda error: self._deposed(term_box[0], str(error)),
+            on_stop_acked=lambda broker_id, tps: self._stop_acked(term_box[0], broker_id, tps),
+            rpc_timeout_s=self.config.broker_rpc_timeout_s,
+        )
+        term = _Term(epoch=epoch, channel=channel)
+        term_box.append(term)
+        term.next_imbalance_check = time.monotonic() + self.config.imbalance_check_interval_s
+        with self._lock:
+            self._term = term
+        self._log.info("activating", epoch=epoch)
+        # Raises on failure; the election then resigns this term and campaigns again.
+        self._resync(term)
+        self._log.info(
+            "active",
+            epoch=epoch,
+            brokers=term.state.live_broker_ids,
+            topics=len(term.state.topics),
+            partitions=len(term.state.partitions),
+        )
+
+    def _on_resigned(self) -> None:
+        with self._lock:
+            term = self._term
+            self._term = None
+            if term is None:
+                return
+            term.deposed = True
+            cancel = term.cancel_watch
+            term.cancel_watch = None
+            term.channel.shutdown()
+        if cancel is not None:
+            cancel()  # outside the lock: it waits for a callback that may want the lock
+        self._log.info("inactive", epoch=term.epoch)
+
+    def _deposed(self, term: _Term, reason: str) -> None:
+        """Proof that a successor exists: stop acting now, let the election resign."""
+        if term.deposed:
+            return
+        term.deposed = True
+        self._log.warning("deposed", epoch=term.epoch, reason=reason)
+        self._election.resign(term.epoch)
+
+    # --- the active term's guard ------------------------------------------------------------
+
+    def _require_active(self) -> _Term:
+        """The current term; raises StandbyError (NOT_CONTROLLER) when there is none.
+
+        Called with the lock held.
+        """
+        term = self._term
+        if term is None or term.deposed or not term.ready:
+            raise self._standby_error()
+        return term
+
+    def _standby_error(self, holder: ControllerInfo | None = None) -> StandbyError:
+        """NOT_CONTROLLER naming the active controller: ``holder`` if known, else the
+        election's view, else etcd's (this process may not have noticed its own fall yet)."""
+        me = self.config.controller_id
+        active = holder or self._election.known_controller()
+        if active is None or active.controller_id == me:
+            try:
+                kv = self._store.get(CONTROLLER_KEY)
+                active = decode_controller(kv) if kv is not None else None
+            except (MetaStoreError, TidelogError):
+                active = None
+        if active is None or active.controller_id == me:
+            return StandbyError(
+                f"controller {self.config.controller_id} is not the active controller and no "
+                "controller is active right now; retry shortly",
+                None,
+            )
+        return StandbyError(
+            f"controller {self.config.controller_id} is a standby; the active controller is "
+            f"{active.controller_id} at {active.address}",
+            active,
+        )
+
+    # --- persistence ------------------------------------------------------------------------
+
+    def _commit(self, term: _Term, plan: _Plan) -> None:
+        """Write ``plan`` in one guarded transaction; then apply it and track revisions.
+
+        Raises _ConflictError (a compared revision moved), NotControllerError (the guard
+        failed: deposed) or MetaStoreError (outcome unknown: a resync is scheduled).
+        """
+        compares: list[Compare] = []
+        ops: list[TxnOp] = []
+        revisions = term.revisions
+
+        def expect(key: str) -> None:
+            compares.append(Compare.mod_revision_is(key, revisions.get(key, 0)))
+
+        for topic in plan.put_topics:
+            expect(topic_key(topic.name))
+            if topic.name not in term.state.topics:
+                # A new topic: also no pending deletion of an older incarnation (whose
+                # StopReplica(delete) would otherwise hit the new topic's logs).
+                expect(deletion_key(topic.name))
+            ops.append(PutOp(topic_key(topic.name), encode_topic(topic)))
+        for change in plan.changes:
+            key = partition_key(change.topic, change.partition)
+            expect(key)
+            ops.append(PutOp(key, encode_partition(change.new)))
+        for name in plan.removed_topics:
+            expect(topic_key(name))
+            ops.append(DeleteOp(topic_key(name)))
+            ops.append(DeleteOp(partitions_prefix(name), prefix=True))
+        for deletion in plan.put_deletions:
+            expect(deletion_key(deletion.topic))
+            ops.append(PutOp(deletion_key(deletion.topic), encode_deletion(deletion)))
+        for name in plan.removed_deletions:
+            expect(deletion_key(name))
+            ops.append(DeleteOp(deletion_key(name)))
+        guard = Guard(CONTROLLER_KEY, create_revision=term.epoch)
+        compares.extend(guard.compares())
+        try:
+            result = self._store.txn(compares, ops, [GetOp(CONTROLLER_KEY)])
+        except MetaStoreError:
+            # The write may or may not have been applied: re-read before deciding again.
+            self._schedule_resync(term)
+            raise
+        if not result.succeeded:
+            found = result.responses[0] if result.responses else None
+            holder = found.kvs[0] if isinstance(found, GetResult) and found.kvs else None
+            if holder is None or holder.create_revision != term.epoch:
+                self._deposed(term, "the controller key changed: a write was fenced")
+                raise self._standby_error(decode_controller(holder) if holder else None)
+            raise _ConflictError()
+        self._apply(term, plan, result.revision)
+
+    def _apply(self, term: _Term, plan: _Plan, revision: int) -> None:
+        state = term.state
+        for topic in plan.put_topics:
+            term.revisions[topic_key(topic.name)] = revision
+            if topic.name in state.topics:
+                state.replace_topic(topic)
+            else:
+                state.add_topic(topic)
+        for change in plan.changes:
+            term.revisions[partition_key(change.topic, change.partition)] = revision
+            self._log.info(
+                "partition_state_changed",
+                topic=change.topic,
+                partition=change.partition,
+                leader=change.new.leader,
+                leader_epoch=change.new.leader_epoch,
+                isr=list(change.new.isr),
+                partition_epoch=change.new.partition_epoch,
+                epoch=term.epoch,
+            )
+        state.apply(plan.changes)
+        for name in plan.removed_topics:
+            prefix = partitions_prefix(name)
+            for key in [k for k in term.revisions if k.startswith(prefix)]:
+                del term.revisions[key]
+            term.revisions.pop(topic_key(name), None)
+            state.remove_topic(name)
+        for deletion in plan.put_deletions:
+            term.revisions[deletion_key(deletion.topic)] = revision
+            term.deletions[deletion.topic] = deletion
+            term.deletion_pending[deletion.topic] = _replicas_by_broker(deletion.assignment)
+        for name in plan.removed_deletions:
+            term.revisions.pop(deletion_key(name), None)
+            term.deletions.pop(name, None)
+            term.deletion_pending.pop(name, None)
+
+    def _decide_and_commit(self, term: _Term, decide: Callable[[], _Plan]) -> _Plan:
+        """Decide, persist, apply; on a revision conflict re-read and decide once more."""
+        for attempt in range(2):
+            plan = decide()
+            if plan.empty():
+                return plan
+            try:
+                self._commit(term, plan)
+            except _ConflictError:
+                self._log.warning("write_conflict", epoch=term.epoch, attempt=attempt)
+                self._load_controller_keys(term)
+                continue
+            return plan
+        raise InvalidUpdateVersionError(
+            "cluster metadata in etcd changed concurrently twice while deciding; retry"
+        )
+
+    def _schedule_resync(self, term: _Term) -> None:
+        term.resync_needed = True
+        self._wake.set()
+
+    # --- reading etcd -----------------------------------------------------------------------
+
+    def _load_controller_keys(self, term: _Term) -> None:
+        """Re-read topics, partitions and deletions into the term (lock held)."""
+        topics_kvs = self._store.get_prefix(TOPICS_PREFIX)
+        partition_kvs = self._store.get_prefix(PARTITIONS_PREFIX)
+        deletion_kvs = self._store.get_prefix(DELETIONS_PREFIX)
+        revisions: dict[str, int] = {}
+        topics: dict[str, Topic] = {}
+        for kv in topics_kvs:
+            topic = decode_topic(kv)
+            topics[topic.name] = topic
+            revisions[kv.key] = kv.mod_revision
+        partitions: dict[TopicPartition, PartitionRecord] = {}
+        for kv in partition_kvs:
+            name, p, record = decode_partition(kv)
+            revisions[kv.key] = kv.mod_revision
+            if name in topics and p < topics[name].partition_count:
+                partitions[(name, p)] = record
+            else:
+                self._log.warning("orphan_partition_key", key=kv.key)
+        deletions: dict[str, PendingDeletion] = {}
+        for kv in deletion_kvs:
+            deletion = decode_deletion(kv)
+            deletions[deletion.topic] = deletion
+            revisions[kv.key] = kv.mod_revision
+        term.state.topics = topics
+        term.state.partitions = partitions
+        term.revisions = revisions
+        # Keep acknowledgement progress of deletions we already knew; new ones start over.
+        pending: dict[str, dict[int, set[int]]] = {}
+        for name, deletion in deletions.items():
+            known = term.deletions.get(name)
+            if known is not None and known.topic_id == deletion.topic_id:
+                pending[name] = term.deletion_pending.get(name, {})
+            else:
+                pending[name] = _replicas_by_broker(deletion.assignment)
+        term.deletions = deletions
+        term.deletion_pending = pending
+
+    def _load_cluster_id(self, term: _Term) -> None:
+        kv = self._store.get(CLUSTER_ID_KEY)
+        if kv is None:
+            # The first controller of a cluster names it; the guard keeps a deposed one out.
+            self._store.create_if_absent(
+                CLUSTER_ID_KEY,
+                encode_cluster_id(uuid.uuid4().hex),
+                guards=[Guard(CONTROLLER_KEY, create_revision=term.epoch)],
+            )
+            kv = self._store.get(CLUSTER_ID_KEY)
+        if kv is None:
+            raise NotControllerError("could not create the cluster id: deposed")
+        term.cluster_id = decode_cluster_id(kv)
+
+    def _resync(self, term: _Term) -> None:
+        """Re-read everything, watch brokers anew, reconcile, push the full state."""
+        with self._lock:
+            if self._term is not term or term.deposed:
+                return
+            term.resync_needed = False
+            term.watch_generation += 1
+            cancel = term.cancel_watch
+            term.cancel_watch = None
+        if cancel is not None:
+            cancel()  # outside the lock (see the module docstring)
+        with self._lock:
+            if self._term is not term or term.deposed:
+                return
+            try:
+                self._resync_locked(term)
+            except (MetaStoreError, TidelogError):
+                term.resync_needed = True
+                raise
+
+    def _resync_locked(self, term: _Term) -> None:
+        broker_kvs, revision = self._store.get_prefix_with_revision(BROKERS_PREFIX)
+        brokers: dict[int, Broker] = {}
+        for kv in broker_kvs:
+            try:
+                broker = decode_broker(kv)
+            except (ValueError, KeyError, TidelogError) as exc:
+                self._log.warning("bad_broker_registration", key=kv.key, error=str(exc))
+                continue
+            brokers[broker.broker_id] = broker
+        self._load_controller_keys(term)
+        if not term.cluster_id:
+            self._load_cluster_id(term)
+        state = term.state
+        state.brokers = brokers
+        state.shutting_down &= set(brokers)
+        generation = term.watch_generation
+        term.cancel_watch = self._store.watch_prefix(
+            BROKERS_PREFIX,
+            lambda event: self._on_broker_event(term, generation, event),
+            on_error=lambda error: self._on_watch_error(term, generation, error),
+            start_revision=revision + 1,
+        )
+        term.channel.set_brokers(brokers.values())
+        # Reconcile: brokers that died unseen leave leaderships and ISRs, one persisted
+        # decision per broker; then offline partitions with an eligible replica get one.
+        for broker_id in state.dead_replicas():
+
+            def evict(dead: int = broker_id) -> _Plan:
+                return _Plan(state.on_broker_down(dead))
+
+            self._decide_and_commit(term, evict)
+        missing = [
+            change
+            for topic in state.topics.values()
+            for change in state.new_topic_partitions(topic)
+            if change.key not in state.partitions
+        ]
+        if missing:
+            self._decide_and_commit(term, lambda: _Plan(changes=missing))
+        self._decide_and_commit(term, lambda: _Plan(state.elect_offline_partitions()))
+        self._push(term, [], full_to=state.live_broker_ids)
+        self._send_pending_deletions(term, state.live_broker_ids)
+        term.ready = True
+
+    # --- pushing to brokers -------------------------------------------------------------------
+
+    def _assignment_state(
+        self, term: _Term, key: TopicPartition, *, is_new: bool = False
+    ) -> PartitionAssignmentState:
+        topic = term.state.topics[key[0]]
+        return PartitionAssignmentState(
+            topic=key[0],
+            partition=key[1],
+            record=term.state.partitions[key],
+            replicas=topic.assignment[key[1]],
+            topic_id=topic.topic_id,
+            configs=topic.configs,
+            is_new=is_new,
+        )
+
+    def _push(
+        self,
+        term: _Term,
+        changes: Iterable[PartitionChange],
+        *,
+        full_to: Iterable[int] = (),
+        metadata: bool = True,
+    ) -> Completion:
+        """LeaderAndIsr for ``changes`` to their live replicas (and everything to
+        ``full_to``), then UpdateMetadata to every broker. Lock held; never blocks."""
+        state = term.state
+        per_broker: dict[int, dict[TopicPartition, PartitionAssignmentState]] = {}
+        for change in changes:
+            if change.key not in state.partitions:
+                continue
+            assigned = self._assignment_state(term, change.key, is_new=change.old is None)
+            for broker_id in assigned.replicas:
+                if broker_id in state.brokers:
+                    per_broker.setdefault(broker_id, {})[change.key] = assigned
+        for broker_id in full_to:
+            mine = per_broker.setdefault(broker_id, {})
+            for key in state.partitions_hosted_by(broker_id):
+                if key in state.partitions and key not in mine:
+                    mine[key] = self._assignment_state(term, key)
+        completion = Completion()
+        for broker_id, states in sorted(per_broker.items()):
+            term.channel.send_leader_and_isr(broker_id, list(states.values()), completion)
+        if metadata:
+            term.channel.send_update_metadata(
+                [state.brokers[b] for b in state.live_broker_ids],
+                [self._assignment_state(term, key) for key in sorted(state.partitions)],
+                completion,
+            )
+        return completion
+
+    def _send_pending_deletions(
+        self, term: _Term, broker_ids: Iterable[int], completion: Completion | None = None
+    ) -> None:
+        """StopReplica(delete) for every unacknowledged replica of a deleted topic."""
+        wanted = set(broker_ids)
+        for name, per_broker in sorted(term.deletion_pending.items()):
+            for broker_id, partitions in sorted(per_broker.items()):
+                if broker_id in wanted and broker_id in term.state.brokers and partitions:
+                    term.channel.send_stop_replica(
+                        broker_id,
+                        [(name, p) for p in sorted(partitions)],
+                        delete=True,
+                        completion=completion,
+                    )
+
+    def _stop_acked(self, term: _Term, broker_id: int, partitions: list[TopicPartition]) -> None:
+        """A broker deleted replicas (sender thread): note it, clean up finished deletions."""
+        finished = False
+        with self._lock:
+            if self._term is not term:
+                return
+            for name, p in partitions:
+                per_broker = term.deletion_pending.get(name)
+                if per_broker is None or broker_id not in per_broker:
+                    continue
+                per_broker[broker_id].discard(p)
+                if not per_broker[broker_id]:
+                    del per_broker[broker_id]
+                finished = finished or not per_broker
+        if finished:
+            self._wake.set()  # the housekeeping pass removes the deletion records
+
+    # --- broker membership (watch thread) ----------------------------------------------------
+
+    def _on_watch_error(self, term: _Term, generation: int, error: MetaStoreError) -> None:
+        if term.watch_generation == generation:
+            self._log.warning("broker_watch_failed", epoch=term.epoch, error=str(error))
+            self._schedule_resync(term)
+
+    def _on_broker_event(self, term: _Term, generation: int, event: WatchEvent) -> None:
+        with self._lock:
+            if self._term is not term or term.deposed or term.watch_generation != generation:
+                return
+            try:
+                broker_id = int(event.key.removeprefix(BROKERS_PREFIX))
+            except ValueError:
+                self._log.warning("bad_broker_key", key=event.key)
+                return
+            try:
+                if event.type == "delete":
+                    if broker_id in term.state.brokers:
+                        self._broker_down(term, broker_id)
+                    return
+                broker = decode_broker(_kv_from_event(event))
+                known = term.state.brokers.get(broker_id)
+                if known is not None and known.epoch == broker.epoch:
+                    if known != broker:  # the same incarnation updated its value
+                        term.state.brokers[broker_id] = broker
+                        term.channel.add_broker(broker)
+                        self._push(term, [])
+                    return
+                if known is not None:  # a new incarnation without a delete seen first
+                    self._broker_down(term, broker_id)
+                self._broker_up(term, broker)
+            except (MetaStoreError, TidelogError, ValueError, KeyError) as exc:
+                # Nothing was applied; the resync re-reads and reconciles.
+                self._log.warning(
+                    "broker_event_failed", broker_id=broker_id, event=event.type, error=str(exc)
+                )
+                self._schedule_resync(term)
+
+    def _broker_up(self, term: _Term, broker: Broker) -> None:
+        state = term.state
+        self._log.info(
+            "broker_up", broker_id=broker.broker_id, broker_epoch=broker.epoch, epoch=term.epoch
+        )
+        plan = self._decide_and_commit(term, lambda: _Plan(state.on_broker_up(broker)))
+        term.channel.add_broker(broker)
+        # A (re)registered broker has no roles yet: it gets every partition it hosts.
+        self._push(term, plan.changes, full_to=[broker.broker_id])
+        self._send_pending_deletions(term, [broker.broker_id])
+
+    def _broker_down(self, term: _Term, broker_id: int) -> None:
+        state = term.state
+        self._log.info("broker_down", broker_id=broker_id, epoch=term.epoch)
+        plan = self._decide_and_commit(term, lambda: _Plan(state.on_broker_down(broker_id)))
+        term.channel.remove_broker(broker_id)
+        self._push(term, plan.changes)
+
+    # --- housekeeping thread ------------------------------------------------------------------
+
+    def _housekeeping_loop(self) -> None:
+        interval_s = self.config.housekeeping_interval_s
+        while not self._stopping.is_set():
+            self._wake.wait(interval_s)
+            self._wake.clear()
+            term = self._term
+            if term is None or term.deposed or self._stopping.is_set():
+                continue
+            try:
+                if term.resync_needed:
+                    self._log.info("resync", epoch=term.epoch)
+                    self._resync(term)
+                self._finish_deletions(term)
+                if time.monotonic() >= term.next_imbalance_check:
+                    term.next_imbalance_check = (
+                        time.monotonic() + self.config.imbalance_check_interval_s
+                    )
+                    self._auto_rebalance(term)
+            except (MetaStoreError, TidelogError) as exc:
+                self._log.warning("housekeeping_failed", epoch=term.epoch, error=str(exc))
+                self._schedule_resync(term)
+                self._stopping.wait(min(1.0, self.config.session_ttl_s / 4))
+            except Exception:
+                self._log.exception("housekeeping_crashed", epoch=term.epoch)
+                self._schedule_resync(term)
+                self._stopping.wait(1.0)
+
+    def _finish_deletions(self, term: _Term) -> None:
+        with self._lock:
+            if self._term is not term or term.deposed:
+                return
+            done = sorted(name for name, pending in term.deletion_pending.items() if not pending)
+            if not done:
+                return
+            self._decide_and_commit(term, lambda: _Plan(removed_deletions=done))
+            self._log.info("topic_deletion_completed", topics=done, epoch=term.epoch)
+
+    def _auto_rebalance(self, term: _Term) -> None:
+        """Kafka's auto.leader.rebalance: preferred elections where a broker is imbalanced."""
+        with self._lock:
+            if self._term is not term or term.deposed:
+                return
+            state = term.state
+            chosen = state.imbalanced_partitions(self.config.leader_imbalance_percentage)
+            if not chosen:
+                return
+            plan = self._decide_and_commit(
+                term, lambda: _Plan(state.elect(ElectionType.PREFERRED, chosen)[0])
+            )
+            if plan.changes:
+                self._log.info(
+                    "auto_preferred_election",
+                    partitions=[f"{c.topic}-{c.partition}" for c in plan.changes],
+                    epoch=term.epoch,
+                )
+                self._push(term, plan.changes)
+
+    # --- waiting ----------------------------------------------------------------------------
+
+    def _wait_s(self, timeout_ms: int) -> float:
+        if timeout_ms < 0:
+            raise InvalidRequestError(f"timeout_ms must be >= 0, got {timeout_ms}")
+        return min(timeout_ms or self.config.default_wait_ms, self.config.max_wait_ms) / 1000
+
+    def _check_count(self, what: str, count: int, limit: int) -> None:
+        if count > limit:
+            raise InvalidRequestError(f"{count} {what} in one request; the limit is {limit}")
+
+    # --- CreateTopics -------------------------------------------------------------------------
+
+    def create_topics(
+        self, topics: Sequence[NewTopic], *, validate_only: bool = False, timeout_ms: int = 0
+    ) -> list[CreatedTopic]:
+        """Create each topic in its own transaction; per-topic errors; nothing half-made.
+
+        With ``validate_only`` everything is checked and nothing written. Otherwise waits
+        up to the timeout for the replicas to acknowledge their new partitions (a topic
+        whose brokers are slow to answer is still created: the answer does not change).
+        """
+        self._check_count("topics", len(topics), self.config.max_topics_per_request)
+        wait_s = self._wait_s(timeout_ms)
+        results: list[CreatedTopic] = []
+        completions: list[Completion] = []
+        seen: set[str] = set()
+        with self._lock:
+            term = self._require_active()
+            for request in topics:
+                if request.name in seen:
+                    results.append(
+                        CreatedTopic(
+                            request.name,
+                            InvalidRequestError(
+                                f"topic {request.name!r} appears more than once in the request"
+                            ),
+                        )
+                    )
+                    continue
+                seen.add(request.name)
+                try:
+                    if validate_only:
+                        topic = self._new_topic(term, request)
+                        results.append(CreatedTopic(request.name, None, topic))
+                        continue
+                    made: list[Topic] = []
+
+                    def decide(request: NewTopic = request, made: list[Topic] = made) -> _Plan:
+                        topic = self._new_topic(term, request)
+                        made[:] = [topic]
+                        return _Plan(
+                            changes=term.state.new_topic_partitions(topic), put_topics=[topic]
+                        )
+
+                    plan = self._decide_and_commit(term, decide)
+                    self._log.info(
+                        "topic_created",
+                        topic=request.name,
+                        topic_id=made[0].topic_id,
+                        partitions=made[0].partition_count,
+                        replication_factor=made[0].replication_factor,
+                        epoch=term.epoch,
+                    )
+                    completions.append(self._push(term, plan.changes))
+                    results.append(CreatedTopic(request.name, None, made[0]))
+                except NotControllerError:
+                    raise
+                except TidelogError as exc:
+                    results.append(CreatedTopic(request.name, exc))
+                except MetaStoreError as exc:
+                    results.append(CreatedTopic(request.name, exc))
+        _wait_all(completions, wait_s)
+        return results
+
+    def _new_topic(self, term: _Term, request: NewTopic) -> Topic:
+        """Validate a creation against the current state; the Topic it would create."""
+        state = term.state
+        validate_topic_name(request.name)
+        if request.name in state.topics:
+            raise TopicAlreadyExistsError(f"topic {request.name!r} already exists")
+        if request.name in term.deletions:
+            raise TopicAlreadyExistsError(
+                f"topic {request.name!r} is being deleted (a replica's broker has not "
+                "confirmed yet); retry once the deletion completes"
+            )
+        brokers = [b for b in state.live_broker_ids if b not in state.shutting_down]
+        if request.assignments:
+            assignment = _explicit_assignment(request.assignments, first=0)
+            if request.num_partitions not in (0, -1, len(assignment)):
+                raise InvalidReplicaAssignmentError(
+                    f"num_partitions is {request.num_partitions} but the explicit assignment "
+                    f"places {len(assignment)} partitions"
+                )
+            replication_factor = len(assignment[0])
+            if request.replication_factor not in (0, -1, replication_factor):
+                raise InvalidReplicaAssignmentError(
+                    f"replication_factor is {request.replication_factor} but the explicit "
+                    f"assignment gives {replication_factor} replicas per partition"
+                )
+            self._check_partition_count(len(assignment))
+            validate_assignment(assignment, brokers, replication_factor)
+        else:
+            if request.num_partitions < 1:
+                raise InvalidPartitionsError(
+                    f"number of partitions must be at least 1, got {request.num_partitions}"
+                )
+            self._check_partition_count(request.num_partitions)
+            replication_factor = request.replication_factor
+            if replication_factor < 1:
+                raise InvalidReplicationFactorError(
+                    f"replication factor must be at least 1, got {replication_factor}"
+                )
+            if replication_factor > len(brokers):
+                raise InvalidReplicationFactorError(
+                    f"replication factor {replication_factor} is larger than the "
+                    f"{len(brokers)} live brokers {brokers}"
+                )
+            assignment = None
+        configs = validate_topic_configs(request.configs, replication_factor)
+        if assignment is None:
+            assignment = assign_replicas(
+                brokers,
+                request.num_partitions,
+                replication_factor,
+                racks=_racks(state, brokers),
+            )
+        return Topic(
+            name=request.name,
+            topic_id=uuid.uuid4().hex,
+            assignment=tuple(tuple(replicas) for replicas in assignment),
+            configs=configs,
+        )
+
+    def _check_partition_count(self, count: int) -> None:
+        if count > self.config.max_partitions_per_topic:
+            raise InvalidPartitionsError(
+                f"{count} partitions; a topic may have at most "
+                f"{self.config.max_partitions_per_topic}"
+            )
+
+    # --- DeleteTopics -------------------------------------------------------------------------
+
+    def delete_topics(self, names: Sequence[str], *, timeout_ms: int = 0) -> list[TopicOutcome]:
+        """Delete topics (one transaction each) and have their replicas deleted.
+
+        The topic key and its partition keys go, and ``deletions/<t>`` records the
+        replicas still to delete, in one transaction. Waits up to the timeout for live
+        replicas to confirm; replicas on brokers that are down are deleted when they
+        return, and the name is reusable once every replica confirmed.
+        """
+        self._check_count("topics", len(names), self.config.max_topics_per_request)
+        wait_s = self._wait_s(timeout_ms)
+        results: list[TopicOutcome] = []
+        completion = Completion()
+        seen: set[str] = set()
+        with self._lock:
+            term = self._require_active()
+            for name in names:
+                try:
+                    if name in seen:
+                        raise InvalidRequestError(f"topic {name!r} appears more than once")
+                    seen.add(name)
+                    validate_topic_name(name)
+
+                    def decide(name: str = name) -> _Plan:
+                        topic = term.state.topics.get(name)
+                        if topic is None:
+                            raise UnknownTopicOrPartitionError(f"topic {name!r} does not exist")
+                        return _Plan(
+                            removed_topics=[name],
+                            put_deletions=[PendingDeletion(name, topic.topic_id, topic.assignment)],
+                        )
+
+                    self._decide_and_commit(term, decide)
+                    self._log.info("topic_deleted", topic=name, epoch=term.epoch)
+                    self._send_pending_deletions(term, term.state.live_broker_ids, completion)
+                    results.append(TopicOutcome(name, None))
+                except NotControllerError:
+                    raise
+                except (TidelogError, MetaStoreError) as exc:
+                    results.append(TopicOutcome(name, exc))
+            if any(result.error is None for result in results):
+                self._push(term, [], metadata=True)
+        completion.wait(wait_s)
+        return results
+
+    # --- CreatePartitions ---------------------------------------------------------------------
+
+    def create_partitions(
+        self,
+        increases: Sequence[NewPartitions],
+        *,
+        validate_only: bool = False,
+        timeout_ms: int = 0,
+    ) -> list[TopicOutcome]:
+        """Grow topics' partition counts (never shrink); per-topic errors."""
+        self._check_count("topics", len(increases), self.config.max_topics_per_request)
+        wait_s = self._wait_s(timeout_ms)
+        results: list[TopicOutcome] = []
+        completions: list[Completion] = []
+        seen: set[str] = set()
+        with self._lock:
+            term = self._require_active()
+            for request in increases:
+                try:
+                    if request.name in seen:
+                        raise InvalidRequestError(f"topic {request.name!r} appears more than once")
+                    seen.add(request.name)
+                    if validate_only:
+                        self._grown_topic(term, request)
+                        results.append(TopicOutcome(request.name, None))
+                        continue
+
+                    def decide(request: NewPartitions = request) -> _Plan:
+                        old, grown = self._grown_topic(term, request)
+                        return _Plan(
+                            changes=term.state.new_topic_partitions(
+                                grown, first_partition=old.partition_count
+                            ),
+                            put_topics=[grown],
+                        )
+
+                    plan = self._decide_and_commit(term, decide)
+                    self._log.info(
+                        "partitions_created",
+                        topic=request.name,
+                        partitions=request.count,
+                        epoch=term.epoch,
+                    )
+                    completions.append(self._push(term, plan.changes))
+                    results.append(TopicOutcome(request.name, None))
+                except NotControllerError:
+                    raise
+                except (TidelogError, MetaStoreError) as exc:
+                    results.append(TopicOutcome(request.name, exc))
+        _wait_all(completions, wait_s)
+        return results
+
+    def _grown_topic(self, term: _Term, request: NewPartitions) -> tuple[Topic, Topic]:
+        state = term.state
+        validate_topic_name(request.name)
+        old = state.topics.get(request.name)
+        if old is None:
+            raise UnknownTopicOrPartitionError(f"topic {request.name!r} does not exist")
+        if request.count <= old.partition_count:
+            raise InvalidPartitionsError(
+                f"topic {request.name!r} has {old.partition_count} partitions; the count can "
+                f"only grow (asked for {request.count})"
+            )
+        self._check_partition_count(request.count)
+        brokers = [b for b in state.live_broker_ids if b not in state.shutting_down]
+        if request.assignments:
+            added = _explicit_assignment(request.assignments, first=old.partition_count)
+            if old.partition_count + len(added) != request.count:
+                raise InvalidReplicaAssignmentError(
+                    f"the assignment places {len(added)} new partitions, but growing "
+                    f"{old.partition_count} to {request.count} adds "
+                    f"{request.count - old.partition_count}"
+                )
+            validate_assignment(added, brokers, old.replication_factor)
+        else:
+            added = extend_assignment(
+                old.assignment, brokers, request.count, racks=_racks(state, brokers)
+            )
+        grown = Topic(
+            name=old.name,
+            topic_id=old.topic_id,
+            assignment=old.assignment + tuple(tuple(replicas) for replicas in added),
+            configs=old.configs,
+        )
+        return old, grown
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def describe_cluster(self) -> ClusterView:
+        with self._lock:
+            term = self._require_active()
+            return self._cluster_view(term)
+
+    def _cluster_view(self, term: _Term) -> ClusterView:
+        state = term.state
+        return ClusterView(
+            cluster_id=term.cluster_id,
+            controller_id=self.config.controller_id,
+            controller_address=self.config.advertised_address,
+            controller_epoch=term.epoch,
+            brokers=tuple(state.brokers[b] for b in state.live_broker_ids),
+        )
+
+    def metadata(self, topics: Sequence[str] = ()) -> tuple[ClusterView, list[TopicView]]:
+        """The cluster and the requested topics (empty: all), from memory."""
+        self._check_count("topics", len(topics), self.config.max_topics_per_request)
+        with self._lock:
+            term = self._require_active()
+            state = term.state
+            names = list(topics) if topics else sorted(state.topics)
+            views = []
+            for name in names:
+                topic = state.topics.get(name)
+                if topic is None:
+                    error: TidelogError
+                    try:
+                        validate_topic_name(name)
+                        error = UnknownTopicOrPartitionError(f"topic {name!r} does not exist")
+                    except InvalidTopicError as exc:
+                        error = exc
+                    views.append(TopicView(name, error))
+                    continue
+                views.append(
+                    TopicView(
+                        name,
+                        None,
+                        topic,
+                        tuple(
+                            PartitionView(name, p, state.partitions[(name, p)], replicas)
+                            for p, replicas in enumerate(topic.assignment)
+                            if (name, p) in state.partitions
+                        ),
+                    )
+                )
+            return self._cluster_view(term), views
+
+    # --- AlterPartition ---------------------------------------------------------------------
+
+    def alter_partition(
+        self, broker_id: int, broker_epoch: int, proposals: Sequence[IsrProposal]
+    ) -> list[IsrOutcome]:
+        """ISR changes asked by a leader, fenced by leader, partition and broker epochs.
+
+        All accepted proposals are written in one transaction. Every outcome carries the
+        state in force afterwards, so a leader whose proposal lost learns the current one.
+        """
+        self._check_count("partitions", len(proposals), self.config.max_partitions_per_request)
+        with self._lock:
+            term = self._require_active()
+            state = term.state
+            errors: dict[int, TidelogError] = {}
+
+            def decide() -> _Plan:
+                errors.clear()
+                changes = []
+                seen: set[TopicPartition] = set()
+                for index, item in enumerate(proposals):
+                    key = (item.topic, item.partition)
+                    try:
+                        if key in seen:
+                            raise InvalidRequestError(
+                                f"{item.topic}-{item.partition} appears more than once"
+                            )
+                        seen.add(key)
+                        changes.append(
+                            state.alter_partition(
+                                broker_id=broker_id,
+                                broker_epoch=broker_epoch,
+                                topic=item.topic,
+                                partition=item.partition,
+                                leader_epoch=item.leader_epoch,
+                                new_isr=item.new_isr,
+                                partition_epoch=item.partition_epoch,
+                            )
+                        )
+                    except TidelogError as exc:
+                        errors[index] = exc
+                return _Plan(changes=changes)
+
+            plan = self._decide_and_commit(term, decide)
+            if plan.changes:
+                self._push(term, plan.changes)
+            outcomes = []
+            for index, item in enumerate(proposals):
+                key = (item.topic, item.partition)
+                view = None
+                if key in state.partitions:
+                    view = PartitionView(
+                        item.topic,
+                        item.partition,
+                        state.partitions[key],
+                        state.topics[item.topic].assignment[item.partition],
+                    )
+                outcomes.append(IsrOutcome(item.topic, item.partition, errors.get(index), view))
+            return outcomes
+
+    # --- ControlledShutdown -------------------------------------------------------------------
+
+    def controlled_shutdown(self, broker_id: int, broker_epoch: int) -> list[TopicPartition]:
+        """Move leaderships off a stopping broker; the partitions it still must lead."""
+        with self._lock:
+            term = self._require_active()
+            state = term.state
+            remaining: list[TopicPartition] = []
+
+            def decide() -> _Plan:
+                changes, stuck = state.controlled_shutdown(broker_id, broker_epoch)
+                remaining[:] = stuck
+                return _Plan(changes=changes)
+
+            plan = self._decide_and_commit(term, decide)
+            self._log.info(
+                "controlled_shutdown",
+                broker_id=broker_id,
+                moved=len(plan.changes),
+                remaining=len(remaining),
+                epoch=term.epoch,
+            )
+            if plan.changes:
+                self._push(term, plan.changes)
+            return list(remaining)
+
+    # --- ElectLeaders -------------------------------------------------------------------------
+
+    def elect_leaders(
+        self,
+        election: ElectionType,
+        partitions: Sequence[TopicPartition] = (),
+        *,
+        timeout_ms: int = 0,
+    ) -> list[ElectionOutcome]:
+        """Preferred or unclean elections, per partition; ``()`` = every partition.
+
+        For "every partition" only partitions where something happened (or failed for a
+        reason other than ELECTION_NOT_NEEDED) are reported. UNCLEAN follows Kafka
+        (KIP-460): an explicit request may elect an out-of-sync replica of any topic, but
+        only for a partition that has no leader.
+        """
+        self._check_count("partitions", len(partitions), self.config.max_partitions_per_request)
+        wait_s = self._wait_s(timeout_ms)
+        with self._lock:
+            term = self._require_active()
+            state = term.state
+            everything = not partitions
+            wanted = sorted(state.partitions) if everything else list(partitions)
+            invalid: dict[TopicPartition, TidelogError] = {}
+            for name, p in wanted:
+                try:
+                    validate_topic_name(name)
+                    if not 0 <= p <= MAX_PARTITION:
+                        raise UnknownTopicOrPartitionError(f"partition {p} is out of range")
+                except TidelogError as exc:
+                    invalid[(name, p)] = exc
+            errors: dict[TopicPartition, TidelogError] = {}
+
+            def decide() -> _Plan:
+                errors.clear()
+                valid = [key for key in dict.fromkeys(wanted) if key not in invalid]
+                changes, found = state.elect(election, valid)
+                errors.update(found)
+                return _Plan(changes=changes)
+
+            plan = self._decide_and_commit(term, decide)
+            errors.update(invalid)
+            completion = self._push(term, plan.changes) if plan.changes else Completion()
+            if plan.changes:
+                self._log.info(
+                    "leaders_elected",
+                    election=election.value,
+                    partitions=[f"{c.topic}-{c.partition}" for c in plan.changes],
+                    epoch=term.epoch,
+                )
+        completion.wait(wait_s)
+        outcomes = []
+        for key in dict.fromkeys(wanted):
+            error = errors.get(key)
+            if everything and isinstance(error, ElectionNotNeededError):
+                continue
+            outcomes.append(ElectionOutcome(key[0], key[1], error))
+        return outcomes
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _wait_all(completions: Iterable[Completion], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for completion in completions:
+        if not completion.wait(deadline - time.monotonic()):
+            return
+
+
+def _replicas_by_broker(assignment: Sequence[Sequence[int]]) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for p, replicas in enumerate(assignment):
+        for broker_id in replicas:
+            out.setdefault(broker_id, set()).add(p)
+    return out
+
+
+def _racks(state: ClusterState, brokers: Sequence[int]) -> dict[int, str | None] | None:
+    """Rack-aware placement when every broker has a rack; rack-unaware otherwise.
+
+    A mix (some brokers without a rack) falls back to rack-unaware placement rather than
+    refusing to create topics: a missing --rack on one broker should not stop the cluster.
+    """
+    racks = {b: state.brokers[b].rack or None for b in brokers}
+    if all(rack is not None for rack in racks.values()):
+        return racks
+    if any(rack is not None for rack in racks.values()):
+        _log.warning("rack_unaware_placement", reason="some brokers have no rack", racks=str(racks))
+    return None
+
+
+def _explicit_assignment(
+    assignments: Sequence[tuple[int, tuple[int, ...]]], *, first: int
+) -> list[list[int]]:
+    """The replica lists of an explicit placement of partitions ``first, first+1, ...``."""
+    by_partition: dict[int, list[int]] = {}
+    for partition, replicas in assignments:
+        if partition in by_partition:
+            raise InvalidReplicaAssignmentError(f"partition {partition} is assigned twice")
+        by_partition[partition] = list(replicas)
+    expected = list(range(first, first + len(by_partition)))
+    if sorted(by_partition) != expected:
+        raise InvalidReplicaAssignmentError(
+            f"the assignment must place partitions {first}..{first + len(by_partition) - 1} "
+            f"exactly once, got {sorted(by_partition)}"
+        )
+    assignment = [by_partition[p] for p in expected]
+    if not assignment[0]:
+        raise InvalidReplicaAssignmentError(f"partition {first} has no replicas")
+    return assignment
+
+
+__all__ = [
+    "ClusterView",
+    "Controller",
+    "ControllerConfig",
+    "CreatedTopic",
+    "ElectionOutcome",
+    "IsrOutcome",
+    "IsrProposal",
+    "NewPartitions",
+    "NewTopic",
+    "PartitionView",
+    "StandbyError",
+    "TopicOutcome",
+    "TopicView",
+]
