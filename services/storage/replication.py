@@ -144,9 +144,7 @@ class LeaderReplicationState:
             if b not in self.isr and progress.log_end_offset >= threshold
         ]
 
-    def propose_isr_change(
-        self, now_ms: int, replica_lag_time_max_ms: int
-    ) -> IsrProposal | None:
+    def propose_isr_change(self, now_ms: int, replica_lag_time_max_ms: int) -> IsrProposal | None:
         """The next AlterPartition to send, or None (nothing to change, or one pending).
 
         Shrinks take precedence: a lagging member holds back the HW for everyone.
