@@ -122,6 +122,14 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="on SIGTERM, how long to wait for the controller to move this broker's "
         "leaderships away before stopping anyway (default: 30)",
     )
+    parser.add_argument(
+        "--replica-lag-time-max-ms",
+        type=int,
+        default=None,
+        metavar="MS",
+        help="override every topic's replica.lag.time.max.ms: a follower not caught up "
+        "for this long leaves the ISR (default: the topic's, else 30000)",
+    )
     _add_logging(parser)
     parser.set_defaults(handler="services.storage.node:main")
 

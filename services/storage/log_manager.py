@@ -51,6 +51,9 @@ class LogManager:
         self._rng = rng or random.Random()
         self._logs: dict[TopicPartitionKey, Log] = {}
         self._recovery_checkpoint = OffsetCheckpointFile(self.data_dir / RECOVERY_POINT_CHECKPOINT)
+        self._replication_checkpoint = OffsetCheckpointFile(
+            self.data_dir / REPLICATION_OFFSET_CHECKPOINT
+        )
 
     def startup(self) -> None:
         """Open (and where needed recover) every partition log in the data directory."""
@@ -159,6 +162,20 @@ class LogManager:
         self._recovery_checkpoint.write(
             {key: partition_log.recovery_point for key, partition_log in self._logs.items()}
         )
+
+    def read_high_watermarks(self) -> dict[TopicPartitionKey, int]:
+        """The last replication-offset-checkpoint (HW per partition); {} if none/unreadable."""
+        try:
+            return dict(self._replication_checkpoint.read())
+        except CheckpointCorruptError as exc:
+            # Without it a replica starts from HW = log start and relearns the HW from its
+            # leader (or its followers): slower to serve, never wrong.
+            log.warning("replication_checkpoint_unreadable", error=str(exc))
+            return {}
+
+    def write_high_watermarks(self, high_watermarks: dict[TopicPartitionKey, int]) -> None:
+        """Write the replication-offset-checkpoint atomically (same format as recovery)."""
+        self._replication_checkpoint.write(high_watermarks)
 
     def flush_all(self) -> None:
         for partition_log in self._logs.values():

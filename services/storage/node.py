@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,16 +33,24 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.cluster_metadata import CONTROLLER_KEY, broker_key, decode_broker, decode_controller
 from services.controller.state import Broker
-from services.metastore import MetaStore
+from services.metastore import MetaStore, MetaStoreError
+from services.status import error_from_proto, error_from_rpc_error
 from services.storage.log import LogConfig
 from services.storage.log_manager import LogManager
 from services.storage.registration import BrokerRegistration
-from services.storage.server import ReplicaManager, ServerLimits, StorageServicer
+from services.storage.replication import IsrProposal
+from services.storage.server import (
+    IsrOutcomeView,
+    ReplicaManager,
+    ServerLimits,
+    StorageServicer,
+)
 from tidelog import logging as tidelog_logging
 from tidelog.clock import SYSTEM_CLOCK, Clock
-from tidelog.errors import TidelogError
-from tidelog.v1 import storage_pb2, storage_pb2_grpc
+from tidelog.errors import BrokerNotAvailableError, TidelogError
+from tidelog.v1 import controller_pb2, controller_pb2_grpc, storage_pb2, storage_pb2_grpc
 
 _log = structlog.get_logger("tidelog.storage.node")
 
@@ -50,6 +59,11 @@ STORAGE_SERVICE_NAME: Final[str] = storage_pb2.DESCRIPTOR.services_by_name["Stor
 # gRPC's defaults (4 MiB in) are too small for batch traffic; both directions are set
 # explicitly so a Fetch answer (ServerLimits.max_fetch_response_bytes) always fits.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+ALTER_PARTITION_TIMEOUT_S: Final = 2.0
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +84,8 @@ class StorageNodeConfig:
     session_ttl_s: int = 10
     # How long SIGTERM waits for the controller to move this broker's leaderships away.
     controlled_shutdown_timeout_s: float = 30.0
+    # Overrides every topic's replica.lag.time.max.ms (None: the topic's, else 30000).
+    replica_lag_time_max_ms: int | None = None
     # Pool threads serving calls. Long-polling fetches and append streams hold a thread
     # each, so ServerLimits keeps their counts well below this.
     max_workers: int = 64
@@ -153,7 +169,14 @@ class StorageNode:
         """Recover the logs, bind, serve, report SERVING. Raises OSError if it cannot bind."""
         config = self.config
         log_manager = LogManager(config.data_dir, config.log_config, clock=self._clock)
-        replicas = ReplicaManager(log_manager, broker_id=config.broker_id, clock=self._clock)
+        replicas = ReplicaManager(
+            log_manager,
+            broker_id=config.broker_id,
+            clock=self._clock,
+            resolve=self._resolve_broker,
+            alter_partition=self._send_alter_partition if config.etcd else None,
+            replica_lag_time_max_ms=config.replica_lag_time_max_ms,
+        )
         started_ms = time.monotonic()
         replicas.startup()
         self._replicas = replicas
@@ -206,6 +229,65 @@ class StorageNode:
         _log.info("listening", address=self.address)
         if config.etcd:
             self._register(replicas)
+
+    def _resolve_broker(self, broker_id: int) -> str | None:
+        """A broker's address: the UpdateMetadata cache, else its registration in etcd."""
+        replicas = self._replicas
+        if replicas is not None:
+            found = replicas.metadata.brokers.get(broker_id)
+            if found is not None:
+                return _host_port(found.host, found.port)
+        store = self._store
+        if store is None:
+            return None
+        try:
+            kv = store.get(broker_key(broker_id))
+        except MetaStoreError:
+            return None
+        if kv is None:
+            return None
+        broker = decode_broker(kv)
+        return _host_port(broker.host, broker.port)
+
+    def _send_alter_partition(
+        self, broker_epoch: int, items: Sequence[tuple[str, int, IsrProposal]]
+    ) -> list[IsrOutcomeView]:
+        """AlterPartition to the active controller (found through etcd)."""
+        store = self._store
+        if store is None:
+            raise BrokerNotAvailableError("not registered in a cluster")
+        found = store.get(CONTROLLER_KEY)
+        if found is None:
+            raise BrokerNotAvailableError("no active controller")
+        address = decode_controller(found).address
+        request = controller_pb2.AlterPartitionRequest(
+            broker_id=self.config.broker_id,
+            broker_epoch=broker_epoch,
+            partitions=[
+                controller_pb2.AlterPartitionItem(
+                    topic=topic,
+                    partition=partition,
+                    leader_epoch=proposal.leader_epoch,
+                    new_isr=list(proposal.new_isr),
+                    partition_epoch=proposal.partition_epoch,
+                )
+                for topic, partition, proposal in items
+            ],
+        )
+        with grpc.insecure_channel(address) as channel:
+            stub = controller_pb2_grpc.ControllerStub(channel)
+            try:
+                response = stub.AlterPartition(request, timeout=ALTER_PARTITION_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                raise error_from_rpc_error(exc) from None
+        outcomes: list[IsrOutcomeView] = []
+        for result in response.partitions:
+            error = error_from_proto(result.error)
+            if result.HasField("state"):
+                outcomes.append((error, tuple(result.state.isr), result.state.partition_epoch))
+            else:
+                outcomes.append((error, None, -1))
+        return outcomes
 
     def _register(self, replicas: ReplicaManager) -> None:
         """Join the cluster: register in etcd (waiting out a previous incarnation)."""
@@ -266,6 +348,7 @@ class StorageNode:
                 next_checkpoint = now + config.checkpoint_interval_ms / 1000
             try:
                 self.replicas.maintenance(checkpoint=checkpoint)
+                self.replicas.isr_pass()
             except Exception:
                 # Never let housekeeping die: a failed pass is logged and retried next tick.
                 _log.exception("maintenance_failed")
@@ -289,6 +372,7 @@ def main(args: argparse.Namespace) -> int:
             rack=args.rack,
             session_ttl_s=args.session_ttl_s,
             controlled_shutdown_timeout_s=args.controlled_shutdown_timeout_s,
+            replica_lag_time_max_ms=getattr(args, "replica_lag_time_max_ms", None),
         )
     except (ValueError, TidelogError) as exc:
         print(f"tidelog storage: error: {exc}", file=sys.stderr)

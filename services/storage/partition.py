@@ -5,27 +5,37 @@ needs on top - who leads, at which leader epoch, what is committed (the high wat
 and the locking that makes the single-threaded Log usable from gRPC's thread pool. It
 speaks plain Python (no protobuf); ``services.storage.server`` translates.
 
-For now every leader is a single-replica leader: the ISR is taken to be ``{self}``, so the
-high watermark is the log end offset after every append. The replication issue replaces
-``_advance_high_watermark`` with "min LEO over the ISR" and adds follower state here.
+As leader a partition owns a ``LeaderReplicationState`` (the pure follower-progress / HW /
+ISR core): the high watermark is the smallest log end offset over the (maximal) ISR.
+Appends with acks=all wait in a per-partition purgatory (``AckWaiter``s in a heap keyed
+by the offset the high watermark must reach), completed under the partition lock by
+whatever moves the high watermark, failed by ISR shrinks below ``min.insync.replicas``,
+role changes and closing. As follower it takes replicated batches from the replica
+fetcher and keeps HW = min(leader HW, own LEO).
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from services.storage.log import Log
+from services.storage.replication import IsrProposal, LeaderReplicationState
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
     FencedLeaderEpochError,
     InvalidRequestError,
     InvalidTimestampError,
+    NotEnoughReplicasAfterAppendError,
+    NotEnoughReplicasError,
     NotLeaderOrFollowerError,
     OffsetOutOfRangeError,
+    RequestTimedOutError,
     StorageError,
     TidelogError,
     UnknownLeaderEpochError,
@@ -37,6 +47,37 @@ NO_EPOCH = -1
 
 CONSUMER_REPLICA_ID = -1
 """The replica id of ordinary consumers: they read only below the high watermark."""
+
+
+DEFAULT_MIN_INSYNC_REPLICAS = 1
+DEFAULT_REPLICA_LAG_TIME_MAX_MS = 30_000
+
+
+def _int_config(configs: dict[str, str], name: str, default: int) -> int:
+    try:
+        return int(configs.get(name, default))
+    except ValueError:
+        return default
+
+
+class AckWaiter:
+    """One acks=all append waiting for the high watermark to reach ``required_offset``.
+
+    Completed exactly once, under the partition lock: ``error`` None means committed.
+    The waiting gRPC handler thread blocks on ``done``; no other thread is involved.
+    """
+
+    __slots__ = ("done", "error", "required_offset")
+
+    def __init__(self, required_offset: int) -> None:
+        self.required_offset = required_offset
+        self.done = threading.Event()
+        self.error: TidelogError | None = None
+
+    def complete(self, error: TidelogError | None) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
 
 
 class Role(enum.Enum):
@@ -77,6 +118,9 @@ class AppendResult:
     log_append_time_ms: int
     log_start_offset: int
     high_watermark: int
+    duplicate: bool = False
+    # acks=all: completed once the HW passes last_offset (None when already committed).
+    waiter: AckWaiter | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +130,10 @@ class ReadResult:
     log_start_offset: int
     log_end_offset: int
     leader_epoch: int
+    # KIP-320: the follower's last fetched epoch does not match this log; it should
+    # truncate to (diverging_epoch, diverging_end_offset). -1 when no divergence.
+    diverging_epoch: int = -1
+    diverging_end_offset: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +197,27 @@ class Partition:
         self._high_watermark = log.log_start_offset
         self._closed_error: TidelogError | None = None
         self._watchers: set[threading.Event] = set()
+        self._configs: dict[str, str] = {}
+        # Leader only: follower progress, HW and ISR decisions (pure, see replication.py).
+        self._replication: LeaderReplicationState | None = None
+        # acks=all purgatory: (required offset, sequence, waiter), smallest offset first.
+        self._ack_waiters: list[tuple[int, int, AckWaiter]] = []
+        self._ack_sequence = itertools.count()
+
+    def restore_high_watermark(self, high_watermark: int) -> None:
+        """Startup: the checkpointed HW (replication-offset-checkpoint), clamped to the log."""
+        with self._lock:
+            self._high_watermark = max(
+                self._log.log_start_offset, min(high_watermark, self._log.log_end_offset)
+            )
+
+    @property
+    def high_watermark(self) -> int:
+        return self._high_watermark
+
+    @property
+    def leader(self) -> int:
+        return self._leader
 
     def __repr__(self) -> str:
         return (
@@ -197,8 +266,37 @@ class Partition:
             self._partition_epoch = state.partition_epoch
             self._isr = tuple(state.isr)
             self._replicas = tuple(state.replicas)
+            self._configs = dict(state.configs)
             if role is Role.LEADER:
+                if changed or self._replication is None:
+                    # Every time it becomes leader (Kafka's maybeAssignEpochStartOffset):
+                    # OffsetForLeaderEpoch for the previous epoch then ends here.
+                    self._log.assign_epoch_start_offset(state.leader_epoch)
+                    self._fail_ack_waiters(self._not_leader_error())
+                    self._replication = LeaderReplicationState(
+                        local_broker_id=self.broker_id,
+                        # An ISR member missing from replicas (a reassignment in flight)
+                        # is still tracked, so the HW rule can always find its LEO.
+                        replicas=tuple(
+                            dict.fromkeys((*state.replicas, *state.isr, self.broker_id))
+                        ),
+                        isr=state.isr or (self.broker_id,),
+                        leader_epoch=state.leader_epoch,
+                        partition_epoch=state.partition_epoch,
+                        high_watermark=self._high_watermark,
+                        log_end_offset=self._log.log_end_offset,
+                        leader_epoch_start_offset=self._log.log_end_offset,
+                        now_ms=self._clock.now_ms(),
+                    )
+                elif state.partition_epoch >= self._replication.partition_epoch:
+                    self._replication.on_isr_committed(state.isr, state.partition_epoch)
+                self._check_min_isr_for_waiters()
                 self._advance_high_watermark()
+            else:
+                self._replication = None
+                self._fail_ack_waiters(self._not_leader_error())
+                if role is Role.FOLLOWER:
+                    self._high_watermark = min(self._high_watermark, self._log.log_end_offset)
             self._wake_watchers()
             return changed
 
@@ -208,6 +306,8 @@ class Partition:
             self._check_open()
             self._role = Role.NONE
             self._leader = -1
+            self._replication = None
+            self._fail_ack_waiters(self._not_leader_error())
             self._wake_watchers()
 
     def close(self, error: TidelogError) -> Log:
@@ -219,6 +319,8 @@ class Partition:
             if self._closed_error is None:
                 self._closed_error = error
                 self._role = Role.NONE
+                self._replication = None
+                self._fail_ack_waiters(error)
                 self._wake_watchers()
             return self._log
 
@@ -230,31 +332,157 @@ class Partition:
 
     # --- data path ----------------------------------------------------------------------
 
-    def append(self, records: bytes, current_leader_epoch: int = NO_EPOCH) -> AppendResult:
+    def append(
+        self, records: bytes, current_leader_epoch: int = NO_EPOCH, *, acks_all: bool = False
+    ) -> AppendResult:
         """Append producer batches (validated and stamped by the Log) as the leader.
 
         Raises NotLeaderOrFollowerError unless leading, Fenced/UnknownLeaderEpochError on
         an epoch mismatch, and whatever the Log raises for bad batches (nothing is written
         then). ``records`` may hold several concatenated batches.
+
+        ``acks_all``: refused up front with NOT_ENOUGH_REPLICAS when the ISR is smaller
+        than ``min.insync.replicas``; otherwise, unless already committed, the result
+        carries a ``waiter`` the caller waits on (``wait_for_ack``). Duplicates of
+        idempotent batches wait the same way for their original offsets.
         """
         if not records:
             raise InvalidRequestError("the request carries no record batches")
         with self._lock:
             self._check_leader(current_leader_epoch)
+            if acks_all:
+                self._check_min_isr(NotEnoughReplicasError)
             append_time_ms = self._clock.now_ms()
             try:
                 info = self._log.append(records, leader_epoch=self._leader_epoch)
             except OSError as exc:
                 raise StorageError(f"{self.topic}-{self.partition}: append failed: {exc}") from exc
-            self._advance_high_watermark()
-            self._wake_watchers()
+            if not info.duplicate:
+                self._advance_high_watermark()
+                self._wake_watchers()
+            waiter = None
+            if acks_all and self._high_watermark <= info.last_offset:
+                waiter = AckWaiter(info.last_offset + 1)
+                heapq.heappush(
+                    self._ack_waiters, (waiter.required_offset, next(self._ack_sequence), waiter)
+                )
             return AppendResult(
                 base_offset=info.first_offset,
                 last_offset=info.last_offset,
                 log_append_time_ms=append_time_ms,
                 log_start_offset=self._log.log_start_offset,
                 high_watermark=self._high_watermark,
+                duplicate=info.duplicate,
+                waiter=waiter,
             )
+
+    def wait_for_ack(self, waiter: AckWaiter, timeout_s: float) -> int:
+        """Block until ``waiter`` completes; the HW then. Raises its error, or
+        REQUEST_TIMED_OUT after ``timeout_s`` (the waiter is then withdrawn)."""
+        if not waiter.done.wait(timeout_s):
+            with self._lock:
+                if not waiter.done.is_set():
+                    waiter.complete(
+                        RequestTimedOutError(
+                            f"{self.topic}-{self.partition}: offset {waiter.required_offset - 1} "
+                            f"not replicated to the ISR within {timeout_s * 1000:.0f} ms"
+                        )
+                    )
+                    self._ack_waiters = [e for e in self._ack_waiters if e[2] is not waiter]
+                    heapq.heapify(self._ack_waiters)
+        if waiter.error is not None:
+            raise waiter.error
+        return self._high_watermark
+
+    # --- replication: leader side -------------------------------------------------------
+
+    def offset_for_leader_epoch(
+        self, leader_epoch: int, current_leader_epoch: int = NO_EPOCH
+    ) -> tuple[int, int]:
+        """As leader: ``(largest epoch <= leader_epoch, its end offset)`` (KIP-101/279)."""
+        with self._lock:
+            self._check_leader(current_leader_epoch)
+            return self._log.end_offset_for_epoch(leader_epoch)
+
+    def propose_isr_change(self, replica_lag_time_max_ms: int | None = None) -> IsrProposal | None:
+        """As leader: the AlterPartition to send now, if any (at most one pending)."""
+        with self._lock:
+            if self._closed_error is not None or self._replication is None:
+                return None
+            lag_ms = replica_lag_time_max_ms
+            if lag_ms is None:
+                lag_ms = _int_config(
+                    self._configs, "replica.lag.time.max.ms", DEFAULT_REPLICA_LAG_TIME_MAX_MS
+                )
+            return self._replication.propose_isr_change(self._clock.now_ms(), lag_ms)
+
+    def on_isr_result(
+        self, proposal: IsrProposal, isr: tuple[int, ...] | None, partition_epoch: int
+    ) -> None:
+        """The controller's answer to ``proposal``: the ISR in force, or None if rejected."""
+        with self._lock:
+            state = self._replication
+            if state is None or state.pending is not proposal:
+                return  # leadership changed meanwhile; LeaderAndIsr carries the truth
+            if isr is None:
+                state.on_isr_rejected()
+            else:
+                state.on_isr_committed(isr, partition_epoch)
+                self._isr = tuple(isr)
+                self._partition_epoch = partition_epoch
+            self._check_min_isr_for_waiters()
+            self._advance_high_watermark()
+            self._wake_watchers()
+
+    # --- replication: follower side -----------------------------------------------------
+
+    def follower_state(self, leader_epoch: int) -> tuple[int, int]:
+        """As follower at ``leader_epoch``: ``(log end offset, latest epoch in the log)``."""
+        with self._lock:
+            self._check_follower(leader_epoch)
+            return self._log.log_end_offset, self._log.latest_epoch
+
+    def follower_end_offset_for_epoch(self, leader_epoch: int, epoch: int) -> tuple[int, int]:
+        with self._lock:
+            self._check_follower(leader_epoch)
+            return self._log.end_offset_for_epoch(epoch)
+
+    def follower_truncate(self, leader_epoch: int, offset: int) -> int:
+        """Truncate to ``offset`` (never above the LEO); returns the new log end offset."""
+        with self._lock:
+            self._check_follower(leader_epoch)
+            target = min(offset, self._log.log_end_offset)
+            if target < self._log.log_end_offset:
+                self._log.truncate_to(max(target, self._log.log_start_offset))
+            self._high_watermark = min(self._high_watermark, self._log.log_end_offset)
+            return self._log.log_end_offset
+
+    def follower_start_at(self, leader_epoch: int, offset: int) -> None:
+        """The leader's log now starts past ours (retention): drop everything, restart
+        empty at ``offset`` (Kafka's truncateFullyAndStartAt). Only if we are behind it."""
+        with self._lock:
+            self._check_follower(leader_epoch)
+            if self._log.log_end_offset < offset:
+                self._log.truncate_fully_and_start_at(offset)
+                self._high_watermark = offset
+
+    def follower_append(self, leader_epoch: int, records: bytes, leader_high_watermark: int) -> int:
+        """Append replicated batches (leader's offsets and epochs); returns the new LEO.
+
+        Follower HW = min(leader HW, own LEO), never backwards.
+        """
+        with self._lock:
+            self._check_follower(leader_epoch)
+            if records:
+                try:
+                    self._log.append(records, assign_offsets=False)
+                except OSError as exc:
+                    raise StorageError(
+                        f"{self.topic}-{self.partition}: replicated append failed: {exc}"
+                    ) from exc
+            hw = min(leader_high_watermark, self._log.log_end_offset)
+            self._high_watermark = max(self._high_watermark, hw)
+            return self._log.log_end_offset
 
     def read(
         self,
@@ -263,8 +491,14 @@ class Partition:
         *,
         replica_id: int = CONSUMER_REPLICA_ID,
         current_leader_epoch: int = NO_EPOCH,
+        last_fetched_epoch: int = NO_EPOCH,
     ) -> ReadResult:
         """Whole batches from ``fetch_offset``, at most about ``max_bytes`` (at least one).
+
+        A follower that names its ``last_fetched_epoch`` learns of a divergence (KIP-320):
+        when that epoch ends here before ``fetch_offset`` (or is not in this log), the
+        result carries no data and the epoch and end offset it should truncate to; its
+        fetch offset then does not count as its LEO.
 
         Consumers (``replica_id`` < 0) see only offsets below the high watermark; follower
         replicas read up to the log end offset. Raises OffsetOutOfRangeError when
@@ -274,6 +508,21 @@ class Partition:
         """
         with self._lock:
             self._check_leader(current_leader_epoch)
+            if replica_id >= 0 and last_fetched_epoch >= 0:
+                epoch, end_offset = self._log.end_offset_for_epoch(last_fetched_epoch)
+                # An unknown end (-1: the epoch predates this log's cache) proves nothing.
+                if end_offset >= 0 and (epoch != last_fetched_epoch or end_offset < fetch_offset):
+                    return ReadResult(
+                        records=b"",
+                        high_watermark=self._high_watermark,
+                        log_start_offset=self._log.log_start_offset,
+                        log_end_offset=self._log.log_end_offset,
+                        leader_epoch=self._leader_epoch,
+                        diverging_epoch=epoch,
+                        diverging_end_offset=end_offset,
+                    )
+            if replica_id >= 0:
+                self._on_follower_fetch(replica_id, fetch_offset)
             max_offset = self._high_watermark if replica_id < 0 else None
             if max_bytes == 0:
                 if not self._log.log_start_offset <= fetch_offset <= self._log.log_end_offset:
@@ -377,10 +626,76 @@ class Partition:
         for waiter in self._watchers:
             waiter.set()
 
+    def _on_follower_fetch(self, replica_id: int, fetch_offset: int) -> None:
+        state = self._replication
+        if state is None or replica_id not in state.followers:
+            raise NotLeaderOrFollowerError(
+                f"broker {replica_id} is not a follower of {self.topic}-{self.partition}"
+            )
+        if not self._log.log_start_offset <= fetch_offset <= self._log.log_end_offset:
+            return  # the read below raises OFFSET_OUT_OF_RANGE; not a valid LEO report
+        if state.on_follower_fetch(replica_id, fetch_offset, self._clock.now_ms()):
+            self._advance_high_watermark()
+            self._wake_watchers()
+
     def _advance_high_watermark(self) -> None:
-        # Single-replica leader: ISR = {self}, so everything appended is committed. Kept
-        # monotone so a later "min LEO over ISR" rule can slot in without other changes.
-        self._high_watermark = max(self._high_watermark, self._log.log_end_offset)
+        # Leader: HW = min LEO over the maximal ISR (LeaderReplicationState), monotone.
+        # Completes the acks=all waiters it passes.
+        state = self._replication
+        if state is None:
+            return
+        state.on_leader_append(self._log.log_end_offset)
+        self._high_watermark = max(self._high_watermark, state.high_watermark)
+        if not self._ack_waiters or self._ack_waiters[0][0] > self._high_watermark:
+            return
+        # Kafka's rule: committed with an ISR below min.insync.replicas is not the
+        # durability acks=all asked for (the HW may have moved *because* the ISR shrank).
+        outcome: TidelogError | None = None
+        if len(state.isr) < self._min_insync_replicas():
+            outcome = NotEnoughReplicasAfterAppendError(
+                f"{self.topic}-{self.partition}: ISR shrank to {len(state.isr)} replicas, "
+                f"below min.insync.replicas {self._min_insync_replicas()}"
+            )
+        while self._ack_waiters and self._ack_waiters[0][0] <= self._high_watermark:
+            heapq.heappop(self._ack_waiters)[2].complete(outcome)
+
+    def _min_insync_replicas(self) -> int:
+        return _int_config(self._configs, "min.insync.replicas", DEFAULT_MIN_INSYNC_REPLICAS)
+
+    def _check_min_isr(self, error: type[TidelogError]) -> None:
+        state = self._replication
+        isr_size = len(state.isr) if state is not None else 0
+        minimum = self._min_insync_replicas()
+        if isr_size < minimum:
+            raise error(
+                f"{self.topic}-{self.partition}: ISR has {isr_size} replicas, "
+                f"min.insync.replicas is {minimum}"
+            )
+
+    def _check_min_isr_for_waiters(self) -> None:
+        if not self._ack_waiters:
+            return
+        try:
+            self._check_min_isr(NotEnoughReplicasAfterAppendError)
+        except TidelogError as exc:
+            self._fail_ack_waiters(exc)
+
+    def _fail_ack_waiters(self, error: TidelogError) -> None:
+        waiters, self._ack_waiters = self._ack_waiters, []
+        for _, _, waiter in waiters:
+            waiter.complete(error)
+
+    def _not_leader_error(self) -> NotLeaderOrFollowerError:
+        return NotLeaderOrFollowerError(
+            f"broker {self.broker_id} is no longer the leader of {self.topic}-{self.partition}"
+        )
+
+    def _check_follower(self, leader_epoch: int) -> None:
+        self._check_open()
+        if self._role is not Role.FOLLOWER or self._leader_epoch != leader_epoch:
+            raise NotLeaderOrFollowerError(
+                f"{self.topic}-{self.partition}: no longer a follower at epoch {leader_epoch}"
+            )
 
     def _check_open(self) -> None:
         if self._closed_error is not None:

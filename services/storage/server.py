@@ -21,10 +21,11 @@ that may hold a thread for long keeps threads free for Append.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -32,6 +33,7 @@ import grpc
 import structlog
 
 from services.status import abort, to_error_proto, unary_errors
+from services.storage.fetcher import AddressResolver, ReplicaFetcherManager
 from services.storage.log import LogConfig
 from services.storage.log_manager import LogManager
 from services.storage.partition import (
@@ -44,6 +46,7 @@ from services.storage.partition import (
     Role,
     deleted_error,
 )
+from services.storage.replication import IsrProposal
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
     BrokerNotAvailableError,
@@ -70,6 +73,8 @@ DEFAULT_MAX_WAIT_MS: Final = 500
 DEFAULT_MIN_BYTES: Final = 1
 DEFAULT_FETCH_MAX_BYTES: Final = 50 * 1024 * 1024
 DEFAULT_PARTITION_MAX_BYTES: Final = 1024 * 1024
+# acks=all wait when the request says timeout_ms = 0 (Kafka's request.timeout.ms).
+DEFAULT_ACKS_TIMEOUT_MS: Final = 30_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +136,15 @@ class ClusterMetadata:
     controller_epoch: int = -1
 
 
+IsrOutcomeView = tuple[TidelogError | None, tuple[int, ...] | None, int]
+"""One AlterPartition outcome: error, the ISR in force (if reported), its partition epoch."""
+
+AlterPartitionSender = Callable[
+    [int, Sequence[tuple[str, int, IsrProposal]]], Sequence[IsrOutcomeView]
+]
+"""(broker epoch, [(topic, partition, proposal)]) -> one outcome each; raises on RPC failure."""
+
+
 class ReplicaManager:
     """The partitions hosted by this broker, and the LogManager that owns their logs.
 
@@ -145,10 +159,26 @@ class ReplicaManager:
     """
 
     def __init__(
-        self, log_manager: LogManager, *, broker_id: int, clock: Clock = SYSTEM_CLOCK
+        self,
+        log_manager: LogManager,
+        *,
+        broker_id: int,
+        clock: Clock = SYSTEM_CLOCK,
+        resolve: AddressResolver | None = None,
+        alter_partition: AlterPartitionSender | None = None,
+        replica_lag_time_max_ms: int | None = None,
     ) -> None:
         self.broker_id = broker_id
         self._log_manager = log_manager
+        # Sends ISR proposals to the active controller; None: standalone, no ISR changes.
+        self._alter_partition = alter_partition
+        # Overrides every topic's replica.lag.time.max.ms (tests use small values).
+        self._replica_lag_time_max_ms = replica_lag_time_max_ms
+        self._fetchers = ReplicaFetcherManager(
+            local_broker_id=broker_id,
+            broker_epoch=lambda: self._broker_epoch,
+            resolve=resolve or self._address_from_metadata,
+        )
         self._clock = clock
         self._lock = threading.Lock()
         self._partitions: dict[tuple[str, int], Partition] = {}
@@ -172,6 +202,12 @@ class ReplicaManager:
                 key: Partition(key[0], key[1], log, broker_id=self.broker_id, clock=self._clock)
                 for key, log in self._log_manager.all_logs().items()
             }
+            # The HW each partition had (replication-offset-checkpoint): a restarted
+            # leader or follower serves what was committed, not just what it recovered.
+            for key, high_watermark in self._log_manager.read_high_watermarks().items():
+                found = self._partitions.get(key)
+                if found is not None:
+                    found.restore_high_watermark(high_watermark)
         for topic, partition in sorted(self._partitions):
             _log.info("partition_loaded", topic=topic, partition=partition)
 
@@ -201,6 +237,13 @@ class ReplicaManager:
     @property
     def metadata(self) -> ClusterMetadata:
         return self._metadata
+
+    def _address_from_metadata(self, broker_id: int) -> str | None:
+        found = self._metadata.brokers.get(broker_id)
+        if found is None:
+            return None
+        host = f"[{found.host}]" if ":" in found.host else found.host
+        return f"{host}:{found.port}"
 
     def _check_controller_request(self, controller_epoch: int, broker_epoch: int) -> None:
         # Called with _lock held. A request from a deposed controller must not undo the
@@ -268,6 +311,7 @@ class ReplicaManager:
             partition.apply_state(state)
             self._partitions = {**self._partitions, key: partition}
             created = True
+            self._update_fetcher(partition, state)
         else:
             changed = partition.apply_state(state)  # raises FENCED_LEADER_EPOCH when stale
             with partition.locked() as current_log:
@@ -278,6 +322,7 @@ class ReplicaManager:
             created = False
             if not changed:
                 return
+            self._update_fetcher(partition, state)
         _log.info(
             "partition_state_applied",
             topic=state.topic,
@@ -288,6 +333,12 @@ class ReplicaManager:
             isr=list(state.isr),
             created=created,
         )
+
+    def _update_fetcher(self, partition: Partition, state: PartitionState) -> None:
+        if partition.role is Role.FOLLOWER:
+            self._fetchers.add(partition, state.leader, state.leader_epoch)
+        else:
+            self._fetchers.remove((state.topic, state.partition))
 
     def stop_replicas(
         self, controller_epoch: int, items: Sequence[StopReplicaItem], broker_epoch: int = -1
@@ -322,6 +373,7 @@ class ReplicaManager:
                 f"{item.topic}-{item.partition}: leader epoch {item.leader_epoch} is older "
                 f"than the current {partition.leader_epoch}"
             )
+        self._fetchers.remove(key)
         if not item.delete:
             if partition is not None:
                 partition.make_offline()
@@ -351,6 +403,50 @@ class ReplicaManager:
                         LogManager.maintain_log(topic, partition_id, current_log)
             if checkpoint:
                 self._log_manager.checkpoint()
+                self._write_high_watermarks()
+
+    def _write_high_watermarks(self) -> None:
+        # Reads plain ints (each HW is only ever replaced whole), so no partition locks.
+        self._log_manager.write_high_watermarks(
+            {key: p.high_watermark for key, p in self._partitions.items()}
+        )
+
+    def isr_pass(self) -> None:
+        """Leaders propose ISR changes (shrink laggards, add caught-up followers) to the
+        controller in one AlterPartition, and apply its answers. Called periodically."""
+        if self._alter_partition is None or self._broker_epoch <= 0:
+            return
+        proposals: list[tuple[Partition, IsrProposal]] = []
+        for partition in list(self._partitions.values()):
+            proposal = partition.propose_isr_change(self._replica_lag_time_max_ms)
+            if proposal is not None:
+                proposals.append((partition, proposal))
+        if not proposals:
+            return
+        items = [(p.topic, p.partition, proposal) for p, proposal in proposals]
+        try:
+            outcomes = self._alter_partition(self._broker_epoch, items)
+        except Exception as exc:  # unreachable controller: forget the proposals, retry
+            _log.info("alter_partition_failed", error=str(exc))
+            for partition, proposal in proposals:
+                partition.on_isr_result(proposal, None, -1)
+            return
+        for (partition, proposal), (error, isr, partition_epoch) in zip(
+            proposals, outcomes, strict=True
+        ):
+            if error is None and isr is not None:
+                partition.on_isr_result(proposal, isr, partition_epoch)
+            else:
+                partition.on_isr_result(proposal, None, -1)
+            _log.info(
+                "isr_change",
+                topic=partition.topic,
+                partition=partition.partition,
+                epoch=proposal.leader_epoch,
+                proposed=list(proposal.new_isr),
+                isr=list(isr) if isr is not None else None,
+                error=str(error) if error is not None else None,
+            )
 
     def describe(self, keys: Iterable[tuple[str, int]] | None = None) -> list[PartitionInfo]:
         """Snapshots of the hosted partitions (all, or those in ``keys`` that exist)."""
@@ -370,10 +466,15 @@ class ReplicaManager:
         Idempotent. Calls in progress finish first (they hold their partition's lock);
         later calls fail with NOT_LEADER_OR_FOLLOWER, which clients retry elsewhere.
         """
+        self._fetchers.shutdown()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            try:
+                self._write_high_watermarks()
+            except OSError:
+                _log.exception("high_watermark_checkpoint_failed")
             for partition in self._partitions.values():
                 partition.close(
                     NotLeaderOrFollowerError(f"broker {self.broker_id} is shutting down")
@@ -488,16 +589,21 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         if request.timeout_ms < 0:
             raise InvalidRequestError(f"timeout_ms {request.timeout_ms} is negative")
         partition = self._replicas.get_partition(request.topic, request.partition)
-        # Single replica for now: the high watermark passes the batch as it is appended,
-        # so acks=all and acks=1 are both answered right after the append.
-        result = partition.append(request.records, requested_epoch(request))
+        acks_all = request.acks in (common_pb2.ALL, common_pb2.ACKS_UNSPECIFIED)
+        result = partition.append(request.records, requested_epoch(request), acks_all=acks_all)
+        high_watermark = result.high_watermark
+        if result.waiter is not None:
+            # The purgatory: this handler thread sleeps on the waiter's event, which the
+            # thread that moves the HW (a follower's fetch) sets under the partition lock.
+            timeout_ms = request.timeout_ms or DEFAULT_ACKS_TIMEOUT_MS
+            high_watermark = partition.wait_for_ack(result.waiter, timeout_ms / 1000)
         no_acks = request.acks == common_pb2.NONE_ACKS
         return storage_pb2.AppendResponse(
             base_offset=-1 if no_acks else result.base_offset,
             last_offset=-1 if no_acks else result.last_offset,
             log_append_time_ms=result.log_append_time_ms,
             log_start_offset=result.log_start_offset,
-            high_watermark=result.high_watermark,
+            high_watermark=high_watermark,
             correlation_id=request.correlation_id,
         )
 
@@ -508,6 +614,8 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         self, request: storage_pb2.FetchRequest, context: grpc.ServicerContext
     ) -> storage_pb2.FetchResponse:
         params = self._fetch_params(request, context)
+        if request.replica_id >= 0:
+            self._check_follower_broker_epoch(request.replica_id, request.broker_epoch)
         partitions = self._resolve(request.partitions)
         reads = self._read_all(request, partitions, params)
         if not self._should_wait(reads, params):
@@ -545,6 +653,51 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 self._waiters.discard(waiter)
             self._waiting_fetch_slots.release()
         return self._fetch_response(request, reads)
+
+    def _check_follower_broker_epoch(self, replica_id: int, broker_epoch: int) -> None:
+        # A fetch from an earlier incarnation of a follower must not count as its progress
+        # (KIP-380); checked only when both sides know the epoch.
+        known = self._replicas.metadata.brokers.get(replica_id)
+        if known is not None and known.broker_epoch > 0 and 0 < broker_epoch != known.broker_epoch:
+            raise StaleBrokerEpochError(
+                f"fetch from broker {replica_id} epoch {broker_epoch}; registered epoch is "
+                f"{known.broker_epoch}"
+            )
+
+    # --- OffsetForLeaderEpoch -------------------------------------------------------------
+
+    @unary_errors
+    def OffsetForLeaderEpoch(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.OffsetForLeaderEpochRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.OffsetForLeaderEpochResponse:
+        self._check_partition_count(len(request.partitions))
+        results = []
+        for op in request.partitions:
+            try:
+                partition = self._replicas.get_partition(op.topic, op.partition)
+                epoch, end_offset = partition.offset_for_leader_epoch(
+                    op.leader_epoch, requested_epoch(op)
+                )
+                results.append(
+                    storage_pb2.OffsetForLeaderEpochResult(
+                        topic=op.topic,
+                        partition=op.partition,
+                        error=to_error_proto(None),
+                        leader_epoch=epoch,
+                        end_offset=end_offset,
+                    )
+                )
+            except TidelogError as exc:
+                results.append(
+                    storage_pb2.OffsetForLeaderEpochResult(
+                        topic=op.topic,
+                        partition=op.partition,
+                        error=to_error_proto(exc),
+                        leader_epoch=-1,
+                        end_offset=-1,
+                    )
+                )
+        return storage_pb2.OffsetForLeaderEpochResponse(partitions=results)
 
     def _fetch_params(
         self, request: storage_pb2.FetchRequest, context: grpc.ServicerContext
@@ -615,6 +768,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     min(limit, remaining),
                     replica_id=params.replica_id,
                     current_leader_epoch=requested_epoch(fp),
+                    last_fetched_epoch=(
+                        fp.last_fetched_epoch if fp.HasField("last_fetched_epoch") else NO_EPOCH
+                    ),
                 )
             except TidelogError as exc:
                 reads.append(exc)
@@ -625,13 +781,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 continue
             size = len(read.records)
             if size > remaining and total > 0:
-                read = ReadResult(
-                    b"",
-                    read.high_watermark,
-                    read.log_start_offset,
-                    read.log_end_offset,
-                    read.leader_epoch,
-                )
+                read = dataclasses.replace(read, records=b"")
                 size = 0
             total += size
             remaining = max(remaining - size, 0)
@@ -682,9 +832,8 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     log_end_offset=read.log_end_offset,
                     records=read.records,
                     leader_epoch=read.leader_epoch,
-                    # Divergence detection arrives with replication (KIP-320).
-                    diverging_epoch=-1,
-                    diverging_end_offset=-1,
+                    diverging_epoch=read.diverging_epoch,
+                    diverging_end_offset=read.diverging_end_offset,
                 )
             )
         return storage_pb2.FetchResponse(partitions=results)

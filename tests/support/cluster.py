@@ -144,8 +144,11 @@ class TestCluster:
         cluster: str = "test",
         session_ttl_s: int = 2,
         imbalance_check_interval_s: float = 300.0,
+        storage_args: Sequence[str] = (),
     ) -> None:
         self.base_dir = base_dir
+        # Extra flags for every storage node (e.g. --replica-lag-time-max-ms).
+        self.storage_args = list(storage_args)
         self.cluster = cluster
         self.session_ttl_s = session_ttl_s
         self.imbalance_check_interval_s = imbalance_check_interval_s
@@ -174,6 +177,7 @@ class TestCluster:
         ]
         if rack is not None:
             extra += ["--rack", rack]
+        extra += self.storage_args
         node = StorageProcess(
             self.data_dir(broker_id),
             broker_id=broker_id,

@@ -1,0 +1,434 @@
+"""Replica fetchers: the follower side of replication (a thin adapter over ``Partition``).
+
+One ``ReplicaFetcherThread`` per source leader broker pulls every partition this broker
+follows from that leader in one long-polling Fetch loop (seed 000: ``min_bytes=1``,
+``max_wait_ms=500``), identifying itself as the registered broker it is (``replica_id``,
+``broker_epoch``). ``ReplicaFetcherManager`` maps partitions to threads as LeaderAndIsr
+changes roles.
+
+A partition that becomes follower first *truncates* (Kafka KIP-101 with KIP-279), never
+blindly to its own high watermark: the fetcher asks the leader (OffsetForLeaderEpoch)
+where the follower's latest epoch ends there, and truncates to the smaller of that and
+its own end of the same epoch; when the leader answers with an epoch the follower does
+not have, the follower truncates to the end of its own largest earlier epoch and asks
+again. Then it fetches from its log end offset and appends the leader's batches as they
+are (``assign_offsets=False``), setting its HW to min(leader HW, own LEO).
+
+Every RPC has a deadline; errors back off (``FETCH_BACKOFF_S``) instead of spinning.
+Thread-safety: ``ReplicaFetcherManager`` methods may be called from any thread; each
+fetcher thread owns its RPC channel, and its partition map is guarded by its lock.
+Partitions are only touched through their own (locked) methods, which fence on the
+leader epoch the fetcher was given, so a fetch answered after a role change is dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import grpc
+import structlog
+
+from services.status import error_from_proto, error_from_rpc_error
+from services.storage.partition import Partition
+from tidelog.errors import (
+    ErrorCode,
+    NotLeaderOrFollowerError,
+    TidelogError,
+)
+from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
+
+_log = structlog.get_logger("tidelog.storage.fetcher")
+
+FETCH_MAX_WAIT_MS: Final = 500  # seed 000: replica.fetch.wait.max.ms
+FETCH_MIN_BYTES: Final = 1  # seed 000: replica.fetch.min.bytes
+FETCH_MAX_BYTES: Final = 32 * 1024 * 1024  # whole response (replica.fetch.response.max.bytes)
+PARTITION_FETCH_MAX_BYTES: Final = 8 * 1024 * 1024  # replica.fetch.max.bytes
+RPC_SLACK_S: Final = 5.0  # deadline beyond the long-poll for the transfer itself
+FETCH_BACKOFF_S: Final = 0.2  # replica.fetch.backoff.ms
+MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+
+AddressResolver = Callable[[int], str | None]
+"""Broker id -> "host:port" (metadata cache first, etcd second), None when unknown."""
+
+
+@dataclass(slots=True)
+class _FetchState:
+    partition: Partition
+    leader_epoch: int
+    truncating: bool = True  # KIP-279 reconciliation still to do
+    delayed_until: float = 0.0  # monotonic; back off this partition after an error
+
+
+class ReplicaFetcherThread(threading.Thread):
+    """Pulls every partition this broker follows from one leader broker."""
+
+    def __init__(
+        self,
+        *,
+        local_broker_id: int,
+        source_broker_id: int,
+        broker_epoch: Callable[[], int],
+        resolve: AddressResolver,
+    ) -> None:
+        super().__init__(name=f"replica-fetcher-{source_broker_id}", daemon=True)
+        self.local_broker_id = local_broker_id
+        self.source_broker_id = source_broker_id
+        self._broker_epoch = broker_epoch
+        self._resolve = resolve
+        self._lock = threading.Lock()
+        self._partitions: dict[tuple[str, int], _FetchState] = {}
+        self._changed = threading.Event()
+        self._stopping = threading.Event()
+        self._channel: grpc.Channel | None = None
+        self._address: str | None = None
+
+    # --- membership (any thread) ----------------------------------------------------------
+
+    def add(self, partition: Partition, leader_epoch: int) -> None:
+        with self._lock:
+            key = (partition.topic, partition.partition)
+            self._partitions[key] = _FetchState(partition, leader_epoch)
+        self._changed.set()
+
+    def remove(self, key: tuple[str, int]) -> bool:
+        with self._lock:
+            removed = self._partitions.pop(key, None) is not None
+        self._changed.set()
+        return removed
+
+    def is_empty(self) -> bool:
+        with self._lock:
+            return not self._partitions
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._changed.set()
+        channel = self._channel
+        if channel is not None:
+            # Cancels a long-poll in flight, so shutdown does not wait out max_wait_ms.
+            channel.close()
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._changed.clear()
+                now = time.monotonic()
+                with self._lock:
+                    states = [s for s in self._partitions.values() if s.delayed_until <= now]
+                    nothing = not self._partitions
+                if nothing or not states:
+                    self._changed.wait(FETCH_BACKOFF_S)
+                    continue
+                try:
+                    stub = self._stub()
+                    if stub is None:  # the leader's address is not known yet
+                        self._stopping.wait(FETCH_BACKOFF_S)
+                        continue
+                    truncating = [s for s in states if s.truncating]
+                    if truncating:
+                        self._truncate(stub, truncating)
+                    ready = [s for s in states if not s.truncating]
+                    if ready:
+                        self._fetch(stub, ready)
+                except TidelogError as exc:
+                    # The leader is unreachable or refused the whole request: back off, and
+                    # re-resolve its address (it may have moved after a restart).
+                    _log.info(
+                        "replica_fetch_failed",
+                        source_broker=self.source_broker_id,
+                        error=str(exc),
+                    )
+                    self._close_channel()
+                    self._stopping.wait(FETCH_BACKOFF_S)
+                except Exception:
+                    # A bug or a local disk error must not end replication of every
+                    # partition from this leader: log it, back off, go on.
+                    if self._stopping.is_set():
+                        break
+                    _log.exception("replica_fetch_error", source_broker=self.source_broker_id)
+                    self._close_channel()
+                    self._stopping.wait(FETCH_BACKOFF_S)
+        finally:
+            self._close_channel()
+
+    def _stub(self) -> storage_pb2_grpc.StorageStub | None:
+        address = self._resolve(self.source_broker_id)
+        if address is None:
+            return None
+        if self._channel is None or address != self._address:
+            self._close_channel()
+            self._channel = grpc.insecure_channel(
+                address,
+                options=[
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ],
+            )
+            self._address = address
+        return storage_pb2_grpc.StorageStub(self._channel)
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+            self._address = None
+
+    def _drop(self, state: _FetchState) -> None:
+        key = (state.partition.topic, state.partition.partition)
+        with self._lock:
+            if self._partitions.get(key) is state:
+                del self._partitions[key]
+
+    def _delay(self, state: _FetchState) -> None:
+        state.delayed_until = time.monotonic() + FETCH_BACKOFF_S
+
+    # --- KIP-279 truncation -----------------------------------------------------------------
+
+    def _truncate(self, stub: storage_pb2_grpc.StorageStub, states: list[_FetchState]) -> None:
+        asks: list[tuple[_FetchState, int, int]] = []  # state, own LEO, own latest epoch
+        for state in states:
+            try:
+                leo, epoch = state.partition.follower_state(state.leader_epoch)
+            except TidelogError:
+                self._drop(state)  # no longer following at this epoch
+                continue
+            if epoch < 0:
+                # No epochs in the log: nothing written by any leader here (empty, or
+                # recovered down to nothing); fetch from the log end.
+                state.truncating = False
+                continue
+            asks.append((state, leo, epoch))
+        if not asks:
+            return
+        request = storage_pb2.OffsetForLeaderEpochRequest(
+            replica_id=self.local_broker_id,
+            partitions=[
+                storage_pb2.OffsetForLeaderEpochPartition(
+                    topic=s.partition.topic,
+                    partition=s.partition.partition,
+                    current_leader_epoch=s.leader_epoch,
+                    leader_epoch=epoch,
+                )
+                for s, _, epoch in asks
+            ],
+        )
+        try:
+            response = stub.OffsetForLeaderEpoch(request, timeout=RPC_SLACK_S)
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None
+        for (state, leo, _), result in zip(asks, response.partitions, strict=True):
+            if int(result.error.code) != ErrorCode.NONE:
+                self._delay(state)  # e.g. the leader has not applied its LeaderAndIsr yet
+                continue
+            try:
+                self._truncate_one(state, leo, result.leader_epoch, result.end_offset)
+            except NotLeaderOrFollowerError:
+                self._drop(state)
+
+    def _truncate_one(
+        self, state: _FetchState, leo: int, leader_epoch: int, leader_end: int
+    ) -> None:
+        partition = state.partition
+        if leader_end < 0:
+            # The leader knows no epoch <= ours (its log starts later): keep what is
+            # committed, Kafka's fallback, and fetch; out-of-range handling does the rest.
+            target = min(partition.high_watermark, leo)
+            done = True
+        else:
+            own_epoch, own_end = partition.follower_end_offset_for_epoch(
+                state.leader_epoch, leader_epoch
+            )
+            if own_epoch == leader_epoch:
+                target, done = min(own_end, leader_end, leo), True
+            elif own_end >= 0:
+                # We lack the leader's epoch: cut back to the end of our largest earlier
+                # epoch and ask again about that one (KIP-279).
+                target, done = min(own_end, leo), False
+            else:
+                target, done = min(leader_end, leo), True
+        new_leo = partition.follower_truncate(state.leader_epoch, target)
+        if new_leo < leo:
+            _log.info(
+                "follower_truncated",
+                topic=partition.topic,
+                partition=partition.partition,
+                epoch=state.leader_epoch,
+                from_offset=leo,
+                to_offset=new_leo,
+            )
+        state.truncating = not done
+
+    # --- fetching -------------------------------------------------------------------------
+
+    def _fetch(self, stub: storage_pb2_grpc.StorageStub, states: list[_FetchState]) -> None:
+        items: list[tuple[_FetchState, int]] = []
+        parts: list[storage_pb2.FetchPartition] = []
+        for state in states:
+            try:
+                leo, epoch = state.partition.follower_state(state.leader_epoch)
+            except TidelogError:
+                self._drop(state)
+                continue
+            items.append((state, leo))
+            part = storage_pb2.FetchPartition(
+                topic=state.partition.topic,
+                partition=state.partition.partition,
+                fetch_offset=leo,
+                max_bytes=PARTITION_FETCH_MAX_BYTES,
+                current_leader_epoch=state.leader_epoch,
+            )
+            if epoch >= 0:
+                part.last_fetched_epoch = epoch
+            parts.append(part)
+        if not items:
+            return
+        request = storage_pb2.FetchRequest(
+            replica_id=self.local_broker_id,
+            broker_epoch=self._broker_epoch(),
+            max_wait_ms=FETCH_MAX_WAIT_MS,
+            min_bytes=FETCH_MIN_BYTES,
+            max_bytes=FETCH_MAX_BYTES,
+            partitions=parts,
+        )
+        try:
+            response = stub.Fetch(request, timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S)
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None
+        for (state, leo), result in zip(items, response.partitions, strict=True):
+            self._handle(state, leo, result)
+
+    def _reset_if_behind_log_start(self, state: _FetchState, leo: int) -> None:
+        stub = self._stub()
+        if stub is None:
+            return
+        request = storage_pb2.ListOffsetsRequest(
+            replica_id=self.local_broker_id,
+            partitions=[
+                storage_pb2.ListOffsetsPartition(
+                    topic=state.partition.topic,
+                    partition=state.partition.partition,
+                    spec=common_pb2.EARLIEST,
+                    current_leader_epoch=state.leader_epoch,
+                )
+            ],
+        )
+        try:
+            (result,) = stub.ListOffsets(request, timeout=RPC_SLACK_S).partitions
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None
+        if int(result.error.code) != ErrorCode.NONE or result.offset <= leo:
+            return
+        try:
+            state.partition.follower_start_at(state.leader_epoch, result.offset)
+        except NotLeaderOrFollowerError:
+            self._drop(state)
+            return
+        state.truncating = False
+        _log.info(
+            "follower_reset_to_leader_log_start",
+            topic=state.partition.topic,
+            partition=state.partition.partition,
+            from_offset=leo,
+            to_offset=result.offset,
+        )
+
+    def _handle(
+        self, state: _FetchState, leo: int, result: storage_pb2.FetchPartitionResult
+    ) -> None:
+        partition = state.partition
+        code = int(result.error.code)
+        if code == ErrorCode.NONE and result.diverging_end_offset >= 0:
+            # KIP-320: our last epoch ends earlier (or not at all) on the leader; redo the
+            # epoch-based reconciliation, which truncates exactly where the logs part.
+            state.truncating = True
+            return
+        if code == ErrorCode.NONE:
+            try:
+                partition.follower_append(state.leader_epoch, result.records, result.high_watermark)
+            except NotLeaderOrFollowerError:
+                self._drop(state)
+            except TidelogError as exc:
+                # E.g. the batches do not start at our LEO (a concurrent truncation): redo
+                # the reconciliation rather than write anything out of place.
+                _log.warning(
+                    "replica_append_failed",
+                    topic=partition.topic,
+                    partition=partition.partition,
+                    error=str(exc),
+                )
+                state.truncating = True
+                self._delay(state)
+            return
+        if code == ErrorCode.OFFSET_OUT_OF_RANGE:
+            # Our log end is before the leader's log start (retention deleted what we
+            # lack: restart there), or past its end (reconcile by epochs again).
+            state.truncating = True
+            self._reset_if_behind_log_start(state, leo)
+        error = error_from_proto(result.error) if result.error.code else None
+        _log.debug(
+            "replica_fetch_partition_error",
+            topic=partition.topic,
+            partition=partition.partition,
+            error=str(error),
+            fetch_offset=leo,
+        )
+        self._delay(state)
+
+
+class ReplicaFetcherManager:
+    """Which fetcher thread (by source leader) follows which partition."""
+
+    def __init__(
+        self, *, local_broker_id: int, broker_epoch: Callable[[], int], resolve: AddressResolver
+    ) -> None:
+        self.local_broker_id = local_broker_id
+        self._broker_epoch = broker_epoch
+        self._resolve = resolve
+        self._lock = threading.Lock()
+        self._threads: dict[int, ReplicaFetcherThread] = {}
+        self._closed = False
+
+    def add(self, partition: Partition, leader: int, leader_epoch: int) -> None:
+        """Follow ``partition`` from ``leader`` (re-reconciling from scratch)."""
+        key = (partition.topic, partition.partition)
+        with self._lock:
+            if self._closed:
+                return
+            for source, other in self._threads.items():
+                if source != leader:
+                    other.remove(key)
+            thread = self._threads.get(leader)
+            if thread is None or not thread.is_alive():
+                thread = ReplicaFetcherThread(
+                    local_broker_id=self.local_broker_id,
+                    source_broker_id=leader,
+                    broker_epoch=self._broker_epoch,
+                    resolve=self._resolve,
+                )
+                self._threads[leader] = thread
+                thread.start()
+            thread.add(partition, leader_epoch)
+
+    def remove(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            for thread in self._threads.values():
+                thread.remove(key)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads.values())
+            self._threads.clear()
+        for thread in threads:
+            thread.stop()
+        for thread in threads:
+            thread.join(timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S + 1)
+
+
+__all__ = ["AddressResolver", "ReplicaFetcherManager", "ReplicaFetcherThread"]
