@@ -67,6 +67,26 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_cluster_membership(
+    parser: argparse.ArgumentParser,
+    *,
+    etcd_help: str,
+    session_help: str,
+    etcd_required: bool = False,
+) -> None:
+    """--etcd, --cluster and --session-ttl-s: how a service finds and joins its cluster."""
+    parser.add_argument("--etcd", metavar="URL", required=etcd_required, help=etcd_help)
+    parser.add_argument(
+        "--cluster",
+        default="default",
+        metavar="NAME",
+        help="cluster name: the etcd key prefix /tidelog/NAME/ (default: default)",
+    )
+    parser.add_argument(
+        "--session-ttl-s", type=_positive_int, default=10, metavar="S", help=session_help
+    )
+
+
 def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser = subparsers.add_parser(
         "storage",
@@ -89,30 +109,17 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         metavar="HOST:PORT",
         help="address to serve on; port 0 picks a free port (default: 127.0.0.1:9092)",
     )
-    parser.add_argument(
-        "--etcd",
-        metavar="URL",
-        help="etcd endpoint(s), comma-separated: the broker registers there and takes part "
-        "in the cluster; without it the node runs alone (partitions made by LeaderAndIsr)",
-    )
-    parser.add_argument(
-        "--cluster",
-        default="default",
-        metavar="NAME",
-        help="cluster name: the etcd key prefix /tidelog/NAME/ (default: default)",
+    _add_cluster_membership(
+        parser,
+        etcd_help="etcd endpoint(s), comma-separated: the broker registers there and takes "
+        "part in the cluster; without it the node runs alone (partitions made by LeaderAndIsr)",
+        session_help="lease TTL of the broker's registration: a broker silent this long is "
+        "considered dead (default: 10)",
     )
     parser.add_argument(
         "--rack",
         metavar="R",
         help="failure domain (e.g. zone), for rack-aware replica placement",
-    )
-    parser.add_argument(
-        "--session-ttl-s",
-        type=int,
-        default=10,
-        metavar="S",
-        help="lease TTL of the broker's registration: a broker silent this long is "
-        "considered dead (default: 10)",
     )
     parser.add_argument(
         "--controlled-shutdown-timeout-s",
@@ -177,8 +184,12 @@ def _add_controller(subparsers: argparse._SubParsersAction[_Parser]) -> None:
             "resigns (a standby takes over at once) and exits with status 0."
         ),
     )
-    parser.add_argument(
-        "--etcd", metavar="URL", required=True, help="etcd endpoint(s), comma-separated"
+    _add_cluster_membership(
+        parser,
+        etcd_required=True,
+        etcd_help="etcd endpoint(s), comma-separated",
+        session_help="lease TTL of the election key: a silent active controller is replaced "
+        "after this long (default: 10)",
     )
     parser.add_argument(
         "--listen",
@@ -193,20 +204,6 @@ def _add_controller(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         default=None,
         metavar="N",
         help="id of this controller, unique among controllers (default: a random positive int)",
-    )
-    parser.add_argument(
-        "--cluster",
-        default="default",
-        metavar="NAME",
-        help="cluster name: the etcd key prefix /tidelog/NAME/ (default: default)",
-    )
-    parser.add_argument(
-        "--session-ttl-s",
-        type=_positive_int,
-        default=10,
-        metavar="S",
-        help="lease TTL of the election key: a silent active controller is replaced after "
-        "this long (default: 10)",
     )
     parser.add_argument(
         "--imbalance-check-interval-s",

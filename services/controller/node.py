@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import signal
 import socket
 import sys
-import threading
 from concurrent import futures
 from dataclasses import dataclass
-from types import FrameType
 from typing import Final
 
 import grpc
@@ -32,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from services.controller.controller import Controller, ControllerConfig
 from services.controller.server import ControllerServicer
 from services.metastore import MetaStore
+from services.process import serve_until_signal
 from tidelog import logging as tidelog_logging
 from tidelog.errors import TidelogError
 from tidelog.v1 import controller_pb2, controller_pb2_grpc
@@ -193,29 +191,8 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, TidelogError) as exc:
         print(f"tidelog controller: error: {exc}", file=sys.stderr)
         return 2
-    stop_requested = threading.Event()
-    received: list[int] = []
-
-    def request_stop(signum: int, frame: FrameType | None) -> None:
-        # Only set flags here: the handler may interrupt the main thread anywhere.
-        del frame
-        received.append(signum)
-        stop_requested.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    node = ControllerNode(config)
-    try:
-        node.start()
-    except (OSError, ValueError, TidelogError) as exc:
-        _log.error("start_failed", error=str(exc))
-        print(f"tidelog controller: error: {exc}", file=sys.stderr)
-        node.stop()
-        return 1
-    print(f"tidelog controller {controller_id} listening on {node.address}", flush=True)
-    # A timeout keeps the main thread returning to the interpreter, where signals run.
-    while not stop_requested.wait(1.0):
-        pass
-    _log.info("signal_received", signal=signal.Signals(received[0]).name if received else None)
-    node.stop()
-    return 0
+    return serve_until_signal(
+        "controller",
+        ControllerNode(config),
+        f"tidelog controller {controller_id} listening on {{address}}",
+    )

@@ -16,7 +16,6 @@ the real port when asked for port 0.
 from __future__ import annotations
 
 import argparse
-import signal
 import socket
 import sys
 import threading
@@ -25,7 +24,6 @@ from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Final
 
 import grpc
@@ -36,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from services.cluster_metadata import CONTROLLER_KEY, broker_key, decode_broker, decode_controller
 from services.controller.state import Broker
 from services.metastore import MetaStore, MetaStoreError
+from services.process import serve_until_signal
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.log import LogConfig
 from services.storage.log_manager import LogManager
@@ -377,39 +376,8 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, TidelogError) as exc:
         print(f"tidelog storage: error: {exc}", file=sys.stderr)
         return 2
-    stop_requested = threading.Event()
-    received: list[int] = []
-
-    def request_stop(signum: int, frame: FrameType | None) -> None:
-        # Only set flags here: the handler may interrupt the main thread anywhere, even
-        # inside a write of a log line.
-        del frame
-        received.append(signum)
-        stop_requested.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    node = StorageNode(config)
-    try:
-        node.start()
-    except (OSError, TidelogError) as exc:
-        _log.error("start_failed", error=str(exc))
-        print(f"tidelog storage: error: {exc}", file=sys.stderr)
-        return 1
-    except Exception as exc:
-        # Unexpected (e.g. a bug met during recovery): the traceback goes to the JSON log,
-        # the person at the terminal gets one line.
-        _log.exception("start_failed")
-        print(f"tidelog storage: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(
-        f"tidelog storage broker {config.broker_id} listening on {node.address}",
-        flush=True,
+    return serve_until_signal(
+        "storage",
+        StorageNode(config),
+        f"tidelog storage broker {config.broker_id} listening on {{address}}",
     )
-    # A timeout keeps the main thread returning to the interpreter, where signal
-    # handlers run.
-    while not stop_requested.wait(1.0):
-        pass
-    _log.info("signal_received", signal=signal.Signals(received[0]).name if received else None)
-    node.stop()
-    return 0

@@ -1,0 +1,69 @@
+"""Running a service as an OS process: start, announce, serve until SIGTERM/SIGINT, stop.
+
+Every ``tidelog <service>`` command (storage, controller, and the planes to come) runs
+the same way, so it lives here once: the person at the terminal gets one line on failure,
+never a traceback (the traceback goes to the JSON log), and a signal stops the node
+cleanly from the main thread.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Protocol
+
+import structlog
+
+from tidelog.errors import TidelogError
+
+_log = structlog.get_logger("tidelog.process")
+
+
+class ServiceNode(Protocol):
+    """What ``serve_until_signal`` needs of a node."""
+
+    @property
+    def address(self) -> str: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def serve_until_signal(command: str, node: ServiceNode, announce: str) -> int:
+    """Start ``node``, print ``announce`` (it must contain ``listening on {address}``),
+    serve until SIGTERM or SIGINT, then stop it. Returns the process exit status."""
+    stop_requested = threading.Event()
+    received: list[int] = []
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        # Only set flags here: the handler may interrupt the main thread anywhere, even
+        # inside a write of a log line.
+        del frame
+        received.append(signum)
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        node.start()
+    except Exception as exc:
+        expected = isinstance(exc, (OSError, ValueError, TidelogError))
+        if expected:
+            _log.error("start_failed", error=str(exc))
+        else:  # a bug (e.g. met during recovery): keep the traceback in the log
+            _log.exception("start_failed")
+        detail = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+        print(f"tidelog {command}: error: {detail}", file=sys.stderr)
+        node.stop()
+        return 1
+    print(announce.format(address=node.address), flush=True)
+    # A timeout keeps the main thread returning to the interpreter, where signal
+    # handlers run.
+    while not stop_requested.wait(1.0):
+        pass
+    _log.info("signal_received", signal=signal.Signals(received[0]).name if received else None)
+    node.stop()
+    return 0
