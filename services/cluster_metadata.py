@@ -25,6 +25,7 @@ TOPICS_PREFIX: Final = "topics/"
 PARTITIONS_PREFIX: Final = "partitions/"
 GROUPS_PREFIX: Final = "groups/"
 CLUSTER_ID_KEY: Final = "cluster_id"
+PRODUCER_IDS_KEY: Final = "producer_ids"
 
 
 def broker_key(broker_id: int) -> str:
@@ -210,3 +211,23 @@ def encode_cluster_id(cluster_id: str) -> bytes:
 
 def decode_cluster_id(kv: KeyValue) -> str:
     return str(_load(kv)["cluster_id"])
+
+
+# --- producer id blocks ---------------------------------------------------------------------
+
+
+def encode_producer_ids(next_block_start: int) -> bytes:
+    """``producer_ids``: the first id not yet handed out in any block.
+
+    Only the active controller writes it, in a guarded transaction that compares its
+    mod_revision (compare-and-swap), and only ever forward: every block below it was given
+    out (or lost to a write of unknown outcome), none is given out twice. Absent = 0.
+    """
+    return _dump({"next_block_start": next_block_start})
+
+
+def decode_producer_ids(kv: KeyValue) -> int:
+    value = int(_load(kv)["next_block_start"])
+    if value < 0:
+        raise StorageError(f"metadata key {kv.key!r} holds a negative next_block_start")
+    return value

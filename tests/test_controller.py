@@ -15,7 +15,9 @@ ISR only through AlterPartition; the tests send it as the partition's leader wou
 
 from __future__ import annotations
 
+import itertools
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,8 @@ import pytest
 
 from services.cluster_metadata import (
     CONTROLLER_KEY,
+    PRODUCER_IDS_KEY,
+    decode_producer_ids,
     deletion_key,
     encode_partition,
     partition_key,
@@ -588,6 +592,87 @@ def test_standby_answers_not_controller_with_the_active_address(cluster: TestClu
     assert cluster.store.get(topic_key("via-standby")) is None
 
 
+# --- producer ids (AllocateProducerIds, KIP-730) ----------------------------------------------
+
+
+def allocate(cluster: TestCluster, broker_id: int = -1, broker_epoch: int = -1) -> range:
+    """One block from the active controller, as the range of ids it covers."""
+    response = cluster.allocate_producer_ids(broker_id, broker_epoch)
+    assert error_code(response.error) == ErrorCode.NONE, response
+    assert response.producer_id_start >= 0 and response.producer_id_len > 0, response
+    return range(response.producer_id_start, response.producer_id_start + response.producer_id_len)
+
+
+def stored_next_block_start(cluster: TestCluster) -> int:
+    kv = cluster.store.get(PRODUCER_IDS_KEY)
+    return decode_producer_ids(kv) if kv is not None else 0
+
+
+def assert_disjoint_and_increasing(blocks: list[range]) -> None:
+    for earlier, later in itertools.pairwise(blocks):
+        assert earlier.stop <= later.start, (earlier, later)
+
+
+def test_producer_id_blocks_are_disjoint_and_increasing(cluster: TestCluster) -> None:
+    first = stored_next_block_start(cluster)
+    blocks = [allocate(cluster) for _ in range(5)]
+    # A registered broker asks with its own epoch.
+    blocks.append(allocate(cluster, 1, cluster.broker_epoch(1)))
+    assert blocks[0].start == first
+    assert_disjoint_and_increasing(blocks)
+    assert all(len(b) == len(blocks[0]) for b in blocks)
+    assert stored_next_block_start(cluster) == blocks[-1].stop  # the etcd key moved with them
+
+    # Concurrent requests: every block distinct, no id handed out twice.
+    found: list[range] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(4):
+                found.append(allocate(cluster))
+        except BaseException as exc:  # reported below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert len(found) == 32
+    ordered = sorted(found, key=lambda r: r.start)
+    assert ordered[0].start >= blocks[-1].stop
+    assert_disjoint_and_increasing(ordered)
+    assert stored_next_block_start(cluster) == ordered[-1].stop
+
+    # A broker that is not the registered incarnation gets STALE_BROKER_EPOCH, no block.
+    before = stored_next_block_start(cluster)
+    for broker_id, epoch in ((1, cluster.broker_epoch(1) + 1000), (99, 1)):
+        response = cluster.allocate_producer_ids(broker_id, epoch)
+        assert error_code(response.error) == ErrorCode.STALE_BROKER_EPOCH, response
+        assert (response.producer_id_start, response.producer_id_len) == (-1, 0)
+    status, code, _ = _status(
+        lambda: cluster.api.AllocateProducerIds(
+            controller_pb2.AllocateProducerIdsRequest(broker_id=-2), timeout=RPC_TIMEOUT_S
+        )
+    )
+    assert (status, code) == (grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INVALID_REQUEST)
+    # A standby hands out nothing: NOT_CONTROLLER with the active controller's address.
+    active = cluster.active_controller()
+    standby = next(c for c in cluster.controllers.values() if c is not active)
+    try:
+        standby.stub.AllocateProducerIds(
+            controller_pb2.AllocateProducerIdsRequest(broker_id=-1), timeout=RPC_TIMEOUT_S
+        )
+    except grpc.RpcError as exc:
+        assert rpc_error_code(exc) == ErrorCode.NOT_CONTROLLER
+        assert trailer(exc, "tidelog-controller") == active.address
+    else:
+        raise AssertionError("a standby allocated producer ids")
+    assert stored_next_block_start(cluster) == before
+
+
 # --- broker failure, return, preferred election ------------------------------------------------
 
 
@@ -862,3 +947,28 @@ def test_sigterm_resigns_so_a_standby_takes_over_at_once(failover_cluster: TestC
     successor = cluster.active_controller()
     assert successor is not active
     cluster.create_topic("after-sigterm", 1, 3)
+
+
+def test_producer_id_blocks_stay_disjoint_across_controller_failover(
+    failover_cluster: TestCluster,
+) -> None:
+    cluster = failover_cluster
+    cluster.start_controller(110)  # a standby, whatever the earlier tests left running
+    old_active = cluster.active_controller()
+    before = [allocate(cluster) for _ in range(3)]
+    cluster.kill(old_active)  # kill -9: its in-memory counter dies with it
+    after = []
+    for _ in range(3):
+        after.append(allocate(cluster))  # retried until the standby took office
+    assert cluster.active_controller() is not old_active
+    assert_disjoint_and_increasing(before + after)
+    assert after[0].start >= before[-1].stop
+    assert stored_next_block_start(cluster) == after[-1].stop
+    # And once more: a second failover, the third controller continues from etcd.
+    cluster.start_controller(111)
+    second = cluster.active_controller()
+    cluster.kill(second)
+    last = allocate(cluster)
+    assert cluster.active_controller() is not second
+    assert_disjoint_and_increasing([*before, *after, last])
+    cluster.start_controller(112)  # leave a standby behind

@@ -13,16 +13,19 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
 import pytest
 
+from services.storage.log.producer_state import SEQUENCE_MODULUS
 from services.storage.node import StorageNode, StorageNodeConfig
-from tests.support.cluster import TestCluster, rpc_error_code
+from tests.support.cluster import TestCluster, error_code, rpc_error_code
 from tidelog.errors import ErrorCode
 from tidelog.records import decode_batches, encode_batch
 from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
@@ -445,6 +448,13 @@ def cluster_append(
     cluster: TestCluster, topic: str, values: list[bytes], timeout_ms: int = 5_000
 ) -> tuple[ErrorCode, storage_pb2.AppendResponse | None]:
     """acks=all append to the current leader: (error code, response when acknowledged)."""
+    return cluster_append_batch(cluster, topic, encode_batch(values), timeout_ms)
+
+
+def cluster_append_batch(
+    cluster: TestCluster, topic: str, batch: bytes, timeout_ms: int = 5_000
+) -> tuple[ErrorCode, storage_pb2.AppendResponse | None]:
+    """``cluster_append`` of an encoded batch (sent byte for byte, so retries are exact)."""
     leader = state_of(cluster, topic).leader
     if leader < 0 or leader not in cluster.brokers:
         return ErrorCode.LEADER_NOT_AVAILABLE, None
@@ -453,7 +463,7 @@ def cluster_append(
             storage_pb2.AppendRequest(
                 topic=topic,
                 partition=0,
-                records=encode_batch(values),
+                records=batch,
                 acks=common_pb2.ALL,
                 timeout_ms=timeout_ms,
             ),
@@ -535,32 +545,204 @@ def test_isr_shrinks_and_expands_as_followers_stop_and_return(cluster: TestClust
     assert err == ErrorCode.NONE and response is not None and response.last_offset == end
 
 
+# --- exactly-once under leader kills: the checker ---------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedRecord:
+    """One record of the final log, with the idempotence fields of its batch applied."""
+
+    offset: int
+    value: bytes
+    producer_id: int
+    sequence: int  # the record's own sequence: base_sequence + offset delta (-1: none)
+
+
+def logged_records(data: bytes) -> list[LoggedRecord]:
+    found = []
+    for batch in decode_batches(data):
+        for record in batch.records:
+            sequence = -1
+            if batch.base_sequence >= 0:
+                delta = record.offset - batch.base_offset
+                sequence = (batch.base_sequence + delta) % SEQUENCE_MODULUS
+            found.append(
+                LoggedRecord(record.offset, bytes(record.value or b""), batch.producer_id, sequence)
+            )
+    return found
+
+
+def exactly_once_violations(
+    acknowledged: dict[int, bytes], log: list[LoggedRecord], producer_id: int
+) -> list[str]:
+    """Everything that breaks exactly-once for one idempotent producer that was the only
+    writer and retried every batch until it was acknowledged (so nothing unacknowledged may
+    remain). Empty = exactly once: every acknowledged value is in ``log`` once, at its
+    acknowledged offset; no value twice anywhere; nothing else; offsets dense from 0;
+    the producer's sequences 0, 1, 2, ... in offset order, without gap or repeat."""
+    problems: list[str] = []
+    offsets_of: dict[bytes, list[int]] = defaultdict(list)
+    for record in log:
+        offsets_of[record.value].append(record.offset)
+    problems += [
+        f"{value!r} is in the log {len(offsets)} times, at offsets {offsets}"
+        for value, offsets in offsets_of.items()
+        if len(offsets) > 1
+    ]
+    acked_at: dict[bytes, list[int]] = defaultdict(list)
+    for offset, value in acknowledged.items():
+        acked_at[value].append(offset)
+    problems += [
+        f"{value!r} was acknowledged {len(offsets)} times, at offsets {offsets}"
+        for value, offsets in acked_at.items()
+        if len(offsets) > 1
+    ]
+    at = {record.offset: record for record in log}
+    for offset, value in sorted(acknowledged.items()):
+        found = at.get(offset)
+        if found is None or found.value != value:
+            where = offsets_of.get(value, [])
+            problems.append(
+                f"acknowledged {value!r} at offset {offset}: the log has "
+                f"{found.value if found else None!r} there, the value at offsets {where}"
+            )
+    problems += [
+        f"offset {r.offset} ({r.value!r}) was never acknowledged"
+        for r in log
+        if r.offset not in acknowledged
+    ]
+    offsets = [r.offset for r in log]
+    if offsets != list(range(len(offsets))):
+        problems.append(f"log offsets are not dense from 0: {offsets[:5]}... ({len(offsets)})")
+    sequences = [r.sequence for r in sorted(log, key=lambda r: r.offset)]
+    if any(r.producer_id != producer_id for r in log):
+        problems.append(f"records of producer ids other than {producer_id}")
+    expected = list(range(len(sequences)))
+    if sequences != expected:
+        first = next(i for i, (a, b) in enumerate(zip(sequences, expected, strict=True)) if a != b)
+        problems.append(
+            f"sequence gap or repeat: record {first} has sequence {sequences[first]}, "
+            f"expected {expected[first]}"
+        )
+    return problems
+
+
+def test_exactly_once_checker_catches_duplicates_moves_and_sequence_gaps() -> None:
+    """Negative control: the checker of the next test is not vacuous."""
+    pid = 7
+    values = [f"v{i}".encode() for i in range(10)]
+    good = [LoggedRecord(i, v, pid, i) for i, v in enumerate(values)]
+    acknowledged = dict(enumerate(values))
+    assert exactly_once_violations(acknowledged, good, pid) == []
+    # The same logic on real batch bytes, sequences taken from the headers.
+    data = encode_batch(values[:4], producer_id=pid, producer_epoch=0, base_sequence=0)
+    assert logged_records(data) == good[:4]
+
+    # A retry written twice: the value appears again at a later offset (even with a fresh
+    # sequence, so only the value check sees it).
+    duplicated = [*good, LoggedRecord(10, values[3], pid, 10)]
+    problems = exactly_once_violations(acknowledged, duplicated, pid)
+    assert any("b'v3' is in the log 2 times" in p for p in problems), problems
+    # The same duplicate with its original sequence: the sequence check sees it too.
+    problems = exactly_once_violations(
+        acknowledged, [*good, LoggedRecord(10, values[3], pid, 3)], pid
+    )
+    assert any("sequence gap or repeat" in p for p in problems), problems
+    # An acknowledged record missing (lost) or at another offset than acknowledged.
+    assert exactly_once_violations(acknowledged, good[:-1], pid)
+    moved = [LoggedRecord(r.offset, values[(r.offset + 1) % 10], pid, r.sequence) for r in good]
+    assert exactly_once_violations(acknowledged, moved, pid)
+    # A sequence gap (a batch skipped) although the values look fine.
+    gap = [LoggedRecord(r.offset, r.value, pid, r.sequence + (r.offset >= 5)) for r in good]
+    problems = exactly_once_violations(acknowledged, gap, pid)
+    assert problems == ["sequence gap or repeat: record 5 has sequence 6, expected 5"]
+    # The same value acknowledged twice (two offsets) is a violation even if both exist.
+    twice = {**acknowledged, 10: values[0]}
+    assert exactly_once_violations(twice, [*good, LoggedRecord(10, values[0], pid, 10)], pid)
+
+
+# --- exactly-once under leader kills: the test ------------------------------------------------
+
+BATCH_RECORDS = 20
+BATCH_RETRY_DEADLINE_S = 30.0  # one batch retried this long without success fails the test
+
+
+def allocated_producer_id(cluster: TestCluster) -> int:
+    response = cluster.allocate_producer_ids()
+    assert error_code(response.error) == ErrorCode.NONE, response
+    assert response.producer_id_len > 0
+    return int(response.producer_id_start)
+
+
 def test_kill_leader_during_acks_all_loses_no_acknowledged_record(cluster: TestCluster) -> None:
+    """kill -9 the leader KILLS times during continuous idempotent acks=all production:
+    every acknowledged record is in the final log exactly once, at its acknowledged offset,
+    and no consumer ever saw a record that later disappeared."""
     cluster.create_topic("durable", 1, 3, configs={"min.insync.replicas": "2"})
     wait_for(lambda: len(state_of(cluster, "durable").isr) == 3, 10, "ISR of three")
+    producer_id = allocated_producer_id(cluster)
     acknowledged: dict[int, bytes] = {}  # offset -> value
     stop = threading.Event()
-    failures: list[ErrorCode] = []
+    failures: list[ErrorCode] = []  # every failed attempt (each was retried)
+    fatal: list[str] = []  # a batch the producer could not get acknowledged in time
 
-    def produce() -> None:
-        i = 0
-        while not stop.is_set():
-            values = [f"r{i}-{j}".encode() for j in range(20)]
+    # Set after each failover: the producer then re-sends its last acknowledged batch, a
+    # deliberate duplicate the new leader must answer with the original offsets (its
+    # producer state came from the replicated log) without writing a second copy.
+    resend_last = threading.Event()
+    resent: list[int] = []  # base offsets confirmed by such duplicates
+
+    def append_until_acknowledged(batch: bytes, what: str) -> storage_pb2.AppendResponse | None:
+        """Send ``batch`` (the same bytes every time) until acknowledged; None = gave up."""
+        deadline = time.monotonic() + BATCH_RETRY_DEADLINE_S
+        while True:
             try:
-                err, response = cluster_append(cluster, "durable", values, timeout_ms=3_000)
+                err, response = cluster_append_batch(cluster, "durable", batch, 3_000)
             except Exception:  # the controller may be busy electing; try again
                 err, response = ErrorCode.NETWORK_EXCEPTION, None
             if response is not None:
-                for j, value in enumerate(values):
-                    acknowledged[response.base_offset + j] = value
-            else:
-                failures.append(err)
-                time.sleep(0.05)
+                return response
+            failures.append(err)
+            if time.monotonic() > deadline:
+                fatal.append(f"{what} not acknowledged in time; last error {err.name}")
+                return None
+            time.sleep(0.05)
+
+    def produce() -> None:
+        i = 0
+        last: tuple[bytes, int] | None = None  # the last acknowledged batch, its base offset
+        # Stop only between batches: a batch in doubt is retried until acknowledged, so at
+        # the end nothing unacknowledged can be left in the log.
+        while not stop.is_set():
+            if resend_last.is_set() and last is not None:
+                resend_last.clear()
+                response = append_until_acknowledged(last[0], f"the resent batch {i - 1}")
+                if response is None:
+                    return
+                if response.base_offset != last[1]:
+                    fatal.append(f"duplicate of batch {i - 1} got {response.base_offset}")
+                    return
+                resent.append(last[1])
+            values = [f"r{i}-{j}".encode() for j in range(BATCH_RECORDS)]
+            # Encoded once: every retry sends the same bytes (same producer id, epoch and
+            # base sequence), so a leader that already has the batch answers with the
+            # original offsets instead of writing it twice.
+            batch = encode_batch(
+                values, producer_id=producer_id, producer_epoch=0, base_sequence=i * BATCH_RECORDS
+            )
+            response = append_until_acknowledged(batch, f"batch {i}")
+            if response is None:
+                return
+            assert response.last_offset - response.base_offset + 1 == BATCH_RECORDS
+            for j, value in enumerate(values):
+                acknowledged[response.base_offset + j] = value
+            last = (batch, response.base_offset)
             i += 1
 
     def wait_progress() -> None:
         target = len(acknowledged) + 200
-        wait_for(lambda: len(acknowledged) > target, 20, "acknowledged progress")
+        wait_for(lambda: len(acknowledged) > target or fatal, 20, "acknowledged progress")
+        assert not fatal, fatal
 
     producer = threading.Thread(target=produce, daemon=True)
     seen: dict[int, bytes] = {}  # what a consumer read below the HW, at any time
@@ -608,17 +790,20 @@ def test_kill_leader_during_acks_all_loses_no_acknowledged_record(cluster: TestC
                 15,
                 "a new leader",
             )
+            resend_last.set()
             cluster.start_broker(victim)
             wait_for(lambda: len(state_of(cluster, "durable").isr) == 3, 20, "ISR of three")
         wait_progress()
     finally:
         stop.set()
-        producer.join(30)
+        producer.join(2 * BATCH_RETRY_DEADLINE_S + 10)
         consumer.join(30)
+    assert not producer.is_alive(), "the producer did not finish its last batch"
+    assert not fatal, fatal
     end = wait_replicas_identical(cluster, "durable", [1, 2, 3])
     leader = state_of(cluster, "durable").leader
     stub = cluster.brokers[leader].stub
-    found: dict[int, bytes] = {}
+    log: list[LoggedRecord] = []
     offset = 0
     while offset < end:
         response = stub.Fetch(
@@ -635,16 +820,26 @@ def test_kill_leader_during_acks_all_loses_no_acknowledged_record(cluster: TestC
         )
         (result,) = response.partitions
         assert code(result.error) == ErrorCode.NONE, result
-        for batch in decode_batches(result.records):
-            for record in batch.records:
-                found[record.offset] = bytes(record.value or b"")
-            offset = batch.last_offset + 1
+        fetched = logged_records(result.records)
+        assert fetched, f"no progress fetching at {offset}"
+        log += [r for r in fetched if r.offset >= offset]
+        offset = log[-1].offset + 1
+    problems = exactly_once_violations(acknowledged, log, producer_id)
+    assert not problems, f"{len(problems)} exactly-once violations: {problems[:10]}"
+    assert end == len(acknowledged)
+    found = {r.offset: r.value for r in log}
     missing = lost_records(acknowledged, found)
     assert not missing, f"{len(missing)} acknowledged records lost or moved"
     vanished = lost_records(seen, found)
     assert not vanished, f"{len(vanished)} records a consumer saw later disappeared"
     assert len(seen) > 400
     assert len(acknowledged) > 400
+    assert failures, "no append ever failed: the kills did not exercise the retries"
+    assert len(resent) >= KILLS - 1, f"only {len(resent)} deliberate duplicates answered"
+    # Retries of an in-doubt batch must be answered as duplicates or accepted, never
+    # refused as out of order: the new leader knows the producer's state from the log.
+    assert ErrorCode.OUT_OF_ORDER_SEQUENCE not in failures, failures
+    assert ErrorCode.INVALID_PRODUCER_EPOCH not in failures, failures
 
 
 def test_paused_follower_leaves_the_isr_through_alter_partition_and_rejoins(

@@ -13,8 +13,8 @@ always in the same order:
 
 A failed guard means this controller was deposed: it resigns at once and the error goes to
 the caller. A failed revision comparison means the keys changed behind its back: it
-re-reads topics, partitions and deletions and decides once more; a second conflict is an
-error. A write whose outcome is unknown (etcd unreachable) marks the term for a
+re-reads topics, partitions, deletions and producer_ids and decides once more; a second
+conflict is an error. A write whose outcome is unknown (etcd unreachable) marks the term for a
 **resync**: re-read everything, reconcile, push the full state to every broker.
 
 Taking office (``on_elected``) is a resync: read brokers, topics, partitions and pending
@@ -51,6 +51,7 @@ from services.cluster_metadata import (
     CONTROLLER_KEY,
     DELETIONS_PREFIX,
     PARTITIONS_PREFIX,
+    PRODUCER_IDS_KEY,
     TOPICS_PREFIX,
     ControllerInfo,
     PendingDeletion,
@@ -59,11 +60,13 @@ from services.cluster_metadata import (
     decode_controller,
     decode_deletion,
     decode_partition,
+    decode_producer_ids,
     decode_topic,
     deletion_key,
     encode_cluster_id,
     encode_deletion,
     encode_partition,
+    encode_producer_ids,
     encode_topic,
     partition_key,
     partitions_prefix,
@@ -114,8 +117,10 @@ from tidelog.errors import (
     InvalidTopicError,
     InvalidUpdateVersionError,
     NotControllerError,
+    StaleBrokerEpochError,
     TidelogError,
     TopicAlreadyExistsError,
+    UnknownServerError,
     UnknownTopicOrPartitionError,
 )
 from tidelog.topics import MAX_PARTITION, validate_topic_name
@@ -126,6 +131,12 @@ MAX_PARTITIONS_PER_TOPIC: Final = 4_000
 """Creating a topic writes one etcd key per partition in one transaction, and etcd caps
 the operations of a transaction (``--max-txn-ops``; ``EtcdProcess`` sets 4096, etcd's own
 default is 128). The same bound applies to the total after CreatePartitions."""
+
+PRODUCER_ID_BLOCK_SIZE: Final = 1_000
+"""Producer ids per AllocateProducerIds answer (Kafka's block size, KIP-730)."""
+
+MAX_PRODUCER_ID: Final = 2**63 - 1
+"""Producer ids are int64 in the batch header; -1 means "no producer"."""
 
 
 # --- configuration -------------------------------------------------------------------------
@@ -269,6 +280,14 @@ class ElectionOutcome:
     error: TidelogError | None
 
 
+@dataclass(frozen=True, slots=True)
+class ProducerIdBlock:
+    """Producer ids ``[start, start + length)``, handed to one broker or client."""
+
+    start: int
+    length: int
+
+
 class StandbyError(NotControllerError):
     """NOT_CONTROLLER from a standby; ``active`` is the active controller, if one is known."""
 
@@ -293,6 +312,8 @@ class _Plan:
     removed_topics: list[str] = field(default_factory=list)
     put_deletions: list[PendingDeletion] = field(default_factory=list)
     removed_deletions: list[str] = field(default_factory=list)
+    # The new value of ``producer_ids`` (next_block_start), when a block is handed out.
+    producer_ids_next: int | None = None
 
     def empty(self) -> bool:
         return not (
@@ -301,6 +322,7 @@ class _Plan:
             or self.removed_topics
             or self.put_deletions
             or self.removed_deletions
+            or self.producer_ids_next is not None
         )
 
 
@@ -315,8 +337,11 @@ class _Term:
     epoch: int
     channel: ControllerChannelManager
     state: ClusterState = field(default_factory=ClusterState)
-    # mod_revision of every controller-owned key (topics/, partitions/, deletions/).
+    # mod_revision of every controller-owned key (topics/, partitions/, deletions/,
+    # producer_ids).
     revisions: dict[str, int] = field(default_factory=dict)
+    # ``producer_ids`` as last read or written: the start of the next producer id block.
+    next_producer_id: int = 0
     cluster_id: str = ""
     deletions: dict[str, PendingDeletion] = field(default_factory=dict)
     # topic -> broker -> partitions whose StopReplica(delete) is not acknowledged yet.
@@ -526,6 +551,9 @@ class Controller:
         for name in plan.removed_deletions:
             expect(deletion_key(name))
             ops.append(DeleteOp(deletion_key(name)))
+        if plan.producer_ids_next is not None:
+            expect(PRODUCER_IDS_KEY)
+            ops.append(PutOp(PRODUCER_IDS_KEY, encode_producer_ids(plan.producer_ids_next)))
         guard = Guard(CONTROLLER_KEY, create_revision=term.epoch)
         compares.extend(guard.compares())
         try:
@@ -578,6 +606,9 @@ class Controller:
             term.revisions.pop(deletion_key(name), None)
             term.deletions.pop(name, None)
             term.deletion_pending.pop(name, None)
+        if plan.producer_ids_next is not None:
+            term.revisions[PRODUCER_IDS_KEY] = revision
+            term.next_producer_id = plan.producer_ids_next
 
     def _decide_and_commit(self, term: _Term, decide: Callable[[], _Plan]) -> _Plan:
         """Decide, persist, apply; on a revision conflict re-read and decide once more."""
@@ -603,11 +634,16 @@ class Controller:
     # --- reading etcd -----------------------------------------------------------------------
 
     def _load_controller_keys(self, term: _Term) -> None:
-        """Re-read topics, partitions and deletions into the term (lock held)."""
+        """Re-read topics, partitions, deletions and producer_ids into the term (lock held)."""
         topics_kvs = self._store.get_prefix(TOPICS_PREFIX)
         partition_kvs = self._store.get_prefix(PARTITIONS_PREFIX)
         deletion_kvs = self._store.get_prefix(DELETIONS_PREFIX)
+        producer_ids_kv = self._store.get(PRODUCER_IDS_KEY)
         revisions: dict[str, int] = {}
+        next_producer_id = 0
+        if producer_ids_kv is not None:
+            next_producer_id = decode_producer_ids(producer_ids_kv)
+            revisions[PRODUCER_IDS_KEY] = producer_ids_kv.mod_revision
         topics: dict[str, Topic] = {}
         for kv in topics_kvs:
             topic = decode_topic(kv)
@@ -629,6 +665,7 @@ class Controller:
         term.state.topics = topics
         term.state.partitions = partitions
         term.revisions = revisions
+        term.next_producer_id = next_producer_id
         # Keep acknowledgement progress of deletions we already knew; new ones start over.
         pending: dict[str, dict[int, set[int]]] = {}
         for name, deletion in deletions.items():
@@ -1326,6 +1363,46 @@ class Controller:
             if plan.changes:
                 self._push(term, plan.changes)
             return list(remaining)
+
+    # --- AllocateProducerIds -----------------------------------------------------------------
+
+    def allocate_producer_ids(self, broker_id: int, broker_epoch: int) -> ProducerIdBlock:
+        """A fresh block of producer ids (Kafka's AllocateProducerIds, KIP-730).
+
+        ``broker_id`` -1 is a gateway or client; otherwise the broker must be registered
+        with ``broker_epoch`` (StaleBrokerEpochError). The block is handed out only after
+        ``producer_ids`` was advanced past it in a guarded compare-and-swap, so no id is
+        ever given twice, across controller terms too.
+        """
+        if broker_id < -1:
+            raise InvalidRequestError(f"broker_id {broker_id}: a broker id or -1")
+        with self._lock:
+            term = self._require_active()
+            if broker_id >= 0:
+                broker = term.state.brokers.get(broker_id)
+                if broker is None or broker.epoch != broker_epoch:
+                    raise StaleBrokerEpochError(
+                        f"broker {broker_id} with epoch {broker_epoch} is not the registered "
+                        "incarnation"
+                    )
+            block: list[ProducerIdBlock] = []
+
+            def decide() -> _Plan:
+                start = term.next_producer_id
+                if start > MAX_PRODUCER_ID - PRODUCER_ID_BLOCK_SIZE + 1:
+                    raise UnknownServerError("the producer id space is exhausted")
+                block[:] = [ProducerIdBlock(start, PRODUCER_ID_BLOCK_SIZE)]
+                return _Plan(producer_ids_next=start + PRODUCER_ID_BLOCK_SIZE)
+
+            self._decide_and_commit(term, decide)
+            self._log.info(
+                "producer_ids_allocated",
+                broker_id=broker_id,
+                start=block[0].start,
+                length=block[0].length,
+                epoch=term.epoch,
+            )
+            return block[0]
 
     # --- ElectLeaders -------------------------------------------------------------------------
 

@@ -33,7 +33,12 @@ from services.controller.controller import (
 )
 from services.controller.state import Broker, ElectionType
 from services.status import ERROR_CODE_METADATA_KEY, status_for, to_error_proto
-from tidelog.errors import InvalidRequestError, TidelogError, UnknownServerError
+from tidelog.errors import (
+    InvalidRequestError,
+    StaleBrokerEpochError,
+    TidelogError,
+    UnknownServerError,
+)
 from tidelog.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 _log = structlog.get_logger("tidelog.controller.server")
@@ -290,6 +295,23 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):  # type: ignor
                 )
                 for o in outcomes
             ]
+        )
+
+    @_rpc
+    def AllocateProducerIds(  # noqa: N802 - gRPC's method name
+        self, request: controller_pb2.AllocateProducerIdsRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.AllocateProducerIdsResponse:
+        try:
+            block = self._controller.allocate_producer_ids(request.broker_id, request.broker_epoch)
+        except StaleBrokerEpochError as exc:
+            # About the asking broker, not the request: answered in the response, as Kafka.
+            return controller_pb2.AllocateProducerIdsResponse(
+                error=to_error_proto(exc), producer_id_start=-1, producer_id_len=0
+            )
+        return controller_pb2.AllocateProducerIdsResponse(
+            error=to_error_proto(None),
+            producer_id_start=block.start,
+            producer_id_len=block.length,
         )
 
 

@@ -325,6 +325,33 @@ class TestCluster:
     def partitions(self, name: str) -> list[common_pb2.PartitionState]:
         return list(self.topic(name).partitions)
 
+    # --- producer ids ---------------------------------------------------------------------
+
+    def allocate_producer_ids(
+        self, broker_id: int = -1, broker_epoch: int = -1, timeout_s: float = 15.0
+    ) -> controller_pb2.AllocateProducerIdsResponse:
+        """AllocateProducerIds at the active controller, retried while there is none
+        (NOT_CONTROLLER, unreachable) until ``timeout_s``; the response as it came."""
+
+        def attempt() -> tuple[controller_pb2.AllocateProducerIdsResponse] | None:
+            try:
+                response: controller_pb2.AllocateProducerIdsResponse = self.active_controller(
+                    timeout_s
+                ).stub.AllocateProducerIds(
+                    controller_pb2.AllocateProducerIdsRequest(
+                        broker_id=broker_id, broker_epoch=broker_epoch
+                    ),
+                    timeout=RPC_TIMEOUT_S,
+                )
+            except grpc.RpcError as exc:
+                if rpc_error_code(exc) in (None, ErrorCode.NOT_CONTROLLER):
+                    return None  # no active controller right now (or it just died)
+                raise
+            return (response,)  # a tuple: always truthy, whatever the message
+
+        (response,) = wait_for(attempt, timeout_s, "an AllocateProducerIds answer")
+        return response
+
 
 __all__ = [
     "ControllerProcess",
