@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import grpc
 import structlog
@@ -516,6 +516,42 @@ def requested_epoch(message: Any) -> int:
     return NO_EPOCH
 
 
+def partition_state_from_proto(
+    state: common_pb2.PartitionState, configs: dict[str, str] | None = None
+) -> PartitionState:
+    """The controller's decision about one partition, as plain data (one place)."""
+    return PartitionState(
+        topic=state.topic,
+        partition=state.partition,
+        leader=state.leader,
+        leader_epoch=state.leader_epoch,
+        isr=tuple(state.isr),
+        replicas=tuple(state.replicas),
+        partition_epoch=state.partition_epoch,
+        configs=configs or {},
+    )
+
+
+class _NamedPartition(Protocol):
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def partition(self) -> int: ...
+
+
+def partition_results(
+    items: Sequence[_NamedPartition], outcomes: Sequence[TidelogError | None]
+) -> list[common_pb2.PartitionResult]:
+    """One PartitionResult per item of a multi-partition control request."""
+    return [
+        common_pb2.PartitionResult(
+            topic=item.topic, partition=item.partition, error=to_error_proto(outcome)
+        )
+        for item, outcome in zip(items, outcomes, strict=True)
+    ]
+
+
 class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     """tidelog.v1.Storage. Thread-safe: state lives in ReplicaManager and Partition."""
 
@@ -893,16 +929,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     ) -> storage_pb2.LeaderAndIsrResponse:
         self._check_partition_count(len(request.partitions))
         states = [
-            PartitionState(
-                topic=lp.state.topic,
-                partition=lp.state.partition,
-                leader=lp.state.leader,
-                leader_epoch=lp.state.leader_epoch,
-                isr=tuple(lp.state.isr),
-                replicas=tuple(lp.state.replicas),
-                partition_epoch=lp.state.partition_epoch,
-                configs={entry.name: entry.value for entry in lp.configs},
-            )
+            partition_state_from_proto(lp.state, {entry.name: entry.value for entry in lp.configs})
             for lp in request.partitions
         ]
         # Stale controller or broker epochs abort the call (a gRPC status, see common.proto).
@@ -910,13 +937,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             request.controller_epoch, states, request.broker_epoch
         )
         return storage_pb2.LeaderAndIsrResponse(
-            error=to_error_proto(None),
-            partitions=[
-                common_pb2.PartitionResult(
-                    topic=state.topic, partition=state.partition, error=to_error_proto(outcome)
-                )
-                for state, outcome in zip(states, outcomes, strict=True)
-            ],
+            error=to_error_proto(None), partitions=partition_results(states, outcomes)
         )
 
     @unary_errors
@@ -930,16 +951,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 for b in request.brokers
             },
             partitions={
-                (p.topic, p.partition): PartitionState(
-                    topic=p.topic,
-                    partition=p.partition,
-                    leader=p.leader,
-                    leader_epoch=p.leader_epoch,
-                    isr=tuple(p.isr),
-                    replicas=tuple(p.replicas),
-                    partition_epoch=p.partition_epoch,
-                )
-                for p in request.partitions
+                (p.topic, p.partition): partition_state_from_proto(p) for p in request.partitions
             },
             controller_epoch=request.controller_epoch,
         )
@@ -959,13 +971,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             request.controller_epoch, items, request.broker_epoch
         )
         return storage_pb2.StopReplicaResponse(
-            error=to_error_proto(None),
-            partitions=[
-                common_pb2.PartitionResult(
-                    topic=item.topic, partition=item.partition, error=to_error_proto(outcome)
-                )
-                for item, outcome in zip(items, outcomes, strict=True)
-            ],
+            error=to_error_proto(None), partitions=partition_results(items, outcomes)
         )
 
     @unary_errors
