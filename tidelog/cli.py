@@ -217,10 +217,61 @@ def _add_controller(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser.set_defaults(handler="services.controller.node:main")
 
 
+def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser(
+        "gateway",
+        help="run a gateway (the stateless front door for clients)",
+        description=(
+            "Run a gateway: serves tidelog.v1.Gateway (plus gRPC health and reflection) to "
+            "the SDK, the CLI and Spark executors, routing produce and fetch requests to "
+            "partition leaders from a metadata cache fed by etcd. Stateless: run as many as "
+            "needed. Prints 'tidelog gateway listening on HOST:PORT' once serving; SIGTERM "
+            "or SIGINT stops it cleanly (exit status 0)."
+        ),
+    )
+    _add_cluster_membership(
+        parser,
+        etcd_required=True,
+        etcd_help="etcd endpoint(s), comma-separated",
+        session_help="lease TTL of the gateway's registration (default: 10)",
+    )
+    parser.add_argument(
+        "--listen",
+        type=_host_port,
+        default=("127.0.0.1", 9094),
+        metavar="HOST:PORT",
+        help="address to serve on; port 0 picks a free port (default: 127.0.0.1:9094)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=_positive_int,
+        default=100 * 1024 * 1024,
+        metavar="N",
+        help="largest produce request accepted (default: 104857600, 100 MiB)",
+    )
+    parser.add_argument(
+        "--max-fetch-bytes",
+        type=_positive_int,
+        default=50 * 1024 * 1024,
+        metavar="N",
+        help="cap on the record bytes of one fetch response (default: 52428800, 50 MiB)",
+    )
+    parser.add_argument(
+        "--max-in-flight-per-stream",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="produce requests one ProduceStream may have unanswered (default: 64)",
+    )
+    _add_logging(parser)
+    parser.set_defaults(handler="services.gateway.node:main")
+
+
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction[_Parser]], None], ...] = (
     _add_storage,
     _add_controller,
-    # Later: controller, gateway, dev, topics, produce, consume, groups, cluster, bench.
+    _add_gateway,
+    # Later: dev, topics, produce, consume, groups, cluster, bench.
 )
 
 
