@@ -186,3 +186,17 @@ class ListGroupsResponse(_message.Message):
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InitProducerIdRequest(_message.Message):
+    __slots__ = ("client_id",)
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    def __init__(self, client_id: _Optional[str] = ...) -> None: ...
+
+class InitProducerIdResponse(_message.Message):
+    __slots__ = ("producer_id", "producer_epoch")
+    PRODUCER_ID_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    producer_id: int
+    producer_epoch: int
+    def __init__(self, producer_id: _Optional[int] = ..., producer_epoch: _Optional[int] = ...) -> None: ...

@@ -107,6 +107,11 @@ class GatewayStub:
                 request_serializer=tidelog_dot_v1_dot_gateway__pb2.ListGroupsRequest.SerializeToString,
                 response_deserializer=tidelog_dot_v1_dot_gateway__pb2.ListGroupsResponse.FromString,
                 _registered_method=True)
+        self.InitProducerId = channel.unary_unary(
+                '/tidelog.v1.Gateway/InitProducerId',
+                request_serializer=tidelog_dot_v1_dot_gateway__pb2.InitProducerIdRequest.SerializeToString,
+                response_deserializer=tidelog_dot_v1_dot_gateway__pb2.InitProducerIdResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -212,6 +217,14 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InitProducerId(self, request, context):
+        """A producer id and epoch for an idempotent producer (Kafka's InitProducerId), handed out
+        from a block the gateway obtains from the controller (AllocateProducerIds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +297,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.ListGroups,
                     request_deserializer=tidelog_dot_v1_dot_gateway__pb2.ListGroupsRequest.FromString,
                     response_serializer=tidelog_dot_v1_dot_gateway__pb2.ListGroupsResponse.SerializeToString,
+            ),
+            'InitProducerId': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitProducerId,
+                    request_deserializer=tidelog_dot_v1_dot_gateway__pb2.InitProducerIdRequest.FromString,
+                    response_serializer=tidelog_dot_v1_dot_gateway__pb2.InitProducerIdResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -665,6 +683,33 @@ class Gateway:
             '/tidelog.v1.Gateway/ListGroups',
             tidelog_dot_v1_dot_gateway__pb2.ListGroupsRequest.SerializeToString,
             tidelog_dot_v1_dot_gateway__pb2.ListGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitProducerId(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidelog.v1.Gateway/InitProducerId',
+            tidelog_dot_v1_dot_gateway__pb2.InitProducerIdRequest.SerializeToString,
+            tidelog_dot_v1_dot_gateway__pb2.InitProducerIdResponse.FromString,
             options,
             channel_credentials,
             insecure,
