@@ -71,10 +71,13 @@ def _add_cluster_membership(
     parser: argparse.ArgumentParser,
     *,
     etcd_help: str,
-    session_help: str,
+    session_help: str | None,
     etcd_required: bool = False,
 ) -> None:
-    """--etcd, --cluster and --session-ttl-s: how a service finds and joins its cluster."""
+    """--etcd, --cluster and --session-ttl-s: how a service finds and joins its cluster.
+
+    ``session_help`` None: the service holds no lease (the gateway), so no --session-ttl-s.
+    """
     parser.add_argument("--etcd", metavar="URL", required=etcd_required, help=etcd_help)
     parser.add_argument(
         "--cluster",
@@ -82,9 +85,10 @@ def _add_cluster_membership(
         metavar="NAME",
         help="cluster name: the etcd key prefix /tidelog/NAME/ (default: default)",
     )
-    parser.add_argument(
-        "--session-ttl-s", type=_positive_int, default=10, metavar="S", help=session_help
-    )
+    if session_help is not None:
+        parser.add_argument(
+            "--session-ttl-s", type=_positive_int, default=10, metavar="S", help=session_help
+        )
 
 
 def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
@@ -233,7 +237,7 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         parser,
         etcd_required=True,
         etcd_help="etcd endpoint(s), comma-separated",
-        session_help="lease TTL of the gateway's registration (default: 10)",
+        session_help=None,
     )
     parser.add_argument(
         "--listen",

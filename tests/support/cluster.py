@@ -30,7 +30,7 @@ from tests.support.process import (
 )
 from tidelog.errors import ErrorCode
 from tidelog.etcd_launcher import EtcdProcess
-from tidelog.v1 import common_pb2, controller_pb2, controller_pb2_grpc
+from tidelog.v1 import common_pb2, controller_pb2, controller_pb2_grpc, gateway_pb2_grpc
 
 T = TypeVar("T")
 
@@ -132,6 +132,51 @@ class ControllerProcess(TidelogProcess):
                 self._channel = None
 
 
+class GatewayProcess(TidelogProcess):
+    """``tidelog gateway`` on 127.0.0.1 port 0, with a channel and a Gateway stub."""
+
+    def __init__(self, etcd: str, *, cluster: str, log_path: Path, extra_args: Sequence[str] = ()):
+        super().__init__(
+            [
+                "gateway",
+                "--etcd",
+                etcd,
+                "--listen",
+                "127.0.0.1:0",
+                "--cluster",
+                cluster,
+                *extra_args,
+            ],
+            log_path=log_path,
+        )
+        self._channel: grpc.Channel | None = None
+
+    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> GatewayProcess:
+        self.wait_listening(timeout_s)
+        wait_healthy(self.address, "tidelog.v1.Gateway", timeout_s)
+        return self
+
+    @property
+    def stub(self) -> gateway_pb2_grpc.GatewayStub:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(
+                self.address,
+                options=[
+                    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+                ],
+            )
+        return gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return super().wait(timeout_s)
+        finally:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+
+
 class TestCluster:
     """etcd + storage nodes + controllers under ``base_dir``; see the module docstring."""
 
@@ -156,6 +201,7 @@ class TestCluster:
         self.store = MetaStore(self.etcd.endpoint, cluster=cluster)
         self.brokers: dict[int, StorageProcess] = {}
         self.controllers: dict[int, ControllerProcess] = {}
+        self.gateways: list[GatewayProcess] = []
         self._all: list[TidelogProcess] = []
 
     # --- processes ------------------------------------------------------------------------
@@ -204,6 +250,18 @@ class TestCluster:
         )
         self._all.append(process)
         self.controllers[controller_id] = process
+        return process.start()
+
+    def start_gateway(self, extra_args: Sequence[str] = ()) -> GatewayProcess:
+        """Start a gateway (another one each call: gateways are stateless)."""
+        process = GatewayProcess(
+            self.etcd.endpoint,
+            cluster=self.cluster,
+            log_path=self.base_dir / f"gateway-{len(self._all)}.stderr.log",
+            extra_args=extra_args,
+        )
+        self._all.append(process)
+        self.gateways.append(process)
         return process.start()
 
     def kill(self, process: TidelogProcess) -> None:
@@ -355,6 +413,7 @@ class TestCluster:
 
 __all__ = [
     "ControllerProcess",
+    "GatewayProcess",
     "StorageProcess",
     "TestCluster",
     "error_code",

@@ -1,0 +1,67 @@
+"""gRPC channels from the gateway to storage nodes and to the active controller.
+
+One channel per address, created on first use and kept: gRPC multiplexes every concurrent
+call over it, so the gateway never needs a pool per broker. A broker that re-registers
+on a new address simply gets a new channel (the old one idles; brokers rarely move).
+
+Thread-safety: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Final
+
+import grpc
+
+from services.controller.state import Broker
+from tidelog.v1 import controller_pb2_grpc, storage_pb2_grpc
+
+CHANNEL_OPTIONS: Final = [
+    # Produce requests and fetch responses carry many megabytes of batches.
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    # Notice a dead broker on an idle channel within seconds, not minutes.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    # Reconnect quickly after a broker restarts on the same address.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+
+
+def broker_address(broker: Broker) -> str:
+    host = broker.host
+    return f"[{host}]:{broker.port}" if ":" in host else f"{host}:{broker.port}"
+
+
+class Channels:
+    """Address -> channel, plus typed stubs; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._closed = False
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the gateway is stopping")
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._channels[address] = channel
+            return channel
+
+    def storage(self, broker: Broker) -> storage_pb2_grpc.StorageStub:
+        return storage_pb2_grpc.StorageStub(self._channel(broker_address(broker)))
+
+    def controller(self, address: str) -> controller_pb2_grpc.ControllerStub:
+        return controller_pb2_grpc.ControllerStub(self._channel(address))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()

@@ -1,0 +1,404 @@
+"""Reading through the gateway: Fetch (long-poll over many partitions), Subscribe (follow
+one partition), ListOffsets, and the offsets DescribeTopics reports.
+
+Fetch groups the requested partitions by leader and asks every leader at once. A leader
+with nothing new would hold its answer for the whole ``max_wait_ms``, so the gateway asks
+in two rounds: first without waiting (data that is there comes back at once), then, only
+if that found less than ``min_bytes``, a long poll to every leader, answering as soon as
+one of them has data; the others are cancelled and their partitions keep the first
+round's (empty) answer. A consumer therefore never waits on a quiet broker while another
+has data for it.
+
+Batches pass through as bytes; the only thing the gateway reads in them is batch headers
+(Subscribe needs the offset after the last batch it forwarded), O(1) per batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import grpc
+
+from services.gateway.metadata_cache import Leader
+from services.gateway.router import DEADLINE_MARGIN_S, Router
+from services.status import error_from_proto, error_from_rpc_error, to_error_proto
+from tidelog.batch import parse_header
+from tidelog.errors import (
+    InvalidFetchSizeError,
+    InvalidRequestError,
+    TidelogError,
+)
+from tidelog.formats import BATCH_HEADER_SIZE
+from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
+
+DEFAULT_MAX_WAIT_MS: Final = 500
+MAX_WAIT_MS_LIMIT: Final = 30_000
+MAX_PARTITIONS_PER_FETCH: Final = 10_000
+DEFAULT_PARTITION_MAX_BYTES: Final = 1024 * 1024
+ANSWER_SLACK_S: Final = 5.0
+"""Added to a long poll's own wait to make its gRPC deadline: the leader answers first."""
+
+
+@dataclass(frozen=True, slots=True)
+class FetchLimits:
+    max_fetch_bytes: int = (
+        50 * 1024 * 1024
+    )  # record bytes in one response (Kafka's fetch.max.bytes)
+
+
+def next_offset(records: bytes, fallback: int) -> int:
+    """The offset after the last whole batch in ``records`` (``fallback`` if none)."""
+    position = 0
+    result = fallback
+    view = memoryview(records)
+    while position + BATCH_HEADER_SIZE <= len(view):
+        header = parse_header(view, position)
+        if position + header.size_bytes > len(view):
+            break
+        result = header.next_offset
+        position += header.size_bytes
+    return result
+
+
+def _fetch_error(
+    fp: storage_pb2.FetchPartition, error: TidelogError
+) -> storage_pb2.FetchPartitionResult:
+    return storage_pb2.FetchPartitionResult(
+        topic=fp.topic,
+        partition=fp.partition,
+        error=to_error_proto(error),
+        high_watermark=-1,
+        log_start_offset=-1,
+        log_end_offset=-1,
+        leader_epoch=-1,
+        diverging_epoch=-1,
+        diverging_end_offset=-1,
+    )
+
+
+class FetchHandler:
+    """Fetch, Subscribe, ListOffsets. Thread-safe; holds no threads of its own."""
+
+    def __init__(self, router: Router, limits: FetchLimits) -> None:
+        self._router = router
+        self.limits = limits
+
+    # --- Fetch ----------------------------------------------------------------------------
+
+    def _validate(self, request: storage_pb2.FetchRequest) -> None:
+        if request.replica_id != -1:
+            raise InvalidRequestError(
+                f"replica_id {request.replica_id}: clients fetch with replica_id -1; followers "
+                "fetch from storage nodes directly"
+            )
+        if len(request.partitions) > MAX_PARTITIONS_PER_FETCH:
+            raise InvalidRequestError(
+                f"{len(request.partitions)} partitions in one fetch; the limit is "
+                f"{MAX_PARTITIONS_PER_FETCH}"
+            )
+        if (
+            request.HasField("max_bytes")
+            and not 0 < request.max_bytes <= self.limits.max_fetch_bytes
+        ):
+            raise InvalidFetchSizeError(
+                f"max_bytes {request.max_bytes} must be between 1 and this gateway's limit "
+                f"{self.limits.max_fetch_bytes} (--max-fetch-bytes)"
+            )
+        if request.HasField("max_wait_ms") and not 0 <= request.max_wait_ms <= MAX_WAIT_MS_LIMIT:
+            raise InvalidRequestError(
+                f"max_wait_ms {request.max_wait_ms} is outside 0..{MAX_WAIT_MS_LIMIT}"
+            )
+        if request.HasField("min_bytes") and request.min_bytes < 0:
+            raise InvalidRequestError(f"min_bytes {request.min_bytes} is negative")
+        seen: set[tuple[str, int]] = set()
+        for fp in request.partitions:
+            if (fp.topic, fp.partition) in seen:
+                raise InvalidRequestError(
+                    f"partition {fp.topic}-{fp.partition} appears twice in one fetch"
+                )
+            seen.add((fp.topic, fp.partition))
+            if fp.HasField("max_bytes") and fp.max_bytes <= 0:
+                raise InvalidFetchSizeError(
+                    f"max_bytes {fp.max_bytes} of {fp.topic}-{fp.partition} must be positive"
+                )
+            if fp.fetch_offset < 0:
+                raise InvalidRequestError(
+                    f"fetch_offset {fp.fetch_offset} of {fp.topic}-{fp.partition} is negative"
+                )
+
+    def fetch(
+        self, request: storage_pb2.FetchRequest, time_remaining_s: float | None
+    ) -> storage_pb2.FetchResponse:
+        self._validate(request)
+        results: dict[tuple[str, int], storage_pb2.FetchPartitionResult] = {}
+        by_leader: dict[int, tuple[Leader, list[storage_pb2.FetchPartition]]] = {}
+        for fp in request.partitions:
+            try:
+                leader = self._router.cache.leader(fp.topic, fp.partition)
+            except TidelogError as exc:
+                results[(fp.topic, fp.partition)] = _fetch_error(fp, exc)
+                continue
+            by_leader.setdefault(leader.broker.broker_id, (leader, []))[1].append(fp)
+        max_bytes = (
+            request.max_bytes if request.HasField("max_bytes") else self.limits.max_fetch_bytes
+        )
+        min_bytes = request.min_bytes if request.HasField("min_bytes") else 1
+        wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
+        if time_remaining_s is not None:
+            wait_ms = max(0, min(wait_ms, int((time_remaining_s - DEADLINE_MARGIN_S) * 1000)))
+        found = self._round(by_leader, max_bytes, min_bytes, 0, results)
+        if found < min_bytes and wait_ms > 0 and by_leader and not _has_error(results):
+            self._round(by_leader, max_bytes, min_bytes, wait_ms, results)
+        return storage_pb2.FetchResponse(
+            partitions=[results[(fp.topic, fp.partition)] for fp in request.partitions]
+        )
+
+    def _round(
+        self,
+        by_leader: dict[int, tuple[Leader, list[storage_pb2.FetchPartition]]],
+        max_bytes: int,
+        min_bytes: int,
+        wait_ms: int,
+        results: dict[tuple[str, int], storage_pb2.FetchPartitionResult],
+    ) -> int:
+        """One fetch to every leader; fills ``results``; returns the record bytes found.
+
+        With ``wait_ms`` > 0 it returns once any leader answered with data (or all did);
+        the calls still running are cancelled and their partitions keep what ``results``
+        already held.
+        """
+        done = threading.Event()
+        lock = threading.Lock()
+        calls: list[tuple[Any, list[storage_pb2.FetchPartition]]] = []
+        pending = [len(by_leader)]
+        found = [0]
+
+        def on_done(future: Any, partitions: list[storage_pb2.FetchPartition]) -> None:
+            try:
+                response: storage_pb2.FetchResponse = future.result()
+                answers = list(response.partitions)
+            except grpc.FutureCancelledError:
+                answers = []
+            except grpc.RpcError as exc:
+                error = error_from_rpc_error(exc)
+                answers = [_fetch_error(fp, error) for fp in partitions]
+            with lock:
+                for answer in answers:
+                    results[(answer.topic, answer.partition)] = answer
+                    found[0] += len(answer.records)
+                pending[0] -= 1
+                if pending[0] == 0 or (wait_ms > 0 and found[0] >= min_bytes):
+                    done.set()
+
+        for leader, partitions in by_leader.values():
+            stub = self._router.channels.storage(leader.broker)
+            future = stub.Fetch.future(
+                storage_pb2.FetchRequest(
+                    replica_id=-1,
+                    max_wait_ms=wait_ms,
+                    min_bytes=min_bytes,
+                    max_bytes=max_bytes,
+                    partitions=partitions,
+                ),
+                timeout=wait_ms / 1000 + ANSWER_SLACK_S,
+            )
+            calls.append((future, partitions))
+            future.add_done_callback(lambda f, p=partitions: on_done(f, p))
+        done.wait()
+        for future, _ in calls:
+            future.cancel()
+        with lock:
+            return found[0]
+
+    # --- Subscribe ------------------------------------------------------------------------
+
+    def subscribe(
+        self, request: gateway_pb2.SubscribeRequest, context: grpc.ServicerContext
+    ) -> Iterator[storage_pb2.FetchPartitionResult]:
+        max_bytes = (
+            request.max_bytes if request.HasField("max_bytes") else DEFAULT_PARTITION_MAX_BYTES
+        )
+        if not 0 < max_bytes <= self.limits.max_fetch_bytes:
+            raise InvalidFetchSizeError(
+                f"max_bytes {max_bytes} must be between 1 and {self.limits.max_fetch_bytes}"
+            )
+        wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
+        if not 0 <= wait_ms <= MAX_WAIT_MS_LIMIT:
+            raise InvalidRequestError(f"max_wait_ms {wait_ms} is outside 0..{MAX_WAIT_MS_LIMIT}")
+        self._router.cache.read(lambda view: view.check_partition(request.topic, request.partition))
+        offset = self._start_offset(request)
+        while context.is_active():
+            fetch_partition = storage_pb2.FetchPartition(
+                topic=request.topic,
+                partition=request.partition,
+                fetch_offset=offset,
+                max_bytes=max_bytes,
+            )
+
+            def call(
+                stub: Any,
+                leader: Leader,
+                timeout_s: float,
+                fetch_partition: storage_pb2.FetchPartition = fetch_partition,
+            ) -> storage_pb2.FetchResponse:
+                del leader
+                response: storage_pb2.FetchResponse = stub.Fetch(
+                    storage_pb2.FetchRequest(
+                        replica_id=-1,
+                        max_wait_ms=wait_ms,
+                        min_bytes=1,
+                        max_bytes=max_bytes,
+                        partitions=[fetch_partition],
+                    ),
+                    timeout=min(timeout_s, wait_ms / 1000 + ANSWER_SLACK_S),
+                )
+                error = response.partitions[0].error
+                if error.code != common_pb2.NONE:
+                    # Raised so the router re-routes leadership errors; others end the stream.
+                    raise error_from_proto(error) or InvalidRequestError(error.message)
+                return response
+
+            # A subscription outlives leader changes: each step may take as long as a new
+            # election needs.
+            deadline = time.monotonic() + 30.0
+            result = self._router.call_leader(request.topic, request.partition, deadline, call)
+            answer = result.partitions[0]
+            if answer.records:
+                offset = next_offset(answer.records, offset)
+                yield answer
+
+    def _start_offset(self, request: gateway_pb2.SubscribeRequest) -> int:
+        spec = request.start_spec
+        if spec == common_pb2.OFFSET_SPEC_UNSPECIFIED:
+            if request.start_offset < 0:
+                raise InvalidRequestError(
+                    f"start_offset {request.start_offset} is negative; use start_spec "
+                    "EARLIEST or LATEST"
+                )
+            return request.start_offset
+        if spec not in (common_pb2.EARLIEST, common_pb2.LATEST, common_pb2.BY_TIMESTAMP):
+            raise InvalidRequestError(f"start_spec {spec} must be EARLIEST, LATEST or BY_TIMESTAMP")
+        item = storage_pb2.ListOffsetsPartition(
+            topic=request.topic,
+            partition=request.partition,
+            spec=spec,
+            timestamp_ms=request.start_timestamp_ms,
+        )
+        response = self.list_offsets(
+            storage_pb2.ListOffsetsRequest(replica_id=-1, partitions=[item])
+        )
+        answer = response.partitions[0]
+        if answer.error.code != common_pb2.NONE:
+            raise error_from_proto(answer.error) or InvalidRequestError(answer.error.message)
+        if answer.offset < 0:
+            # No record at or after the timestamp: follow from the end, as Kafka does.
+            latest = storage_pb2.ListOffsetsPartition(
+                topic=request.topic, partition=request.partition, spec=common_pb2.LATEST
+            )
+            response = self.list_offsets(
+                storage_pb2.ListOffsetsRequest(replica_id=-1, partitions=[latest])
+            )
+            return max(response.partitions[0].offset, 0)
+        return answer.offset
+
+    # --- ListOffsets ----------------------------------------------------------------------
+
+    def list_offsets(
+        self, request: storage_pb2.ListOffsetsRequest, timeout_s: float = 10.0
+    ) -> storage_pb2.ListOffsetsResponse:
+        """Forward to each leader; answers in request order, errors per partition."""
+        if len(request.partitions) > MAX_PARTITIONS_PER_FETCH:
+            raise InvalidRequestError(
+                f"{len(request.partitions)} partitions in one request; the limit is "
+                f"{MAX_PARTITIONS_PER_FETCH}"
+            )
+        results = self.offsets_by_leader(request.replica_id, request.partitions, timeout_s)
+        return storage_pb2.ListOffsetsResponse(
+            partitions=[results[(lp.topic, lp.partition, lp.spec)] for lp in request.partitions]
+        )
+
+    def offsets_by_leader(
+        self,
+        replica_id: int,
+        partitions: Sequence[storage_pb2.ListOffsetsPartition],
+        timeout_s: float,
+        *,
+        leader_as_replica: bool = False,
+    ) -> dict[tuple[str, int, int], storage_pb2.ListOffsetsResult]:
+        """ListOffsets on every leader concurrently, keyed by (topic, partition, spec).
+
+        ``leader_as_replica`` asks as the leader itself, which answers LATEST with the log
+        end offset instead of the high watermark (for DescribeTopics).
+        """
+        results: dict[tuple[str, int, int], storage_pb2.ListOffsetsResult] = {}
+        groups: dict[int, tuple[Leader, list[storage_pb2.ListOffsetsPartition]]] = {}
+        for lp in partitions:
+            try:
+                leader = self._router.cache.leader(lp.topic, lp.partition)
+            except TidelogError as exc:
+                results[(lp.topic, lp.partition, lp.spec)] = _offset_error(lp, exc)
+                continue
+            groups.setdefault(leader.broker.broker_id, (leader, []))[1].append(lp)
+        calls = []
+        for broker_id, (leader, items) in groups.items():
+            stub = self._router.channels.storage(leader.broker)
+            asked = [
+                storage_pb2.ListOffsetsPartition(
+                    topic=lp.topic,
+                    partition=lp.partition,
+                    spec=lp.spec,
+                    timestamp_ms=lp.timestamp_ms,
+                    current_leader_epoch=(
+                        lp.current_leader_epoch
+                        if lp.HasField("current_leader_epoch")
+                        else leader.leader_epoch
+                    ),
+                )
+                for lp in items
+            ]
+            calls.append(
+                (
+                    stub.ListOffsets.future(
+                        storage_pb2.ListOffsetsRequest(
+                            replica_id=broker_id if leader_as_replica else replica_id,
+                            partitions=asked,
+                        ),
+                        timeout=timeout_s,
+                    ),
+                    items,
+                )
+            )
+        for future, items in calls:
+            try:
+                response: storage_pb2.ListOffsetsResponse = future.result()
+            except grpc.RpcError as exc:
+                error = error_from_rpc_error(exc)
+                for lp in items:
+                    results[(lp.topic, lp.partition, lp.spec)] = _offset_error(lp, error)
+                continue
+            for lp, answer in zip(items, response.partitions, strict=True):
+                results[(lp.topic, lp.partition, lp.spec)] = answer
+        return results
+
+
+def _offset_error(
+    lp: storage_pb2.ListOffsetsPartition, error: TidelogError
+) -> storage_pb2.ListOffsetsResult:
+    return storage_pb2.ListOffsetsResult(
+        topic=lp.topic,
+        partition=lp.partition,
+        error=to_error_proto(error),
+        offset=-1,
+        timestamp_ms=-1,
+        leader_epoch=-1,
+    )
+
+
+def _has_error(results: dict[tuple[str, int], storage_pb2.FetchPartitionResult]) -> bool:
+    # Like a storage node, answer at once when a partition has an error, so the client can
+    # act on it (re-route, reset its offset) instead of waiting for nothing.
+    return any(r.error.code != common_pb2.NONE for r in results.values())

@@ -1,0 +1,166 @@
+"""Consumer-group committed offsets, kept in etcd under ``groups/<group>/<topic>/<p>``.
+
+The layout and value format are in ``docs/METADATA.md`` (section 1.7): one key per
+partition, ``{offset, metadata, leader_epoch}``, the group id percent-encoded so any string
+is a safe key. Commits are last-writer-wins per partition, as in Kafka without group
+generations; one commit request is written in as few transactions as etcd allows, so a
+small commit lands whole or not at all.
+
+Every gateway reads and writes the same keys, so commits through one gateway are seen by
+FetchOffsets through any other.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import quote, unquote
+
+from services.cluster_metadata import GROUPS_PREFIX
+from services.gateway.metadata_cache import MetadataCache, MetadataView
+from services.metastore import KeyValue, MetaStore, PutOp
+from tidelog.errors import (
+    InvalidGroupIdError,
+    InvalidRequestError,
+    OffsetMetadataTooLargeError,
+    TidelogError,
+)
+from tidelog.logging import get_logger
+
+_log = get_logger(component="gateway.groups")
+
+MAX_GROUP_ID_CHARS: Final = 255
+MAX_METADATA_BYTES: Final = 4096
+"""Kafka's offset.metadata.max.bytes."""
+MAX_PARTITIONS_PER_COMMIT: Final = 10_000
+OPS_PER_TXN: Final = 100
+"""etcd's default --max-txn-ops is 128; stay below it for etcds configured by others."""
+MAX_GROUPS_LISTED: Final = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """One partition's committed position (``offset`` = the next record to consume)."""
+
+    topic: str
+    partition: int
+    offset: int
+    metadata: str = ""
+    leader_epoch: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOutcome:
+    topic: str
+    partition: int
+    error: TidelogError | None
+
+
+def group_prefix(group_id: str) -> str:
+    return f"{GROUPS_PREFIX}{quote(group_id, safe='')}/"
+
+
+def offset_key(group_id: str, topic: str, partition: int) -> str:
+    return f"{group_prefix(group_id)}{topic}/{partition}"
+
+
+def check_group_id(group_id: str) -> None:
+    if not group_id:
+        raise InvalidGroupIdError("the group id is empty")
+    if len(group_id) > MAX_GROUP_ID_CHARS:
+        raise InvalidGroupIdError(
+            f"the group id is {len(group_id)} characters; the limit is {MAX_GROUP_ID_CHARS}"
+        )
+
+
+def _decode(group_id: str, kv: KeyValue) -> Committed | None:
+    rest = kv.key.removeprefix(group_prefix(group_id))
+    topic, _, partition = rest.rpartition("/")
+    try:
+        value = json.loads(kv.value)
+        return Committed(
+            topic=topic,
+            partition=int(partition),
+            offset=int(value["offset"]),
+            metadata=str(value.get("metadata", "")),
+            leader_epoch=int(value.get("leader_epoch", -1)),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        _log.error("bad_offset_key", key=kv.key, error=str(exc))
+        return None
+
+
+class OffsetStore:
+    """Commit, fetch and list consumer-group offsets. Thread-safe (etcd does the work)."""
+
+    def __init__(self, store: MetaStore, cache: MetadataCache) -> None:
+        self._store = store
+        self._cache = cache
+
+    def commit(self, group_id: str, offsets: Sequence[Committed]) -> list[CommitOutcome]:
+        """Validate each partition, write the valid ones; one outcome per input."""
+        check_group_id(group_id)
+        if len(offsets) > MAX_PARTITIONS_PER_COMMIT:
+            raise InvalidRequestError(
+                f"{len(offsets)} partitions in one commit; the limit is {MAX_PARTITIONS_PER_COMMIT}"
+            )
+        outcomes: list[CommitOutcome] = []
+        puts: list[PutOp] = []
+
+        def check(view: MetadataView) -> None:
+            for item in offsets:
+                error: TidelogError | None = None
+                try:
+                    view.check_partition(item.topic, item.partition)
+                    if item.offset < 0:
+                        raise InvalidRequestError(
+                            f"offset {item.offset} for {item.topic}-{item.partition} is negative"
+                        )
+                    size = len(item.metadata.encode())
+                    if size > MAX_METADATA_BYTES:
+                        raise OffsetMetadataTooLargeError(
+                            f"metadata of {size} bytes for {item.topic}-{item.partition}; the "
+                            f"limit is {MAX_METADATA_BYTES}"
+                        )
+                except TidelogError as exc:
+                    error = exc
+                outcomes.append(CommitOutcome(item.topic, item.partition, error))
+                if error is None:
+                    value = json.dumps(
+                        {
+                            "offset": item.offset,
+                            "metadata": item.metadata,
+                            "leader_epoch": item.leader_epoch,
+                        },
+                        separators=(",", ":"),
+                        sort_keys=True,
+                    ).encode()
+                    puts.append(PutOp(offset_key(group_id, item.topic, item.partition), value))
+
+        self._cache.read(check)
+        for start in range(0, len(puts), OPS_PER_TXN):
+            self._store.txn([], puts[start : start + OPS_PER_TXN])
+        return outcomes
+
+    def fetch(self, group_id: str, partitions: Sequence[tuple[str, int]]) -> list[Committed]:
+        """Committed offsets; for ``partitions`` given, one entry each (offset -1 when none),
+        else everything the group committed."""
+        check_group_id(group_id)
+        committed = {
+            (c.topic, c.partition): c
+            for kv in self._store.get_prefix(group_prefix(group_id))
+            if (c := _decode(group_id, kv)) is not None
+        }
+        if not partitions:
+            return sorted(committed.values(), key=lambda c: (c.topic, c.partition))
+        return [committed.get((t, p), Committed(t, p, -1)) for t, p in partitions]
+
+    def list_groups(self) -> list[str]:
+        groups: set[str] = set()
+        for kv in self._store.get_prefix(GROUPS_PREFIX):
+            groups.add(unquote(kv.key.removeprefix(GROUPS_PREFIX).split("/", 1)[0]))
+            if len(groups) >= MAX_GROUPS_LISTED:
+                break
+        return sorted(groups)

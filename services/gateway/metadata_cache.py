@@ -1,0 +1,297 @@
+"""The gateway's view of the cluster: brokers, topics, partition leaders, the controller.
+
+``MetadataView`` is the pure part: a snapshot built from etcd key-values and changed by
+watch events, with no I/O. ``MetadataCache`` keeps one up to date: it reads the four
+prefixes that routing needs (``brokers/``, ``topics/``, ``partitions/``, ``controller``)
+and watches each from the revision it read, so every change the controller commits
+reaches the gateway in order, without polling. Consumer-group keys are deliberately not
+watched: commits are frequent and routing never needs them.
+
+Staleness is safe, not just tolerated: every request the gateway routes carries the
+leader epoch it believes current, and a storage node refuses a stale one
+(FENCED_LEADER_EPOCH) or a mis-routed one (NOT_LEADER_OR_FOLLOWER). The router then waits
+for the view to change (``wait_for_change``) and tries again.
+
+When a watch fails (etcd restarted, history compacted) the cache reloads everything and
+watches again from the new revision, retrying with a backoff until etcd answers; the last
+view keeps serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final, TypeVar
+
+from services.cluster_metadata import (
+    BROKERS_PREFIX,
+    CLUSTER_ID_KEY,
+    CONTROLLER_KEY,
+    PARTITIONS_PREFIX,
+    TOPICS_PREFIX,
+    ControllerInfo,
+    decode_broker,
+    decode_cluster_id,
+    decode_controller,
+    decode_partition,
+    decode_topic,
+)
+from services.controller.state import Broker, PartitionRecord, Topic
+from services.metastore import KeyValue, MetaStore, MetaStoreError, WatchEvent
+from tidelog.errors import (
+    LeaderNotAvailableError,
+    StorageError,
+    UnknownTopicOrPartitionError,
+)
+from tidelog.logging import get_logger
+
+_log = get_logger(component="gateway.metadata")
+
+WATCHED_PREFIXES: Final = (BROKERS_PREFIX, TOPICS_PREFIX, PARTITIONS_PREFIX, CONTROLLER_KEY)
+_T = TypeVar("_T")
+
+RELOAD_BACKOFF_S: Final = (0.05, 0.1, 0.2, 0.5, 1.0)
+"""Waits between attempts to reload after a watch failed; the last one repeats."""
+
+
+@dataclass(frozen=True, slots=True)
+class Leader:
+    """Where to send a partition's requests: the leader broker and its epoch."""
+
+    broker: Broker
+    leader_epoch: int
+
+
+@dataclass(slots=True)
+class MetadataView:
+    """Brokers, topics and partition states as etcd last said. Not thread-safe by itself:
+    ``MetadataCache`` guards it with its lock.
+
+    Invariant: ``version`` grows by one with every applied change, so a reader that saw
+    version v can wait for anything newer.
+    """
+
+    cluster_id: str = ""
+    brokers: dict[int, Broker] = field(default_factory=dict)
+    topics: dict[str, Topic] = field(default_factory=dict)
+    partitions: dict[tuple[str, int], PartitionRecord] = field(default_factory=dict)
+    controller: ControllerInfo | None = None
+    version: int = 0
+
+    def load(self, prefix: str, kvs: list[KeyValue]) -> None:
+        """Replace everything under ``prefix`` with ``kvs`` (a fresh read)."""
+        if prefix == BROKERS_PREFIX:
+            self.brokers = {}
+        elif prefix == TOPICS_PREFIX:
+            self.topics = {}
+        elif prefix == PARTITIONS_PREFIX:
+            self.partitions = {}
+        elif prefix == CONTROLLER_KEY:
+            self.controller = None
+        for kv in kvs:
+            self._put(kv)
+        self.version += 1
+
+    def apply(self, event: WatchEvent) -> None:
+        """One watched change."""
+        if event.type == "delete":
+            self._delete(event.key)
+        else:
+            self._put(
+                KeyValue(
+                    key=event.key,
+                    value=event.value,
+                    mod_revision=event.mod_revision,
+                    create_revision=event.create_revision,
+                    version=event.version,
+                    lease_id=0,
+                )
+            )
+        self.version += 1
+
+    def _put(self, kv: KeyValue) -> None:
+        try:
+            if kv.key.startswith(BROKERS_PREFIX):
+                broker = decode_broker(kv)
+                self.brokers[broker.broker_id] = broker
+            elif kv.key.startswith(TOPICS_PREFIX):
+                topic = decode_topic(kv)
+                self.topics[topic.name] = topic
+            elif kv.key.startswith(PARTITIONS_PREFIX):
+                name, index, record = decode_partition(kv)
+                self.partitions[(name, index)] = record
+            elif kv.key == CONTROLLER_KEY:
+                self.controller = decode_controller(kv)
+        except (StorageError, KeyError, ValueError, TypeError) as exc:
+            # One unreadable key must not blind the gateway to the rest of the cluster.
+            _log.error("bad_metadata_key", key=kv.key, error=str(exc))
+
+    def _delete(self, key: str) -> None:
+        if key.startswith(BROKERS_PREFIX):
+            broker_id = key.removeprefix(BROKERS_PREFIX)
+            if broker_id.isdigit():
+                self.brokers.pop(int(broker_id), None)
+        elif key.startswith(TOPICS_PREFIX):
+            self.topics.pop(key.removeprefix(TOPICS_PREFIX), None)
+        elif key.startswith(PARTITIONS_PREFIX):
+            name, _, index = key.removeprefix(PARTITIONS_PREFIX).rpartition("/")
+            if index.isdigit():
+                self.partitions.pop((name, int(index)), None)
+        elif key == CONTROLLER_KEY:
+            self.controller = None
+
+    # --- questions the router asks ----------------------------------------------------------
+
+    def topic(self, name: str) -> Topic:
+        topic = self.topics.get(name)
+        if topic is None:
+            raise UnknownTopicOrPartitionError(f"topic {name!r} does not exist")
+        return topic
+
+    def check_partition(self, name: str, partition: int) -> Topic:
+        topic = self.topic(name)
+        if not 0 <= partition < topic.partition_count:
+            raise UnknownTopicOrPartitionError(
+                f"topic {name!r} has {topic.partition_count} partitions; "
+                f"partition {partition} does not exist"
+            )
+        return topic
+
+    def leader(self, name: str, partition: int) -> Leader:
+        """The partition's leader, or why there is none to route to."""
+        self.check_partition(name, partition)
+        record = self.partitions.get((name, partition))
+        if record is None or record.leader < 0:
+            raise LeaderNotAvailableError(
+                f"partition {name}-{partition} has no leader right now (all of its in-sync "
+                "replicas are down or an election is in progress)"
+            )
+        broker = self.brokers.get(record.leader)
+        if broker is None:
+            raise LeaderNotAvailableError(
+                f"the leader of {name}-{partition}, broker {record.leader}, is not registered "
+                "(it may have just failed; a new leader is being elected)"
+            )
+        return Leader(broker, record.leader_epoch)
+
+
+class MetadataCache:
+    """A ``MetadataView`` kept current by etcd watches; see the module docstring.
+
+    Thread-safety: every method may be called from any thread. ``snapshot`` callers get
+    the live view under no lock and must only read it through ``read`` (which holds the
+    lock) when they need several consistent answers.
+    """
+
+    def __init__(self, store: MetaStore) -> None:
+        self._store = store
+        self._view = MetadataView()
+        self._changed = threading.Condition()
+        self._cancels: list[Callable[[], None]] = []
+        self._failed = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loaded = threading.Event()
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def start(self, timeout_s: float) -> None:
+        """Load the view and start watching; raises MetaStoreError if etcd does not answer
+        within ``timeout_s``. Afterwards a background thread repairs failed watches."""
+        self._load_and_watch()
+        self._thread = threading.Thread(
+            target=self._supervise, name="gateway-metadata", daemon=True
+        )
+        self._thread.start()
+        del timeout_s  # the store's own per-call deadline bounds the first load
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._failed.set()
+        self._cancel_watches()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._changed:
+            self._changed.notify_all()
+
+    def _cancel_watches(self) -> None:
+        cancels, self._cancels = self._cancels, []
+        for cancel in cancels:
+            cancel()
+
+    def _load_and_watch(self) -> None:
+        cluster_kv = self._store.get(CLUSTER_ID_KEY)
+        for prefix in WATCHED_PREFIXES:
+            # The controller key is read as a prefix too: one read gives the value and the
+            # revision it reflects, so the watch resumes exactly after it.
+            kvs, revision = self._store.get_prefix_with_revision(prefix)
+            with self._changed:
+                if cluster_kv is not None:
+                    self._view.cluster_id = decode_cluster_id(cluster_kv)
+                self._view.load(prefix, kvs)
+                self._changed.notify_all()
+            self._cancels.append(
+                self._store.watch_prefix(
+                    prefix,
+                    self._on_event,
+                    on_error=self._on_watch_error,
+                    start_revision=revision + 1,
+                )
+            )
+        self._loaded.set()
+
+    def _on_event(self, event: WatchEvent) -> None:
+        with self._changed:
+            self._view.apply(event)
+            self._changed.notify_all()
+
+    def _on_watch_error(self, error: MetaStoreError) -> None:
+        _log.warning("watch_failed", error=str(error))
+        self._failed.set()
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            self._failed.wait()
+            if self._stop.is_set():
+                return
+            self._cancel_watches()
+            attempt = 0
+            while not self._stop.is_set():
+                self._failed.clear()
+                try:
+                    self._load_and_watch()
+                    _log.info("metadata_reloaded", version=self.version)
+                    break
+                except MetaStoreError as exc:
+                    self._cancel_watches()
+                    delay = RELOAD_BACKOFF_S[min(attempt, len(RELOAD_BACKOFF_S) - 1)]
+                    attempt += 1
+                    _log.warning("metadata_reload_failed", error=str(exc), retry_in_s=delay)
+                    self._stop.wait(delay)
+
+    # --- reading --------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        with self._changed:
+            return self._view.version
+
+    def read(self, fn: Callable[[MetadataView], _T]) -> _T:
+        """``fn(view)`` under the lock: several answers from one consistent view."""
+        with self._changed:
+            return fn(self._view)
+
+    def leader(self, topic: str, partition: int) -> Leader:
+        with self._changed:
+            return self._view.leader(topic, partition)
+
+    def wait_for_change(self, seen_version: int, timeout_s: float) -> int:
+        """Block until the view is newer than ``seen_version`` or ``timeout_s`` passes;
+        returns the version now current."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._view.version != seen_version or self._stop.is_set(),
+                timeout=max(timeout_s, 0.0),
+            )
+            return self._view.version

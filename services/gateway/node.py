@@ -1,0 +1,191 @@
+"""A gateway process: the Gateway service, health and reflection, over a metadata cache.
+
+``GatewayNode(config).start()`` connects to etcd, loads and watches the cluster metadata,
+then serves ``tidelog.v1.Gateway`` plus the standard gRPC health and reflection services
+(so ``grpcurl`` can list and call every method). The gateway keeps no state of its own
+beyond caches: run as many as needed, stop any at any time.
+
+``main(args)`` is what ``tidelog gateway`` runs: logging, SIGTERM/SIGINT handling and the
+line ``tidelog gateway listening on HOST:PORT`` on stdout once serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Final
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.gateway.channels import Channels
+from services.gateway.controller_client import ControllerClient, ProducerIds
+from services.gateway.fetch import FetchHandler, FetchLimits
+from services.gateway.groups import OffsetStore
+from services.gateway.metadata_cache import MetadataCache
+from services.gateway.produce import ProduceHandler, ProduceLimits
+from services.gateway.router import Router
+from services.gateway.server import GatewayServicer
+from services.metastore import MetaStore
+from services.process import serve_until_signal
+from tidelog import logging as tidelog_logging
+from tidelog.errors import TidelogError
+from tidelog.v1 import gateway_pb2, gateway_pb2_grpc
+
+_log = structlog.get_logger("tidelog.gateway.node")
+
+GATEWAY_SERVICE_NAME: Final[str] = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+ETCD_TIMEOUT_S: Final = 5.0
+SHUTDOWN_GRACE_S: Final = 5.0
+MESSAGE_OVERHEAD_BYTES: Final = 4 * 1024 * 1024
+"""Room above the record-byte limits for protobuf framing, so our own limit errors (with
+their precise messages) fire before gRPC's generic size check."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayNodeConfig:
+    """How to run one gateway process."""
+
+    etcd: str
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    cluster: str = "default"
+    max_request_bytes: int = 100 * 1024 * 1024
+    max_fetch_bytes: int = 50 * 1024 * 1024
+    max_in_flight_per_stream: int = 64
+    # Pool threads serving calls; long polls and streams hold one each.
+    max_workers: int = 64
+    # Calls admitted at once; beyond it gRPC answers RESOURCE_EXHAUSTED instead of queueing.
+    max_concurrent_rpcs: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.listen_port <= 65535:
+            raise ValueError(f"port {self.listen_port} is out of range 0..65535")
+        for name in ("max_request_bytes", "max_fetch_bytes", "max_in_flight_per_stream"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+def _format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class GatewayNode:
+    """One running gateway. ``start()`` once, ``stop()`` once (idempotent).
+
+    Thread-safety: ``start``/``stop`` from the owner thread; requests run on gRPC pool
+    threads and the produce workers.
+    """
+
+    def __init__(self, config: GatewayNodeConfig) -> None:
+        self.config = config
+        self._health = health.HealthServicer()
+        self._server: grpc.Server | None = None
+        self._store: MetaStore | None = None
+        self._cache: MetadataCache | None = None
+        self._channels = Channels()
+        self._produce: ProduceHandler | None = None
+        self._port = 0
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        host = self.config.listen_host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostname()
+        return _format_address(host, self._port)
+
+    def start(self) -> None:
+        config = self.config
+        self._store = MetaStore(config.etcd, cluster=config.cluster, timeout_s=ETCD_TIMEOUT_S)
+        self._cache = MetadataCache(self._store)
+        self._cache.start(ETCD_TIMEOUT_S)
+        router = Router(self._cache, self._channels)
+        self._produce = ProduceHandler(
+            router, ProduceLimits(max_request_bytes=config.max_request_bytes)
+        )
+        controller = ControllerClient(self._cache, self._channels)
+        servicer = GatewayServicer(
+            cache=self._cache,
+            produce=self._produce,
+            fetch=FetchHandler(router, FetchLimits(max_fetch_bytes=config.max_fetch_bytes)),
+            controller=controller,
+            offsets=OffsetStore(self._store, self._cache),
+            producer_ids=ProducerIds(controller),
+            max_in_flight_per_stream=config.max_in_flight_per_stream,
+        )
+        message_limit = (
+            max(config.max_request_bytes, config.max_fetch_bytes) + MESSAGE_OVERHEAD_BYTES
+        )
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=config.max_workers, thread_name_prefix="gateway-rpc"
+            ),
+            options=[
+                ("grpc.max_receive_message_length", message_limit),
+                ("grpc.max_send_message_length", message_limit),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        )
+        target = _format_address(config.listen_host, config.listen_port)
+        try:
+            port = server.add_insecure_port(target)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {target}: {exc}") from exc
+        if port == 0:
+            raise OSError(f"cannot listen on {target}")
+        self._port = port
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (GATEWAY_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        server.start()
+        self._server = server
+        for service in ("", GATEWAY_SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        _log.info("listening", address=self.address)
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        _log.info("stopping")
+        self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)
+        if self._produce is not None:
+            self._produce.close()
+        if self._cache is not None:
+            self._cache.stop()
+        self._channels.close()
+        if self._store is not None:
+            self._store.close()
+        _log.info("stopped")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run a gateway until SIGTERM/SIGINT; the ``tidelog gateway`` command."""
+    tidelog_logging.configure("gateway", level=args.log_level)
+    try:
+        config = GatewayNodeConfig(
+            etcd=args.etcd,
+            listen_host=args.listen_host,
+            listen_port=args.listen_port,
+            cluster=args.cluster,
+            max_request_bytes=args.max_request_bytes,
+            max_fetch_bytes=args.max_fetch_bytes,
+            max_in_flight_per_stream=args.max_in_flight_per_stream,
+        )
+    except (ValueError, TidelogError) as exc:
+        print(f"tidelog gateway: error: {exc}", file=sys.stderr)
+        return 2
+    return serve_until_signal(
+        "gateway", GatewayNode(config), "tidelog gateway listening on {address}"
+    )

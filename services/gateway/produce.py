@@ -1,0 +1,368 @@
+"""Produce through the gateway: validate a request, route each partition's batches to its
+leader (bytes forwarded unchanged), gather per-partition results.
+
+The gateway never decodes records: the leader validates every batch (CRC, size, producer
+sequence). What the gateway checks is the request as a whole — acks, timeout, total
+size, duplicate partitions — and that each partition exists; a request that fails those
+checks changes nothing anywhere.
+
+Order: within one ProduceStream, the batches for one partition are appended in the order
+the requests arrived (each waits for the previous one of its partition to be answered);
+different partitions proceed concurrently. acks=0 answers at once and appends in the
+background, bounded by ``max_background_appends`` (a full queue makes the request wait,
+which is the backpressure an acks=0 client gets).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Final
+
+import structlog
+
+from services.gateway.metadata_cache import Leader
+from services.gateway.router import DEADLINE_MARGIN_S, Router
+from services.status import to_error_proto
+from tidelog.errors import (
+    InvalidRequestError,
+    InvalidRequiredAcksError,
+    RecordListTooLargeError,
+    RequestTimedOutError,
+    TidelogError,
+    UnknownServerError,
+)
+from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
+
+_log = structlog.get_logger("tidelog.gateway.produce")
+
+DEFAULT_TIMEOUT_MS: Final = 30_000
+"""Kafka's request.timeout.ms: the default end-to-end budget of a produce request."""
+MAX_TIMEOUT_MS: Final = 300_000
+MAX_PARTITIONS_PER_REQUEST: Final = 10_000
+ACKS_VALUES: Final = frozenset(
+    {common_pb2.ACKS_UNSPECIFIED, common_pb2.NONE_ACKS, common_pb2.LEADER, common_pb2.ALL}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ProduceLimits:
+    """Bounds on what one produce request may ask of the gateway."""
+
+    max_request_bytes: int = 100 * 1024 * 1024  # sum of record bytes in one request
+    max_background_appends: int = 1024  # acks=0 appends queued but not yet answered
+    workers: int = 64  # threads that wait on leaders (acks=all waits hold one each)
+
+
+def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> float:
+    """Check the request as a whole; returns its deadline (time.monotonic based)."""
+    if request.acks not in ACKS_VALUES:
+        raise InvalidRequiredAcksError(
+            f"acks value {request.acks} is not one of NONE_ACKS (0), LEADER (1) or ALL"
+        )
+    if not 0 <= request.timeout_ms <= MAX_TIMEOUT_MS:
+        raise InvalidRequestError(
+            f"timeout_ms {request.timeout_ms} is outside 0..{MAX_TIMEOUT_MS} (0 = default)"
+        )
+    if len(request.partitions) > MAX_PARTITIONS_PER_REQUEST:
+        raise InvalidRequestError(
+            f"{len(request.partitions)} partitions in one request; the limit is "
+            f"{MAX_PARTITIONS_PER_REQUEST}"
+        )
+    total = 0
+    seen: set[tuple[str, int]] = set()
+    for data in request.partitions:
+        key = (data.topic, data.partition)
+        if key in seen:
+            raise InvalidRequestError(
+                f"partition {data.topic}-{data.partition} appears twice in one request; "
+                "put all its batches in one entry"
+            )
+        seen.add(key)
+        total += len(data.records)
+    if total > limits.max_request_bytes:
+        raise RecordListTooLargeError(
+            f"the request carries {total} bytes of records; this gateway accepts at most "
+            f"{limits.max_request_bytes} (--max-request-bytes)"
+        )
+    timeout_ms = request.timeout_ms or DEFAULT_TIMEOUT_MS
+    return time.monotonic() + timeout_ms / 1000
+
+
+def _failed(
+    data: gateway_pb2.ProducePartitionData, error: TidelogError
+) -> gateway_pb2.ProducePartitionResult:
+    return gateway_pb2.ProducePartitionResult(
+        topic=data.topic,
+        partition=data.partition,
+        error=to_error_proto(error),
+        base_offset=-1,
+        last_offset=-1,
+        log_append_time_ms=-1,
+        log_start_offset=-1,
+    )
+
+
+class ProduceHandler:
+    """Runs produce requests; owns the worker threads. Thread-safe."""
+
+    def __init__(self, router: Router, limits: ProduceLimits) -> None:
+        self._router = router
+        self.limits = limits
+        self._executor = ThreadPoolExecutor(
+            max_workers=limits.workers, thread_name_prefix="gateway-produce"
+        )
+        self._background = threading.BoundedSemaphore(limits.max_background_appends)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- one partition ----------------------------------------------------------------------
+
+    def append(
+        self, data: gateway_pb2.ProducePartitionData, acks: common_pb2.Acks, deadline: float
+    ) -> gateway_pb2.ProducePartitionResult:
+        """Append one partition's batches on its leader; never raises."""
+
+        def call(
+            stub: storage_pb2_grpc.StorageStub, leader: Leader, timeout_s: float
+        ) -> storage_pb2.AppendResponse:
+            # The leader gives up on acks=all waiting a little before our own deadline, so
+            # its precise answer (REQUEST_TIMED_OUT) arrives rather than a bare deadline.
+            wait_ms = max(1, int((timeout_s - 2 * DEADLINE_MARGIN_S) * 1000))
+            response: storage_pb2.AppendResponse = stub.Append(
+                storage_pb2.AppendRequest(
+                    topic=data.topic,
+                    partition=data.partition,
+                    records=data.records,
+                    acks=acks,
+                    timeout_ms=wait_ms,
+                    current_leader_epoch=leader.leader_epoch,
+                ),
+                timeout=timeout_s,
+            )
+            return response
+
+        try:
+            response = self._router.call_leader(data.topic, data.partition, deadline, call)
+        except TidelogError as exc:
+            return _failed(data, exc)
+        except Exception as exc:  # a bug: answer for this partition, keep the rest going
+            _log.exception("append_failed", topic=data.topic, partition=data.partition)
+            return _failed(data, UnknownServerError(f"{type(exc).__name__}: {exc}"))
+        return gateway_pb2.ProducePartitionResult(
+            topic=data.topic,
+            partition=data.partition,
+            error=to_error_proto(None),
+            base_offset=response.base_offset,
+            last_offset=response.last_offset,
+            log_append_time_ms=response.log_append_time_ms,
+            log_start_offset=response.log_start_offset,
+        )
+
+    def _known(self, data: gateway_pb2.ProducePartitionData) -> TidelogError | None:
+        try:
+            self._router.cache.read(lambda view: view.check_partition(data.topic, data.partition))
+        except TidelogError as exc:
+            return exc
+        return None
+
+    # --- whole requests ---------------------------------------------------------------------
+
+    def produce(self, request: gateway_pb2.ProduceRequest) -> gateway_pb2.ProduceResponse:
+        """A unary Produce; raises TidelogError when the request as a whole is bad."""
+        deadline = validate(request, self.limits)
+        if len(request.partitions) == 1 and request.acks != common_pb2.NONE_ACKS:
+            # The common case needs no hop to a worker thread.
+            data = request.partitions[0]
+            unknown = self._known(data)
+            result = (
+                _failed(data, unknown) if unknown else self.append(data, request.acks, deadline)
+            )
+            return gateway_pb2.ProduceResponse(
+                correlation_id=request.correlation_id, partitions=[result]
+            )
+        submitted = [self.submit(data, request.acks, deadline) for data in request.partitions]
+        return gateway_pb2.ProduceResponse(
+            correlation_id=request.correlation_id,
+            partitions=[s.result.result() for s in submitted],
+        )
+
+    def submit(
+        self,
+        data: gateway_pb2.ProducePartitionData,
+        acks: common_pb2.Acks,
+        deadline: float,
+        after: Future[gateway_pb2.ProducePartitionResult] | None = None,
+    ) -> Submitted:
+        """Start one partition's append once ``after`` (the tail of the previous append of
+        the same partition on the same stream) is done. The futures never fail."""
+        unknown = self._known(data)
+        if unknown is not None:
+            return Submitted.done(_failed(data, unknown))
+        if acks != common_pb2.NONE_ACKS:
+            future = self._chain(after, lambda: self.append(data, acks, deadline))
+            return Submitted(result=future, tail=future)
+        # acks=0: answer now; the append runs in the background, bounded.
+        if not self._background.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return Submitted.done(
+                _failed(data, RequestTimedOutError("too many acks=0 appends are queued"))
+            )
+
+        def run() -> gateway_pb2.ProducePartitionResult:
+            try:
+                result = self.append(data, common_pb2.NONE_ACKS, deadline)
+                if result.error.code != common_pb2.NONE:
+                    _log.warning(
+                        "acks0_append_failed",
+                        topic=data.topic,
+                        partition=data.partition,
+                        error=result.error.message,
+                    )
+                return result
+            finally:
+                self._background.release()
+
+        tail = self._chain(after, run)
+        accepted = Submitted.done(
+            gateway_pb2.ProducePartitionResult(
+                topic=data.topic,
+                partition=data.partition,
+                error=to_error_proto(None),
+                base_offset=-1,
+                last_offset=-1,
+                log_append_time_ms=-1,
+                log_start_offset=-1,
+            )
+        )
+        return Submitted(result=accepted.result, tail=tail)
+
+    def _chain(
+        self,
+        after: Future[gateway_pb2.ProducePartitionResult] | None,
+        fn: Callable[[], gateway_pb2.ProducePartitionResult],
+    ) -> Future[gateway_pb2.ProducePartitionResult]:
+        if after is None or after.done():
+            return self._executor.submit(fn)
+        chained: Future[gateway_pb2.ProducePartitionResult] = Future()
+
+        def start(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
+            try:
+                inner = self._executor.submit(fn)
+            except RuntimeError as exc:  # the executor is shutting down
+                chained.set_result(
+                    gateway_pb2.ProducePartitionResult(
+                        error=to_error_proto(UnknownServerError(f"gateway stopping: {exc}"))
+                    )
+                )
+                return
+            inner.add_done_callback(lambda f: chained.set_result(f.result()))
+
+        after.add_done_callback(start)
+        return chained
+
+    # --- ProduceStream ----------------------------------------------------------------------
+
+    def stream(
+        self, requests: Iterator[gateway_pb2.ProduceRequest], max_in_flight: int
+    ) -> Iterator[gateway_pb2.ProduceResponse]:
+        """Answer a ProduceStream: responses in completion order, matched by
+        correlation_id. Raises TidelogError (ending the stream) when the client has more
+        than ``max_in_flight`` requests unanswered."""
+        out: queue.SimpleQueue[gateway_pb2.ProduceResponse | TidelogError | None] = (
+            queue.SimpleQueue()
+        )
+        lock = threading.Lock()
+        state = {"in_flight": 0, "reading": 1}
+        tails: dict[tuple[str, int], Future[gateway_pb2.ProducePartitionResult]] = {}
+
+        def answer(request: gateway_pb2.ProduceRequest, results: list[Submitted]) -> None:
+            remaining = [len(results)]
+
+            def one_done(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
+                with lock:
+                    remaining[0] -= 1
+                    if remaining[0] > 0:
+                        return
+                    state["in_flight"] -= 1
+                out.put(
+                    gateway_pb2.ProduceResponse(
+                        correlation_id=request.correlation_id,
+                        partitions=[r.result.result() for r in results],
+                    )
+                )
+
+            if not results:
+                with lock:
+                    state["in_flight"] -= 1
+                out.put(gateway_pb2.ProduceResponse(correlation_id=request.correlation_id))
+                return
+            for submitted in results:
+                submitted.result.add_done_callback(one_done)
+
+        def read() -> None:
+            try:
+                for request in requests:
+                    with lock:
+                        if state["in_flight"] >= max_in_flight:
+                            out.put(
+                                InvalidRequestError(
+                                    f"more than {max_in_flight} produce requests in flight on "
+                                    "one stream (--max-in-flight-per-stream); wait for "
+                                    "answers before sending more"
+                                )
+                            )
+                            return
+                        state["in_flight"] += 1
+                    try:
+                        deadline = validate(request, self.limits)
+                    except TidelogError as exc:
+                        # A bad request fails alone; the stream and its pipeline go on.
+                        answer(
+                            request, [Submitted.done(_failed(d, exc)) for d in request.partitions]
+                        )
+                        continue
+                    results = []
+                    for data in request.partitions:
+                        key = (data.topic, data.partition)
+                        submitted = self.submit(data, request.acks, deadline, tails.get(key))
+                        tails[key] = submitted.tail
+                        results.append(submitted)
+                    answer(request, results)
+            except Exception as exc:  # the client went away, or sent garbage
+                _log.debug("produce_stream_read_ended", error=str(exc))
+            finally:
+                with lock:
+                    state["reading"] = 0
+                out.put(None)
+
+        reader = threading.Thread(target=read, name="gateway-produce-stream", daemon=True)
+        reader.start()
+        while True:
+            item = out.get()
+            if isinstance(item, TidelogError):
+                raise item
+            if item is not None:
+                yield item
+            with lock:
+                if not state["reading"] and state["in_flight"] == 0:
+                    return
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A partition's place in a produce request: ``result`` is what to answer, ``tail``
+    completes when its append is over (for acks=0 they differ: the answer comes first)."""
+
+    result: Future[gateway_pb2.ProducePartitionResult]
+    tail: Future[gateway_pb2.ProducePartitionResult]
+
+    @staticmethod
+    def done(result: gateway_pb2.ProducePartitionResult) -> Submitted:
+        future: Future[gateway_pb2.ProducePartitionResult] = Future()
+        future.set_result(result)
+        return Submitted(result=future, tail=future)

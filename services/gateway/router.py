@@ -1,0 +1,103 @@
+"""Calling a partition's leader from the gateway, re-routing when leadership moves.
+
+``Router.call_leader(topic, partition, deadline, call)`` looks the leader up in the
+metadata cache, makes the call with the leader epoch the cache knows, and when the answer
+says the routing was wrong (not the leader, a fenced or unknown epoch, no leader yet, the
+broker unreachable) waits for the metadata to change and tries again, until the request's
+deadline. Errors that are about the request itself (bad batch, not enough replicas, a
+duplicate sequence ...) are returned at once: retrying them is the client's decision.
+
+Retrying an append is safe for idempotent producers (the leader recognises the batch's
+sequence and returns the original offsets); for others it has Kafka's at-least-once
+semantics: an append whose answer was lost may be written twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Final, TypeVar
+
+import grpc
+
+from services.gateway.channels import Channels
+from services.gateway.metadata_cache import Leader, MetadataCache
+from services.status import error_from_rpc_error
+from tidelog.errors import (
+    ErrorCode,
+    LeaderNotAvailableError,
+    RequestTimedOutError,
+    TidelogError,
+)
+from tidelog.v1 import storage_pb2_grpc
+
+T = TypeVar("T")
+
+REROUTE_CODES: Final = frozenset(
+    {
+        ErrorCode.NOT_LEADER_OR_FOLLOWER,
+        ErrorCode.FENCED_LEADER_EPOCH,
+        ErrorCode.UNKNOWN_LEADER_EPOCH,
+        ErrorCode.LEADER_NOT_AVAILABLE,
+        # The leader named by the cache has not heard of its new role yet.
+        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+        ErrorCode.NETWORK_EXCEPTION,
+        ErrorCode.BROKER_NOT_AVAILABLE,
+        ErrorCode.REPLICA_NOT_AVAILABLE,
+        ErrorCode.OFFSET_NOT_AVAILABLE,
+    }
+)
+"""Answers that mean "ask again, maybe elsewhere": the request itself was fine."""
+
+RETRY_WAIT_S: Final = 0.1
+"""Longest wait for a metadata change before retrying anyway (the leader may have been
+reachable again, or the same leader may have just learnt its role)."""
+
+DEADLINE_MARGIN_S: Final = 0.05
+"""Time kept back from a downstream call's deadline so the answer can travel back."""
+
+
+class Router:
+    """Leader lookup + call + re-route; see the module docstring. Thread-safe."""
+
+    def __init__(self, cache: MetadataCache, channels: Channels) -> None:
+        self.cache = cache
+        self.channels = channels
+
+    def call_leader(
+        self,
+        topic: str,
+        partition: int,
+        deadline: float,
+        call: Callable[[storage_pb2_grpc.StorageStub, Leader, float], T],
+    ) -> T:
+        """``call(stub, leader, timeout_s)`` on the partition's leader, re-routed as needed.
+
+        Raises the last TidelogError when the deadline passes or the error is final;
+        UnknownTopicOrPartitionError from the cache (the topic or partition does not exist)
+        is final at once.
+        """
+        last: TidelogError | None = None
+        while True:
+            version = self.cache.version
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= DEADLINE_MARGIN_S:
+                if last is not None:
+                    raise last
+                raise RequestTimedOutError(f"no answer for {topic}-{partition} before the deadline")
+            try:
+                leader = self.cache.leader(topic, partition)
+            except LeaderNotAvailableError as exc:
+                last = exc
+                self.cache.wait_for_change(version, min(RETRY_WAIT_S * 5, remaining_s))
+                continue
+            try:
+                return call(self.channels.storage(leader.broker), leader, remaining_s)
+            except grpc.RpcError as exc:
+                error = error_from_rpc_error(exc)
+            except TidelogError as exc:
+                error = exc
+            if error.code not in REROUTE_CODES:
+                raise error
+            last = error
+            self.cache.wait_for_change(version, min(RETRY_WAIT_S, deadline - time.monotonic()))

@@ -1,0 +1,400 @@
+"""``tidelog.v1.Gateway``: the gRPC adapter over the gateway's parts.
+
+Each method translates protobuf to the call of one part and back: ``ProduceHandler``
+(produce), ``FetchHandler`` (fetch, subscribe, offsets), ``ControllerClient`` (admin),
+``OffsetStore`` (consumer groups), ``ProducerIds`` (InitProducerId), and the
+``MetadataCache`` (metadata, describe). Errors follow the convention of
+``protos/tidelog/v1/common.proto``: a bad request as a whole is a gRPC status carrying the
+``tidelog-error-code`` trailer; per-partition outcomes are in the response.
+
+Admin calls answer only once this gateway's metadata shows their effect (a created topic
+with leaders, a deleted topic gone), so a client can produce to a topic the moment
+CreateTopics returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Final
+
+import grpc
+
+from services.controller.state import Broker
+from services.gateway.controller_client import ControllerClient, ProducerIds
+from services.gateway.fetch import FetchHandler
+from services.gateway.groups import Committed, OffsetStore
+from services.gateway.metadata_cache import MetadataCache, MetadataView
+from services.gateway.produce import ProduceHandler
+from services.status import abort, to_error_proto, unary_errors
+from tidelog.errors import (
+    InvalidRequestError,
+    TidelogError,
+    UnknownServerError,
+    UnknownTopicOrPartitionError,
+)
+from tidelog.logging import get_logger
+from tidelog.v1 import (
+    common_pb2,
+    controller_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    storage_pb2,
+)
+
+_log = get_logger(component="gateway.server")
+
+ADMIN_TIMEOUT_S: Final = 30.0
+"""Default budget of an admin call, including the wait for the metadata to show it."""
+MAX_TOPICS_PER_REQUEST: Final = 1_000
+
+
+def _broker_proto(broker: Broker) -> common_pb2.BrokerInfo:
+    return common_pb2.BrokerInfo(
+        broker_id=broker.broker_id,
+        host=broker.host,
+        port=broker.port,
+        rack=broker.rack,
+        broker_epoch=broker.epoch,
+    )
+
+
+def _topic_metadata(view: MetadataView, name: str) -> common_pb2.TopicMetadata:
+    topic = view.topics.get(name)
+    if topic is None:
+        return common_pb2.TopicMetadata(
+            name=name,
+            error=to_error_proto(UnknownTopicOrPartitionError(f"topic {name!r} does not exist")),
+        )
+    partitions = []
+    for index, replicas in enumerate(topic.assignment):
+        record = view.partitions.get((name, index))
+        partitions.append(
+            common_pb2.PartitionState(
+                topic=name,
+                partition=index,
+                leader=record.leader if record else -1,
+                leader_epoch=record.leader_epoch if record else -1,
+                isr=list(record.isr) if record else [],
+                replicas=list(replicas),
+                partition_epoch=record.partition_epoch if record else -1,
+            )
+        )
+    return common_pb2.TopicMetadata(
+        name=name,
+        error=to_error_proto(None),
+        partitions=partitions,
+        configs=[common_pb2.ConfigEntry(name=k, value=v) for k, v in sorted(topic.configs.items())],
+        replication_factor=topic.replication_factor,
+        topic_id=topic.topic_id,
+    )
+
+
+def _timeout_s(timeout_ms: int) -> float:
+    if timeout_ms < 0:
+        raise InvalidRequestError(f"timeout_ms {timeout_ms} is negative")
+    return timeout_ms / 1000 if timeout_ms else ADMIN_TIMEOUT_S
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
+    """Serves ``tidelog.v1.Gateway``; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        cache: MetadataCache,
+        produce: ProduceHandler,
+        fetch: FetchHandler,
+        controller: ControllerClient,
+        offsets: OffsetStore,
+        producer_ids: ProducerIds,
+        max_in_flight_per_stream: int,
+    ) -> None:
+        self._cache = cache
+        self._produce = produce
+        self._fetch = fetch
+        self._controller = controller
+        self._offsets = offsets
+        self._producer_ids = producer_ids
+        self._max_in_flight = max_in_flight_per_stream
+
+    # --- produce --------------------------------------------------------------------------
+
+    @unary_errors
+    def Produce(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.ProduceRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.ProduceResponse:
+        return self._produce.produce(request)
+
+    def ProduceStream(  # noqa: N802 - gRPC's method name
+        self, request_iterator: Iterator[gateway_pb2.ProduceRequest], context: grpc.ServicerContext
+    ) -> Iterator[gateway_pb2.ProduceResponse]:
+        try:
+            yield from self._produce.stream(request_iterator, self._max_in_flight)
+        except TidelogError as exc:
+            abort(context, exc)
+
+    # --- consume --------------------------------------------------------------------------
+
+    @unary_errors
+    def Fetch(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.FetchRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.FetchResponse:
+        return self._fetch.fetch(request, context.time_remaining())
+
+    def Subscribe(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.SubscribeRequest, context: grpc.ServicerContext
+    ) -> Iterator[storage_pb2.FetchPartitionResult]:
+        error: TidelogError | None = None
+        try:
+            yield from self._fetch.subscribe(request, context)
+        except TidelogError as exc:
+            error = exc
+        except Exception as exc:
+            _log.exception("subscribe_failed", topic=request.topic, partition=request.partition)
+            error = UnknownServerError(f"{type(exc).__name__}: {exc}")
+        if error is not None and context.is_active():
+            abort(context, error)
+
+    @unary_errors
+    def ListOffsets(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.ListOffsetsRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.ListOffsetsResponse:
+        if request.replica_id != -1:
+            raise InvalidRequestError("clients list offsets with replica_id -1")
+        return self._fetch.list_offsets(request)
+
+    # --- metadata -------------------------------------------------------------------------
+
+    @unary_errors
+    def Metadata(  # noqa: N802 - gRPC's method name
+        self, request: controller_pb2.MetadataRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.MetadataResponse:
+        def build(view: MetadataView) -> controller_pb2.MetadataResponse:
+            names = list(request.topics) or sorted(view.topics)
+            return controller_pb2.MetadataResponse(
+                cluster_id=view.cluster_id,
+                controller_id=view.controller.controller_id if view.controller else -1,
+                controller_epoch=view.controller.epoch if view.controller else -1,
+                brokers=[_broker_proto(b) for _, b in sorted(view.brokers.items())],
+                topics=[_topic_metadata(view, name) for name in names],
+            )
+
+        return self._cache.read(build)
+
+    @unary_errors
+    def DescribeCluster(  # noqa: N802 - gRPC's method name
+        self, request: controller_pb2.DescribeClusterRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.DescribeClusterResponse:
+        def build(view: MetadataView) -> controller_pb2.DescribeClusterResponse:
+            return controller_pb2.DescribeClusterResponse(
+                cluster_id=view.cluster_id,
+                controller_id=view.controller.controller_id if view.controller else -1,
+                controller_address=view.controller.address if view.controller else "",
+                controller_epoch=view.controller.epoch if view.controller else -1,
+                brokers=[_broker_proto(b) for _, b in sorted(view.brokers.items())],
+            )
+
+        return self._cache.read(build)
+
+    @unary_errors
+    def DescribeTopics(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.DescribeTopicsRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.DescribeTopicsResponse:
+        if len(request.names) > MAX_TOPICS_PER_REQUEST:
+            raise InvalidRequestError(
+                f"{len(request.names)} topics in one request; the limit is {MAX_TOPICS_PER_REQUEST}"
+            )
+        metadata = self._cache.read(
+            lambda view: [
+                _topic_metadata(view, name) for name in (list(request.names) or sorted(view.topics))
+            ]
+        )
+        asked = [
+            storage_pb2.ListOffsetsPartition(topic=t.name, partition=p.partition, spec=spec)
+            for t in metadata
+            if t.error.code == common_pb2.NONE
+            for p in t.partitions
+            for spec in (common_pb2.EARLIEST, common_pb2.LATEST)
+        ]
+        consumer = self._fetch.offsets_by_leader(-1, asked, 10.0)
+        replica = self._fetch.offsets_by_leader(
+            -1, [a for a in asked if a.spec == common_pb2.LATEST], 10.0, leader_as_replica=True
+        )
+        topics = []
+        for t in metadata:
+            described = []
+            for p in t.partitions:
+                start = consumer.get((t.name, p.partition, common_pb2.EARLIEST))
+                hw = consumer.get((t.name, p.partition, common_pb2.LATEST))
+                leo = replica.get((t.name, p.partition, common_pb2.LATEST))
+                error = next(
+                    (
+                        r.error
+                        for r in (start, hw, leo)
+                        if r is not None and r.error.code != common_pb2.NONE
+                    ),
+                    to_error_proto(None),
+                )
+                described.append(
+                    gateway_pb2.DescribedPartition(
+                        state=p,
+                        high_watermark=hw.offset if hw and hw.error.code == 0 else -1,
+                        log_start_offset=start.offset if start and start.error.code == 0 else -1,
+                        log_end_offset=leo.offset if leo and leo.error.code == 0 else -1,
+                        error=error,
+                    )
+                )
+            topics.append(
+                gateway_pb2.DescribedTopic(
+                    name=t.name,
+                    error=t.error,
+                    topic_id=t.topic_id,
+                    replication_factor=t.replication_factor,
+                    configs=t.configs,
+                    partitions=described,
+                )
+            )
+        return gateway_pb2.DescribeTopicsResponse(topics=topics)
+
+    # --- admin, forwarded -----------------------------------------------------------------
+
+    @unary_errors
+    def CreateTopics(  # noqa: N802 - gRPC's method name
+        self, request: controller_pb2.CreateTopicsRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.CreateTopicsResponse:
+        timeout_s = _timeout_s(request.timeout_ms)
+        deadline = time.monotonic() + timeout_s
+        response: controller_pb2.CreateTopicsResponse = self._controller.call(
+            timeout_s, lambda stub, t: stub.CreateTopics(request, timeout=t)
+        )
+        if not request.validate_only:
+            created = [r.name for r in response.topics if r.error.code == common_pb2.NONE]
+            self._await(deadline, lambda view: all(_ready(view, name) for name in created))
+        return response
+
+    @unary_errors
+    def DeleteTopics(  # noqa: N802 - gRPC's method name
+        self, request: controller_pb2.DeleteTopicsRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.DeleteTopicsResponse:
+        timeout_s = _timeout_s(request.timeout_ms)
+        deadline = time.monotonic() + timeout_s
+        response: controller_pb2.DeleteTopicsResponse = self._controller.call(
+            timeout_s, lambda stub, t: stub.DeleteTopics(request, timeout=t)
+        )
+        deleted = [r.name for r in response.topics if r.error.code == common_pb2.NONE]
+        self._await(deadline, lambda view: not any(name in view.topics for name in deleted))
+        return response
+
+    @unary_errors
+    def CreatePartitions(  # noqa: N802 - gRPC's method name
+        self, request: controller_pb2.CreatePartitionsRequest, context: grpc.ServicerContext
+    ) -> controller_pb2.CreatePartitionsResponse:
+        timeout_s = _timeout_s(request.timeout_ms)
+        deadline = time.monotonic() + timeout_s
+        response: controller_pb2.CreatePartitionsResponse = self._controller.call(
+            timeout_s, lambda stub, t: stub.CreatePartitions(request, timeout=t)
+        )
+        if not request.validate_only:
+            grown = {
+                t.name: t.count
+                for t, r in zip(request.topics, response.topics, strict=False)
+                if r.error.code == common_pb2.NONE
+            }
+            self._await(
+                deadline,
+                lambda view: all(
+                    name in view.topics
+                    and view.topics[name].partition_count >= count
+                    and _ready(view, name)
+                    for name, count in grown.items()
+                ),
+            )
+        return response
+
+    def _await(self, deadline: float, condition: Callable[[MetadataView], bool]) -> None:
+        """Wait (bounded) until this gateway's metadata shows an admin change. The change
+        is made either way; running out of time here only means the answer comes first."""
+        while True:
+            version = self._cache.version
+            if self._cache.read(condition):
+                return
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                _log.warning("admin_change_not_yet_visible")
+                return
+            self._cache.wait_for_change(version, remaining_s)
+
+    # --- consumer groups ------------------------------------------------------------------
+
+    @unary_errors
+    def CommitOffsets(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.CommitOffsetsRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.CommitOffsetsResponse:
+        outcomes = self._offsets.commit(
+            request.group_id,
+            [
+                Committed(o.topic, o.partition, o.offset, o.metadata, o.leader_epoch)
+                for o in request.offsets
+            ],
+        )
+        return gateway_pb2.CommitOffsetsResponse(
+            partitions=[
+                common_pb2.PartitionResult(
+                    topic=o.topic, partition=o.partition, error=to_error_proto(o.error)
+                )
+                for o in outcomes
+            ]
+        )
+
+    @unary_errors
+    def FetchOffsets(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.FetchOffsetsRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.FetchOffsetsResponse:
+        committed = self._offsets.fetch(
+            request.group_id, [(tp.topic, tp.partition) for tp in request.partitions]
+        )
+        return gateway_pb2.FetchOffsetsResponse(
+            offsets=[
+                gateway_pb2.CommittedOffset(
+                    topic=c.topic,
+                    partition=c.partition,
+                    error=to_error_proto(None),
+                    offset=c.offset,
+                    metadata=c.metadata,
+                    leader_epoch=c.leader_epoch,
+                )
+                for c in committed
+            ]
+        )
+
+    @unary_errors
+    def ListGroups(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.ListGroupsRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.ListGroupsResponse:
+        return gateway_pb2.ListGroupsResponse(group_ids=self._offsets.list_groups())
+
+    # --- producers ------------------------------------------------------------------------
+
+    @unary_errors
+    def InitProducerId(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.InitProducerIdRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.InitProducerIdResponse:
+        producer_id = self._producer_ids.next_id()
+        _log.info("producer_id_issued", producer_id=producer_id, client_id=request.client_id)
+        return gateway_pb2.InitProducerIdResponse(producer_id=producer_id, producer_epoch=0)
+
+
+def _ready(view: MetadataView, name: str) -> bool:
+    """The topic exists with a leader for every partition."""
+    topic = view.topics.get(name)
+    if topic is None:
+        return False
+    for index in range(topic.partition_count):
+        record = view.partitions.get((name, index))
+        if record is None or record.leader < 0 or record.leader not in view.brokers:
+            return False
+    return True
+
+
+__all__ = ["GatewayServicer"]
