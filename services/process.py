@@ -12,13 +12,23 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Protocol
+from typing import Final, Protocol
 
 import structlog
 
 from tidelog.errors import TidelogError
 
 _log = structlog.get_logger("tidelog.process")
+
+KEEPALIVE_SERVER_OPTIONS: Final = [
+    # Clients (gateways, the SDK) ping idle channels every 10-30 s to notice dead peers.
+    # gRPC servers by default allow one ping per 5 minutes and answer more with GOAWAY
+    # "too_many_pings", which kills every stream on the connection; allow them instead.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+"""Options every tidelog gRPC server adds."""
 
 
 class ServiceNode(Protocol):

@@ -58,10 +58,10 @@ import operator
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, compress, count, islice, repeat
-from typing import TYPE_CHECKING, Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import crc32c as _crc32c
 import lz4.frame
@@ -73,6 +73,8 @@ from tidelog.errors import ConfigError, CorruptBatchError
 
 if TYPE_CHECKING:
     import pyarrow
+
+_T = TypeVar("_T")
 
 __all__ = [
     "DEFAULT_MAX_UNCOMPRESSED_BYTES",
@@ -242,6 +244,25 @@ class RecordBatch:
         if self._records is None:
             self._records = _decode_records(self.header, self._body)
         return self._records
+
+    def records_as(self, factory: Callable[..., _T], topic: str, partition: int) -> list[_T]:
+        """The records as ``factory(topic, partition, offset, timestamp_ms, key, value,
+        headers)`` each, built straight from the columns (the consumer's record type
+        without an intermediate ``Record``). Not cached."""
+        header, body = self.header, self._body
+        n = header.record_count
+        return list(
+            map(
+                factory,
+                repeat(topic, n),
+                repeat(partition, n),
+                range(header.base_offset, header.base_offset + n),
+                _record_timestamps(header, body),
+                repeat(None, n) if body.keys is None else _column_items(body.data, body.keys),
+                _column_items(body.data, body.values),
+                repeat((), n) if body.headers is None else _header_tuples(body.data, body.headers),
+            )
+        )
 
     def __len__(self) -> int:
         return self.header.record_count

@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from services.controller.controller import Controller, ControllerConfig
 from services.controller.server import ControllerServicer
 from services.metastore import MetaStore
-from services.process import serve_until_signal
+from services.process import KEEPALIVE_SERVER_OPTIONS, serve_until_signal
 from tidelog import logging as tidelog_logging
 from tidelog.errors import TidelogError
 from tidelog.v1 import controller_pb2, controller_pb2_grpc
@@ -114,6 +114,7 @@ class ControllerNode:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                *KEEPALIVE_SERVER_OPTIONS,
             ],
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )

@@ -32,7 +32,7 @@ from services.gateway.produce import ProduceHandler, ProduceLimits
 from services.gateway.router import Router
 from services.gateway.server import GatewayServicer
 from services.metastore import MetaStore
-from services.process import serve_until_signal
+from services.process import KEEPALIVE_SERVER_OPTIONS, serve_until_signal
 from tidelog import logging as tidelog_logging
 from tidelog.errors import TidelogError
 from tidelog.v1 import gateway_pb2, gateway_pb2_grpc
@@ -130,6 +130,7 @@ class GatewayNode:
                 ("grpc.max_receive_message_length", message_limit),
                 ("grpc.max_send_message_length", message_limit),
                 ("grpc.so_reuseport", 0),
+                *KEEPALIVE_SERVER_OPTIONS,
             ],
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )

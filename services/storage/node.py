@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from services.cluster_metadata import CONTROLLER_KEY, broker_key, decode_broker, decode_controller
 from services.controller.state import Broker
 from services.metastore import MetaStore, MetaStoreError
-from services.process import serve_until_signal
+from services.process import KEEPALIVE_SERVER_OPTIONS, serve_until_signal
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.log import LogConfig
 from services.storage.log_manager import LogManager
@@ -194,6 +194,7 @@ class StorageNode:
                 ("grpc.max_send_message_length", config.max_message_bytes),
                 # One port per node: a second process on the same port is a mistake.
                 ("grpc.so_reuseport", 0),
+                *KEEPALIVE_SERVER_OPTIONS,
             ],
             maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         )

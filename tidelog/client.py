@@ -1,0 +1,249 @@
+"""The SDK's link to a gateway: one channel per process and address, made on first use.
+
+Every client (Producer, Consumer, Admin, the CLI, the Spark data source) talks to a
+gateway through ``GatewayConnection``: typed calls with a deadline whose failures are
+``tidelog.errors`` exceptions (the ``tidelog-error-code`` trailer the services set, or a
+code derived from the bare gRPC status).
+
+Spark forks Python workers and pickles reader and writer objects into them, and a gRPC
+channel made before ``fork`` is unusable after it, so connections are never pickled:
+``GatewayConnection.get(address)`` returns this process's connection (keyed by pid and
+address), creating it lazily.
+
+The gateway address is an argument everywhere; ``resolve_gateway(None)`` falls back to
+the ``TIDELOG_GATEWAY`` environment variable, then to ``127.0.0.1:9094``.
+
+Thread-safety: a connection may be shared by threads (gRPC stubs are thread-safe); the
+per-process registry is guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final
+
+import grpc
+
+from tidelog.errors import (
+    ErrorCode,
+    NetworkError,
+    RecordListTooLargeError,
+    RequestTimedOutError,
+    TidelogError,
+    UnknownServerError,
+    error_for_code,
+)
+from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, gateway_pb2_grpc, storage_pb2
+
+MAX_MESSAGE_BYTES: Final = 128 * 1024 * 1024
+"""gRPC message cap both ways; the gateway's own limits are below it."""
+DEFAULT_GATEWAY: Final = "127.0.0.1:9094"
+GATEWAY_ENV: Final = "TIDELOG_GATEWAY"
+
+
+def resolve_gateway(address: str | None) -> str:
+    """``address``, else ``$TIDELOG_GATEWAY``, else the local default."""
+    return address or os.environ.get(GATEWAY_ENV) or DEFAULT_GATEWAY
+
+
+ERROR_CODE_METADATA_KEY: Final = "tidelog-error-code"
+"""Trailing metadata key servers use to carry the tidelog error code of a failed call."""
+
+
+def error_from_rpc(exc: grpc.RpcError, what: str) -> TidelogError:
+    """The tidelog error a failed call stands for, with ``what`` for context."""
+    status = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if callable(getattr(exc, "details", None)) else ""
+    trailers: Any = (
+        exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else ()
+    )
+    for item in trailers or ():
+        key, value = item[0], item[1]
+        if key == ERROR_CODE_METADATA_KEY:
+            name = value.decode() if isinstance(value, bytes) else str(value)
+            code = ErrorCode.__members__.get(name, ErrorCode.UNKNOWN_SERVER_ERROR)
+            return error_for_code(code, f"{what}: {details}")
+    if status == grpc.StatusCode.UNAVAILABLE:
+        return NetworkError(f"{what}: gateway unreachable ({details})")
+    if status == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestTimedOutError(f"{what}: no answer before the deadline")
+    if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return RecordListTooLargeError(f"{what}: {details}")
+    return UnknownServerError(f"{what}: {status.name}: {details}")
+
+
+def raise_for(error: common_pb2.Error, what: str) -> None:
+    """Raise the exception a per-item ``Error`` stands for, if it is not NONE."""
+    if error.code != common_pb2.NONE:
+        raise error_for_code(int(error.code), f"{what}: {error.message}")
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionOffsets:
+    """A partition's bounds as a consumer sees them: [log start, high watermark)."""
+
+    earliest: int
+    latest: int
+
+
+class GatewayConnection:
+    """Typed calls to one gateway over one channel (see module docstring)."""
+
+    _registry: ClassVar[dict[tuple[int, str], GatewayConnection]] = {}
+    _registry_lock: ClassVar = threading.Lock()
+
+    def __init__(self, address: str, timeout_ms: int = 30_000) -> None:
+        self.address = address
+        self.timeout_s = timeout_ms / 1000.0
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2_000),
+            ],
+        )
+        self.stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    @classmethod
+    def get(cls, address: str | None = None, timeout_ms: int = 30_000) -> GatewayConnection:
+        """This process's connection to ``address`` (made on first use, after any fork)."""
+        address = resolve_gateway(address)
+        key = (os.getpid(), address)
+        with cls._registry_lock:
+            connection = cls._registry.get(key)
+            if connection is None:
+                connection = cls(address, timeout_ms)
+                cls._registry[key] = connection
+            return connection
+
+    def call(self, method: Any, request: Any, what: str, timeout_s: float | None = None) -> Any:
+        """``method(request)`` with the deadline, errors mapped to tidelog errors."""
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, what) from None
+
+    # --- metadata ---------------------------------------------------------------------------
+
+    def partition_counts(self, topics: Sequence[str] = ()) -> dict[str, int]:
+        """Partition count per topic (all topics when ``topics`` is empty).
+
+        Raises UnknownTopicOrPartitionError when a named topic does not exist.
+        """
+        response: controller_pb2.MetadataResponse = self.call(
+            self.stub.Metadata,
+            controller_pb2.MetadataRequest(topics=list(topics)),
+            f"metadata from gateway {self.address}",
+        )
+        counts: dict[str, int] = {}
+        for topic in response.topics:
+            raise_for(topic.error, f"topic {topic.name!r}")
+            counts[topic.name] = len(topic.partitions)
+        return counts
+
+    def list_offsets(
+        self,
+        partitions: Iterable[tuple[str, int]],
+        spec: common_pb2.OffsetSpec,
+        timestamp_ms: int = -1,
+    ) -> dict[tuple[str, int], tuple[int, int]]:
+        """``spec`` (a ``common_pb2.OffsetSpec``) resolved per partition: (offset, ts).
+
+        The offset is -1 when nothing matches (a timestamp after all data).
+        """
+        request = storage_pb2.ListOffsetsRequest(
+            replica_id=-1,
+            partitions=[
+                storage_pb2.ListOffsetsPartition(
+                    topic=topic, partition=partition, spec=spec, timestamp_ms=timestamp_ms
+                )
+                for topic, partition in partitions
+            ],
+        )
+        if not request.partitions:
+            return {}
+        response: storage_pb2.ListOffsetsResponse = self.call(
+            self.stub.ListOffsets, request, "list offsets"
+        )
+        result: dict[tuple[str, int], tuple[int, int]] = {}
+        for item in response.partitions:
+            raise_for(item.error, f"offsets of {item.topic}-{item.partition}")
+            result[(item.topic, item.partition)] = (item.offset, item.timestamp_ms)
+        return result
+
+    def bounds(
+        self, partitions: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], PartitionOffsets]:
+        """[earliest, latest) of each partition, latest being the high watermark."""
+        earliest = self.list_offsets(partitions, common_pb2.EARLIEST)
+        latest = self.list_offsets(partitions, common_pb2.LATEST)
+        return {tp: PartitionOffsets(earliest[tp][0], latest[tp][0]) for tp in partitions}
+
+    # --- data ---------------------------------------------------------------------------------
+
+    def fetch(
+        self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int = 500
+    ) -> storage_pb2.FetchPartitionResult:
+        """One long-poll fetch of one partition from ``offset`` (errors raised)."""
+        request = storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=max_wait_ms,
+            min_bytes=1,
+            max_bytes=max_bytes,
+            partitions=[
+                storage_pb2.FetchPartition(
+                    topic=topic, partition=partition, fetch_offset=offset, max_bytes=max_bytes
+                )
+            ],
+        )
+        response: storage_pb2.FetchResponse = self.call(
+            self.stub.Fetch,
+            request,
+            f"fetch {topic}-{partition} at {offset}",
+            timeout_s=self.timeout_s + max_wait_ms / 1000.0,
+        )
+        (result,) = response.partitions
+        raise_for(result.error, f"fetch {topic}-{partition} at offset {offset}")
+        return result
+
+    def produce(
+        self,
+        items: Sequence[tuple[str, int, bytes]],
+        acks: common_pb2.Acks,
+        timeout_ms: int,
+    ) -> list[gateway_pb2.ProducePartitionResult]:
+        """Send batches (topic, partition, records) in one request; per-item results."""
+        request = gateway_pb2.ProduceRequest(
+            acks=acks,
+            timeout_ms=timeout_ms,
+            partitions=[
+                gateway_pb2.ProducePartitionData(topic=t, partition=p, records=r)
+                for t, p, r in items
+            ],
+            client_id="tidelog-spark",
+        )
+        response: gateway_pb2.ProduceResponse = self.call(
+            self.stub.Produce, request, "produce", timeout_s=timeout_ms / 1000.0 + 5.0
+        )
+        return list(response.partitions)
+
+    def commit_offsets(self, group_id: str, offsets: dict[tuple[str, int], int]) -> None:
+        """Store ``offsets`` (the next offset to read per partition) for ``group_id``."""
+        request = gateway_pb2.CommitOffsetsRequest(
+            group_id=group_id,
+            offsets=[
+                gateway_pb2.CommitOffset(topic=t, partition=p, offset=o, leader_epoch=-1)
+                for (t, p), o in sorted(offsets.items())
+            ],
+        )
+        response: gateway_pb2.CommitOffsetsResponse = self.call(
+            self.stub.CommitOffsets, request, f"commit offsets of group {group_id!r}"
+        )
+        for item in response.partitions:
+            raise_for(item.error, f"commit {item.topic}-{item.partition} for {group_id!r}")

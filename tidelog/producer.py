@@ -1,0 +1,769 @@
+"""``tidelog.Producer``: batch records per partition and send them through a gateway.
+
+Pieces (Kafka's producer, reduced to what a gateway client needs):
+
+* **Accumulator** - per partition, a queue of ``_Batch``es. ``send`` appends a record to
+  the partition's open batch; a batch closes when it reaches ``batch_bytes`` or has waited
+  ``linger_ms``. ``send_batch`` cuts its values straight into closed batches.
+* **Partitioner** - an explicit partition wins; else a key is hashed with Kafka's murmur2
+  (``tidelog.partitioner``), so a key lands where Kafka would put it; records without a key
+  stick to one partition until a batch's worth went there (Kafka's sticky partitioner).
+* **Sender** - one background thread drains ready batches into ProduceRequests (several
+  partitions each, several batches per partition) on one ProduceStream, with up to
+  ``max_in_flight_requests`` requests unanswered; a reader thread matches answers by
+  correlation id and completes futures.
+
+Ordering and idempotence: a partition has at most one request in flight, and a batch is
+encoded - given its producer id and sequence - only when it is first sent, so sequences
+follow send order. A failed request is retried with the same bytes (same sequence) until
+``delivery_timeout_ms``; the leader recognises a batch it already wrote and answers with
+the original offsets, so retries neither duplicate nor reorder (``enable_idempotence``,
+the default). When a batch fails for good after having been sent, the producer takes a new
+producer id for later batches, since the old id's sequence state is then unknown.
+
+``buffer_bytes`` bounds the bytes waiting in the producer; ``send`` blocks up to
+``max_block_ms`` for room. Futures are ``concurrent.futures.Future``.
+
+Thread-safety: ``send``/``send_batch``/``flush`` may be called from many threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final, overload
+
+import grpc
+
+from tidelog.client import GatewayConnection, error_from_rpc
+from tidelog.errors import (
+    ConfigError,
+    NetworkError,
+    RequestTimedOutError,
+    TidelogError,
+    UnknownTopicOrPartitionError,
+    error_for_code,
+)
+from tidelog.partitioner import murmur2_partitions, partition_for_key
+from tidelog.records import Header, encode_batch
+from tidelog.v1 import common_pb2, gateway_pb2
+
+ACKS: Final = {
+    "all": common_pb2.ALL,
+    "-1": common_pb2.ALL,
+    "1": common_pb2.LEADER,
+    "0": common_pb2.NONE_ACKS,
+}
+RECORD_OVERHEAD_BYTES: Final = 16
+"""Estimated per-record cost in a batch beyond key and value (offsets, timestamp delta)."""
+MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
+"""Record bytes per ProduceRequest: big enough to amortise a round trip, far below the
+gateway's limit."""
+MAX_PARTITION_REQUEST_BYTES: Final = 4 * 1024 * 1024
+"""Record bytes of one partition in one request (several batches)."""
+RETRY_BACKOFF_S: Final = 0.1
+_STOP: Final = object()
+
+
+@dataclass(frozen=True, slots=True)
+class RecordMetadata:
+    """Where a record was written. ``offset`` is -1 for acks=0 (no answer was awaited)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+
+
+class BatchMetadata(Sequence[RecordMetadata]):
+    """The result of ``send_batch``: one ``RecordMetadata`` per value, built on access."""
+
+    __slots__ = ("_offsets", "_partitions", "_timestamp_ms", "topic")
+
+    def __init__(self, topic: str, partitions: array[int], offsets: array[int], ts: int) -> None:
+        self.topic = topic
+        self._partitions = partitions
+        self._offsets = offsets
+        self._timestamp_ms = ts
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    @overload
+    def __getitem__(self, index: int) -> RecordMetadata: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[RecordMetadata]: ...
+    def __getitem__(self, index: int | slice) -> RecordMetadata | list[RecordMetadata]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return RecordMetadata(
+            self.topic, self._partitions[index], self._offsets[index], self._timestamp_ms
+        )
+
+    @property
+    def offsets(self) -> array[int]:
+        """Offsets per value, in input order (a compact array; -1 for acks=0)."""
+        return self._offsets
+
+    @property
+    def partitions(self) -> array[int]:
+        return self._partitions
+
+
+class _Group:
+    """The records of one ``send_batch`` call, spread over one or more batches."""
+
+    __slots__ = ("error", "future", "offsets", "partitions", "pending", "timestamp_ms", "topic")
+
+    def __init__(self, topic: str, n: int, timestamp_ms: int, pending: int) -> None:
+        self.topic = topic
+        self.future: Future[BatchMetadata] = Future()
+        self.partitions = array("i", bytes(4 * n))
+        self.offsets = array("q", bytes(8 * n))
+        self.timestamp_ms = timestamp_ms
+        self.pending = pending
+        self.error: BaseException | None = None
+
+
+class _Batch:
+    """Records bound for one partition, sent as one record batch."""
+
+    __slots__ = (
+        "attempts",
+        "created_s",
+        "encoded",
+        "group_slots",
+        "headers",
+        "keys",
+        "record_futures",
+        "sent",
+        "size_bytes",
+        "timestamps",
+        "tp",
+        "values",
+    )
+
+    def __init__(self, tp: tuple[str, int]) -> None:
+        self.tp = tp
+        self.values: list[bytes | None] = []
+        self.keys: list[bytes | None] | None = None
+        self.headers: list[Sequence[Header]] | None = None
+        self.timestamps: list[int] = []
+        self.size_bytes = 0
+        self.created_s = time.monotonic()
+        self.encoded: bytes | None = None
+        self.attempts = 0
+        self.sent = False
+        # send(): (index in batch, future); send_batch(): (group, indices in the group).
+        self.record_futures: list[tuple[int, Future[RecordMetadata]]] = []
+        self.group_slots: list[tuple[_Group, range | list[int]]] = []
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+class _PartitionQueue:
+    __slots__ = ("batches", "in_flight", "next_sequence", "producer_id", "retry_at_s")
+
+    def __init__(self) -> None:
+        self.batches: deque[_Batch] = deque()
+        self.in_flight = False
+        self.retry_at_s = 0.0
+        self.producer_id = -1
+        self.next_sequence = 0
+
+
+class Producer:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        gateway: str | None = None,
+        *,
+        acks: str | int = "all",
+        linger_ms: int = 5,
+        batch_bytes: int = 1024 * 1024,
+        compression: str = "none",
+        enable_idempotence: bool = True,
+        retries: int = 2**31 - 1,
+        delivery_timeout_ms: int = 120_000,
+        request_timeout_ms: int = 30_000,
+        max_in_flight_requests: int = 16,
+        buffer_bytes: int = 64 * 1024 * 1024,
+        max_block_ms: int = 60_000,
+        partitioner: Any = None,
+        client_id: str = "tidelog-producer",
+    ) -> None:
+        acks_key = str(acks).lower()
+        if acks_key not in ACKS:
+            raise ConfigError(f"acks {acks!r} must be 'all' (-1), 1 or 0")
+        for name, value in (
+            ("batch_bytes", batch_bytes),
+            ("max_in_flight_requests", max_in_flight_requests),
+            ("buffer_bytes", buffer_bytes),
+            ("delivery_timeout_ms", delivery_timeout_ms),
+            ("request_timeout_ms", request_timeout_ms),
+        ):
+            if value < 1:
+                raise ConfigError(f"{name} must be >= 1, not {value}")
+        if linger_ms < 0 or retries < 0 or max_block_ms < 0:
+            raise ConfigError("linger_ms, retries and max_block_ms must be >= 0")
+        if enable_idempotence and ACKS[acks_key] != common_pb2.ALL:
+            # Kafka's rule: idempotence needs acks=all, else a lost leader loses sequences.
+            raise ConfigError("enable_idempotence needs acks='all'; pass enable_idempotence=False")
+        encode_batch([b""], compression=compression)  # validates the codec name now
+        self._conn = GatewayConnection.get(gateway, request_timeout_ms)
+        self._acks = ACKS[acks_key]
+        self._linger_s = linger_ms / 1000
+        self._batch_bytes = batch_bytes
+        self._compression = compression
+        self._idempotent = enable_idempotence
+        self._retries = retries
+        self._delivery_timeout_s = delivery_timeout_ms / 1000
+        self._request_timeout_ms = request_timeout_ms
+        self._max_in_flight = max_in_flight_requests
+        self._buffer_bytes = buffer_bytes
+        self._max_block_s = max_block_ms / 1000
+        self._partitioner = partitioner
+        self._client_id = client_id
+
+        self._lock = threading.Condition()
+        self._queues: dict[tuple[str, int], _PartitionQueue] = {}
+        self._open: dict[tuple[str, int], _Batch] = {}
+        self._counts: dict[str, int] = {}
+        self._sticky: dict[str, int] = {}
+        self._buffered_bytes = 0
+        self._unfinished = 0  # batches created and not yet completed
+        self._flushing = 0
+        self._closing = False
+        self._in_flight: dict[int, list[tuple[_PartitionQueue, list[_Batch]]]] = {}
+        self._correlation = itertools.count(1)
+        self._producer_id = -1
+        self._producer_epoch = -1
+        self._requests: queue.SimpleQueue[Any] | None = None
+        self._sender = threading.Thread(target=self._run_sender, name="tidelog-sender", daemon=True)
+        self._sender.start()
+
+    # --- metadata -------------------------------------------------------------------------
+
+    def _partition_count(self, topic: str, at_least: int = 0) -> int:
+        count = self._counts.get(topic)
+        if count is None or count <= at_least:
+            counts = self._conn.partition_counts([topic])  # raises for an unknown topic
+            count = self._counts[topic] = counts[topic]
+        return count
+
+    def partitions_for(self, topic: str) -> list[int]:
+        return list(range(self._partition_count(topic)))
+
+    def _check_partition(self, topic: str, partition: int) -> None:
+        count = self._partition_count(topic, at_least=partition)
+        if not 0 <= partition < count:
+            raise UnknownTopicOrPartitionError(
+                f"topic {topic!r} has {count} partitions; partition {partition} does not exist"
+            )
+
+    def _choose(self, topic: str, key: bytes | None) -> int:
+        count = self._partition_count(topic)
+        if self._partitioner is not None:
+            return int(self._partitioner(key, count))
+        if key is not None:
+            return partition_for_key(key, count)
+        return self._sticky_partition(topic, count)
+
+    def _sticky_partition(self, topic: str, count: int) -> int:
+        partition = self._sticky.get(topic)
+        if partition is None or partition >= count:
+            partition = self._sticky[topic] = random.randrange(count)
+        return partition
+
+    def _next_sticky(self, topic: str, count: int) -> None:
+        current = self._sticky.get(topic, -1)
+        if count > 1:
+            choice = random.randrange(count - 1)
+            self._sticky[topic] = choice + (choice >= current)
+        else:
+            self._sticky[topic] = 0
+
+    # --- sending --------------------------------------------------------------------------
+
+    def send(  # noqa: PLR0917 - Kafka's send(topic, value, key, partition, ...) order
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None = None,
+        partition: int | None = None,
+        headers: Sequence[Header] | None = None,
+        timestamp_ms: int | None = None,
+    ) -> Future[RecordMetadata]:
+        """Queue one record; the future gives where it was written."""
+        if value is not None and not isinstance(value, bytes | bytearray | memoryview):
+            raise ConfigError(f"value must be bytes or None, not {type(value).__name__}")
+        if key is not None and not isinstance(key, bytes | bytearray | memoryview):
+            raise ConfigError(f"key must be bytes or None, not {type(key).__name__}")
+        if partition is None:
+            partition = self._choose(topic, key)
+        else:
+            self._check_partition(topic, partition)
+        size = len(value or b"") + len(key or b"") + RECORD_OVERHEAD_BYTES
+        if headers:
+            size += sum(len(n) + len(v or b"") for n, v in headers)
+        if size > self._buffer_bytes:
+            raise ConfigError(f"a record of {size} bytes exceeds buffer_bytes {self._buffer_bytes}")
+        future: Future[RecordMetadata] = Future()
+        ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
+        tp = (topic, partition)
+        with self._lock:
+            self._reserve(size)
+            batch = self._open.get(tp)
+            if batch is None:
+                batch = self._open[tp] = _Batch(tp)
+                self._unfinished += 1
+            index = len(batch.values)
+            batch.values.append(bytes(value) if value is not None else None)
+            if key is not None or batch.keys is not None:
+                if batch.keys is None:
+                    batch.keys = [None] * index
+                batch.keys.append(bytes(key) if key is not None else None)
+            if headers or batch.headers is not None:
+                if batch.headers is None:
+                    batch.headers = [()] * index
+                batch.headers.append(tuple(headers or ()))
+            batch.timestamps.append(ts)
+            batch.size_bytes += size
+            batch.record_futures.append((index, future))
+            if batch.size_bytes >= self._batch_bytes:
+                self._close_open(tp)
+                if key is None and self._partitioner is None:
+                    self._next_sticky(topic, self._counts.get(topic, 1))
+            self._lock.notify_all()
+        return future
+
+    def send_batch(
+        self,
+        topic: str,
+        values: Sequence[bytes | None],
+        keys: Sequence[bytes | None] | None = None,
+        partition: int | None = None,
+        timestamp_ms: int | None = None,
+    ) -> Future[BatchMetadata]:
+        """Queue many records at once (cut into batches without a per-record send);
+        the future gives a ``BatchMetadata`` with each value's partition and offset."""
+        n = len(values)
+        if keys is not None and len(keys) != n:
+            raise ConfigError(f"{len(keys)} keys for {n} values")
+        ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
+        if partition is not None:
+            self._check_partition(topic, partition)
+            plan: list[tuple[int, range | list[int]]] = [(partition, range(n))]
+        elif keys is not None and self._partitioner is None:
+            count = self._partition_count(topic)
+            sticky = self._sticky_partition(topic, count)
+            chosen = murmur2_partitions(keys, count, default=sticky)
+            by_partition: dict[int, list[int]] = {}
+            for index, p in enumerate(chosen):
+                by_partition.setdefault(p, []).append(index)
+            plan = list(by_partition.items())
+        elif keys is not None:
+            count = self._partition_count(topic)
+            by_partition = {}
+            for index, key in enumerate(keys):
+                by_partition.setdefault(int(self._partitioner(key, count)), []).append(index)
+            plan = list(by_partition.items())
+        else:
+            count = self._partition_count(topic)
+            plan = []
+            start = 0
+            while start < n:
+                end = start + self._chunk_end(values, None, range(start, n), 0)
+                plan.append((self._sticky_partition(topic, count), range(start, end)))
+                self._next_sticky(topic, count)
+                start = end
+        # Cut each partition's records into batches of at most batch_bytes.
+        chunks: list[tuple[int, range | list[int]]] = []
+        for p, indices in plan:
+            position = 0
+            while position < len(indices):
+                end = self._chunk_end(values, keys, indices, position)
+                chunks.append((p, indices[position:end]))
+                position = end
+        group = _Group(topic, n, ts, len(chunks))
+        if not chunks:
+            group.future.set_result(BatchMetadata(topic, group.partitions, group.offsets, ts))
+            return group.future
+        for p, indices in chunks:
+            batch = _Batch((topic, p))
+            if isinstance(indices, range):
+                batch.values = list(values[indices.start : indices.stop])
+                if keys is not None:
+                    batch.keys = list(keys[indices.start : indices.stop])
+            else:
+                batch.values = [values[i] for i in indices]
+                if keys is not None:
+                    batch.keys = [keys[i] for i in indices]
+            batch.timestamps = [ts] * len(batch.values)
+            batch.size_bytes = sum(
+                map(len, filter(None, batch.values))
+            ) + RECORD_OVERHEAD_BYTES * len(batch.values)
+            batch.group_slots.append((group, indices))
+            with self._lock:
+                self._reserve(min(batch.size_bytes, self._buffer_bytes))
+                self._close_open(batch.tp)  # keep order with earlier send()s
+                self._queue(batch.tp).batches.append(batch)
+                self._unfinished += 1
+                self._lock.notify_all()
+        return group.future
+
+    def _chunk_end(
+        self,
+        values: Sequence[bytes | None],
+        keys: Sequence[bytes | None] | None,
+        indices: range | list[int],
+        position: int,
+    ) -> int:
+        """The end of the run of ``indices`` from ``position`` that fits ``batch_bytes``."""
+        budget = self._batch_bytes
+        size = 0
+        end = position
+        total = len(indices)
+        while end < total:
+            i = indices[end]
+            size += len(values[i] or b"") + RECORD_OVERHEAD_BYTES
+            if keys is not None:
+                size += len(keys[i] or b"")
+            if size > budget and end > position:
+                break
+            end += 1
+        return end
+
+    def _queue(self, tp: tuple[str, int]) -> _PartitionQueue:
+        pq = self._queues.get(tp)
+        if pq is None:
+            pq = self._queues[tp] = _PartitionQueue()
+        return pq
+
+    def _close_open(self, tp: tuple[str, int]) -> None:
+        batch = self._open.pop(tp, None)
+        if batch is not None:
+            self._queue(tp).batches.append(batch)
+
+    def _reserve(self, size: int) -> None:
+        """Wait (lock held) for ``size`` bytes of buffer room."""
+        deadline = time.monotonic() + self._max_block_s
+        while self._buffered_bytes + size > self._buffer_bytes and self._buffered_bytes > 0:
+            if self._closing:
+                raise ConfigError("the producer is closed")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimedOutError(
+                    f"the producer's buffer ({self._buffer_bytes} bytes) stayed full for "
+                    f"max_block_ms; the gateway is not keeping up or unreachable"
+                )
+            self._lock.wait(remaining)
+        if self._closing:
+            raise ConfigError("the producer is closed")
+        self._buffered_bytes += size
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Send everything queued now and wait until every send has completed."""
+        with self._lock:
+            self._flushing += 1
+            self._lock.notify_all()
+            try:
+                if not self._lock.wait_for(lambda: self._unfinished == 0, timeout_s):
+                    raise RequestTimedOutError(f"flush did not complete in {timeout_s} s")
+            finally:
+                self._flushing -= 1
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush, then stop the sender."""
+        if self._closing:
+            return
+        try:
+            self.flush(timeout_s)
+        finally:
+            with self._lock:
+                self._closing = True
+                self._lock.notify_all()
+            self._sender.join(timeout=10)
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- the sender -----------------------------------------------------------------------
+
+    def _ready(self, now: float) -> tuple[list[tuple[_PartitionQueue, list[_Batch]]], float]:
+        """(lock held) Batches to send now, and how long until more may be ready."""
+        wait_s = 1.0
+        for tp, batch in list(self._open.items()):
+            due = batch.created_s + self._linger_s
+            if self._flushing or self._closing or due <= now:
+                self._close_open(tp)
+            else:
+                wait_s = min(wait_s, due - now)
+        picked: list[tuple[_PartitionQueue, list[_Batch]]] = []
+        request_bytes = 0
+        for pq in self._queues.values():
+            if pq.in_flight or not pq.batches:
+                continue
+            if pq.retry_at_s > now:
+                wait_s = min(wait_s, pq.retry_at_s - now)
+                continue
+            taken: list[_Batch] = []
+            size = 0
+            while pq.batches and (
+                not taken or size + pq.batches[0].size_bytes <= MAX_PARTITION_REQUEST_BYTES
+            ):
+                batch = pq.batches.popleft()
+                taken.append(batch)
+                size += batch.size_bytes
+            if request_bytes and request_bytes + size > MAX_REQUEST_BYTES:
+                pq.batches.extendleft(reversed(taken))
+                wait_s = 0.0
+                break
+            pq.in_flight = True
+            picked.append((pq, taken))
+            request_bytes += size
+        return picked, wait_s
+
+    def _run_sender(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._closing and self._unfinished == 0:
+                        if self._requests is not None:
+                            self._requests.put(_STOP)
+                        return
+                    wait_s = 0.5
+                    if len(self._in_flight) < self._max_in_flight:
+                        picked, wait_s = self._ready(time.monotonic())
+                        if picked:
+                            break
+                    self._lock.wait(wait_s)
+                requests = self._requests
+            try:
+                if requests is None:
+                    requests = queue.SimpleQueue()
+                    self._open_stream(requests)
+                    with self._lock:
+                        self._requests = requests
+                request = self._build(picked)
+            except TidelogError as exc:
+                self._complete_failed(picked, exc)
+                continue
+            with self._lock:
+                # Registered and queued under the lock the reader takes when its stream
+                # ends, so a request is either stranded with the stream (and retried) or
+                # never put on a dead one.
+                if self._requests is requests:
+                    self._in_flight[request.correlation_id] = picked
+                    requests.put(request)
+                    continue
+            self._complete_failed(picked, NetworkError("the produce stream ended"))
+
+    def _open_stream(self, requests: queue.SimpleQueue[Any]) -> None:
+        def iterate() -> Iterator[gateway_pb2.ProduceRequest]:
+            while True:
+                item = requests.get()
+                if item is _STOP:
+                    return
+                yield item
+
+        responses = self._conn.stub.ProduceStream(iterate())
+        reader = threading.Thread(
+            target=self._read_responses,
+            args=(responses, requests),
+            name="tidelog-producer-reader",
+            daemon=True,
+        )
+        reader.start()
+
+    def _read_responses(self, responses: Any, requests: queue.SimpleQueue[Any]) -> None:
+        try:
+            for response in responses:
+                with self._lock:
+                    picked = self._in_flight.pop(response.correlation_id, None)
+                if picked is not None:
+                    self._complete(picked, list(response.partitions))
+        except grpc.RpcError as exc:
+            error: TidelogError = error_from_rpc(exc, f"produce stream to {self._conn.address}")
+        else:
+            error = NetworkError("the gateway closed the produce stream")
+        # The stream is over: everything in flight on it goes back to its queue.
+        with self._lock:
+            if self._requests is requests:
+                self._requests = None
+            stranded = list(self._in_flight.values())
+            self._in_flight.clear()
+        requests.put(_STOP)
+        for picked in stranded:
+            self._complete_failed(picked, error)
+
+    def _build(
+        self, picked: list[tuple[_PartitionQueue, list[_Batch]]]
+    ) -> gateway_pb2.ProduceRequest:
+        if self._idempotent and self._producer_id < 0:
+            self._init_producer_id()
+        entries = []
+        for pq, batches in picked:
+            for batch in batches:
+                if batch.encoded is None:
+                    self._encode(pq, batch)
+            entries.append(
+                gateway_pb2.ProducePartitionData(
+                    topic=batches[0].tp[0],
+                    partition=batches[0].tp[1],
+                    records=b"".join(b.encoded for b in batches if b.encoded is not None),
+                )
+            )
+        for _, batches in picked:
+            for batch in batches:
+                batch.attempts += 1
+                batch.sent = True
+        return gateway_pb2.ProduceRequest(
+            acks=self._acks,
+            timeout_ms=self._request_timeout_ms,
+            partitions=entries,
+            correlation_id=next(self._correlation),
+            client_id=self._client_id,
+        )
+
+    def _encode(self, pq: _PartitionQueue, batch: _Batch) -> None:
+        producer_id, epoch, sequence = -1, -1, -1
+        if self._idempotent:
+            if pq.producer_id != self._producer_id:
+                pq.producer_id, pq.next_sequence = self._producer_id, 0
+            producer_id, epoch, sequence = self._producer_id, self._producer_epoch, pq.next_sequence
+            pq.next_sequence = (pq.next_sequence + len(batch)) % 2**31
+        batch.encoded = encode_batch(
+            batch.values,
+            batch.keys,
+            batch.headers,
+            batch.timestamps,
+            compression=self._compression,
+            producer_id=producer_id,
+            producer_epoch=epoch,
+            base_sequence=sequence,
+        )
+
+    def _init_producer_id(self) -> None:
+        response: gateway_pb2.InitProducerIdResponse = self._conn.call(
+            self._conn.stub.InitProducerId,
+            gateway_pb2.InitProducerIdRequest(client_id=self._client_id),
+            "init producer id",
+        )
+        self._producer_id = response.producer_id
+        self._producer_epoch = response.producer_epoch
+
+    # --- completion -----------------------------------------------------------------------
+
+    def _complete(
+        self,
+        picked: list[tuple[_PartitionQueue, list[_Batch]]],
+        results: list[gateway_pb2.ProducePartitionResult],
+    ) -> None:
+        for (pq, batches), result in zip(picked, results, strict=False):
+            if result.error.code == common_pb2.NONE:
+                offset = result.base_offset
+                for batch in batches:
+                    self._succeed(batch, offset)
+                    if offset >= 0:
+                        offset += len(batch)
+                with self._lock:
+                    pq.in_flight = False
+                    self._lock.notify_all()
+            else:
+                error = error_for_code(int(result.error.code), result.error.message)
+                self._complete_failed([(pq, batches)], error)
+
+    def _complete_failed(
+        self, picked: list[tuple[_PartitionQueue, list[_Batch]]], error: TidelogError
+    ) -> None:
+        now = time.monotonic()
+        for pq, batches in picked:
+            retry = [
+                b
+                for b in batches
+                if error.retriable
+                and b.attempts <= self._retries
+                and now - b.created_s < self._delivery_timeout_s
+            ]
+            if retry and len(retry) == len(batches):
+                with self._lock:
+                    pq.batches.extendleft(reversed(batches))
+                    pq.retry_at_s = now + RETRY_BACKOFF_S
+                    pq.in_flight = False
+                    self._lock.notify_all()
+                continue
+            for batch in batches:
+                self._fail(batch, error)
+            with self._lock:
+                if self._idempotent and any(b.sent for b in batches):
+                    # The leader's sequence state for this id is unknown now: start afresh.
+                    self._producer_id = -1
+                pq.in_flight = False
+                self._lock.notify_all()
+
+    def _finish(self, batch: _Batch) -> None:
+        with self._lock:
+            self._buffered_bytes -= min(batch.size_bytes, self._buffer_bytes)
+            self._unfinished -= 1
+            self._lock.notify_all()
+
+    def _succeed(self, batch: _Batch, base_offset: int) -> None:
+        topic, partition = batch.tp
+        for index, future in batch.record_futures:
+            offset = base_offset + index if base_offset >= 0 else -1
+            future.set_result(RecordMetadata(topic, partition, offset, batch.timestamps[index]))
+        for group, indices in batch.group_slots:
+            n = len(indices)
+            if isinstance(indices, range):
+                group.partitions[indices.start : indices.stop] = array("i", [partition]) * n
+                group.offsets[indices.start : indices.stop] = (
+                    array("q", range(base_offset, base_offset + n))
+                    if base_offset >= 0
+                    else array("q", [-1]) * n
+                )
+            else:
+                for j, i in enumerate(indices):
+                    group.partitions[i] = partition
+                    group.offsets[i] = base_offset + j if base_offset >= 0 else -1
+            self._group_done(group)
+        self._finish(batch)
+
+    def _fail(self, batch: _Batch, error: TidelogError) -> None:
+        for _, future in batch.record_futures:
+            future.set_exception(error)
+        for group, _ in batch.group_slots:
+            group.error = group.error or error
+            self._group_done(group)
+        self._finish(batch)
+
+    def _group_done(self, group: _Group) -> None:
+        with self._lock:
+            group.pending -= 1
+            if group.pending:
+                return
+        if group.error is not None:
+            group.future.set_exception(group.error)
+        else:
+            group.future.set_result(
+                BatchMetadata(group.topic, group.partitions, group.offsets, group.timestamp_ms)
+            )
