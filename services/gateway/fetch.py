@@ -100,14 +100,8 @@ class FetchHandler:
                 f"{len(request.partitions)} partitions in one fetch; the limit is "
                 f"{MAX_PARTITIONS_PER_FETCH}"
             )
-        if (
-            request.HasField("max_bytes")
-            and not 0 < request.max_bytes <= self.limits.max_fetch_bytes
-        ):
-            raise InvalidFetchSizeError(
-                f"max_bytes {request.max_bytes} must be between 1 and this gateway's limit "
-                f"{self.limits.max_fetch_bytes} (--max-fetch-bytes)"
-            )
+        if request.HasField("max_bytes") and request.max_bytes <= 0:
+            raise InvalidFetchSizeError(f"max_bytes {request.max_bytes} must be positive")
         if request.HasField("max_wait_ms") and not 0 <= request.max_wait_ms <= MAX_WAIT_MS_LIMIT:
             raise InvalidRequestError(
                 f"max_wait_ms {request.max_wait_ms} is outside 0..{MAX_WAIT_MS_LIMIT}"
@@ -143,8 +137,11 @@ class FetchHandler:
                 results[(fp.topic, fp.partition)] = _fetch_error(fp, exc)
                 continue
             by_leader.setdefault(leader.broker.broker_id, (leader, []))[1].append(fp)
-        max_bytes = (
-            request.max_bytes if request.HasField("max_bytes") else self.limits.max_fetch_bytes
+        # Like Kafka's broker-side fetch.max.bytes, the gateway's limit caps what a client
+        # asks for rather than refusing it: a client cannot know every gateway's setting.
+        max_bytes = min(
+            request.max_bytes if request.HasField("max_bytes") else self.limits.max_fetch_bytes,
+            self.limits.max_fetch_bytes,
         )
         min_bytes = request.min_bytes if request.HasField("min_bytes") else 1
         wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
@@ -171,6 +168,8 @@ class FetchHandler:
         the calls still running are cancelled and their partitions keep what ``results``
         already held.
         """
+        if not by_leader:
+            return 0
         done = threading.Event()
         lock = threading.Lock()
         calls: list[tuple[Any, list[storage_pb2.FetchPartition]]] = []

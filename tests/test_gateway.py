@@ -1,0 +1,412 @@
+"""The gateway and the SDK end to end: real etcd, 3 storage nodes, a controller and
+gateways as processes, talked to over gRPC by the SDK and by raw stubs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+import tidelog
+from tests.support.cluster import GatewayProcess, TestCluster, rpc_error_code, wait_for
+from tidelog.errors import (
+    ConfigError,
+    ErrorCode,
+    InvalidGroupIdError,
+    TopicAlreadyExistsError,
+    UnknownTopicOrPartitionError,
+)
+from tidelog.records import decode_batches, encode_batch
+from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
+    base: Path = tmp_path_factory.mktemp("gateway")
+    with TestCluster(base) as c:
+        for broker_id in range(3):
+            c.start_broker(broker_id)
+        c.start_controller(1)
+        c.wait_brokers([0, 1, 2])
+        yield c
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: TestCluster) -> GatewayProcess:
+    return cluster.start_gateway()
+
+
+@pytest.fixture(scope="module")
+def admin(gateway: GatewayProcess) -> tidelog.Admin:
+    return tidelog.Admin(gateway.address)
+
+
+def _consume_all(address: str, topic: str, expected: int, group: str | None = None) -> list:
+    with tidelog.Consumer(address, group_id=group, auto_offset_reset="earliest") as consumer:
+        consumer.subscribe([topic])
+        records: list = []
+        deadline = time.monotonic() + 30
+        while len(records) < expected and time.monotonic() < deadline:
+            records.extend(consumer.poll(max_records=10_000, timeout_ms=500))
+        if group is not None:
+            consumer.commit()
+        return records
+
+
+@pytest.mark.parametrize("acks", ["0", "1", "all"])
+def test_produce_each_acks_level_and_consume_back(
+    gateway: GatewayProcess, admin: tidelog.Admin, acks: str
+) -> None:
+    topic = f"acks-{acks}"
+    admin.create_topic(topic, partitions=3, replication_factor=3)
+    sent = [f"{acks}-{i}".encode() for i in range(2_000)]
+    keys = [f"k{i % 37}".encode() for i in range(2_000)]
+    with tidelog.Producer(
+        gateway.address, acks=acks, enable_idempotence=acks == "all", linger_ms=2
+    ) as producer:
+        futures = [producer.send(topic, v, key=k) for v, k in zip(sent[:1000], keys, strict=False)]
+        batch = producer.send_batch(topic, sent[1000:], keys=keys[1000:]).result(30)
+        metadata = [f.result(30) for f in futures] + list(batch)
+    records = _consume_all(gateway.address, topic, len(sent))
+    assert sorted(r.value for r in records) == sorted(sent)
+    # The same key always lands on the partition Kafka's partitioner picks for it.
+    by_value = {r.value: r for r in records}
+    for value, key in zip(sent, keys, strict=True):
+        assert by_value[value].partition == tidelog.partitioner.partition_for_key(key, 3)
+        assert by_value[value].key == key
+    if acks == "0":
+        assert all(m.offset == -1 for m in metadata)
+    else:
+        # Every acknowledged offset holds exactly the record acknowledged there.
+        for value, m in zip(sent, metadata, strict=True):
+            record = by_value[value]
+            assert (record.partition, record.offset) == (m.partition, m.offset)
+
+
+def test_headers_null_keys_and_values_survive(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("shapes", partitions=1, replication_factor=2)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send("shapes", b"v1", headers=[("h", b"x"), ("n", None)]).result(30)
+        producer.send("shapes", None, key=b"tombstone").result(30)
+    records = _consume_all(gateway.address, "shapes", 2)
+    assert [(r.key, r.value, r.headers) for r in records] == [
+        (None, b"v1", (("h", b"x"), ("n", None))),
+        (b"tombstone", None, ()),
+    ]
+
+
+def test_groups_commit_and_fetch_through_two_gateways(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("grouped", partitions=2, replication_factor=3)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch("grouped", [b"x"] * 100).result(30)
+    _consume_all(gateway.address, "grouped", 100, group="readers/1")
+    other = cluster.start_gateway()
+    described = tidelog.Admin(other.address).describe_group("readers/1")
+    assert sum(p.committed_offset for p in described) == 100
+    assert all(p.lag == 0 for p in described)
+    assert "readers/1" in tidelog.Admin(other.address).list_groups()
+    # A new consumer in the group resumes where the group left off: nothing to read.
+    with tidelog.Consumer(other.address, group_id="readers/1") as consumer:
+        consumer.subscribe(["grouped"])
+        assert consumer.poll(timeout_ms=300) == []
+        assert sum(consumer.position(("grouped", p)) for p in range(2)) == 100
+
+
+def test_commit_bad_input_changes_nothing(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
+    admin.create_topic("commits", partitions=1, replication_factor=1)
+    stub = gateway.stub
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.CommitOffsets(
+            gateway_pb2.CommitOffsetsRequest(
+                group_id="",
+                offsets=[gateway_pb2.CommitOffset(topic="commits", partition=0, offset=1)],
+            ),
+            timeout=10,
+        )
+    assert rpc_error_code(raised.value) == ErrorCode.INVALID_GROUP_ID
+    response = stub.CommitOffsets(
+        gateway_pb2.CommitOffsetsRequest(
+            group_id="g-bad",
+            offsets=[
+                gateway_pb2.CommitOffset(topic="commits", partition=7, offset=1),
+                gateway_pb2.CommitOffset(
+                    topic="commits", partition=0, offset=1, metadata="m" * 5000
+                ),
+                gateway_pb2.CommitOffset(topic="commits", partition=0, offset=-5),
+            ],
+        ),
+        timeout=10,
+    )
+    codes = [ErrorCode(p.error.code) for p in response.partitions]
+    assert codes == [
+        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+        ErrorCode.OFFSET_METADATA_TOO_LARGE,
+        ErrorCode.INVALID_REQUEST,
+    ]
+    fetched = stub.FetchOffsets(gateway_pb2.FetchOffsetsRequest(group_id="g-bad"), timeout=10)
+    assert list(fetched.offsets) == []
+    with pytest.raises(InvalidGroupIdError):
+        tidelog.Consumer(gateway.address, group_id="x" * 300).committed([("commits", 0)])
+
+
+def test_produce_and_fetch_bad_input(cluster: TestCluster, admin: tidelog.Admin) -> None:
+    small = cluster.start_gateway(["--max-request-bytes", "2000", "--max-fetch-bytes", "100000"])
+    admin.create_topic("bad-input", partitions=1, replication_factor=1)
+    stub = small.stub
+    batch = encode_batch([b"v"])
+    # Unknown topic and partition: per-partition errors, the rest of the request proceeds.
+    response = stub.Produce(
+        gateway_pb2.ProduceRequest(
+            acks=common_pb2.LEADER,
+            partitions=[
+                gateway_pb2.ProducePartitionData(topic="nope", partition=0, records=batch),
+                gateway_pb2.ProducePartitionData(topic="bad-input", partition=3, records=batch),
+                gateway_pb2.ProducePartitionData(topic="bad-input", partition=0, records=batch),
+            ],
+        ),
+        timeout=10,
+    )
+    assert [ErrorCode(p.error.code) for p in response.partitions] == [
+        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+        ErrorCode.NONE,
+    ]
+    assert "does not exist" in response.partitions[1].error.message
+    # Whole-request problems: a status with the code, and nothing is written.
+    for request, code in [
+        (
+            gateway_pb2.ProduceRequest(
+                acks=common_pb2.LEADER,
+                partitions=[
+                    gateway_pb2.ProducePartitionData(
+                        topic="bad-input", partition=0, records=encode_batch([b"x" * 5000])
+                    )
+                ],
+            ),
+            ErrorCode.RECORD_LIST_TOO_LARGE,
+        ),
+        (
+            gateway_pb2.ProduceRequest(
+                acks=common_pb2.Acks.ValueType(9),
+                partitions=[gateway_pb2.ProducePartitionData(topic="bad-input", records=batch)],
+            ),
+            ErrorCode.INVALID_REQUIRED_ACKS,
+        ),
+    ]:
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Produce(request, timeout=10)
+        assert rpc_error_code(raised.value) == code, raised.value.details()
+    # A corrupt batch is refused by the leader, per partition.
+    corrupt = bytearray(batch)
+    corrupt[-1] ^= 0xFF
+    response = stub.Produce(
+        gateway_pb2.ProduceRequest(
+            acks=common_pb2.LEADER,
+            partitions=[
+                gateway_pb2.ProducePartitionData(
+                    topic="bad-input", partition=0, records=bytes(corrupt)
+                )
+            ],
+        ),
+        timeout=10,
+    )
+    assert ErrorCode(response.partitions[0].error.code) == ErrorCode.CORRUPT_BATCH
+    # Fetch: out of range per partition; a non-positive max_bytes as a whole.
+    fetched = stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=0,
+            partitions=[
+                storage_pb2.FetchPartition(topic="bad-input", partition=0, fetch_offset=99)
+            ],
+        ),
+        timeout=10,
+    )
+    assert ErrorCode(fetched.partitions[0].error.code) == ErrorCode.OFFSET_OUT_OF_RANGE
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.Fetch(storage_pb2.FetchRequest(replica_id=-1, max_bytes=0), timeout=10)
+    assert rpc_error_code(raised.value) == ErrorCode.INVALID_FETCH_SIZE
+    assert "positive" in raised.value.details()
+    # Above the gateway's --max-fetch-bytes, a fetch is capped (as Kafka's broker does).
+    with tidelog.Producer(admin.gateway, batch_bytes=1000) as producer:
+        producer.send_batch("bad-input", [b"y" * 900] * 300, partition=0).result(30)
+    capped = stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_bytes=10**7,
+            partitions=[
+                storage_pb2.FetchPartition(
+                    topic="bad-input", partition=0, fetch_offset=0, max_bytes=10**7
+                )
+            ],
+        ),
+        timeout=10,
+    )
+    assert 0 < len(capped.partitions[0].records) <= 100_000
+    # Only the good records were written.
+    records = _consume_all(small.address, "bad-input", 301)
+    assert [r.value for r in records] == [b"v"] + [b"y" * 900] * 300
+
+
+def test_produce_stream_in_flight_limit(cluster: TestCluster, admin: tidelog.Admin) -> None:
+    limited = cluster.start_gateway(["--max-in-flight-per-stream", "2"])
+    admin.create_topic("streamed", partitions=1, replication_factor=3)
+    release = threading.Event()
+
+    def requests() -> Iterator[gateway_pb2.ProduceRequest]:
+        for i in range(50):
+            yield gateway_pb2.ProduceRequest(
+                acks=common_pb2.ALL,
+                correlation_id=i,
+                partitions=[
+                    gateway_pb2.ProducePartitionData(
+                        topic="streamed", partition=0, records=encode_batch([b"x" * 100_000])
+                    )
+                ],
+            )
+        release.wait(10)
+
+    with pytest.raises(grpc.RpcError) as raised:
+        for _ in limited.stub.ProduceStream(requests(), timeout=30):
+            pass
+    release.set()
+    assert rpc_error_code(raised.value) == ErrorCode.INVALID_REQUEST
+    assert "in flight" in raised.value.details()
+
+
+def test_describe_subscribe_and_list_offsets(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
+    admin.create_topic(
+        "described", partitions=2, replication_factor=3, config={"retention.ms": "3600000"}
+    )
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch("described", [b"a"] * 10, partition=1).result(30)
+    topic = admin.describe_topic("described")
+    assert topic.configs == {"retention.ms": "3600000"}
+    p1 = topic.partitions[1]
+    assert (p1.high_watermark, p1.log_end_offset, p1.log_start_offset) == (10, 10, 0)
+    assert sorted(p1.isr) == sorted(p1.replicas) and len(p1.replicas) == 3
+    cluster_info = admin.describe_cluster()
+    assert sorted(b.broker_id for b in cluster_info.brokers) == [0, 1, 2]
+    assert cluster_info.controller_id == 1 and cluster_info.cluster_id
+    # Subscribe follows new data as it is written.
+    stream = gateway.stub.Subscribe(
+        gateway_pb2.SubscribeRequest(topic="described", partition=1, start_offset=8), timeout=30
+    )
+    first = next(stream)
+    assert [
+        r.offset for b in decode_batches(first.records) for r in b.records if r.offset >= 8
+    ] == [8, 9]
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send("described", b"late", partition=1).result(30)
+    second = next(stream)
+    assert [r.value for b in decode_batches(second.records) for r in b.records] == [b"late"]
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as raised:
+        next(
+            gateway.stub.Subscribe(
+                gateway_pb2.SubscribeRequest(topic="nope", partition=0), timeout=10
+            )
+        )
+    assert rpc_error_code(raised.value) == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+    offsets = gateway.stub.ListOffsets(
+        storage_pb2.ListOffsetsRequest(
+            replica_id=-1,
+            partitions=[
+                storage_pb2.ListOffsetsPartition(
+                    topic="described", partition=1, spec=common_pb2.LATEST
+                ),
+                storage_pb2.ListOffsetsPartition(topic="nope", partition=0, spec=common_pb2.LATEST),
+            ],
+        ),
+        timeout=10,
+    )
+    assert offsets.partitions[0].offset == 11
+    assert ErrorCode(offsets.partitions[1].error.code) == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+
+
+def test_sdk_errors_are_precise(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
+    admin.create_topic("errs", partitions=1, replication_factor=1)
+    with pytest.raises(TopicAlreadyExistsError):
+        admin.create_topic("errs", partitions=1, replication_factor=1)
+    with pytest.raises(UnknownTopicOrPartitionError):
+        admin.describe_topic("missing")
+    with tidelog.Producer(gateway.address) as producer:
+        with pytest.raises(UnknownTopicOrPartitionError):
+            producer.send("missing", b"v")
+        with pytest.raises(UnknownTopicOrPartitionError, match="partition 5"):
+            producer.send("errs", b"v", partition=5)
+    with pytest.raises(ConfigError, match="acks"):
+        tidelog.Producer(gateway.address, acks="2")
+    with tidelog.Consumer(gateway.address) as consumer, pytest.raises(UnknownTopicOrPartitionError):
+        consumer.assign([("errs", 3)])
+    admin.delete_topic("errs")
+    assert "errs" not in admin.list_topics()
+
+
+def test_health_and_reflection_list_every_service(gateway: GatewayProcess) -> None:
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"tidelog.v1.Gateway", "grpc.health.v1.Health"} <= names
+
+
+def test_produce_rides_through_a_leader_kill(cluster: TestCluster, gateway: GatewayProcess) -> None:
+    """kill -9 a partition leader during acks=all production: every acknowledged record is
+    read back exactly once, through the gateway's re-routing and idempotent retries."""
+    admin = tidelog.Admin(gateway.address)
+    admin.create_topic(
+        "failover", partitions=1, replication_factor=3, config={"min.insync.replicas": "2"}
+    )
+    acked: list[tuple[int, bytes]] = []
+    with tidelog.Producer(gateway.address, linger_ms=1, delivery_timeout_ms=60_000) as producer:
+        for i in range(300):
+            if i == 100:
+                leader = admin.describe_topic("failover").partitions[0].leader
+                cluster.kill(cluster.brokers[leader])
+            value = f"r{i}".encode()
+            acked.append((producer.send("failover", value).result(60).offset, value))
+    cluster.start_broker(leader)
+    records = _consume_all(gateway.address, "failover", len(acked))
+    assert [(r.offset, r.value) for r in records] == sorted(acked)
+    wait_for(
+        lambda: len(admin.describe_topic("failover").partitions[0].isr) == 3,
+        30,
+        "the restarted broker to rejoin the ISR",
+    )
+
+
+def test_admin_calls_reach_the_controller(gateway: GatewayProcess) -> None:
+    response = gateway.stub.CreateTopics(
+        controller_pb2.CreateTopicsRequest(
+            topics=[
+                controller_pb2.CreatableTopic(
+                    name="bad/name", num_partitions=1, replication_factor=1
+                )
+            ]
+        ),
+        timeout=30,
+    )
+    assert ErrorCode(response.topics[0].error.code) == ErrorCode.INVALID_TOPIC
+    response = gateway.stub.CreateTopics(
+        controller_pb2.CreateTopicsRequest(
+            topics=[
+                controller_pb2.CreatableTopic(
+                    name="too-wide", num_partitions=1, replication_factor=9
+                )
+            ]
+        ),
+        timeout=30,
+    )
+    assert ErrorCode(response.topics[0].error.code) == ErrorCode.INVALID_REPLICATION_FACTOR
