@@ -271,11 +271,160 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser.set_defaults(handler="services.gateway.node:main")
 
 
+def _add_client_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gateway",
+        metavar="HOST:PORT",
+        default=None,
+        help="gateway address (default: $TIDELOG_GATEWAY, else 127.0.0.1:9094)",
+    )
+    parser.add_argument(
+        "--output",
+        choices=("table", "json"),
+        default="table",
+        help="tables for people (default) or JSON for scripts",
+    )
+
+
+def _add_topics(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser("topics", help="create, list, describe and delete topics")
+    actions = parser.add_subparsers(
+        dest="action", required=True, metavar="ACTION", parser_class=_Parser
+    )
+    create = actions.add_parser("create", help="create a topic")
+    create.add_argument("name", metavar="NAME")
+    create.add_argument("--partitions", type=_positive_int, default=1, metavar="P")
+    create.add_argument("--replication-factor", type=_positive_int, default=1, metavar="R")
+    create.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a topic setting, e.g. retention.ms=3600000 (repeatable)",
+    )
+    actions.add_parser("list", help="list topic names")
+    describe = actions.add_parser(
+        "describe", help="leader, replicas, ISR, HW and LEO of every partition"
+    )
+    describe.add_argument("name", nargs="?", metavar="NAME", help="one topic (default: all)")
+    delete = actions.add_parser("delete", help="delete a topic and its data")
+    delete.add_argument("name", metavar="NAME")
+    for sub in (create, describe, delete, actions.choices["list"]):
+        _add_client_options(sub)
+    parser.set_defaults(handler="tidelog.commands:cmd_topics")
+
+
+def _add_produce(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser(
+        "produce", help="write lines from stdin as records (one record per line)"
+    )
+    parser.add_argument("topic", metavar="TOPIC")
+    parser.add_argument("--acks", choices=("0", "1", "all"), default="all")
+    parser.add_argument(
+        "--key-separator",
+        metavar="SEP",
+        default=None,
+        help="split each line at the first SEP into key and value",
+    )
+    parser.add_argument("--partition", type=_non_negative_int, default=None, metavar="P")
+    _add_client_options(parser)
+    parser.set_defaults(handler="tidelog.commands:cmd_produce")
+
+
+def _add_consume(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser(
+        "consume", help="print records (values, one per line) from a topic"
+    )
+    parser.add_argument("topic", metavar="TOPIC")
+    parser.add_argument("--from-beginning", action="store_true", help="start at the oldest record")
+    parser.add_argument("--offset", type=_non_negative_int, default=None, metavar="N")
+    parser.add_argument("--partition", type=_non_negative_int, default=None, metavar="P")
+    parser.add_argument("--group", default=None, metavar="G", help="consumer group to commit to")
+    parser.add_argument("--max-messages", type=_positive_int, default=None, metavar="N")
+    parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep waiting for new records (default: stop at the end)",
+    )
+    parser.add_argument("--key-separator", metavar="SEP", default=None, help="print KEY SEP VALUE")
+    _add_client_options(parser)
+    parser.set_defaults(handler="tidelog.commands:cmd_consume")
+
+
+def _add_groups(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser("groups", help="consumer groups: committed offsets and lag")
+    actions = parser.add_subparsers(
+        dest="action", required=True, metavar="ACTION", parser_class=_Parser
+    )
+    listing = actions.add_parser("list", help="groups with committed offsets")
+    describe = actions.add_parser("describe", help="committed offset and lag per partition")
+    describe.add_argument("group", metavar="GROUP")
+    for sub in (listing, describe):
+        _add_client_options(sub)
+    parser.set_defaults(handler="tidelog.commands:cmd_groups")
+
+
+def _add_cluster(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser(
+        "cluster", help="brokers, the controller, offline and under-replicated partitions"
+    )
+    _add_client_options(parser)
+    parser.set_defaults(handler="tidelog.commands:cmd_cluster")
+
+
+def _add_dev(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser(
+        "dev",
+        help="run a whole local cluster: etcd, controller, storage nodes, gateway",
+        description=(
+            "Run a local cluster in one command. Prints a line containing 'ready' and the "
+            "gateway address; Ctrl-C or SIGTERM stops everything. Running it again on the "
+            "same data directory keeps all data."
+        ),
+    )
+    parser.add_argument(
+        "--data-dir", default=".tidelog", metavar="DIR", help="(default: ./.tidelog)"
+    )
+    parser.add_argument(
+        "--brokers", type=_positive_int, default=3, metavar="N", help="(default: 3)"
+    )
+    parser.add_argument(
+        "--gateway-port",
+        type=_port,
+        default=9094,
+        metavar="P",
+        help="(default: 9094; 0 = any free port)",
+    )
+    parser.set_defaults(handler="tidelog.dev:main")
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range 0..65535")
+    return value
+
+
 _COMMANDS: tuple[Callable[[argparse._SubParsersAction[_Parser]], None], ...] = (
     _add_storage,
     _add_controller,
     _add_gateway,
-    # Later: dev, topics, produce, consume, groups, cluster, bench.
+    _add_dev,
+    _add_topics,
+    _add_produce,
+    _add_consume,
+    _add_groups,
+    _add_cluster,
 )
 
 

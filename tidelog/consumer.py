@@ -194,6 +194,17 @@ class Consumer:
             self._needs_position.discard(tp)
         self._drop_buffered(set(tps))
 
+    def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        """The high watermark of each partition: the offset after the last readable record
+        (Kafka's ``endOffsets``)."""
+        found = self._conn.list_offsets(list(partitions), common_pb2.LATEST)
+        return {tp: offset for tp, (offset, _) in found.items()}
+
+    def beginning_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        """The first offset still retained in each partition."""
+        found = self._conn.list_offsets(list(partitions), common_pb2.EARLIEST)
+        return {tp: offset for tp, (offset, _) in found.items()}
+
     def position(self, tp: TopicPartition) -> int:
         """The offset of the next record ``poll`` returns for ``tp``."""
         tp = self._check_assigned(tp)

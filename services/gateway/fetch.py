@@ -24,10 +24,11 @@ from typing import Any, Final
 import grpc
 
 from services.gateway.metadata_cache import Leader
-from services.gateway.router import DEADLINE_MARGIN_S, Router
+from services.gateway.router import DEADLINE_MARGIN_S, REROUTE_CODES, Router
 from services.status import error_from_proto, error_from_rpc_error, to_error_proto
 from tidelog.batch import parse_header
 from tidelog.errors import (
+    ErrorCode,
     InvalidFetchSizeError,
     InvalidRequestError,
     TidelogError,
@@ -316,9 +317,48 @@ class FetchHandler:
                 f"{MAX_PARTITIONS_PER_FETCH}"
             )
         results = self.offsets_by_leader(request.replica_id, request.partitions, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for lp in request.partitions:
+            key = (lp.topic, lp.partition, lp.spec)
+            if ErrorCode(int(results[key].error.code)) in REROUTE_CODES and not lp.HasField(
+                "current_leader_epoch"
+            ):
+                # Leadership moved (or the leader has not heard yet): ask this partition
+                # again through the router, which waits for the metadata to settle.
+                results[key] = self._list_one(request.replica_id, lp, deadline)
         return storage_pb2.ListOffsetsResponse(
             partitions=[results[(lp.topic, lp.partition, lp.spec)] for lp in request.partitions]
         )
+
+    def _list_one(
+        self, replica_id: int, lp: storage_pb2.ListOffsetsPartition, deadline: float
+    ) -> storage_pb2.ListOffsetsResult:
+        def call(stub: Any, leader: Leader, timeout_s: float) -> storage_pb2.ListOffsetsResult:
+            response: storage_pb2.ListOffsetsResponse = stub.ListOffsets(
+                storage_pb2.ListOffsetsRequest(
+                    replica_id=replica_id,
+                    partitions=[
+                        storage_pb2.ListOffsetsPartition(
+                            topic=lp.topic,
+                            partition=lp.partition,
+                            spec=lp.spec,
+                            timestamp_ms=lp.timestamp_ms,
+                            current_leader_epoch=leader.leader_epoch,
+                        )
+                    ],
+                ),
+                timeout=timeout_s,
+            )
+            answer = response.partitions[0]
+            error = error_from_proto(answer.error)
+            if error is not None:
+                raise error
+            return answer
+
+        try:
+            return self._router.call_leader(lp.topic, lp.partition, deadline, call)
+        except TidelogError as exc:
+            return _offset_error(lp, exc)
 
     def offsets_by_leader(
         self,
@@ -334,30 +374,33 @@ class FetchHandler:
         end offset instead of the high watermark (for DescribeTopics).
         """
         results: dict[tuple[str, int, int], storage_pb2.ListOffsetsResult] = {}
-        groups: dict[int, tuple[Leader, list[storage_pb2.ListOffsetsPartition]]] = {}
+        # Per leader broker: the items and, for each, the epoch its own leader has.
+        groups: dict[int, tuple[Leader, list[tuple[storage_pb2.ListOffsetsPartition, int]]]] = {}
         for lp in partitions:
             try:
                 leader = self._router.cache.leader(lp.topic, lp.partition)
             except TidelogError as exc:
                 results[(lp.topic, lp.partition, lp.spec)] = _offset_error(lp, exc)
                 continue
-            groups.setdefault(leader.broker.broker_id, (leader, []))[1].append(lp)
+            epoch = (
+                lp.current_leader_epoch
+                if lp.HasField("current_leader_epoch")
+                else leader.leader_epoch
+            )
+            groups.setdefault(leader.broker.broker_id, (leader, []))[1].append((lp, epoch))
         calls = []
-        for broker_id, (leader, items) in groups.items():
+        for broker_id, (leader, pairs) in groups.items():
             stub = self._router.channels.storage(leader.broker)
+            items = [lp for lp, _ in pairs]
             asked = [
                 storage_pb2.ListOffsetsPartition(
                     topic=lp.topic,
                     partition=lp.partition,
                     spec=lp.spec,
                     timestamp_ms=lp.timestamp_ms,
-                    current_leader_epoch=(
-                        lp.current_leader_epoch
-                        if lp.HasField("current_leader_epoch")
-                        else leader.leader_epoch
-                    ),
+                    current_leader_epoch=epoch,
                 )
-                for lp in items
+                for lp, epoch in pairs
             ]
             calls.append(
                 (

@@ -48,7 +48,14 @@ from tidelog.logging import get_logger
 
 _log = get_logger(component="gateway.metadata")
 
-WATCHED_PREFIXES: Final = (BROKERS_PREFIX, TOPICS_PREFIX, PARTITIONS_PREFIX, CONTROLLER_KEY)
+WATCHED_PREFIXES: Final = (
+    BROKERS_PREFIX,
+    TOPICS_PREFIX,
+    PARTITIONS_PREFIX,
+    CONTROLLER_KEY,
+    # Written once by the first controller, possibly after this gateway started.
+    CLUSTER_ID_KEY,
+)
 _T = TypeVar("_T")
 
 RELOAD_BACKOFF_S: Final = (0.05, 0.1, 0.2, 0.5, 1.0)
@@ -89,6 +96,8 @@ class MetadataView:
             self.partitions = {}
         elif prefix == CONTROLLER_KEY:
             self.controller = None
+        elif prefix == CLUSTER_ID_KEY:
+            self.cluster_id = ""
         for kv in kvs:
             self._put(kv)
         self.version += 1
@@ -123,6 +132,8 @@ class MetadataView:
                 self.partitions[(name, index)] = record
             elif kv.key == CONTROLLER_KEY:
                 self.controller = decode_controller(kv)
+            elif kv.key == CLUSTER_ID_KEY:
+                self.cluster_id = decode_cluster_id(kv)
         except (StorageError, KeyError, ValueError, TypeError) as exc:
             # One unreadable key must not blind the gateway to the rest of the cluster.
             _log.error("bad_metadata_key", key=kv.key, error=str(exc))
@@ -221,14 +232,11 @@ class MetadataCache:
             cancel()
 
     def _load_and_watch(self) -> None:
-        cluster_kv = self._store.get(CLUSTER_ID_KEY)
         for prefix in WATCHED_PREFIXES:
             # The controller key is read as a prefix too: one read gives the value and the
             # revision it reflects, so the watch resumes exactly after it.
             kvs, revision = self._store.get_prefix_with_revision(prefix)
             with self._changed:
-                if cluster_kv is not None:
-                    self._view.cluster_id = decode_cluster_id(cluster_kv)
                 self._view.load(prefix, kvs)
                 self._changed.notify_all()
             self._cancels.append(

@@ -1,0 +1,217 @@
+"""The ``tidelog`` CLI through subprocesses, against a ``tidelog dev`` cluster: start, use,
+stop with SIGTERM, restart on the same data directory with the data kept."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.process import REPO_ROOT, tidelog_env
+
+START_TIMEOUT_S = 120.0
+
+
+class DevCluster:
+    def __init__(self, data_dir: Path) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tidelog",
+                "dev",
+                "--data-dir",
+                str(data_dir),
+                "--gateway-port",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO_ROOT,
+            env=tidelog_env(),
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.gateway = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(START_TIMEOUT_S) or not self.gateway:
+            self.proc.kill()
+            raise AssertionError(f"tidelog dev did not get ready:\n{''.join(self.lines)}")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "ready" in line and not self.gateway:
+                self.gateway = line.split("gateway ", 1)[1].split()[0]
+                self.ready.set()
+        self.ready.set()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+def tidelog(
+    *args: str, gateway: str, stdin: str = "", check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "tidelog", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**tidelog_env(), "TIDELOG_GATEWAY": gateway},
+        timeout=60,
+        check=False,
+    )
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
+    data_dir = tmp_path_factory.mktemp("dev") / "data"
+    cluster = DevCluster(data_dir)
+    cluster.data_dir = data_dir  # type: ignore[attr-defined]
+    try:
+        yield cluster
+    finally:
+        if cluster.proc.poll() is None:
+            cluster.proc.kill()
+
+
+def test_topics_produce_consume_groups_cluster(dev: DevCluster) -> None:
+    g = dev.gateway
+    tidelog(
+        "topics",
+        "create",
+        "events",
+        "--partitions",
+        "3",
+        "--replication-factor",
+        "2",
+        "--config",
+        "retention.ms=3600000",
+        gateway=g,
+    )
+    assert tidelog("topics", "list", gateway=g).stdout.split() == ["events"]
+    produced = tidelog(
+        "produce",
+        "events",
+        "--key-separator",
+        ":",
+        gateway=g,
+        stdin="".join(f"k{i}:v{i}\n" for i in range(30)),
+    )
+    assert "produced 30 records" in produced.stderr
+    out = tidelog("consume", "events", "--from-beginning", "--group", "audit", gateway=g).stdout
+    assert sorted(out.split()) == sorted(f"v{i}" for i in range(30))
+    keyed = tidelog(
+        "consume",
+        "events",
+        "--from-beginning",
+        "--partition",
+        "0",
+        "--key-separator",
+        "=",
+        "--output",
+        "json",
+        gateway=g,
+    ).stdout
+    records = [json.loads(line) for line in keyed.splitlines()]
+    assert records and all(
+        r["partition"] == 0 and r["value"] == "v" + r["key"][1:] for r in records
+    )
+    first = tidelog("consume", "events", "--from-beginning", "--max-messages", "2", gateway=g)
+    assert len(first.stdout.split()) == 2
+    described = json.loads(
+        tidelog("topics", "describe", "events", "--output", "json", gateway=g).stdout
+    )
+    (topic,) = described
+    assert topic["configs"] == {"retention.ms": "3600000"}
+    assert sum(p["high_watermark"] for p in topic["partitions"]) == 30
+    assert all(len(p["isr"]) == 2 and not p["under_replicated"] for p in topic["partitions"])
+    table = tidelog("topics", "describe", gateway=g).stdout
+    assert table.splitlines()[0].split() == [
+        "TOPIC",
+        "PARTITION",
+        "LEADER",
+        "REPLICAS",
+        "ISR",
+        "HW",
+        "LEO",
+        "STATUS",
+    ]
+    lag = json.loads(tidelog("groups", "describe", "audit", "--output", "json", gateway=g).stdout)
+    assert sum(p["committed_offset"] for p in lag) == 30 and all(p["lag"] == 0 for p in lag)
+    assert tidelog("groups", "list", gateway=g).stdout.split() == ["audit"]
+    cluster = json.loads(tidelog("cluster", "--output", "json", gateway=g).stdout)
+    assert [b["broker_id"] for b in cluster["brokers"]] == [0, 1, 2]
+    assert cluster["offline_partitions"] == [] and cluster["under_replicated_partitions"] == []
+    assert "under-replicated partitions: 0" in tidelog("cluster", gateway=g).stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("topics", "describe", "missing"), "does not exist"),
+        (("consume", "missing"), "does not exist"),
+        (("topics", "create", "bad/name"), "INVALID_TOPIC"),
+        (("topics", "create", "wide", "--replication-factor", "5"), "INVALID_REPLICATION_FACTOR"),
+        (("topics", "create", "x", "--partitions", "0"), "must be >= 1"),
+        (("topics", "create", "x", "--config", "novalue"), "NAME=VALUE"),
+        (("consume", "events", "--partition", "0", "--offset", "999"), "outside"),
+        (("consume", "events", "--partition", "9"), "partition 9 does not exist"),
+        (("produce", "events", "--partition", "7"), "partition 7 does not exist"),
+        (("groups", "describe", "nobody"), "no committed offsets"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(
+    dev: DevCluster, args: tuple[str, ...], message: str
+) -> None:
+    result = tidelog(*args, gateway=dev.gateway, stdin="v\n", check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unreachable_gateway_is_one_line() -> None:
+    result = tidelog("topics", "list", gateway="127.0.0.1:1", check=False)
+    assert result.returncode == 1
+    assert "unreachable" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_dev_stops_cleanly_and_restarts_with_data_kept(dev: DevCluster) -> None:
+    tidelog(
+        "topics",
+        "create",
+        "kept",
+        "--partitions",
+        "2",
+        "--replication-factor",
+        "3",
+        gateway=dev.gateway,
+    )
+    tidelog("produce", "kept", gateway=dev.gateway, stdin="".join(f"r{i}\n" for i in range(50)))
+    started = time.monotonic()
+    assert dev.stop() == 0
+    assert time.monotonic() - started < 60
+    assert any("stopped" in line for line in dev.lines)
+    again = DevCluster(dev.data_dir)  # type: ignore[attr-defined]
+    try:
+        out = tidelog("consume", "kept", "--from-beginning", gateway=again.gateway).stdout
+        assert sorted(out.split()) == sorted(f"r{i}" for i in range(50))
+    finally:
+        assert again.stop() == 0

@@ -1,0 +1,224 @@
+"""``tidelog dev``: a whole local cluster in one command.
+
+Starts, in order: a private etcd, one controller, N storage nodes and a gateway, each a
+child process of this one, all on loopback. Prints one line containing ``ready`` and the
+gateway address once the gateway answers; runs until SIGINT (Ctrl-C) or SIGTERM, then
+stops everything in reverse order and exits 0.
+
+Layout of the data directory (``./.tidelog`` by default)::
+
+    etcd/            the etcd member (its data survives restarts)
+    broker-<id>/     each storage node's partition logs
+    logs/<role>.log  each process's JSON log lines
+
+Running ``tidelog dev`` again on the same directory keeps every topic and record: etcd and
+the brokers recover from their data. Children run in their own session, so a Ctrl-C at the
+terminal reaches only this supervisor, which then stops them in a safe order (gateway,
+brokers, controller, etcd) rather than all at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import IO, Final
+
+from tidelog.admin import Admin
+from tidelog.errors import TidelogError
+from tidelog.etcd_launcher import EtcdLaunchError, EtcdProcess
+
+_LISTENING: Final = re.compile(r"listening on (?P<address>\S+)")
+START_TIMEOUT_S: Final = 60.0
+STOP_TIMEOUT_S: Final = 20.0
+CLUSTER: Final = "dev"
+
+
+class _Child:
+    """One ``python -m tidelog <role>`` child with its log file and announced address."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log: IO[bytes] = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tidelog", *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            start_new_session=True,
+        )
+        self.address: str | None = None
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            match = _LISTENING.search(line)
+            if match and self.address is None:
+                self.address = match["address"]
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout_s: float) -> str:
+        if not self._ready.wait(timeout_s) or self.address is None:
+            raise RuntimeError(
+                f"{self.name} did not start (exit status {self.proc.poll()}); see {self.log_path}"
+            )
+        return self.address
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+def _python_path_env() -> None:
+    # Children import this checkout (or the installed package) the way this process did.
+    root = str(Path(__file__).resolve().parents[1])
+    paths = os.environ.get("PYTHONPATH", "")
+    if root not in paths.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, paths) if p)
+
+
+def main(args: argparse.Namespace) -> int:
+    data_dir = Path(args.data_dir).resolve()
+    brokers = int(args.brokers)
+    log_dir = data_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    _python_path_env()
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: FrameType | None) -> None:
+        del signum, frame
+        stop.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+    etcd: EtcdProcess | None = None
+    children: list[_Child] = []
+    try:
+        try:
+            etcd = EtcdProcess(data_dir / "etcd").start()
+        except EtcdLaunchError as exc:
+            print(f"tidelog dev: error: {exc}", file=sys.stderr)
+            return 1
+        common = ["--etcd", etcd.endpoint, "--cluster", CLUSTER]
+        controller = _Child(
+            "controller",
+            ["controller", *common, "--listen", "127.0.0.1:0", "--controller-id", "1"],
+            log_dir,
+        )
+        children.append(controller)
+        for broker_id in range(brokers):
+            children.append(
+                _Child(
+                    f"broker-{broker_id}",
+                    [
+                        "storage",
+                        *common,
+                        "--broker-id",
+                        str(broker_id),
+                        "--data-dir",
+                        str(data_dir / f"broker-{broker_id}"),
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--session-ttl-s",
+                        "5",
+                        "--controlled-shutdown-timeout-s",
+                        "5",
+                    ],
+                    log_dir,
+                )
+            )
+        gateway = _Child(
+            "gateway",
+            ["gateway", *common, "--listen", f"127.0.0.1:{args.gateway_port}"],
+            log_dir,
+        )
+        children.append(gateway)
+        for child in children:
+            child.wait_ready(START_TIMEOUT_S)
+        address = gateway.address
+        assert address is not None
+        if not _wait_usable(address, brokers, stop):
+            return 0  # stopped while starting
+        print(
+            f"tidelog dev ready: gateway {address} (etcd {etcd.endpoint}, {brokers} brokers, "
+            f"data in {data_dir}); export TIDELOG_GATEWAY={address}",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                print(
+                    f"tidelog dev: error: {dead[0].name} exited with status "
+                    f"{dead[0].proc.returncode}; see {dead[0].log_path}",
+                    file=sys.stderr,
+                )
+                return 1
+        return 0
+    except RuntimeError as exc:
+        print(f"tidelog dev: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _stop_all(children, etcd)
+        print("tidelog dev stopped", flush=True)
+
+
+def _wait_usable(address: str, brokers: int, stop: threading.Event) -> bool:
+    """Until every broker is registered and every partition has a leader that knows it
+    (on a restart, elections and recovery take a moment after the processes are up)."""
+    admin = Admin(address, timeout_ms=5_000)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not stop.is_set():
+        try:
+            cluster = admin.describe_cluster()
+            if (
+                len(cluster.brokers) == brokers
+                and cluster.controller_id >= 0
+                and not cluster.offline_partitions
+                and all(p.high_watermark >= 0 for t in cluster.topics for p in t.partitions)
+            ):
+                return True
+        except TidelogError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the cluster did not become usable; see the logs directory")
+        time.sleep(0.2)
+    return False
+
+
+def _stop_all(children: list[_Child], etcd: EtcdProcess | None) -> None:
+    """Gateway first (no new requests), then brokers together (each hands its leaderships
+    to the controller's care), then the controller, then etcd."""
+    gateways = [c for c in children if c.name == "gateway"]
+    brokers = [c for c in children if c.name.startswith("broker-")]
+    controllers = [c for c in children if c.name == "controller"]
+    for group in (gateways, brokers, controllers):
+        for child in group:
+            child.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in group:
+            child.wait(max(0.1, deadline - time.monotonic()))
+    if etcd is not None:
+        etcd.stop()
