@@ -410,3 +410,30 @@ def test_admin_calls_reach_the_controller(gateway: GatewayProcess) -> None:
         timeout=30,
     )
     assert ErrorCode(response.topics[0].error.code) == ErrorCode.INVALID_REPLICATION_FACTOR
+
+
+def test_create_partitions_and_consumer_positioning(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("growing", partitions=1, replication_factor=2)
+    admin.create_partitions("growing", 3)
+    assert len(admin.describe_topic("growing").partitions) == 3
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(3):
+            producer.send_batch(
+                "growing", [f"p{p}-{i}".encode() for i in range(5)], partition=p
+            ).result(30)
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.subscribe(["growing"])
+        assert sorted(consumer.assignment()) == [("growing", 0), ("growing", 1), ("growing", 2)]
+        consumer.seek_to_end([("growing", 0)])
+        consumer.seek(("growing", 1), 3)
+        assert consumer.position(("growing", 0)) == 5
+        assert consumer.end_offsets([("growing", 2)]) == {("growing", 2): 5}
+        seen = []
+        for record in consumer:
+            seen.append(record.value)
+            if len(seen) == 7:
+                break
+        assert sorted(seen) == sorted([b"p1-3", b"p1-4"] + [f"p2-{i}".encode() for i in range(5)])
+        assert consumer.position(("growing", 1)) == 5

@@ -26,9 +26,12 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
-from tidelog.client import GatewayConnection, raise_for
+import grpc
+
+from tidelog.batch import next_offset_after
+from tidelog.client import GatewayConnection, error_from_rpc, raise_for
 from tidelog.errors import (
     ConfigError,
     ErrorCode,
@@ -111,6 +114,8 @@ class Consumer:
         self._last_commit = time.monotonic()
         self._last_refresh = 0.0
         self._committed_positions: dict[TopicPartition, int] = {}
+        # A fetch started ahead of need: (the positions it reads from, its future).
+        self._prefetch: tuple[dict[TopicPartition, int], Any] | None = None
         self._closed = False
 
     # --- assignment -----------------------------------------------------------------------
@@ -281,29 +286,45 @@ class Consumer:
             self._positions[(last.topic, last.partition)] = last.offset + 1
         return out
 
-    def _fetch(self, wait_ms: int) -> None:
-        self._ensure_positions()
-        request = storage_pb2.FetchRequest(
+    def _fetch_request(
+        self, positions: dict[TopicPartition, int], wait_ms: int
+    ) -> storage_pb2.FetchRequest:
+        return storage_pb2.FetchRequest(
             replica_id=-1,
             max_wait_ms=wait_ms,
             min_bytes=self._min_bytes,
             max_bytes=self._max_bytes,
             partitions=[
                 storage_pb2.FetchPartition(
-                    topic=t,
-                    partition=p,
-                    fetch_offset=self._positions[(t, p)],
-                    max_bytes=self._partition_max_bytes,
+                    topic=t, partition=p, fetch_offset=o, max_bytes=self._partition_max_bytes
                 )
-                for t, p in self._assignment
+                for (t, p), o in positions.items()
             ],
         )
-        response: storage_pb2.FetchResponse = self._conn.call(
-            self._conn.stub.Fetch,
-            request,
-            "fetch",
-            timeout_s=self._conn.timeout_s + wait_ms / 1000,
-        )
+
+    def _fetch(self, wait_ms: int) -> None:
+        self._ensure_positions()
+        positions = {tp: self._positions[tp] for tp in self._assignment}
+        timeout_s = self._conn.timeout_s + wait_ms / 1000
+        response: storage_pb2.FetchResponse | None = None
+        if self._prefetch is not None:
+            expected, future = self._prefetch
+            self._prefetch = None
+            if expected == positions:
+                try:
+                    response = future.result(timeout=timeout_s)
+                except grpc.RpcError as exc:
+                    raise error_from_rpc(exc, "fetch") from None
+            else:
+                future.cancel()  # a seek or a new assignment made it useless
+        if response is None:
+            response = self._conn.call(
+                self._conn.stub.Fetch,
+                self._fetch_request(positions, wait_ms),
+                "fetch",
+                timeout_s=timeout_s,
+            )
+        self._prefetch_after(response, positions)
         retry = False
         reset: list[TopicPartition] = []
         for result in response.partitions:
@@ -332,6 +353,30 @@ class Consumer:
             self._reset_positions(reset)
         if retry and not self._buffer:
             time.sleep(RETRY_BACKOFF_S)
+
+    def _prefetch_after(
+        self, response: storage_pb2.FetchResponse, positions: dict[TopicPartition, int]
+    ) -> None:
+        """While this response is decoded, have the next one fetched: the servers work on
+        it on another core. Only when data is flowing and nothing went wrong (an error
+        needs this consumer's attention first)."""
+        ends = dict(positions)
+        moved = False
+        for result in response.partitions:
+            if result.error.code != common_pb2.NONE:
+                return
+            if result.records:
+                tp = (result.topic, result.partition)
+                if tp in ends:
+                    ends[tp] = next_offset_after(result.records, ends[tp])
+                    moved = moved or ends[tp] > positions[tp]
+        if moved:
+            self._prefetch = (
+                ends,
+                self._conn.stub.Fetch.future(
+                    self._fetch_request(ends, 0), timeout=self._conn.timeout_s
+                ),
+            )
 
     def __iter__(self) -> Iterator[ConsumerRecord]:
         """Records forever (until ``close``), polling as needed."""
@@ -408,6 +453,9 @@ class Consumer:
                 self._last_commit = 0.0
                 self._maybe_auto_commit()
         finally:
+            if self._prefetch is not None:
+                self._prefetch[1].cancel()
+                self._prefetch = None
             self._closed = True
 
     def __enter__(self) -> Consumer:

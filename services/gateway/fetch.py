@@ -26,14 +26,13 @@ import grpc
 from services.gateway.metadata_cache import Leader
 from services.gateway.router import DEADLINE_MARGIN_S, REROUTE_CODES, Router
 from services.status import error_from_proto, error_from_rpc_error, to_error_proto
-from tidelog.batch import parse_header
+from tidelog.batch import next_offset_after
 from tidelog.errors import (
     ErrorCode,
     InvalidFetchSizeError,
     InvalidRequestError,
     TidelogError,
 )
-from tidelog.formats import BATCH_HEADER_SIZE
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 
 DEFAULT_MAX_WAIT_MS: Final = 500
@@ -49,20 +48,6 @@ class FetchLimits:
     max_fetch_bytes: int = (
         50 * 1024 * 1024
     )  # record bytes in one response (Kafka's fetch.max.bytes)
-
-
-def next_offset(records: bytes, fallback: int) -> int:
-    """The offset after the last whole batch in ``records`` (``fallback`` if none)."""
-    position = 0
-    result = fallback
-    view = memoryview(records)
-    while position + BATCH_HEADER_SIZE <= len(view):
-        header = parse_header(view, position)
-        if position + header.size_bytes > len(view):
-            break
-        result = header.next_offset
-        position += header.size_bytes
-    return result
 
 
 def _fetch_error(
@@ -268,7 +253,7 @@ class FetchHandler:
             result = self._router.call_leader(request.topic, request.partition, deadline, call)
             answer = result.partitions[0]
             if answer.records:
-                offset = next_offset(answer.records, offset)
+                offset = next_offset_after(answer.records, offset)
                 yield answer
 
     def _start_offset(self, request: gateway_pb2.SubscribeRequest) -> int:
