@@ -8,13 +8,21 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: run test lint typecheck pytest protos bench sysdeps venv clean
 
-# System packages: etcd is the metadata store (tests start their own etcd processes).
+# System packages: etcd is the metadata store (tests start their own etcd processes);
+# Java 17 runs Spark.
 sysdeps:
 	@if ! command -v etcd >/dev/null 2>&1 && [ ! -x /usr/bin/etcd ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing etcd-server with apt"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; \
 	  else echo "etcd is missing: run 'sudo apt-get install -y etcd-server'" >&2; fi; \
+	fi
+	@# Java runs Spark (the pipeline and the data source tests).
+	@if ! command -v java >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing openjdk-17-jre-headless with apt"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null; \
+	  else echo "java is missing: run 'sudo apt-get install -y openjdk-17-jre-headless'" >&2; fi; \
 	fi
 
 $(STAMP): pyproject.toml

@@ -21,6 +21,7 @@ from tidelog.errors import (
     TopicAlreadyExistsError,
     UnknownTopicOrPartitionError,
 )
+from tidelog.partitioner import partition_for_key
 from tidelog.records import decode_batches, encode_batch
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
 
@@ -77,7 +78,7 @@ def test_produce_each_acks_level_and_consume_back(
     # The same key always lands on the partition Kafka's partitioner picks for it.
     by_value = {r.value: r for r in records}
     for value, key in zip(sent, keys, strict=True):
-        assert by_value[value].partition == tidelog.partitioner.partition_for_key(key, 3)
+        assert by_value[value].partition == partition_for_key(key, 3)
         assert by_value[value].key == key
     if acks == "0":
         assert all(m.offset == -1 for m in metadata)

@@ -1,0 +1,182 @@
+"""The tidelog data source in a real Spark ``local[2]`` session against a real cluster
+(etcd, controller, 3 storage nodes, gateway as processes). One Spark session for the
+module: it costs ~1 GiB and several seconds to start."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tidelog
+from tests.support.cluster import GatewayProcess, TestCluster
+from tidelog.partitioner import partition_for_key
+
+pyspark = pytest.importorskip("pyspark")
+from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402, N812
+
+from tidelog.spark import register  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
+    with TestCluster(tmp_path_factory.mktemp("spark-cluster")) as c:
+        for broker_id in range(3):
+            c.start_broker(broker_id)
+        c.start_controller(1)
+        c.wait_brokers([0, 1, 2])
+        yield c
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: TestCluster) -> GatewayProcess:
+    return cluster.start_gateway()
+
+
+@pytest.fixture(scope="module")
+def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("tidelog-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.memory", "1g")
+        .config("spark.local.dir", str(tmp_path_factory.mktemp("spark-local")))
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    register(session)
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+def test_batch_write_then_batch_read_is_identical(spark: Any, gateway: GatewayProcess) -> None:
+    tidelog.Admin(gateway.address).create_topic("spark-rt", partitions=4, replication_factor=2)
+    rows = 10_000
+    df = spark.range(rows).select(
+        F.when(F.col("id") % 7 == 0, F.lit(None))
+        .otherwise(F.concat(F.lit("k"), (F.col("id") % 50).cast("string")))
+        .cast("binary")
+        .alias("key"),
+        F.concat(F.lit("value-"), F.col("id").cast("string")).cast("binary").alias("value"),
+        F.when(
+            F.col("id") % 3 == 0,
+            F.array(
+                F.struct(
+                    F.lit("h").alias("key"),
+                    F.col("id").cast("string").cast("binary").alias("value"),
+                )
+            ),
+        ).alias("headers"),
+    )
+    df.write.format("tidelog").option("gateway", gateway.address).option("topic", "spark-rt").mode(
+        "append"
+    ).save()
+    read = (
+        spark.read.format("tidelog")
+        .option("gateway", gateway.address)
+        .option("subscribe", "spark-rt")
+        .option("includeHeaders", "true")
+        .load()
+    )
+    got = {
+        r["value"]: (r["key"], [(h["key"], h["value"]) for h in (r["headers"] or [])])
+        for r in read.select("key", "value", "headers").collect()
+    }
+    assert len(got) == rows
+    for i in range(rows):
+        key = None if i % 7 == 0 else f"k{i % 50}".encode()
+        headers = [("h", str(i).encode())] if i % 3 == 0 else []
+        assert got[f"value-{i}".encode()] == (key, headers), i
+    # Keys land where Kafka's partitioner puts them.
+    placed = read.select("key", "partition").where("key is not null").distinct().collect()
+    for row in placed:
+        assert row["partition"] == partition_for_key(bytes(row["key"]), 4)
+    schema = {f.name: f.dataType.simpleString() for f in read.schema.fields}
+    assert schema == {
+        "key": "binary",
+        "value": "binary",
+        "topic": "string",
+        "partition": "int",
+        "offset": "bigint",
+        "timestamp": "timestamp",
+        "timestampType": "int",
+        "headers": "array<struct<key:string,value:binary>>",
+    }
+
+
+def test_streaming_read_with_max_offsets_per_trigger_available_now(
+    spark: Any, gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    tidelog.Admin(gateway.address).create_topic("spark-stream", partitions=2, replication_factor=3)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch("spark-stream", [f"s{i}".encode() for i in range(1_000)]).result(60)
+    stream = (
+        spark.readStream.format("tidelog")
+        .option("gateway", gateway.address)
+        .option("subscribe", "spark-stream")
+        .option("startingOffsets", "earliest")
+        .option("maxOffsetsPerTrigger", "300")
+        .option("groupId", "spark-job")
+        .load()
+    )
+    query = (
+        stream.selectExpr("CAST(value AS STRING) AS v", "partition", "offset")
+        .writeStream.format("memory")
+        .queryName("streamed")
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(120)
+    batches = [p for p in query.recentProgress if p["numInputRows"] > 0]
+    assert len(batches) >= 2
+    assert all(p["numInputRows"] <= 300 for p in batches)
+    values = [r["v"] for r in spark.sql("SELECT v FROM streamed").collect()]
+    assert sorted(values) == sorted(f"s{i}" for i in range(1_000))
+    # The committed offsets reached the consumer group: lag 0.
+    described = tidelog.Admin(gateway.address).describe_group("spark-job")
+    assert sum(p.committed_offset for p in described) == 1_000
+    assert all(p.lag == 0 for p in described)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, "subscribe"),
+        ({"subscribe": "a", "assign": '{"a":[0]}'}, "exactly one"),
+        ({"assign": "{not json"}, "assign"),
+        (
+            {"subscribe": "spark-rt", "startingOffsets": '{"spark-rt": {"0": "x"}}'},
+            "startingOffsets",
+        ),
+        ({"subscribe": "no-such-topic"}, "no-such-topic"),
+    ],
+)
+def test_bad_read_options_are_clear(
+    spark: Any, gateway: GatewayProcess, options: dict[str, str], message: str
+) -> None:
+    reader = spark.read.format("tidelog").option("gateway", gateway.address)
+    for name, value in options.items():
+        reader = reader.option(name, value)
+    with pytest.raises(Exception, match=message):
+        reader.load().collect()
+
+
+def test_unreachable_gateway_and_missing_topic_option(spark: Any) -> None:
+    with pytest.raises(Exception, match="unreachable"):
+        spark.read.format("tidelog").option("gateway", "127.0.0.1:1").option(
+            "subscribe", "x"
+        ).load().collect()
+    df = spark.range(3).select(F.col("id").cast("string").cast("binary").alias("value"))
+    with pytest.raises(Exception, match="topic"):
+        df.write.format("tidelog").option("gateway", "127.0.0.1:1").mode("append").save()

@@ -1,0 +1,198 @@
+"""The Spark source's option checking and offset planning (pure: no Spark, no cluster)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tidelog.errors import ConfigError, OffsetOutOfRangeError
+from tidelog.spark.options import (
+    EARLIEST,
+    LATEST,
+    OffsetSpec,
+    parse_read_options,
+    parse_write_options,
+)
+from tidelog.spark.planning import (
+    Bounds,
+    OffsetRange,
+    check_start_offsets,
+    from_json_offsets,
+    ranges_between,
+    rate_limit,
+    resolve_offsets,
+    split_ranges,
+    to_json_offsets,
+)
+
+GW = {"gateway": "127.0.0.1:9094"}
+
+
+def test_exactly_one_topic_selector() -> None:
+    with pytest.raises(ConfigError, match="exactly one of"):
+        parse_read_options(GW, streaming=False)
+    with pytest.raises(ConfigError, match=r"found: subscribe, assign"):
+        parse_read_options({**GW, "subscribe": "a", "assign": '{"a": [0]}'}, streaming=False)
+
+
+def test_option_names_are_case_insensitive_and_defaults_follow_spark() -> None:
+    batch = parse_read_options({**GW, "SUBSCRIBE": "a,b, a"}, streaming=False)
+    assert batch.topics == ("a", "b")
+    assert batch.starting.kind == "earliest"
+    assert batch.ending.kind == "latest"
+    assert batch.fail_on_data_loss is True
+    assert batch.include_headers is False
+    stream = parse_read_options({**GW, "subscribe": "a"}, streaming=True)
+    assert stream.starting.kind == "latest"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"subscribe": ""}, "comma-separated list"),
+        ({"subscribe": "a,,b"}, "comma-separated list"),
+        ({"subscribe": "bad/name"}, "subscribe: topic name"),
+        ({"subscribePattern": "(unclosed"}, "not a valid regex"),
+        ({"assign": "{not json"}, "assign is not valid JSON"),
+        ({"assign": '{"a": []}'}, "non-empty list"),
+        ({"assign": '{"a": [-1]}'}, "is not >= 0"),
+        ({"subscribe": "a", "startingOffsets": "{bad"}, "startingOffsets is not valid JSON"),
+        ({"subscribe": "a", "startingOffsets": '{"a": {"x": 1}}'}, "not an integer"),
+        ({"subscribe": "a", "startingOffsets": '{"a": {"0": -3}}'}, "integer >= -2"),
+        ({"subscribe": "a", "startingOffsets": "newest"}, "'earliest', 'latest' or JSON"),
+        ({"subscribe": "a", "startingOffsets": "latest"}, "not allowed in a batch query"),
+        ({"subscribe": "a", "startingOffsets": '{"a": {"0": -1}}'}, "not allowed in a batch"),
+        ({"subscribe": "a", "endingOffsets": "earliest"}, "'earliest' is not allowed"),
+        ({"subscribe": "a", "endingOffsets": '{"a": {"0": -2}}'}, r"-2 \(earliest\)"),
+        ({"subscribe": "a", "minPartitions": "0"}, "minPartitions must be between"),
+        ({"subscribe": "a", "failOnDataLoss": "yes"}, "true or false"),
+        ({"subscribe": "a", "maxOffsetsPerTrigger": "10"}, "streaming queries only"),
+        ({"subscribe": "a", "gateway": "nohost"}, "HOST:PORT"),
+        ({"subscribe": "a", "groupId": "bad group"}, "groupId"),
+    ],
+)
+def test_bad_read_options_name_the_option(options: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_read_options({**GW, **options}, streaming=False)
+
+
+def test_streaming_only_and_batch_only_options() -> None:
+    with pytest.raises(ConfigError, match="batch queries only"):
+        parse_read_options({**GW, "subscribe": "a", "endingOffsets": "latest"}, streaming=True)
+    stream = parse_read_options(
+        {**GW, "subscribe": "a", "maxOffsetsPerTrigger": "100"}, streaming=True
+    )
+    assert stream.max_offsets_per_trigger == 100
+
+
+def test_json_offsets_and_timestamps_parse() -> None:
+    options = parse_read_options(
+        {
+            **GW,
+            "assign": '{"a": [0, 1], "b": [3]}',
+            "startingOffsets": '{"a": {"0": 5, "1": -2}, "b": {"3": 7}}',
+            "startingOffsetsByTimestamp": '{"a": {"0": 1000}}',
+            "startingTimestamp": "2000",
+        },
+        streaming=False,
+    )
+    assert options.assigned == (("a", 0), ("a", 1), ("b", 3))
+    assert options.starting == OffsetSpec("json", {("a", 0): 5, ("a", 1): EARLIEST, ("b", 3): 7})
+    assert options.starting_timestamp is not None
+    assert options.starting_timestamp.per_partition == {("a", 0): 1000}
+    assert options.starting_timestamp.all_partitions_ms == 2000
+
+
+def test_write_options() -> None:
+    options = parse_write_options({**GW, "topic": "t", "acks": "-1"}, streaming=False)
+    assert options.acks == "all"
+    assert not options.exactly_once
+    with pytest.raises(ConfigError, match="acks must be"):
+        parse_write_options({**GW, "acks": "2"}, streaming=False)
+    with pytest.raises(ConfigError, match="streaming writes only"):
+        parse_write_options({**GW, "deliveryGuarantee": "exactly-once"}, streaming=False)
+    with pytest.raises(ConfigError, match="needs acks=all"):
+        parse_write_options(
+            {**GW, "deliveryGuarantee": "exactly-once", "acks": "1"}, streaming=True
+        )
+
+
+BOUNDS = {("a", 0): Bounds(10, 100), ("a", 1): Bounds(0, 5)}
+
+
+def test_resolve_offsets_rules() -> None:
+    assert resolve_offsets(OffsetSpec("earliest"), BOUNDS, option="s", require_all=True) == {
+        ("a", 0): 10,
+        ("a", 1): 0,
+    }
+    assert resolve_offsets(OffsetSpec("latest"), BOUNDS, option="s", require_all=True) == {
+        ("a", 0): 100,
+        ("a", 1): 5,
+    }
+    spec = OffsetSpec("json", {("a", 0): 50, ("a", 1): LATEST})
+    assert resolve_offsets(spec, BOUNDS, option="s", require_all=True) == {
+        ("a", 0): 50,
+        ("a", 1): 5,
+    }
+    partial = OffsetSpec("json", {("a", 0): 50})
+    with pytest.raises(ConfigError, match="missing: a-1"):
+        resolve_offsets(partial, BOUNDS, option="s", require_all=True)
+    assert resolve_offsets(partial, BOUNDS, option="s", require_all=False)[("a", 1)] == 0
+    with pytest.raises(ConfigError, match="not being read: b-0"):
+        resolve_offsets(OffsetSpec("json", {("b", 0): 1}), BOUNDS, option="s", require_all=False)
+
+
+def test_data_loss_check() -> None:
+    with pytest.raises(OffsetOutOfRangeError, match=r"\[3, 10\) were removed"):
+        check_start_offsets({("a", 0): 3}, BOUNDS, fail_on_data_loss=True)
+    assert check_start_offsets({("a", 0): 3}, BOUNDS, fail_on_data_loss=False) == {("a", 0): 10}
+    assert check_start_offsets({("a", 0): 500}, BOUNDS, fail_on_data_loss=True) == {("a", 0): 100}
+
+
+def test_rate_limit_shares_by_backlog_and_never_starves() -> None:
+    starts = {("a", 0): 0, ("a", 1): 0, ("a", 2): 0}
+    latest = {("a", 0): 1000, ("a", 1): 100, ("a", 2): 1}
+    ends = rate_limit(starts, latest, 110)
+    assert ends == {("a", 0): 99, ("a", 1): 9, ("a", 2): 1}
+    assert rate_limit(starts, latest, 10_000) == latest
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000)), min_size=1, max_size=8),
+    st.integers(1, 5000),
+)
+def test_rate_limit_properties(pairs: list[tuple[int, int]], limit: int) -> None:
+    starts = {("t", i): start for i, (start, _) in enumerate(pairs)}
+    latest = {("t", i): start + extra for i, (start, extra) in enumerate(pairs)}
+    ends = rate_limit(starts, latest, limit)
+    for tp, end in ends.items():
+        assert starts[tp] <= end <= latest[tp]
+        if latest[tp] > starts[tp]:
+            assert end > starts[tp]  # every lagging partition progresses
+    assert sum(ends[tp] - starts[tp] for tp in ends) <= limit + len(pairs)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 10**5)), min_size=1, max_size=6),
+    st.integers(1, 64),
+)
+def test_split_ranges_covers_exactly(pairs: list[tuple[int, int]], min_partitions: int) -> None:
+    ranges = [OffsetRange("t", i, s, s + n) for i, (s, n) in enumerate(pairs)]
+    pieces = split_ranges(ranges, min_partitions)
+    assert len(pieces) >= min(min_partitions, sum(r.size for r in ranges))
+    for r in ranges:
+        mine = [p for p in pieces if p.partition == r.partition]
+        assert mine[0].start == r.start and mine[-1].end == r.end
+        assert all(a.end == b.start for a, b in itertools.pairwise(mine))
+        assert all(p.size > 0 for p in mine)
+
+
+def test_ranges_and_json_offsets_round_trip() -> None:
+    starts = {("a", 0): 5, ("b", 2): 7}
+    ends = {("a", 0): 9, ("b", 2): 7, ("b", 3): 4}
+    assert ranges_between(starts, ends) == [OffsetRange("a", 0, 5, 9), OffsetRange("b", 3, 0, 4)]
+    assert to_json_offsets(ends) == {"a": {"0": 9}, "b": {"2": 7, "3": 4}}
+    assert from_json_offsets(to_json_offsets(ends)) == ends

@@ -1,0 +1,186 @@
+"""Offset planning for the Spark data source: pure functions, no I/O, no Spark.
+
+Given what the cluster reported (each partition's [earliest, latest) bounds, timestamp
+lookups) and the checked options, these decide which offset range every Spark task
+reads. The rules are those of Spark's Kafka source so results match users' experience:
+
+- ``resolve_offsets`` turns an ``OffsetSpec`` into one offset per partition (-2 earliest,
+  -1 latest); a JSON spec must name every partition for ``subscribe`` / pattern reads.
+- ``check_start_offsets`` applies ``failOnDataLoss`` when retention already removed the
+  start of a range.
+- ``rate_limit`` splits ``maxOffsetsPerTrigger`` across partitions in proportion to
+  their backlog (Kafka source's ``rateLimit``), always letting every lagging partition
+  progress by at least one offset.
+- ``split_ranges`` cuts large ranges so that there are at least ``minPartitions`` tasks.
+
+Offsets here are dicts keyed by ``(topic, partition)``; ``to_json_offsets`` /
+``from_json_offsets`` convert to the ``{"topic": {"0": 23}}`` form Spark checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from tidelog.errors import ConfigError, OffsetOutOfRangeError
+from tidelog.spark.options import EARLIEST, LATEST, OffsetSpec
+
+TopicPartition = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """A partition as a consumer sees it: offsets [earliest, latest) are readable."""
+
+    earliest: int
+    latest: int
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetRange:
+    """Offsets [start, end) of one partition: the unit of work of one Spark task."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def resolve_offsets(
+    spec: OffsetSpec,
+    bounds: Mapping[TopicPartition, Bounds],
+    *,
+    option: str,
+    require_all: bool,
+) -> dict[TopicPartition, int]:
+    """One offset per partition in ``bounds`` from ``spec``.
+
+    ``require_all``: a JSON spec must name every partition (subscribe and pattern reads,
+    as in Spark); otherwise unnamed partitions start at earliest. A JSON spec naming a
+    partition that is not being read is an error either way.
+    """
+    if spec.kind == "earliest":
+        return {tp: b.earliest for tp, b in bounds.items()}
+    if spec.kind == "latest":
+        return {tp: b.latest for tp, b in bounds.items()}
+    assert spec.per_partition is not None
+    unknown = sorted(set(spec.per_partition) - set(bounds))
+    if unknown:
+        raise ConfigError(f"{option} names partitions that are not being read: {_names(unknown)}")
+    missing = sorted(set(bounds) - set(spec.per_partition))
+    if missing and require_all:
+        raise ConfigError(
+            f"{option} must give an offset for every partition read; missing: {_names(missing)}"
+        )
+    result: dict[TopicPartition, int] = {}
+    for tp, b in bounds.items():
+        wanted = spec.per_partition.get(tp, EARLIEST)
+        result[tp] = b.earliest if wanted == EARLIEST else b.latest if wanted == LATEST else wanted
+    return result
+
+
+def check_start_offsets(
+    starts: Mapping[TopicPartition, int],
+    bounds: Mapping[TopicPartition, Bounds],
+    *,
+    fail_on_data_loss: bool,
+) -> dict[TopicPartition, int]:
+    """Starts checked against what still exists.
+
+    A start below ``earliest`` means retention removed records the query should have
+    read: an error with ``fail_on_data_loss`` (Spark's default), else the range starts at
+    ``earliest``. A start beyond ``latest`` is clamped to ``latest`` (nothing to read yet;
+    the data may also have been truncated by an unclean leader change).
+    """
+    result: dict[TopicPartition, int] = {}
+    for tp, wanted in starts.items():
+        b = bounds[tp]
+        if wanted < b.earliest and fail_on_data_loss:
+            raise OffsetOutOfRangeError(
+                f"{tp[0]}-{tp[1]}: offsets [{wanted}, {b.earliest}) were removed by "
+                "retention before they were read; set failOnDataLoss=false to skip them"
+            )
+        result[tp] = min(max(wanted, b.earliest), b.latest)
+    return result
+
+
+def ranges_between(
+    starts: Mapping[TopicPartition, int], ends: Mapping[TopicPartition, int]
+) -> list[OffsetRange]:
+    """Non-empty ranges, in (topic, partition) order; a partition missing in ``starts``
+    (new since the last batch) starts at 0, as Kafka's source starts new partitions at
+    earliest."""
+    result: list[OffsetRange] = []
+    for tp in sorted(ends):
+        start = starts.get(tp, 0)
+        if ends[tp] > start:
+            result.append(OffsetRange(tp[0], tp[1], start, ends[tp]))
+    return result
+
+
+def rate_limit(
+    starts: Mapping[TopicPartition, int],
+    latest: Mapping[TopicPartition, int],
+    max_offsets: int,
+) -> dict[TopicPartition, int]:
+    """End offsets reading at most about ``max_offsets`` in total, shared by backlog.
+
+    Each partition gets ``max_offsets * backlog / total_backlog`` offsets, rounded down
+    but at least one when it has any backlog (so no partition starves); the total may
+    thus exceed ``max_offsets`` by at most the number of partitions.
+    """
+    backlog = {tp: max(0, end - starts.get(tp, 0)) for tp, end in latest.items()}
+    total = sum(backlog.values())
+    if total <= max_offsets:
+        return dict(latest)
+    result: dict[TopicPartition, int] = {}
+    for tp, end in latest.items():
+        share = max_offsets * backlog[tp] / total
+        take = math.ceil(share) if share < 1 else math.floor(share)
+        result[tp] = min(end, starts.get(tp, 0) + take)
+    return result
+
+
+def split_ranges(ranges: Sequence[OffsetRange], min_partitions: int | None) -> list[OffsetRange]:
+    """Cut ranges so there are at least ``min_partitions`` of them (when possible).
+
+    Like Spark's KafkaOffsetRangeCalculator: a range gets ``ceil(size / total *
+    min_partitions)`` pieces of near-equal size; ranges already numerous enough are kept.
+    """
+    if min_partitions is None or len(ranges) >= min_partitions:
+        return list(ranges)
+    total = sum(r.size for r in ranges)
+    result: list[OffsetRange] = []
+    for r in ranges:
+        pieces = max(1, min(r.size, math.ceil(r.size / total * min_partitions)))
+        for i in range(pieces):
+            start = r.start + r.size * i // pieces
+            end = r.start + r.size * (i + 1) // pieces
+            result.append(OffsetRange(r.topic, r.partition, start, end))
+    return result
+
+
+def to_json_offsets(offsets: Mapping[TopicPartition, int]) -> dict[str, dict[str, int]]:
+    """``{(t, p): o}`` -> ``{"t": {"p": o}}`` (what Spark writes to its checkpoint)."""
+    result: dict[str, dict[str, int]] = {}
+    for (topic, partition), offset in sorted(offsets.items()):
+        result.setdefault(topic, {})[str(partition)] = offset
+    return result
+
+
+def from_json_offsets(data: Mapping[str, Mapping[str, int]]) -> dict[TopicPartition, int]:
+    """The inverse of ``to_json_offsets``."""
+    return {
+        (topic, int(partition)): int(offset)
+        for topic, partitions in data.items()
+        for partition, offset in partitions.items()
+    }
+
+
+def _names(tps: Iterable[TopicPartition]) -> str:
+    return ", ".join(f"{t}-{p}" for t, p in tps)

@@ -1,0 +1,220 @@
+"""Reading offset ranges into Arrow in the Kafka source's schema, and resolving plans.
+
+``read_range`` is what every Spark read task runs: fetch [start, end) of one partition
+through the gateway (whole batches, long-polling where the range is not yet below the
+high watermark of a newly elected leader), decode each batch to Arrow with no Python
+per record (``RecordBatch.to_arrow``), slice off records outside the range and add the
+constant columns. ``resolve_*`` run on the driver: topic discovery and offset bounds.
+
+The output schema is Spark's Kafka source schema: key, value (binary), topic (string),
+partition (int), offset (long), timestamp (timestamp), timestampType (int: 0 create
+time, 1 log-append time), and with ``includeHeaders`` headers (array of key/value).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
+
+from tidelog.client import GatewayConnection
+from tidelog.errors import (
+    ConfigError,
+    OffsetOutOfRangeError,
+    RequestTimedOutError,
+    UnknownTopicOrPartitionError,
+)
+from tidelog.formats import ATTR_TIMESTAMP_LOG_APPEND
+from tidelog.records import decode_batches
+from tidelog.spark.options import ReadOptions
+from tidelog.spark.planning import Bounds, OffsetRange, TopicPartition
+
+SCHEMA_DDL: Final = (
+    "key binary, value binary, topic string, partition int, offset long, "
+    "timestamp timestamp, timestampType int"
+)
+HEADERS_DDL: Final = ", headers array<struct<key: string, value: binary>>"
+
+READ_STALL_TIMEOUT_S: Final = 120.0
+"""How long a task waits for offsets it was promised (below the planned end) to become
+readable, e.g. while a new leader's high watermark catches up, before failing."""
+
+
+def schema_ddl(include_headers: bool) -> str:
+    """The DDL of the source's schema."""
+    return SCHEMA_DDL + (HEADERS_DDL if include_headers else "")
+
+
+def resolve_partitions(connection: GatewayConnection, options: ReadOptions) -> list[TopicPartition]:
+    """The partitions a read covers, checked against the cluster's metadata.
+
+    Raises UnknownTopicOrPartitionError for a named topic (subscribe) or partition
+    (assign) that does not exist. A pattern matching nothing yields no partitions.
+    """
+    if options.topics is not None:
+        counts = connection.partition_counts(options.topics)
+        return [(t, p) for t in options.topics for p in range(counts[t])]
+    if options.pattern is not None:
+        counts = connection.partition_counts()
+        pattern = options.pattern
+        return [(t, p) for t in sorted(counts) if pattern.fullmatch(t) for p in range(counts[t])]
+    assert options.assigned is not None
+    counts = connection.partition_counts(sorted({t for t, _ in options.assigned}))
+    for topic, partition in options.assigned:
+        if partition >= counts[topic]:
+            raise UnknownTopicOrPartitionError(
+                f"assign: topic {topic!r} has {counts[topic]} partitions; there is no "
+                f"partition {partition}"
+            )
+    return list(options.assigned)
+
+
+def resolve_bounds(
+    connection: GatewayConnection, partitions: Sequence[TopicPartition]
+) -> dict[TopicPartition, Bounds]:
+    """[earliest, high watermark) of each partition."""
+    raw = connection.bounds(partitions)
+    return {tp: Bounds(b.earliest, b.latest) for tp, b in raw.items()}
+
+
+def resolve_timestamps(
+    connection: GatewayConnection,
+    options: ReadOptions,
+    bounds: dict[TopicPartition, Bounds],
+) -> dict[TopicPartition, int]:
+    """Start offsets from ``startingOffsetsByTimestamp`` / ``startingTimestamp``."""
+    from tidelog.v1 import common_pb2  # noqa: PLC0415  # keeps module import light
+
+    spec = options.starting_timestamp
+    assert spec is not None
+    wanted: dict[TopicPartition, int] = {}
+    if spec.per_partition is not None:
+        unknown = sorted(set(spec.per_partition) - set(bounds))
+        if unknown:
+            raise ConfigError(
+                "startingOffsetsByTimestamp names partitions that are not being read: "
+                + ", ".join(f"{t}-{p}" for t, p in unknown)
+            )
+        missing = sorted(set(bounds) - set(spec.per_partition))
+        if missing and spec.all_partitions_ms is None:
+            raise ConfigError(
+                "startingOffsetsByTimestamp must give a timestamp for every partition read; "
+                "missing: " + ", ".join(f"{t}-{p}" for t, p in missing)
+            )
+        wanted.update(spec.per_partition)
+    for tp in bounds:
+        if tp not in wanted:
+            assert spec.all_partitions_ms is not None
+            wanted[tp] = spec.all_partitions_ms
+    result: dict[TopicPartition, int] = {}
+    for timestamp_ms in sorted(set(wanted.values())):
+        group = [tp for tp, ts in wanted.items() if ts == timestamp_ms]
+        found = connection.list_offsets(group, common_pb2.BY_TIMESTAMP, timestamp_ms)
+        for tp in group:
+            offset = found[tp][0]
+            if offset < 0:
+                if spec.strategy == "error":
+                    raise OffsetOutOfRangeError(
+                        f"{tp[0]}-{tp[1]} has no record with timestamp >= {timestamp_ms}; "
+                        "set startingOffsetsByTimestampStrategy=latest to start at the end"
+                    )
+                offset = bounds[tp].latest
+            result[tp] = offset
+    return result
+
+
+def read_range(
+    connection: GatewayConnection,
+    offset_range: OffsetRange,
+    *,
+    include_headers: bool,
+    fail_on_data_loss: bool,
+    fetch_max_bytes: int,
+) -> Iterator[Any]:
+    """The records of ``offset_range`` as pyarrow RecordBatches in the source schema."""
+    import pyarrow as pa  # noqa: PLC0415  # executors only
+    import pyarrow.compute as pc  # noqa: PLC0415
+
+    topic, partition = offset_range.topic, offset_range.partition
+    position, end = offset_range.start, offset_range.end
+    topic_scalar = pa.scalar(topic, pa.string())
+    partition_scalar = pa.scalar(partition, pa.int32())
+    stalled_since: float | None = None
+    while position < end:
+        try:
+            result = connection.fetch(topic, partition, position, fetch_max_bytes)
+        except OffsetOutOfRangeError:
+            earliest = connection.bounds([(topic, partition)])[(topic, partition)].earliest
+            if position >= earliest:
+                raise
+            if fail_on_data_loss:
+                raise OffsetOutOfRangeError(
+                    f"{topic}-{partition}: offsets [{position}, {earliest}) were removed by "
+                    "retention before they were read; set failOnDataLoss=false to skip them"
+                ) from None
+            position = earliest
+            continue
+        batches = decode_batches(result.records)
+        if not batches:
+            # The planned end was below a high watermark; a new leader may not have
+            # reached it yet. Wait (the fetch itself long-polls), but not forever.
+            now = time.monotonic()
+            stalled_since = stalled_since or now
+            if now - stalled_since > READ_STALL_TIMEOUT_S:
+                raise RequestTimedOutError(
+                    f"{topic}-{partition}: offset {position} did not become readable within "
+                    f"{READ_STALL_TIMEOUT_S:.0f} s (high watermark {result.high_watermark})"
+                )
+            continue
+        stalled_since = None
+        for batch in batches:
+            if batch.last_offset < position:
+                continue
+            if batch.base_offset >= end:
+                position = end
+                break
+            records = batch.to_arrow()
+            first = position - batch.base_offset
+            count = min(end, batch.last_offset + 1) - position
+            records = records.slice(first, count)
+            timestamp_type = 1 if batch.header.attributes & ATTR_TIMESTAMP_LOG_APPEND else 0
+            yield _to_source_schema(
+                pa,
+                pc,
+                records,
+                topic=topic_scalar,
+                partition=partition_scalar,
+                timestamp_type=timestamp_type,
+                include_headers=include_headers,
+            )
+            position += count
+
+
+def _to_source_schema(
+    pa: Any,
+    pc: Any,
+    records: Any,
+    *,
+    topic: Any,
+    partition: Any,
+    timestamp_type: int,
+    include_headers: bool,
+) -> Any:
+    n = records.num_rows
+    timestamps_us = pc.multiply(records.column("timestamp_ms"), 1000).cast(
+        pa.timestamp("us", tz="UTC")
+    )
+    columns = [
+        records.column("key"),
+        records.column("value"),
+        pa.repeat(topic, n),
+        pa.repeat(partition, n),
+        records.column("offset"),
+        timestamps_us,
+        pa.repeat(pa.scalar(timestamp_type, pa.int32()), n),
+    ]
+    names = ["key", "value", "topic", "partition", "offset", "timestamp", "timestampType"]
+    if include_headers:
+        columns.append(records.column("headers"))
+        names.append("headers")
+    return pa.RecordBatch.from_arrays(columns, names=names)

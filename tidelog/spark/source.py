@@ -1,0 +1,218 @@
+"""The PySpark data source classes: ``format("tidelog")`` for reads and writes.
+
+These are thin: option checking lives in ``options``, offset rules in ``planning``, the
+I/O of a read task in ``reader`` and of a write task in ``writer``. Spark pickles the
+reader and writer objects to its Python workers, so they hold only options and plans,
+never a channel (``GatewayConnection.get`` makes one per process on first use).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from tidelog.client import GatewayConnection
+from tidelog.errors import ConfigError
+from tidelog.spark import planning, reader
+from tidelog.spark.options import ReadOptions, parse_read_options
+from tidelog.spark.planning import OffsetRange, TopicPartition
+
+
+class RangePartition(InputPartition):
+    """One Spark task's work: an offset range of one partition (picklable)."""
+
+    def __init__(self, offset_range: OffsetRange) -> None:
+        super().__init__(offset_range)
+        self.offset_range = offset_range
+
+
+def _env_gateway() -> str | None:
+    return os.environ.get("TIDELOG_GATEWAY")
+
+
+class TidelogDataSource(DataSource):
+    """``spark.read.format("tidelog")`` / ``readStream`` / ``write`` / ``writeStream``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "tidelog"
+
+    def schema(self) -> str:
+        include = str(self.options.get("includeHeaders", "false")).strip().lower() == "true"
+        return reader.schema_ddl(include)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        options = parse_read_options(self.options, streaming=False, env_gateway=_env_gateway())
+        return TidelogBatchReader(options)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        options = parse_read_options(self.options, streaming=True, env_gateway=_env_gateway())
+        return TidelogStreamReader(options)
+
+    def writer(self, schema: StructType, overwrite: bool) -> Any:
+        from tidelog.spark.writer import TidelogBatchWriter  # noqa: PLC0415
+
+        return TidelogBatchWriter(self.options, schema, env_gateway=_env_gateway())
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
+        from tidelog.spark.writer import TidelogStreamWriter  # noqa: PLC0415
+
+        return TidelogStreamWriter(self.options, schema, env_gateway=_env_gateway())
+
+
+def _read(options: ReadOptions, partition: InputPartition) -> Iterator[Any]:
+    assert isinstance(partition, RangePartition), partition
+    connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
+    return reader.read_range(
+        connection,
+        partition.offset_range,
+        include_headers=options.include_headers,
+        fail_on_data_loss=options.fail_on_data_loss,
+        fetch_max_bytes=options.fetch_max_bytes,
+    )
+
+
+class TidelogBatchReader(DataSourceReader):
+    """A batch read: [startingOffsets, endingOffsets) fixed when the plan is made."""
+
+    def __init__(self, options: ReadOptions) -> None:
+        self.options = options
+
+    def partitions(self) -> Sequence[InputPartition]:
+        options = self.options
+        connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
+        tps = reader.resolve_partitions(connection, options)
+        bounds = reader.resolve_bounds(connection, tps)
+        require_all = options.selector != "assign"
+        if options.starting_timestamp is not None:
+            starts = reader.resolve_timestamps(connection, options, bounds)
+        else:
+            starts = planning.resolve_offsets(
+                options.starting, bounds, option="startingOffsets", require_all=require_all
+            )
+        starts = planning.check_start_offsets(
+            starts, bounds, fail_on_data_loss=options.fail_on_data_loss
+        )
+        ends = planning.resolve_offsets(
+            options.ending, bounds, option="endingOffsets", require_all=require_all
+        )
+        for tp, end in ends.items():
+            if end < starts[tp]:
+                raise ConfigError(
+                    f"{tp[0]}-{tp[1]}: the ending offset {end} is before the starting offset "
+                    f"{starts[tp]}"
+                )
+        ranges = planning.split_ranges(
+            planning.ranges_between(starts, ends), options.min_partitions
+        )
+        return [RangePartition(r) for r in ranges]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(self.options, partition)
+
+
+class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """A streaming read; offsets are ``{"topic": {"partition": next offset}}``.
+
+    Admission control: ``maxOffsetsPerTrigger`` becomes the default read limit and
+    ``latestOffset(start, limit)`` shares it among partitions by backlog. With
+    ``Trigger.AvailableNow`` the high watermarks seen when the query starts are the
+    target: no micro-batch goes past them. New partitions of subscribed topics are
+    picked up at each micro-batch and read from their beginning.
+    """
+
+    def __init__(self, options: ReadOptions) -> None:
+        self.options = options
+        self._target: dict[TopicPartition, int] | None = None
+        self._committed: dict[TopicPartition, int] = {}
+
+    def _connection(self) -> GatewayConnection:
+        return GatewayConnection.get(self.options.gateway, self.options.request_timeout_ms)
+
+    def _latest(self) -> dict[TopicPartition, int]:
+        connection = self._connection()
+        tps = reader.resolve_partitions(connection, self.options)
+        return {tp: b.latest for tp, b in reader.resolve_bounds(connection, tps).items()}
+
+    def initialOffset(self) -> dict[str, dict[str, int]]:
+        options = self.options
+        connection = self._connection()
+        tps = reader.resolve_partitions(connection, options)
+        bounds = reader.resolve_bounds(connection, tps)
+        if options.starting_timestamp is not None:
+            starts = reader.resolve_timestamps(connection, options, bounds)
+        else:
+            starts = planning.resolve_offsets(
+                options.starting,
+                bounds,
+                option="startingOffsets",
+                require_all=options.selector != "assign",
+            )
+        starts = planning.check_start_offsets(
+            starts, bounds, fail_on_data_loss=options.fail_on_data_loss
+        )
+        return planning.to_json_offsets(starts)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.options.max_offsets_per_trigger is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.options.max_offsets_per_trigger)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._latest()
+
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, dict[str, int]]:
+        starts = planning.from_json_offsets(start)
+        # Spark plans the next micro-batch only after the previous one completed, so
+        # ``start`` is processed data: the group sees it now rather than when Spark gets
+        # round to commit() (a batch later, and never for the last AvailableNow batch).
+        self._commit_group(starts)
+        latest = self._target if self._target is not None else self._latest()
+        # Never move backwards (a partition whose HW dropped after an unclean election).
+        latest = {tp: max(end, starts.get(tp, 0)) for tp, end in latest.items()}
+        for tp, offset in starts.items():
+            latest.setdefault(tp, offset)
+        if isinstance(limit, ReadMaxRows):
+            latest = planning.rate_limit(starts, latest, limit.max_rows)
+        return planning.to_json_offsets(latest)
+
+    def reportLatestOffset(self) -> dict[str, dict[str, int]] | None:
+        return planning.to_json_offsets(self._latest())
+
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        ranges = planning.ranges_between(
+            planning.from_json_offsets(start), planning.from_json_offsets(end)
+        )
+        return [
+            RangePartition(r) for r in planning.split_ranges(ranges, self.options.min_partitions)
+        ]
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(self.options, partition)
+
+    def commit(self, end: dict[str, Any]) -> None:
+        self._commit_group(planning.from_json_offsets(end))
+
+    def _commit_group(self, offsets: dict[TopicPartition, int]) -> None:
+        if self.options.group_id is None or not offsets or offsets == self._committed:
+            return
+        self._connection().commit_offsets(self.options.group_id, offsets)
+        self._committed = dict(offsets)
+
+    def stop(self) -> None:
+        pass

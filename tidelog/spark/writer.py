@@ -1,0 +1,249 @@
+"""Spark writes to tidelog: batch (``df.write``) and streaming (``df.writeStream``).
+
+Each Spark task gets Arrow record batches of its rows with the columns Spark's Kafka
+sink knows: ``value`` (required; binary or string), ``key``, ``topic``, ``partition``,
+``headers``; other columns are ignored. A row goes to its ``partition`` value if set,
+else to the partition Kafka's default partitioner picks for its key (murmur2), else to
+the task's sticky partition. Rows are grouped per destination with Arrow kernels,
+encoded with ``encode_batch_arrow`` (no Python per record except key hashing) and sent
+in produce requests of several partitions each, one request in flight at a time so the
+records of a partition keep their order.
+
+Delivery guarantees (stated precisely in docs/SPARK.md):
+
+- at-least-once (default): a task answers success only after every batch was
+  acknowledged at the requested ``acks``; a failed task is retried by Spark and may
+  write some records twice.
+- exactly-once (streaming, ``deliveryGuarantee=exactly-once``): every task of a
+  micro-batch writes as an idempotent producer whose id is fixed by (query id, batch id,
+  task), records of each partition in a canonical order, so a replayed micro-batch
+  resends identical batches with identical sequence numbers and the brokers drop them
+  as duplicates.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pyspark.sql.datasource import (
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import BinaryType, IntegerType, StringType, StructType
+
+from tidelog.client import GatewayConnection
+from tidelog.errors import ConfigError, InvalidRequestError, error_for_code
+from tidelog.partitioner import murmur2_partitions
+from tidelog.records import encode_batch_arrow
+from tidelog.spark.options import WriteOptions, parse_write_options
+from tidelog.v1 import common_pb2
+
+REQUEST_BYTES: Final = 8 * 1024 * 1024
+"""Batches are sent once this many bytes are pending: big requests amortize the hops."""
+
+_ACKS: Final = {"0": common_pb2.NONE_ACKS, "1": common_pb2.LEADER, "all": common_pb2.ALL}
+
+
+@dataclass(frozen=True)
+class WriteSummary(WriterCommitMessage):
+    """What one task wrote: rows and batches (reported to the driver's commit)."""
+
+    rows: int
+    batches: int
+
+
+def check_schema(schema: StructType, options: WriteOptions) -> None:
+    """Reject a schema the sink cannot write, before any task runs."""
+    fields = {field.name.lower(): field for field in schema.fields}
+    if "value" not in fields:
+        raise ConfigError("the data to write needs a 'value' column (binary or string)")
+    for name in ("key", "value"):
+        if name in fields and not isinstance(fields[name].dataType, BinaryType | StringType):
+            raise ConfigError(
+                f"column {name!r} must be binary or string, "
+                f"not {fields[name].dataType.simpleString()}"
+            )
+    if "topic" in fields and not isinstance(fields["topic"].dataType, StringType):
+        raise ConfigError("column 'topic' must be a string")
+    if "topic" not in fields and options.topic is None:
+        raise ConfigError("set the 'topic' option or give the data a 'topic' column")
+    if "partition" in fields and not isinstance(fields["partition"].dataType, IntegerType):
+        raise ConfigError("column 'partition' must be an int")
+    if "headers" in fields:
+        text = fields["headers"].dataType.simpleString()
+        if text != "array<struct<key:string,value:binary>>":
+            raise ConfigError(
+                f"column 'headers' must be array<struct<key:string,value:binary>>, not {text}"
+            )
+
+
+class _TaskWriter:
+    """Writes one task's rows; see the module docstring. Not thread-safe (one per task)."""
+
+    def __init__(self, options: WriteOptions, sticky_seed: int | None) -> None:
+        self.options = options
+        self.connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
+        self.partition_counts: dict[str, int] = {}
+        self.sticky: dict[str, int] = {}
+        self.random = random.Random(sticky_seed)
+        self.pending: list[tuple[str, int, bytes]] = []
+        self.pending_bytes = 0
+        self.rows = 0
+        self.batches = 0
+
+    def partitions_of(self, topic: str) -> int:
+        count = self.partition_counts.get(topic)
+        if count is None:
+            count = self.connection.partition_counts([topic])[topic]
+            self.partition_counts[topic] = count
+        return count
+
+    def write(self, batches: Iterator[Any]) -> WriteSummary:
+        for batch in batches:
+            if batch.num_rows:
+                self._write_batch(batch)
+        self._send()
+        return WriteSummary(self.rows, self.batches)
+
+    def _write_batch(self, batch: Any) -> None:
+        import pyarrow as pa  # noqa: PLC0415  # executors only
+        import pyarrow.compute as pc  # noqa: PLC0415
+
+        columns = {name.lower(): batch.column(i) for i, name in enumerate(batch.schema.names)}
+        n = batch.num_rows
+        topics = columns.get("topic")
+        default_topic = self.options.topic
+        if topics is None:
+            assert default_topic is not None  # check_schema
+            topics = pa.repeat(pa.scalar(default_topic, pa.string()), n)
+        elif topics.null_count:
+            if default_topic is None:
+                raise InvalidRequestError("a row has a null 'topic' and no 'topic' option is set")
+            topics = pc.fill_null(topics, default_topic)
+        for topic_scalar in pc.unique(topics).to_pylist():
+            topic = str(topic_scalar)
+            rows = batch if len(pc.unique(topics)) == 1 else batch.filter(pc.equal(topics, topic))
+            self._write_topic(pa, pc, topic, rows)
+
+    def _write_topic(self, pa: Any, pc: Any, topic: str, batch: Any) -> None:
+        count = self.partitions_of(topic)
+        names = {name.lower(): i for i, name in enumerate(batch.schema.names)}
+        n = batch.num_rows
+        keys = batch.column(names["key"]).cast(pa.binary()) if "key" in names else None
+        explicit = batch.column(names["partition"]) if "partition" in names else None
+        if explicit is None and (keys is None or keys.null_count == n):
+            destinations = None  # every row goes to the sticky partition
+        else:
+            destinations = self._destinations(pa, pc, topic, count, keys, explicit, n)
+        values = batch.column(names["value"]).cast(pa.binary())
+        headers = batch.column(names["headers"]) if "headers" in names else None
+        if destinations is None:
+            self._write_partition(topic, self._sticky(topic, count), values, keys, headers)
+            return
+        for partition in pc.unique(destinations).to_pylist():
+            mask = pc.equal(destinations, partition)
+            self._write_partition(
+                topic,
+                int(partition),
+                values.filter(mask),
+                None if keys is None else keys.filter(mask),
+                None if headers is None else headers.filter(mask),
+            )
+
+    def _destinations(  # noqa: PLR0917 - private helper, named at its one call site
+        self, pa: Any, pc: Any, topic: str, count: int, keys: Any, explicit: Any, n: int
+    ) -> Any:
+        sticky = self._sticky(topic, count)
+        by_key = (
+            pa.array(murmur2_partitions(keys.to_pylist(), count, default=sticky), pa.int32())
+            if keys is not None
+            else pa.repeat(pa.scalar(sticky, pa.int32()), n)
+        )
+        if explicit is None:
+            return by_key
+        if pc.any(pc.or_(pc.less(explicit, 0), pc.greater_equal(explicit, count))).as_py():
+            raise InvalidRequestError(
+                f"a row's 'partition' is outside topic {topic!r}'s partitions 0..{count - 1}"
+            )
+        return pc.coalesce(explicit, by_key)
+
+    def _sticky(self, topic: str, count: int) -> int:
+        partition = self.sticky.get(topic)
+        if partition is None:
+            partition = self.random.randrange(count)
+            self.sticky[topic] = partition
+        return partition
+
+    def _write_partition(
+        self, topic: str, partition: int, values: Any, keys: Any, headers: Any
+    ) -> None:
+        n = len(values)
+        size = values.nbytes + (0 if keys is None else keys.nbytes) + 64
+        rows_per_batch = max(1, n * self.options.batch_bytes // max(size, 1))
+        for start in range(0, n, rows_per_batch):
+            stop = min(n, start + rows_per_batch)
+            records = encode_batch_arrow(
+                values.slice(start, stop - start),
+                None if keys is None else keys.slice(start, stop - start),
+                None if headers is None else headers.slice(start, stop - start),
+                compression=self.options.compression,
+            )
+            self.pending.append((topic, partition, records))
+            self.pending_bytes += len(records)
+            self.rows += stop - start
+            self.batches += 1
+            if self.pending_bytes >= REQUEST_BYTES:
+                self._send()
+        # Like Kafka's sticky partitioner: move on once a partition got a batch's worth.
+        if topic in self.sticky and n:
+            self.sticky[topic] = self.random.randrange(self.partitions_of(topic))
+
+    def _send(self) -> None:
+        if not self.pending:
+            return
+        items, self.pending, self.pending_bytes = self.pending, [], 0
+        results = self.connection.produce(
+            items, _ACKS[self.options.acks], self.options.request_timeout_ms
+        )
+        for result in results:
+            if result.error.code != common_pb2.NONE:
+                raise error_for_code(
+                    int(result.error.code),
+                    f"writing to {result.topic}-{result.partition}: {result.error.message}",
+                )
+
+
+class TidelogBatchWriter(DataSourceArrowWriter):
+    """``df.write.format("tidelog")``: at-least-once, see the module docstring."""
+
+    def __init__(
+        self, options: Mapping[str, str], schema: StructType, *, env_gateway: str | None
+    ) -> None:
+        self.options = parse_write_options(options, streaming=False, env_gateway=env_gateway)
+        check_schema(schema, self.options)
+
+    def write(self, iterator: Iterator[Any]) -> WriteSummary:
+        return _TaskWriter(self.options, sticky_seed=None).write(iterator)
+
+
+class TidelogStreamWriter(DataSourceStreamArrowWriter):
+    """``df.writeStream.format("tidelog")``."""
+
+    def __init__(
+        self, options: Mapping[str, str], schema: StructType, *, env_gateway: str | None
+    ) -> None:
+        self.options = parse_write_options(options, streaming=True, env_gateway=env_gateway)
+        check_schema(schema, self.options)
+
+    def write(self, iterator: Iterator[Any]) -> WriteSummary:
+        return _TaskWriter(self.options, sticky_seed=None).write(iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        pass
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        pass
