@@ -131,8 +131,8 @@ def test_duplicates_return_the_original_offsets_and_write_nothing(tmp_path: Path
         assert retry.duplicate
     assert dir_state(log.dir) == before
     assert log.log_end_offset == end
-    # The sixth-newest was forgotten: it is now just out of order, and still not written.
-    with pytest.raises(OutOfOrderSequenceError):
+    # The sixth-newest was forgotten: refused as a duplicate without offsets, not written.
+    with pytest.raises(DuplicateSequenceError):
         log.append(idem(7, 2, 0, n=3))
     # A retry as the leader of a later epoch is still a duplicate (the partition's epoch
     # has nothing to do with the producer's).
@@ -601,6 +601,13 @@ class ModelState:
                 if match:
                     dups.append(match[0])
                     continue
+                window = state[pid][1]
+                oldest = window[0].first_sequence
+                if (
+                    seq <= last < oldest <= window[-1].last_sequence
+                    and (oldest - last) % (MAX_SEQ + 1) <= (MAX_SEQ + 1) // 2
+                ):
+                    return DuplicateSequenceError
             fresh += 1
             if pid in pending:
                 cur = pending[pid]
@@ -732,3 +739,20 @@ def test_model(tmp_path: Path, ops: list[tuple[str, object]], segment_bytes: int
             assert log.log_end_offset == model.end
             assert state_of(log) == model.state()
         log.close()
+
+
+def test_a_batch_older_than_the_window_is_a_duplicate(tmp_path: Path) -> None:
+    log = open_log(tmp_path / "p-0")
+    for i in range(8):  # sequences 0..15 in 8 batches of 2; the last 5 are remembered
+        log.append(idem(1, 0, 2 * i, n=2))
+    before = dir_state(log.dir)
+    # A resend of batch 0 (sequences 0-1): written, but its offsets are forgotten.
+    with pytest.raises(DuplicateSequenceError, match="before the batches this partition remembers"):
+        log.append(idem(1, 0, 0, n=2))
+    # Inside the window but not a remembered batch: still out of order, as in Kafka.
+    with pytest.raises(OutOfOrderSequenceError):
+        log.append(idem(1, 0, 7, n=2))
+    # An older epoch is fenced, whatever its sequences.
+    assert dir_state(log.dir) == before
+    assert log.append(idem(1, 0, 16, n=1)) == AppendInfo(16, 16)
+    log.close()

@@ -11,7 +11,11 @@ their first and last sequences and the offsets they were written at. With that i
 - rejects a batch from an older producer epoch (``InvalidProducerEpochError``: a zombie
   producer instance was fenced by a newer one);
 - rejects a gap or a reordering (``OutOfOrderSequenceError``: the next batch must start at
-  last sequence + 1; a new epoch, or a producer id never seen, must start at 0).
+  last sequence + 1; a new epoch, or a producer id never seen, must start at 0);
+- refuses a batch of the current epoch whose sequences lie wholly before the remembered
+  batches (``DuplicateSequenceError``): it was written long ago, its offsets are
+  forgotten. A producer that resends a whole old request (Spark's exactly-once writer
+  replaying a micro-batch) learns that its batch is already in the log.
 
 Everything comes from batch header fields, O(1) per batch; records are never decoded.
 Followers apply the leader's batches without validation (the leader validated them), so a
@@ -102,6 +106,19 @@ class ProducerStateEntry:
     @property
     def last_offset(self) -> int:
         return self.batches[-1].last_offset
+
+    def precedes_window(self, first_sequence: int, last_seq: int) -> bool:
+        """Whether sequences ``first..last`` lie wholly before the oldest remembered batch.
+
+        Decided only away from the wrap at 2^31: the batch must precede the window both
+        as plain numbers and modulo 2^31 by less than half the sequence space (else it
+        may as well be ahead of the window, a gap ``validate_append`` reports as out of
+        order).
+        """
+        oldest = self.batches[0].first_sequence
+        if not first_sequence <= last_seq < oldest <= self.batches[-1].last_sequence:
+            return False
+        return (oldest - last_seq) % SEQUENCE_MODULUS <= SEQUENCE_MODULUS // 2
 
     def find_duplicate(self, first_sequence: int, last_seq: int) -> BatchMetadata | None:
         for batch in self.batches:
@@ -268,6 +285,15 @@ class ProducerStateManager:
                     if duplicate is not None:
                         duplicates.append(duplicate)
                         continue
+                    if entry.precedes_window(first, last):
+                        # Sequences are never reused within an epoch, so a batch wholly
+                        # before the remembered ones was written earlier; its offsets are
+                        # forgotten, so it is refused as a duplicate rather than answered.
+                        raise DuplicateSequenceError(
+                            f"producer {producer_id} epoch {epoch} sequences {first}-{last} "
+                            "were written before the batches this partition remembers; "
+                            "nothing was written"
+                        )
                 known = entry.producer_epoch, entry.last_sequence
             fresh = True
             if known is None:
