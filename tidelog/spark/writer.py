@@ -23,6 +23,7 @@ Delivery guarantees (stated precisely in docs/SPARK.md):
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -84,8 +85,17 @@ def check_schema(schema: StructType, options: WriteOptions) -> None:
 class _TaskWriter:
     """Writes one task's rows; see the module docstring. Not thread-safe (one per task)."""
 
-    def __init__(self, options: WriteOptions, sticky_seed: int | None) -> None:
+    def __init__(
+        self, options: WriteOptions, sticky_seed: int | None, identity: str | None = None
+    ) -> None:
         self.options = options
+        # Exactly-once: the task's identity (query id, batch id, partition) fixes the
+        # producer id; sequences count the task's records per partition from 0.
+        self.identity = identity
+        self.producer_id = -1 if identity is None else exactly_once_producer_id(identity)
+        self.sequences: dict[tuple[str, int], int] = {}
+        if identity is not None:
+            sticky_seed = int.from_bytes(hashlib.sha256(identity.encode()).digest()[8:16])
         self.connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
         self.partition_counts: dict[str, int] = {}
         self.sticky: dict[str, int] = {}
@@ -103,9 +113,20 @@ class _TaskWriter:
         return count
 
     def write(self, batches: Iterator[Any]) -> WriteSummary:
-        for batch in batches:
-            if batch.num_rows:
-                self._write_batch(batch)
+        if self.identity is not None:
+            # A replay must cut the same batches from the same rows, whatever order Spark
+            # delivers them in this time: collect the task's rows, then sort them.
+            import pyarrow as pa  # noqa: PLC0415  # executors only
+
+            collected = [b for b in batches if b.num_rows]
+            if collected:
+                table = pa.Table.from_batches(collected)
+                for batch in _canonical(table).to_batches(max_chunksize=table.num_rows):
+                    self._write_batch(batch)
+        else:
+            for batch in batches:
+                if batch.num_rows:
+                    self._write_batch(batch)
         self._send()
         return WriteSummary(self.rows, self.batches)
 
@@ -186,11 +207,22 @@ class _TaskWriter:
         rows_per_batch = max(1, n * self.options.batch_bytes // max(size, 1))
         for start in range(0, n, rows_per_batch):
             stop = min(n, start + rows_per_batch)
+            sequence = -1
+            if self.identity is not None:
+                sequence = self.sequences.get((topic, partition), 0)
+                self.sequences[(topic, partition)] = sequence + (stop - start)
+                if any(t == topic and p == partition for t, p, _ in self.pending):
+                    # One batch per partition per request: a DUPLICATE_SEQUENCE answer
+                    # then speaks for exactly that batch.
+                    self._send()
             records = encode_batch_arrow(
                 values.slice(start, stop - start),
                 None if keys is None else keys.slice(start, stop - start),
                 None if headers is None else headers.slice(start, stop - start),
                 compression=self.options.compression,
+                producer_id=self.producer_id,
+                producer_epoch=0 if self.identity is not None else -1,
+                base_sequence=sequence,
             )
             self.pending.append((topic, partition, records))
             self.pending_bytes += len(records)
@@ -198,8 +230,9 @@ class _TaskWriter:
             self.batches += 1
             if self.pending_bytes >= REQUEST_BYTES:
                 self._send()
-        # Like Kafka's sticky partitioner: move on once a partition got a batch's worth.
-        if topic in self.sticky and n:
+        # Like Kafka's sticky partitioner: move on once a partition got a batch's worth
+        # (exactly-once keeps one partition per task and topic: replays must agree).
+        if topic in self.sticky and n and self.identity is None:
             self.sticky[topic] = self.random.randrange(self.partitions_of(topic))
 
     def _send(self) -> None:
@@ -210,11 +243,49 @@ class _TaskWriter:
             items, _ACKS[self.options.acks], self.options.request_timeout_ms
         )
         for result in results:
+            if self.identity is not None and result.error.code == common_pb2.DUPLICATE_SEQUENCE:
+                continue  # written by an earlier attempt of this micro-batch
             if result.error.code != common_pb2.NONE:
                 raise error_for_code(
                     int(result.error.code),
                     f"writing to {result.topic}-{result.partition}: {result.error.message}",
                 )
+
+
+EXACTLY_ONCE_PRODUCER_IDS: Final = 2**62
+"""Producer ids at and above this are derived from task identities (below it, the
+controller hands ids out in blocks from 0, and never gets near 2^62)."""
+
+
+def exactly_once_producer_id(identity: str) -> int:
+    """The producer id of a streaming task: a hash of (query id, batch id, partition) into
+    the upper quarter of the id space. The same task of the same micro-batch gets the same
+    id in every attempt and after a restart from the checkpoint."""
+    digest = hashlib.sha256(identity.encode()).digest()
+    return EXACTLY_ONCE_PRODUCER_IDS + int.from_bytes(digest[:8]) % EXACTLY_ONCE_PRODUCER_IDS
+
+
+def task_identity() -> str:
+    """``<query id>/<batch id>/<partition id>`` of the running streaming write task."""
+    from pyspark import TaskContext  # noqa: PLC0415  # executors only
+
+    context = TaskContext.get()
+    query_id = context.getLocalProperty("sql.streaming.queryId") if context else None
+    batch_id = context.getLocalProperty("streaming.sql.batchId") if context else None
+    if context is None or not query_id or batch_id is None:
+        raise InvalidRequestError(
+            "deliveryGuarantee=exactly-once needs a streaming query's task context "
+            "(query id and batch id); it is not available here"
+        )
+    return f"{query_id}/{batch_id}/{context.partitionId()}"
+
+
+def _canonical(table: Any) -> Any:
+    """The rows in an order that depends only on their content (topic, partition, key,
+    value), so every attempt cuts identical batches."""
+    names = {name.lower(): name for name in table.column_names}
+    order = [(names[c], "ascending") for c in ("topic", "partition", "key", "value") if c in names]
+    return table.sort_by(order)
 
 
 class TidelogBatchWriter(DataSourceArrowWriter):
@@ -240,7 +311,8 @@ class TidelogStreamWriter(DataSourceStreamArrowWriter):
         check_schema(schema, self.options)
 
     def write(self, iterator: Iterator[Any]) -> WriteSummary:
-        return _TaskWriter(self.options, sticky_seed=None).write(iterator)
+        identity = task_identity() if self.options.exactly_once else None
+        return _TaskWriter(self.options, sticky_seed=None, identity=identity).write(iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
         pass
