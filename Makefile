@@ -33,8 +33,9 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The nginx access-log pipeline on Spark against a local cluster (examples/nginx_pipeline).
 run: sysdeps venv
-	$(BIN)/python -m examples.storage_demo
+	$(BIN)/python -m examples.nginx_pipeline
 
 lint: venv
 	$(BIN)/ruff check tidelog services tests bench examples

@@ -31,9 +31,12 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Final
 
+import grpc
+
 from tidelog.admin import Admin
 from tidelog.errors import TidelogError
 from tidelog.etcd_launcher import EtcdLaunchError, EtcdProcess
+from tidelog.v1 import controller_pb2, controller_pb2_grpc
 
 _LISTENING: Final = re.compile(r"listening on (?P<address>\S+)")
 START_TIMEOUT_S: Final = 60.0
@@ -195,6 +198,7 @@ def _wait_usable(address: str, brokers: int, stop: threading.Event) -> bool:
             cluster = admin.describe_cluster()
             if (
                 len(cluster.brokers) == brokers
+                and _controller_sees(cluster.controller_address) == brokers
                 and cluster.controller_id >= 0
                 and not cluster.offline_partitions
                 and all(p.high_watermark >= 0 for t in cluster.topics for p in t.partitions)
@@ -206,6 +210,21 @@ def _wait_usable(address: str, brokers: int, stop: threading.Event) -> bool:
             raise RuntimeError("the cluster did not become usable; see the logs directory")
         time.sleep(0.2)
     return False
+
+
+def _controller_sees(address: str) -> int:
+    """How many live brokers the active controller counts (it places replicas on those;
+    its view follows etcd a moment after the gateway's)."""
+    if not address:
+        return -1
+    with grpc.insecure_channel(address) as channel:
+        try:
+            response = controller_pb2_grpc.ControllerStub(channel).DescribeCluster(
+                controller_pb2.DescribeClusterRequest(), timeout=5
+            )
+        except grpc.RpcError:
+            return -1
+    return len(response.brokers)
 
 
 def _stop_all(children: list[_Child], etcd: EtcdProcess | None) -> None:

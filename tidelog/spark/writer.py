@@ -238,7 +238,13 @@ class _TaskWriter:
     def _send(self) -> None:
         if not self.pending:
             return
-        items, self.pending, self.pending_bytes = self.pending, [], 0
+        pending, self.pending, self.pending_bytes = self.pending, [], 0
+        # One entry per partition (the gateway refuses a partition twice in a request);
+        # its batches stay in the order they were cut.
+        merged: dict[tuple[str, int], list[bytes]] = {}
+        for topic, partition, records in pending:
+            merged.setdefault((topic, partition), []).append(records)
+        items = [(t, p, b"".join(chunks)) for (t, p), chunks in merged.items()]
         results = self.connection.produce(
             items, _ACKS[self.options.acks], self.options.request_timeout_ms
         )
