@@ -11,9 +11,11 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from concurrent import futures
 from types import FrameType
 from typing import Final, Protocol
 
+import grpc
 import structlog
 
 from tidelog.errors import TidelogError
@@ -29,6 +31,42 @@ KEEPALIVE_SERVER_OPTIONS: Final = [
     ("grpc.http2.max_ping_strikes", 0),
 ]
 """Options every tidelog gRPC server adds."""
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def new_server(
+    *, role: str, max_workers: int, max_message_bytes: int, max_concurrent_rpcs: int
+) -> grpc.Server:
+    """A gRPC server as every tidelog service runs one: a bounded thread pool, a message
+    size limit both ways, one process per port, client keepalive pings allowed, and
+    RESOURCE_EXHAUSTED beyond ``max_concurrent_rpcs`` instead of an unbounded queue."""
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{role}-rpc"),
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # One port per process: a second process on the same port is a mistake.
+            ("grpc.so_reuseport", 0),
+            *KEEPALIVE_SERVER_OPTIONS,
+        ],
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+    )
+
+
+def bind(server: grpc.Server, host: str, port: int) -> int:
+    """Listen on ``host:port`` (port 0: any free port); returns the port. OSError if not."""
+    target = format_address(host, port)
+    try:
+        bound = server.add_insecure_port(target)
+    except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
+        raise OSError(f"cannot listen on {target}: {exc}") from exc
+    if bound == 0:
+        raise OSError(f"cannot listen on {target}")
+    return bound
 
 
 class ServiceNode(Protocol):

@@ -4,61 +4,15 @@ stop with SIGTERM, restart on the same data directory with the data kept."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.support.process import REPO_ROOT, tidelog_env
-
-START_TIMEOUT_S = 120.0
-
-
-class DevCluster:
-    def __init__(self, data_dir: Path) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tidelog",
-                "dev",
-                "--data-dir",
-                str(data_dir),
-                "--gateway-port",
-                "0",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=REPO_ROOT,
-            env=tidelog_env(),
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        self.gateway = ""
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self.ready.wait(START_TIMEOUT_S) or not self.gateway:
-            self.proc.kill()
-            raise AssertionError(f"tidelog dev did not get ready:\n{''.join(self.lines)}")
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if "ready" in line and not self.gateway:
-                self.gateway = line.split("gateway ", 1)[1].split()[0]
-                self.ready.set()
-        self.ready.set()
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(60)
+from tidelog.dev import DevProcess
 
 
 def tidelog(
@@ -80,10 +34,8 @@ def tidelog(
 
 
 @pytest.fixture(scope="module")
-def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    data_dir = tmp_path_factory.mktemp("dev") / "data"
-    cluster = DevCluster(data_dir)
-    cluster.data_dir = data_dir  # type: ignore[attr-defined]
+def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevProcess]:
+    cluster = DevProcess(tmp_path_factory.mktemp("dev") / "data", env=tidelog_env())
     try:
         yield cluster
     finally:
@@ -91,7 +43,7 @@ def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
             cluster.proc.kill()
 
 
-def test_topics_produce_consume_groups_cluster(dev: DevCluster) -> None:
+def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
     g = dev.gateway
     tidelog(
         "topics",
@@ -178,7 +130,7 @@ def test_topics_produce_consume_groups_cluster(dev: DevCluster) -> None:
     ],
 )
 def test_errors_are_one_line_without_traceback(
-    dev: DevCluster, args: tuple[str, ...], message: str
+    dev: DevProcess, args: tuple[str, ...], message: str
 ) -> None:
     result = tidelog(*args, gateway=dev.gateway, stdin="v\n", check=False)
     assert result.returncode != 0
@@ -193,7 +145,7 @@ def test_unreachable_gateway_is_one_line() -> None:
     assert "unreachable" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_dev_stops_cleanly_and_restarts_with_data_kept(dev: DevCluster) -> None:
+def test_dev_stops_cleanly_and_restarts_with_data_kept(dev: DevProcess) -> None:
     tidelog(
         "topics",
         "create",
@@ -209,7 +161,7 @@ def test_dev_stops_cleanly_and_restarts_with_data_kept(dev: DevCluster) -> None:
     assert dev.stop() == 0
     assert time.monotonic() - started < 60
     assert any("stopped" in line for line in dev.lines)
-    again = DevCluster(dev.data_dir)  # type: ignore[attr-defined]
+    again = DevProcess(dev.data_dir, env=tidelog_env())
     try:
         out = tidelog("consume", "kept", "--from-beginning", gateway=again.gateway).stdout
         assert sorted(out.split()) == sorted(f"r{i}" for i in range(50))

@@ -13,7 +13,13 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tidelog
-from tests.support.cluster import GatewayProcess, TestCluster, rpc_error_code, wait_for
+from tests.support.cluster import (
+    GatewayProcess,
+    TestCluster,
+    rpc_error_code,
+    running_cluster,
+    wait_for,
+)
 from tidelog.errors import (
     ConfigError,
     ErrorCode,
@@ -29,11 +35,7 @@ from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
     base: Path = tmp_path_factory.mktemp("gateway")
-    with TestCluster(base) as c:
-        for broker_id in range(3):
-            c.start_broker(broker_id)
-        c.start_controller(1)
-        c.wait_brokers([0, 1, 2])
+    with running_cluster(base) as c:
         yield c
 
 

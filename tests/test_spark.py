@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import tidelog
-from tests.support.cluster import GatewayProcess, TestCluster
+from tests.support.cluster import GatewayProcess, TestCluster, running_cluster
 from tidelog.partitioner import partition_for_key
 
 pyspark = pytest.importorskip("pyspark")
@@ -25,11 +25,7 @@ from tidelog.spark import register  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
-    with TestCluster(tmp_path_factory.mktemp("spark-cluster")) as c:
-        for broker_id in range(3):
-            c.start_broker(broker_id)
-        c.start_controller(1)
-        c.wait_brokers([0, 1, 2])
+    with running_cluster(tmp_path_factory.mktemp("spark-cluster")) as c:
         yield c
 
 

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import IO, Final
@@ -241,3 +242,70 @@ def _stop_all(children: list[_Child], etcd: EtcdProcess | None) -> None:
             child.wait(max(0.1, deadline - time.monotonic()))
     if etcd is not None:
         etcd.stop()
+
+
+class DevProcess:
+    """``tidelog dev`` as a child process, for programs and tests that need a cluster:
+    starts it, waits for the ``ready`` line and reads the gateway address from it.
+
+    ``on_line`` sees every line the cluster prints (default: kept in ``lines`` only).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        gateway_port: int = 0,
+        timeout_s: float = 180.0,
+        env: dict[str, str] | None = None,
+        on_line: Callable[[str], None] | None = None,
+    ) -> None:
+        _python_path_env()
+        self.data_dir = data_dir
+        self.lines: list[str] = []
+        self.gateway = ""
+        self._on_line = on_line
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tidelog",
+                "dev",
+                "--data-dir",
+                str(data_dir),
+                "--gateway-port",
+                str(gateway_port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(timeout_s) or not self.gateway:
+            self.proc.kill()
+            raise RuntimeError("tidelog dev did not get ready:\n" + "".join(self.lines[-30:]))
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if self._on_line is not None:
+                self._on_line(line.rstrip("\n"))
+            if "ready" in line and not self.gateway:
+                self.gateway = line.split("gateway ", 1)[1].split()[0]
+                self._ready.set()
+        self._ready.set()
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then wait; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

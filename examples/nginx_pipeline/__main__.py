@@ -17,11 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -29,50 +26,12 @@ from pyspark.sql import SparkSession
 
 from examples.nginx_pipeline import generator, report, stream_job
 from tidelog.admin import Admin
+from tidelog.dev import DevProcess
 from tidelog.errors import TidelogError
 from tidelog.spark import register
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_TOPIC = "nginx_services"
 STATS_TOPIC = "nginx_stats"
-
-
-def start_cluster(data_dir: Path) -> tuple[subprocess.Popen[str], str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tidelog",
-            "dev",
-            "--data-dir",
-            str(data_dir),
-            "--gateway-port",
-            "0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=REPO_ROOT,
-    )
-    ready = threading.Event()
-    found: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            print(f"  [cluster] {line.rstrip()}", flush=True)
-            if "ready" in line and not found:
-                found.append(line.split("gateway ", 1)[1].split()[0])
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(180) or not found:
-        proc.kill()
-        raise RuntimeError("the local cluster did not start; see the logs above")
-    return proc, found[0]
 
 
 def spark_session(local_dir: Path) -> SparkSession:
@@ -100,11 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-data", action="store_true", help="keep the data directory")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tidelog-nginx-"))
-    cluster: subprocess.Popen[str] | None = None
+    cluster: DevProcess | None = None
     started = time.monotonic()
     try:
         print("1/4 starting the local cluster (tidelog dev)", flush=True)
-        cluster, gateway = start_cluster(work / "cluster")
+        cluster = DevProcess(
+            work / "cluster", on_line=lambda line: print(f"  [cluster] {line}", flush=True)
+        )
+        gateway = cluster.gateway
         admin = Admin(gateway)
         admin.create_topic(SOURCE_TOPIC, partitions=16, replication_factor=2)
         admin.create_topic(STATS_TOPIC, partitions=4, replication_factor=2)
@@ -151,9 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     finally:
-        if cluster is not None and cluster.poll() is None:
-            cluster.send_signal(signal.SIGTERM)
-            status = cluster.wait(60)
+        if cluster is not None:
+            status = cluster.stop()
             print(
                 f"cluster stopped (exit status {status}) after {time.monotonic() - started:.0f} s"
             )

@@ -17,7 +17,6 @@ import argparse
 import random
 import socket
 import sys
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Final
 
@@ -29,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from services.controller.controller import Controller, ControllerConfig
 from services.controller.server import ControllerServicer
 from services.metastore import MetaStore
-from services.process import KEEPALIVE_SERVER_OPTIONS, serve_until_signal
+from services.process import bind, format_address, new_server, serve_until_signal
 from tidelog import logging as tidelog_logging
 from tidelog.errors import TidelogError
 from tidelog.v1 import controller_pb2, controller_pb2_grpc
@@ -70,10 +69,6 @@ class ControllerNodeConfig:
             raise ValueError("--imbalance-check-interval-s must be > 0")
 
 
-def _format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 class ControllerNode:
     """One running controller process. ``start()`` once, ``stop()`` once (idempotent).
 
@@ -96,7 +91,7 @@ class ControllerNode:
         if host in ("0.0.0.0", "::", ""):
             # A wildcard is not an address others can dial; advertise the host name.
             host = socket.gethostname()
-        return _format_address(host, self._port)
+        return format_address(host, self._port)
 
     @property
     def controller(self) -> Controller:
@@ -106,25 +101,13 @@ class ControllerNode:
 
     def start(self) -> None:
         config = self.config
-        server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=MAX_WORKERS, thread_name_prefix="controller-rpc"
-            ),
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),
-                *KEEPALIVE_SERVER_OPTIONS,
-            ],
-            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        server = new_server(
+            role="controller",
+            max_workers=MAX_WORKERS,
+            max_message_bytes=MAX_MESSAGE_BYTES,
+            max_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
-        target = _format_address(config.listen_host, config.listen_port)
-        try:
-            port = server.add_insecure_port(target)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {target}: {exc}") from exc
-        if port == 0:
-            raise OSError(f"cannot listen on {target}")
+        port = bind(server, config.listen_host, config.listen_port)
         self._port = port
         self._store = MetaStore(config.etcd, cluster=config.cluster, timeout_s=ETCD_TIMEOUT_S)
         self._controller = Controller(

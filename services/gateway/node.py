@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Final
 
@@ -32,7 +31,7 @@ from services.gateway.produce import ProduceHandler, ProduceLimits
 from services.gateway.router import Router
 from services.gateway.server import GatewayServicer
 from services.metastore import MetaStore
-from services.process import KEEPALIVE_SERVER_OPTIONS, serve_until_signal
+from services.process import bind, format_address, new_server, serve_until_signal
 from tidelog import logging as tidelog_logging
 from tidelog.errors import TidelogError
 from tidelog.v1 import gateway_pb2, gateway_pb2_grpc
@@ -71,10 +70,6 @@ class GatewayNodeConfig:
                 raise ValueError(f"{name} must be >= 1")
 
 
-def _format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 class GatewayNode:
     """One running gateway. ``start()`` once, ``stop()`` once (idempotent).
 
@@ -98,7 +93,7 @@ class GatewayNode:
         host = self.config.listen_host
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostname()
-        return _format_address(host, self._port)
+        return format_address(host, self._port)
 
     def start(self) -> None:
         config = self.config
@@ -122,25 +117,13 @@ class GatewayNode:
         message_limit = (
             max(config.max_request_bytes, config.max_fetch_bytes) + MESSAGE_OVERHEAD_BYTES
         )
-        server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=config.max_workers, thread_name_prefix="gateway-rpc"
-            ),
-            options=[
-                ("grpc.max_receive_message_length", message_limit),
-                ("grpc.max_send_message_length", message_limit),
-                ("grpc.so_reuseport", 0),
-                *KEEPALIVE_SERVER_OPTIONS,
-            ],
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        server = new_server(
+            role="gateway",
+            max_workers=config.max_workers,
+            max_message_bytes=message_limit,
+            max_concurrent_rpcs=config.max_concurrent_rpcs,
         )
-        target = _format_address(config.listen_host, config.listen_port)
-        try:
-            port = server.add_insecure_port(target)
-        except RuntimeError as exc:
-            raise OSError(f"cannot listen on {target}: {exc}") from exc
-        if port == 0:
-            raise OSError(f"cannot listen on {target}")
+        port = bind(server, config.listen_host, config.listen_port)
         self._port = port
         gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -411,6 +411,21 @@ class TestCluster:
         return response
 
 
+def running_cluster(base_dir: Path, brokers: int = 3) -> TestCluster:
+    """A cluster with ``brokers`` storage nodes (ids 0..n-1) and one controller, every
+    broker registered; use it as a context manager."""
+    cluster = TestCluster(base_dir)
+    try:
+        for broker_id in range(brokers):
+            cluster.start_broker(broker_id)
+        cluster.start_controller(1)
+        cluster.wait_brokers(list(range(brokers)))
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
 __all__ = [
     "ControllerProcess",
     "GatewayProcess",
@@ -418,6 +433,7 @@ __all__ = [
     "TestCluster",
     "error_code",
     "rpc_error_code",
+    "running_cluster",
     "trailer",
     "wait_for",
 ]
