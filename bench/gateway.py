@@ -119,9 +119,10 @@ def report(results: dict[str, float], records: int, chunk: int) -> str:
     )
 
 
-def write_docs(section: str, path: Path = DOCS_PATH) -> None:
+def write_docs(section: str, path: Path = DOCS_PATH, title: str = SECTION_TITLE) -> None:
+    """Replace (or append) the section headed ``title`` in docs/BENCHMARKS.md."""
     text = path.read_text()
-    pattern = re.compile(rf"^{re.escape(SECTION_TITLE)}\n.*?(?=^## |\Z)", re.M | re.S)
+    pattern = re.compile(rf"^{re.escape(title)}\n.*?(?=^## |\Z)", re.M | re.S)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text)
     else:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -232,6 +232,35 @@ class GatewayConnection:
             self.stub.Produce, request, "produce", timeout_s=timeout_ms / 1000.0 + 5.0
         )
         return list(response.partitions)
+
+    def produce_async(
+        self,
+        items: Sequence[tuple[str, int, bytes]],
+        acks: common_pb2.Acks,
+        timeout_ms: int,
+    ) -> Callable[[], list[gateway_pb2.ProducePartitionResult]]:
+        """Start ``produce`` and return a function that waits for its per-item results
+        (errors raised as tidelog errors), so the caller can prepare the next request
+        meanwhile."""
+        request = gateway_pb2.ProduceRequest(
+            acks=acks,
+            timeout_ms=timeout_ms,
+            partitions=[
+                gateway_pb2.ProducePartitionData(topic=t, partition=p, records=r)
+                for t, p, r in items
+            ],
+            client_id="tidelog-spark",
+        )
+        future = self.stub.Produce.future(request, timeout=timeout_ms / 1000.0 + 5.0)
+
+        def wait() -> list[gateway_pb2.ProducePartitionResult]:
+            try:
+                response: gateway_pb2.ProduceResponse = future.result()
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, "produce") from None
+            return list(response.partitions)
+
+        return wait
 
     def commit_offsets(self, group_id: str, offsets: dict[tuple[str, int], int]) -> None:
         """Store ``offsets`` (the next offset to read per partition) for ``group_id``."""

@@ -6,8 +6,8 @@ sink knows: ``value`` (required; binary or string), ``key``, ``topic``, ``partit
 else to the partition Kafka's default partitioner picks for its key (murmur2), else to
 the task's sticky partition. Rows are grouped per destination with Arrow kernels,
 encoded with ``encode_batch_arrow`` (no Python per record except key hashing) and sent
-in produce requests of several partitions each, one request in flight at a time so the
-records of a partition keep their order.
+in produce requests of several partitions each; two requests may be in flight, never two
+with the same partition, so the records of a partition keep their order.
 
 Delivery guarantees (stated precisely in docs/SPARK.md):
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -45,6 +45,7 @@ from tidelog.v1 import common_pb2
 
 REQUEST_BYTES: Final = 8 * 1024 * 1024
 """Batches are sent once this many bytes are pending: big requests amortize the hops."""
+MAX_REQUESTS_IN_FLIGHT: Final = 2
 
 _ACKS: Final = {"0": common_pb2.NONE_ACKS, "1": common_pb2.LEADER, "all": common_pb2.ALL}
 
@@ -102,6 +103,7 @@ class _TaskWriter:
         self.random = random.Random(sticky_seed)
         self.pending: list[tuple[str, int, bytes]] = []
         self.pending_bytes = 0
+        self.in_flight: list[tuple[Callable[[], list[Any]], set[tuple[str, int]]]] = []
         self.rows = 0
         self.batches = 0
 
@@ -127,7 +129,7 @@ class _TaskWriter:
             for batch in batches:
                 if batch.num_rows:
                     self._write_batch(batch)
-        self._send()
+        self._drain()
         return WriteSummary(self.rows, self.batches)
 
     def _write_batch(self, batch: Any) -> None:
@@ -236,6 +238,9 @@ class _TaskWriter:
             self.sticky[topic] = self.random.randrange(self.partitions_of(topic))
 
     def _send(self) -> None:
+        """Start a request with the pending batches. Up to two requests are in flight (the
+        next one is encoded while the previous travels), but never two holding the same
+        partition, whose records would then race; exactly-once sends one at a time."""
         if not self.pending:
             return
         pending, self.pending, self.pending_bytes = self.pending, [], 0
@@ -245,9 +250,24 @@ class _TaskWriter:
         for topic, partition, records in pending:
             merged.setdefault((topic, partition), []).append(records)
         items = [(t, p, b"".join(chunks)) for (t, p), chunks in merged.items()]
-        results = self.connection.produce(
+        partitions = set(merged)
+        while self.in_flight and (
+            self.identity is not None
+            or len(self.in_flight) >= MAX_REQUESTS_IN_FLIGHT
+            or any(partitions & tps for _, tps in self.in_flight)
+        ):
+            self._check(self.in_flight.pop(0)[0]())
+        wait = self.connection.produce_async(
             items, _ACKS[self.options.acks], self.options.request_timeout_ms
         )
+        self.in_flight.append((wait, partitions))
+
+    def _drain(self) -> None:
+        self._send()
+        while self.in_flight:
+            self._check(self.in_flight.pop(0)[0]())
+
+    def _check(self, results: list[Any]) -> None:
         for result in results:
             if self.identity is not None and result.error.code == common_pb2.DUPLICATE_SEQUENCE:
                 continue  # written by an earlier attempt of this micro-batch
