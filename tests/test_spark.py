@@ -245,3 +245,53 @@ def test_stream_write_replayed_after_a_failure(
     else:
         assert len(written) > len(sent)  # the replayed micro-batch landed twice
         assert set(written) == set(sent)
+
+
+def test_batch_read_by_assign_timestamps_ending_offsets_and_min_partitions(
+    spark: Any, gateway: GatewayProcess
+) -> None:
+    tidelog.Admin(gateway.address).create_topic("spark-ts", partitions=2, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(2):
+            producer.send_batch(
+                "spark-ts",
+                [f"old-{p}-{i}".encode() for i in range(100)],
+                partition=p,
+                timestamp_ms=1_000_000,
+            ).result(30)
+            producer.send_batch(
+                "spark-ts",
+                [f"new-{p}-{i}".encode() for i in range(100)],
+                partition=p,
+                timestamp_ms=2_000_000,
+            ).result(30)
+
+    def read(**options: str) -> Any:
+        reader = spark.read.format("tidelog").option("gateway", gateway.address)
+        for name, value in options.items():
+            reader = reader.option(name, value)
+        return reader.load()
+
+    # Everything at or after a timestamp, on both partitions.
+    recent = read(subscribe="spark-ts", startingTimestamp="1500000")
+    assert sorted(bytes(r["value"]) for r in recent.collect()) == sorted(
+        f"new-{p}-{i}".encode() for p in range(2) for i in range(100)
+    )
+    # One partition, an explicit window [50, 150), split into at least 4 Spark partitions.
+    window = read(
+        assign='{"spark-ts": [1]}',
+        startingOffsets='{"spark-ts": {"1": 50}}',
+        endingOffsets='{"spark-ts": {"1": 150}}',
+        minPartitions="4",
+    )
+    assert window.rdd.getNumPartitions() >= 4
+    rows = window.select("partition", "offset").collect()
+    assert sorted(r["offset"] for r in rows) == list(range(50, 150))
+    assert {r["partition"] for r in rows} == {1}
+    # Per-partition timestamps: partition 0 from its start, partition 1 from "new".
+    mixed = read(
+        subscribe="spark-ts",
+        startingOffsetsByTimestamp='{"spark-ts": {"0": 0, "1": 1500000}}',
+    )
+    assert mixed.where("partition = 0").count() == 200
+    assert mixed.where("partition = 1").count() == 100
