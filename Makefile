@@ -17,6 +17,14 @@ sysdeps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; \
 	  else echo "etcd is missing: run 'sudo apt-get install -y etcd-server'" >&2; fi; \
 	fi
+	@# kubectl renders the Kubernetes manifests in tests/test_deploy.py.
+	@if ! command -v kubectl >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing kubectl with apt"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl >/dev/null \
+	      || echo "kubectl is not in the configured apt sources; tests/test_deploy.py will fail" >&2; \
+	  else echo "kubectl is missing: install it (apt-get install -y kubectl)" >&2; fi; \
+	fi
 	@# Java runs Spark (the pipeline and the data source tests).
 	@if ! command -v java >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then \

@@ -24,14 +24,11 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from examples.nginx_pipeline import generator, report, stream_job
+from examples.nginx_pipeline import job
 from tidelog.admin import Admin
 from tidelog.dev import DevProcess
 from tidelog.errors import TidelogError
 from tidelog.spark import register
-
-SOURCE_TOPIC = "nginx_services"
-STATS_TOPIC = "nginx_stats"
 
 
 def spark_session(local_dir: Path) -> SparkSession:
@@ -67,51 +64,23 @@ def main(argv: list[str] | None = None) -> int:
             work / "cluster", on_line=lambda line: print(f"  [cluster] {line}", flush=True)
         )
         gateway = cluster.gateway
-        admin = Admin(gateway)
-        admin.create_topic(SOURCE_TOPIC, partitions=16, replication_factor=2)
-        admin.create_topic(STATS_TOPIC, partitions=4, replication_factor=2)
+        job.ensure_topics(Admin(gateway), replication_factor=2)
         print(
-            f"2/4 topics {SOURCE_TOPIC} (16 partitions, RF 2) and {STATS_TOPIC} created", flush=True
+            f"2/4 topics {job.SOURCE_TOPIC} (16 partitions, RF 2) and {job.STATS_TOPIC} created",
+            flush=True,
         )
         spark = spark_session(work / "spark")
         try:
-            t0 = time.monotonic()
-            written = generator.generate(spark, gateway, SOURCE_TOPIC, args.lines)
-            print(
-                f"3/4 generator wrote {written:,} lines in {time.monotonic() - t0:.1f} s",
-                flush=True,
-            )
-            t0 = time.monotonic()
-            batches = stream_job.run(
+            return job.run_pipeline(
                 spark,
                 gateway,
-                SOURCE_TOPIC,
-                STATS_TOPIC,
+                lines=args.lines,
                 checkpoint=work / "checkpoint",
                 max_offsets=args.max_offsets_per_trigger,
+                step="3/4 ",
             )
-            print(
-                f"    streaming job processed the log in {batches} micro-batches "
-                f"(maxOffsetsPerTrigger={args.max_offsets_per_trigger:,}) in "
-                f"{time.monotonic() - t0:.1f} s",
-                flush=True,
-            )
-            stats = report.latest_stats(spark, gateway, STATS_TOPIC)
-            print("4/4 per-service, per-minute stats from nginx_stats:", flush=True)
-            report.print_table(stats)
         finally:
             spark.stop()
-        counted = sum(s["requests"] for s in stats)
-        lag = admin.describe_group("nginx-stats-job")
-        print(
-            f"stats account for {counted:,} of {written:,} lines; consumer group "
-            f"nginx-stats-job lag {sum(p.lag for p in lag)}",
-            flush=True,
-        )
-        if counted != written:
-            print("error: the stats do not account for every line", file=sys.stderr)
-            return 1
-        return 0
     finally:
         if cluster is not None:
             status = cluster.stop()

@@ -59,6 +59,9 @@ class ControllerNodeConfig:
     cluster: str = "default"
     session_ttl_s: int = 10
     imbalance_check_interval_s: float = 300.0
+    # The host standbys, gateways and brokers dial to reach this controller; None: the
+    # listen host, or this machine's FQDN when listening on a wildcard.
+    advertised_host: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.listen_port <= 65535:
@@ -87,10 +90,10 @@ class ControllerNode:
 
     @property
     def address(self) -> str:
-        host = self.config.listen_host
+        host = self.config.advertised_host or self.config.listen_host
         if host in ("0.0.0.0", "::", ""):
             # A wildcard is not an address others can dial; advertise the host name.
-            host = socket.gethostname()
+            host = socket.getfqdn()
         return format_address(host, self._port)
 
     @property
@@ -171,6 +174,7 @@ def main(args: argparse.Namespace) -> int:
             cluster=args.cluster,
             session_ttl_s=args.session_ttl_s,
             imbalance_check_interval_s=args.imbalance_check_interval_s,
+            advertised_host=getattr(args, "advertised_host", None),
         )
     except (ValueError, TidelogError) as exc:
         print(f"tidelog controller: error: {exc}", file=sys.stderr)

@@ -79,6 +79,9 @@ class StorageNodeConfig:
     etcd: str | None = None
     cluster: str = "default"
     rack: str | None = None
+    # The host other processes dial to reach this node (Kafka's advertised.listeners);
+    # None: the listen host, or this machine's FQDN when listening on a wildcard.
+    advertised_host: str | None = None
     # Registration lease TTL: a broker silent this long is declared dead by the controller.
     session_ttl_s: int = 10
     # How long SIGTERM waits for the controller to move this broker's leaderships away.
@@ -293,7 +296,7 @@ class StorageNode:
         """Join the cluster: register in etcd (waiting out a previous incarnation)."""
         config = self.config
         self._store = MetaStore(config.etcd or "", cluster=config.cluster)
-        host = config.listen_host
+        host = config.advertised_host or config.listen_host
         if host in ("0.0.0.0", "::", ""):
             host = socket.getfqdn()  # a wildcard is not an address others can dial
         self._registration = BrokerRegistration(
@@ -370,6 +373,7 @@ def main(args: argparse.Namespace) -> int:
             etcd=args.etcd,
             cluster=args.cluster,
             rack=args.rack,
+            advertised_host=getattr(args, "advertised_host", None),
             session_ttl_s=args.session_ttl_s,
             controlled_shutdown_timeout_s=args.controlled_shutdown_timeout_s,
             replica_lag_time_max_ms=getattr(args, "replica_lag_time_max_ms", None),

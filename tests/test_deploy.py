@@ -1,0 +1,239 @@
+"""The Kubernetes manifests and the image: every overlay renders with Kustomize, every
+object validates against a pinned Kubernetes schema (offline), and the objects keep the
+properties the deployment relies on. The container commands are parsed by the real CLI,
+and a controller started the way the manifest starts it advertises the address it says."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from services.cluster_metadata import CONTROLLER_KEY, decode_controller
+from tests.support.cluster import TestCluster, wait_for
+from tests.support.process import REPO_ROOT, TidelogProcess
+from tidelog.cli import build_parser
+
+K8S = REPO_ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.32.0"
+OVERLAYS = ("dev", "production")
+WORKLOADS = ("Deployment", "StatefulSet")
+# Values for the $(VAR) references of container args, as Kubernetes would expand them.
+ENV_EXAMPLES = {
+    "ETCD_ENDPOINTS": "http://tidelog-etcd-0.tidelog-etcd:2379",
+    "CLUSTER": "default",
+    "LOG_LEVEL": "info",
+    "POD_IP": "10.0.0.7",
+    "POD_NAME": "tidelog-storage-1",
+    "BROKER_ID": "1",
+    "ZONE": "zone-a",
+    "SESSION_TTL_S": "10",
+    "CONTROLLED_SHUTDOWN_TIMEOUT_S": "30",
+}
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render the kustomizations (make sysdeps installs it)"
+    out = subprocess.run(
+        [kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def objects(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render(request.param)
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    for obj in objects:
+        if obj["kind"] == kind and obj["metadata"]["name"] == name:
+            return obj
+    raise AssertionError(f"no {kind} {name}")
+
+
+def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for obj in objects:
+        if obj["kind"] in (*WORKLOADS, "Job"):
+            yield obj, obj["spec"]["template"]["spec"]
+
+
+def test_every_object_validates_against_the_pinned_schema(objects: list[dict[str, Any]]) -> None:
+    assert len(objects) > 15
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_storage_is_a_statefulset_with_volumes_identity_and_spread(
+    objects: list[dict[str, Any]],
+) -> None:
+    storage = find(objects, "StatefulSet", "tidelog-storage")
+    spec = storage["spec"]
+    assert spec["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    headless = find(objects, "Service", spec["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    pod = spec["template"]["spec"]
+    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    args = pod["containers"][0]["args"]
+    assert "--broker-id=$(BROKER_ID)" in args and "--rack=$(ZONE)" in args
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert "pod-index" in env["BROKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert "--advertised-host=$(POD_NAME).tidelog-storage" in args
+    mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert "/var/lib/tidelog" in mounts
+    # Long enough for the controlled shutdown the ConfigMap configures, plus flushing.
+    config = find(objects, "ConfigMap", "tidelog-config")["data"]
+    assert pod["terminationGracePeriodSeconds"] > int(config["CONTROLLED_SHUTDOWN_TIMEOUT_S"])
+    pdb = find(objects, "PodDisruptionBudget", "tidelog-storage")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
+
+
+def test_every_container_has_resources_probes_and_security(objects: list[dict[str, Any]]) -> None:
+    for obj, pod in pod_specs(objects):
+        pod_security = pod.get("securityContext", {})
+        for container in pod["containers"]:
+            where = f"{obj['kind']} {obj['metadata']['name']}/{container['name']}"
+            resources = container["resources"]
+            assert resources["requests"] and resources["limits"], where
+            security = container["securityContext"]
+            assert security["readOnlyRootFilesystem"] is True, where
+            assert security["allowPrivilegeEscalation"] is False, where
+            assert security.get("runAsNonRoot", pod_security.get("runAsNonRoot")) is True, where
+            if obj["kind"] == "Job":
+                continue  # a batch job serves no gRPC; it has a process liveness check
+            for probe in ("readinessProbe", "livenessProbe"):
+                grpc = container[probe]["grpc"]
+                assert grpc["port"] == container["ports"][0]["containerPort"], where
+            service = container["readinessProbe"]["grpc"].get("service")
+            if container["image"].split("/")[-1].startswith("tidelog:"):
+                assert service and service.startswith("tidelog.v1."), where
+
+
+def test_network_policies_guard_the_internal_planes(objects: list[dict[str, Any]]) -> None:
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
+    for name, port in (
+        ("tidelog-storage", 9092),
+        ("tidelog-controller", 9093),
+        ("tidelog-etcd", 2379),
+    ):
+        (rule,) = policies[name]["spec"]["ingress"]
+        assert rule["from"] == [
+            {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "tidelog"}}}
+        ]
+        assert port in [p["port"] for p in rule["ports"]]
+    # Every tidelog pod carries the label the policies admit.
+    for obj, _ in pod_specs(objects):
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/part-of"] == "tidelog", obj["metadata"]["name"]
+
+
+def test_commands_parse_with_the_cli_and_ports_agree(objects: list[dict[str, Any]]) -> None:
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    parser = build_parser()
+    roles = set()
+    for obj, pod in pod_specs(objects):
+        container = pod["containers"][0]
+        if not container["image"].split("/")[-1].startswith("tidelog:"):
+            continue
+        args = [re.sub(r"\$\((\w+)\)", lambda m: ENV_EXAMPLES[m[1]], a) for a in container["args"]]
+        parsed = parser.parse_args(args)  # exits (fails the test) on a flag the CLI lacks
+        roles.add(args[0])
+        # The handler is the one the process-level tests run (`python -m tidelog <role>`).
+        assert (
+            parsed.handler == f"services.{'storage' if args[0] == 'storage' else args[0]}.node:main"
+        )
+        host, port = parsed.listen
+        assert host == "0.0.0.0"
+        assert container["ports"][0]["containerPort"] == port
+        service = services[obj["metadata"]["name"]]
+        assert service["spec"]["ports"][0]["port"] == port
+        assert service["spec"]["selector"] == obj["spec"]["selector"]["matchLabels"]
+    assert roles == {"storage", "controller", "gateway"}
+    job = find(objects, "Job", "nginx-pipeline")
+    gateway_arg = next(
+        a
+        for a in job["spec"]["template"]["spec"]["containers"][0]["args"]
+        if a.startswith("--gateway=")
+    )
+    name, port = gateway_arg.removeprefix("--gateway=").split(":")
+    assert services[name]["spec"]["ports"][0]["port"] == int(port)
+    env = {
+        e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert env["SPARK_IMAGE"] == job["spec"]["template"]["spec"]["containers"][0]["image"]
+
+
+def test_overlay_sizes() -> None:
+    def replicas(objects: list[dict[str, Any]]) -> dict[str, int]:
+        return {
+            o["metadata"]["name"]: o["spec"]["replicas"] for o in objects if o["kind"] in WORKLOADS
+        }
+
+    dev, production = render("dev"), render("production")
+    assert replicas(dev) == {
+        "tidelog-etcd": 1,
+        "tidelog-controller": 1,
+        "tidelog-storage": 3,
+        "tidelog-gateway": 1,
+    }
+    prod = replicas(production)
+    assert prod["tidelog-etcd"] == 3 and prod["tidelog-controller"] == 2
+    assert prod["tidelog-storage"] >= 3
+    hpa = find(production, "HorizontalPodAutoscaler", "tidelog-gateway")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "tidelog-gateway"
+    # The etcd endpoints (set in one place) name every member the StatefulSet runs.
+    config = find(production, "ConfigMap", "tidelog-config")["data"]
+    assert config["ETCD_ENDPOINTS"].count("tidelog-etcd-") == prod["tidelog-etcd"]
+    assert {o["metadata"].get("namespace") for o in production if o["kind"] != "Namespace"} == {
+        "tidelog"
+    }
+
+
+def test_dockerfile_is_multi_stage_slim_and_non_root() -> None:
+    text = (REPO_ROOT / "Dockerfile").read_text()
+    stages = re.split(r"^FROM ", text, flags=re.M)[1:]
+    names = [s.split()[2] if len(s.split()) > 2 and s.split()[1] == "AS" else "" for s in stages]
+    assert names == ["build", "runtime", "spark"]
+    build, runtime, spark = stages
+    assert "slim" in runtime.split()[0]
+    assert "build-essential" in build and "build-essential" not in runtime
+    assert re.search(r"^USER 10001", runtime, re.M) and re.search(r"^USER 10001", spark, re.M)
+    assert 'ENTRYPOINT ["tidelog"]' in runtime
+    assert "openjdk-17-jre-headless" in spark and "pyspark==4.3.0" in spark
+
+
+def test_controller_advertises_the_host_it_is_given(tmp_path: Path) -> None:
+    """Started as the manifest starts it (wildcard listen, --advertised-host), the
+    controller publishes that host in its election key for others to dial."""
+    with TestCluster(tmp_path) as cluster:
+        process = TidelogProcess(
+            [
+                "controller",
+                f"--etcd={cluster.etcd.endpoint}",
+                f"--cluster={cluster.cluster}",
+                "--listen=0.0.0.0:0",
+                "--advertised-host=127.0.0.1",
+                "--controller-id=7",
+            ],
+            log_path=tmp_path / "controller.log",
+        )
+        try:
+            address = process.wait_listening()
+            assert address.startswith("127.0.0.1:")
+            kv = wait_for(lambda: cluster.store.get(CONTROLLER_KEY), 15, "the election key")
+            assert decode_controller(kv).address == address
+        finally:
+            process.terminate()
