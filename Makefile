@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint typecheck pytest protos bench sysdeps venv clean
+.PHONY: run test lint typecheck pytest protos bench bench-deps bench-peers sysdeps venv clean
 
 # System packages: etcd is the metadata store (tests start their own etcd processes);
 # Java 17 runs Spark.
@@ -62,6 +62,16 @@ protos: venv
 
 bench: venv
 	$(BIN)/python -m bench.storage_engine --write-docs
+
+# The peers tidelog is compared with (bench/suite.py): Debian's servers, PyPI's clients.
+bench-deps: venv
+	@if ! command -v nats-server >/dev/null 2>&1 || ! command -v redis-server >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nats-server redis-server >/dev/null; \
+	fi
+	$(BIN)/pip install -q -e '.[dev,bench]'
+
+bench-peers: sysdeps bench-deps
+	PYTHONPATH=. $(BIN)/tidelog bench --write-docs
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

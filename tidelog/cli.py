@@ -420,6 +420,25 @@ def _add_dev(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser.set_defaults(handler="tidelog.dev:main")
 
 
+def _add_bench(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark tidelog against its peers and the machine's ceilings (from a checkout)",
+        description=(
+            "Start a whole cluster, NATS JetStream and Redis on this machine and measure "
+            "them with the same record sizes (bench/suite.py; needs the repository checkout "
+            "and `make bench-deps`)."
+        ),
+    )
+    parser.add_argument("--quick", action="store_true", help="small volumes: under 2 minutes")
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="write docs/BENCHMARKS.md (Versus peers) and docs/bench-peers.png",
+    )
+    parser.set_defaults(handler="bench.suite:main")
+
+
 def _non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
@@ -441,6 +460,7 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction[_Parser]], None], ...] = (
     _add_consume,
     _add_groups,
     _add_cluster,
+    _add_bench,
 )
 
 

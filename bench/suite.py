@@ -1,0 +1,297 @@
+"""``tidelog bench``: tidelog against its peers and published figures, on this machine.
+
+One run starts a whole tidelog cluster (etcd, controller, 3 storage nodes, gateway), the
+peers (a 3-server NATS JetStream cluster, one Redis) and the ceilings (a trivial Python
+gRPC put service, the disk, loopback TCP), all on this machine, and drives each with the
+same record sizes. Results go to the terminal, to the "Versus peers" section of
+``docs/BENCHMARKS.md`` (with ``--write-docs``) and to ``docs/bench-peers.png``.
+
+``--quick`` uses small volumes (under two minutes); the full run takes under twenty.
+Peers whose servers are missing are reported as skipped (``make bench-deps`` installs
+them: Debian's ``nats-server`` and ``redis-server``, PyPI's ``nats-py`` and ``redis``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import ceilings, peers, workloads
+from bench.gateway import write_docs
+from bench.storage_engine import cpu_model, filesystem_of, memory_gib
+from bench.workloads import Result
+from tests.support.cluster import running_cluster
+
+SECTION_TITLE = "## Versus peers"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+CHART = DOCS / "bench-peers.png"
+
+# Kafka's 2014 benchmark (Jay Kreps, "Benchmarking Apache Kafka: 2 Million Writes Per
+# Second (On Three Cheap Machines)"), on other hardware: 6 partitions, 100-byte records.
+PUBLISHED_2014 = {
+    "produce, no replication": 821_557,
+    "produce, RF=3 acks=1 (async)": 786_980,
+    "produce, RF=3 acks=all (sync)": 421_823,
+    "consume, one consumer": 940_521,
+}
+PUBLISHED_LATENCY_MS = (2, 3)  # end to end, p50 and p99
+
+
+def _bar(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm  # optional: plain output without it
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="rec", unit_scale=True, leave=False)
+
+
+def _step(desc: str, total: int, fn: Callable[[Callable[[int], None] | None], Result]) -> Result:
+    bar = _bar(total, desc)
+    try:
+        result = fn(bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(f"  {desc}: {result.records_s:,.0f} records/s, {result.mb_s:,.1f} MB/s", flush=True)
+    return result
+
+
+def run(quick: bool) -> dict[str, Any]:
+    n = 300_000 if quick else 3_000_000
+    omb_n = 30_000 if quick else 300_000
+    peer_n = 20_000 if quick else 200_000
+    results: dict[str, Any] = {"tidelog": {}, "peers": {}, "ceilings": {}}
+    with tempfile.TemporaryDirectory(prefix="tidelog-bench-peers-") as tmp:
+        base = Path(tmp)
+        print("ceilings", flush=True)
+        results["ceilings"] = {
+            "gRPC 1 MiB puts (Python)": ceilings.grpc_put_mb_s(128 if quick else 1024),
+            "disk sequential write": ceilings.disk_write_mb_s(
+                base, 128 if quick else 1024, sync=False
+            ),
+            "disk write + fdatasync each MiB": ceilings.disk_write_mb_s(
+                base, 64 if quick else 256, sync=True
+            ),
+            "loopback TCP": ceilings.loopback_tcp_mb_s(512 if quick else 4096),
+        }
+        for name, value in results["ceilings"].items():
+            print(f"  {name}: {value:,.0f} MB/s", flush=True)
+        print("tidelog (3 storage nodes, 1 gateway, this machine)", flush=True)
+        with running_cluster(base / "tidelog") as cluster:
+            gw = cluster.start_gateway().address
+            for topic, rf in (
+                ("k-rf1", 1),
+                ("k-rf3-acks1", 3),
+                ("k-rf3-all", 3),
+                ("k-both", 3),
+                ("k-e2e", 3),
+            ):
+                workloads.create_topic(gw, topic, 6, rf)
+            workloads.create_topic(gw, "omb", 100, 3)
+            t = results["tidelog"]
+            t["produce, no replication"] = _step(
+                "produce RF=1 acks=1",
+                n,
+                lambda p: workloads.produce(gw, "k-rf1", records=n, size=100, acks="1", progress=p),
+            )
+            t["produce, RF=3 acks=1 (async)"] = _step(
+                "produce RF=3 acks=1",
+                n,
+                lambda p: workloads.produce(
+                    gw, "k-rf3-acks1", records=n, size=100, acks="1", progress=p
+                ),
+            )
+            t["produce, RF=3 acks=all (sync)"] = _step(
+                "produce RF=3 acks=all",
+                n,
+                lambda p: workloads.produce(
+                    gw, "k-rf3-all", records=n, size=100, acks="all", progress=p
+                ),
+            )
+            t["consume, one consumer"] = _step(
+                "consume",
+                n,
+                lambda p: workloads.consume(gw, "k-rf3-all", records=n, size=100, progress=p),
+            )
+            both_p, both_c = workloads.produce_and_consume(
+                gw, "k-both", records=n // 2, size=100, acks="all"
+            )
+            t["produce + consume together (produce)"] = both_p
+            t["produce + consume together (consume)"] = both_c
+            print(
+                f"  together: produce {both_p.records_s:,.0f}/s, consume {both_c.records_s:,.0f}/s"
+            )
+            rate = max(1_000, int(t["produce, RF=3 acks=all (sync)"].records_s) // 2)
+            rate = min(rate, 20_000)  # one record per send(): the Python loop's own limit
+            t["end-to-end latency"] = workloads.end_to_end_latency(
+                gw, "k-e2e", rate_per_s=rate, seconds=5 if quick else 20, size=100
+            )
+            e2e = t["end-to-end latency"]
+            print(
+                f"  end-to-end at {rate:,}/s: p50 {e2e.percentile_ms(0.5):.1f} ms, "
+                f"p99 {e2e.percentile_ms(0.99):.1f} ms"
+            )
+            t["OMB: 100 partitions, 1 KiB, RF=3 acks=all"] = _step(
+                "OMB 100 partitions 1 KiB",
+                omb_n,
+                lambda p: workloads.produce(
+                    gw, "omb", records=omb_n, size=1024, acks="all", chunk=5_000, progress=p
+                ),
+            )
+        print("peers (same machine, same record size)", flush=True)
+        have = peers.available()
+        if have["nats"]:
+            started = time.perf_counter()
+            rate = peers.nats_jetstream_r3(base / "nats", peer_n, 100)
+            results["peers"]["NATS JetStream R3 (file), nats-py async publish"] = rate
+            print(
+                f"  NATS JetStream R3: {rate:,.0f} records/s "
+                f"({time.perf_counter() - started:.0f} s)"
+            )
+        else:
+            results["peers"]["NATS JetStream R3 (file), nats-py async publish"] = None
+        if have["redis"]:
+            write, read = peers.redis_streams(base, peer_n * 5, 100)
+            results["peers"]["Redis Streams XADD pipelined (1 node, no replication)"] = write
+            results["peers"]["Redis Streams XREAD (1 node)"] = read
+            print(f"  Redis Streams: XADD {write:,.0f}/s, XREAD {read:,.0f}/s")
+        else:
+            results["peers"]["Redis Streams XADD pipelined (1 node, no replication)"] = None
+        results["disk"] = filesystem_of(base)
+    return results
+
+
+def report(results: dict[str, Any], quick: bool) -> str:
+    t = results["tidelog"]
+    lines = [
+        SECTION_TITLE,
+        "",
+        "`bench/suite.py` (`tidelog bench`): tidelog, its peers and the machine's ceilings in one",
+        "run, every server and client on this 2-core machine. tidelog: 3 storage nodes, one",
+        "gateway, the Python SDK (`send_batch`, several calls in flight); 6 partitions and",
+        "100-byte records as in Kafka's 2014 benchmark; the OMB-style case has 100",
+        "partitions and 1 KiB records.",
+        "",
+        "Command: `PYTHONPATH=. .venv/bin/tidelog bench"
+        f"{' --quick' if quick else ''} --write-docs`",
+        "",
+        f"- CPU: {cpu_model()}, 2 cores; memory {memory_gib():.1f} GiB; "
+        f"disk {results.get('disk', '?')}",
+        f"- Python {platform.python_version()}, Linux {platform.release()}",
+        "",
+        "| tidelog case | records/s | MB/s | latency p50 / p99 / p99.9 ms "
+        "| Kafka 2014 (published, other hardware) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, result in t.items():
+        lat = ""
+        if result.latencies_ms:
+            lat = " / ".join(f"{result.percentile_ms(q):.1f}" for q in (0.5, 0.99, 0.999))
+            lat += f" ({result.note})" if result.note else ""
+        published = PUBLISHED_2014.get(name)
+        pub = f"{published:,}" if published else ""
+        if name == "end-to-end latency":
+            pub = f"p50 {PUBLISHED_LATENCY_MS[0]} ms, p99 {PUBLISHED_LATENCY_MS[1]} ms"
+            lines.append(
+                f"| {result.name} | {result.records_s:,.0f} | {result.mb_s:,.1f} | {lat} | {pub} |"
+            )
+            continue
+        lines.append(f"| {name} | {result.records_s:,.0f} | {result.mb_s:,.1f} | {lat} | {pub} |")
+    lines += ["", "| peer (same machine, same run) | records/s |", "|---|---:|"]
+    for name, value in results["peers"].items():
+        lines.append(
+            f"| {name} | {'skipped (not installed)' if value is None else f'{value:,.0f}'} |"
+        )
+    lines += ["", "| ceiling (same run) | MB/s |", "|---|---:|"]
+    for name, value in results["ceilings"].items():
+        lines.append(f"| {name} | {value:,.0f} |")
+    rf1 = t["produce, no replication"].mb_s
+    grpc_mb_s = results["ceilings"]["gRPC 1 MiB puts (Python)"]
+    nats = results["peers"].get("NATS JetStream R3 (file), nats-py async publish")
+    redis = results["peers"].get("Redis Streams XADD pipelined (1 node, no replication)")
+    all_rate = t["produce, RF=3 acks=all (sync)"].records_s
+    e2e = t["end-to-end latency"]
+    lines += [
+        "",
+        "Targets:",
+        "",
+        f"- RF=3 acks=all {all_rate:,.0f} vs 421,823 records/s: "
+        f"{'met' if all_rate >= 421_823 else 'missed'}",
+        f"- RF=3 acks=1 {t['produce, RF=3 acks=1 (async)'].records_s:,.0f} vs 786,980: "
+        f"{'met' if t['produce, RF=3 acks=1 (async)'].records_s >= 786_980 else 'missed'}",
+        f"- one consumer {t['consume, one consumer'].records_s:,.0f} vs 940,521: "
+        f"{'met' if t['consume, one consumer'].records_s >= 940_521 else 'missed'}",
+        f"- vs NATS JetStream R3: {all_rate / nats:.1f}x (target >= 3x)"
+        if nats
+        else "- NATS: skipped",
+        f"- vs Redis Streams (RF=1 tidelog {t['produce, no replication'].records_s:,.0f} "
+        f"vs {redis:,.0f}): "
+        f"{'ahead' if redis and t['produce, no replication'].records_s > redis else 'behind'}"
+        if redis
+        else "- Redis: skipped",
+        f"- end-to-end p99 {e2e.percentile_ms(0.99):.1f} ms at "
+        f"{e2e.name.split('at ')[1]} (target <= 10 ms)",
+        f"- RF=1 produce {rf1:,.0f} MB/s = {rf1 / grpc_mb_s:.0%} of the gRPC ceiling "
+        "(target >= 50%)",
+        "",
+        "![throughput chart](bench-peers.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, Any], path: Path = CHART) -> None:
+    import matplotlib  # a benchmark-only dependency
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, values, colors = [], [], []
+    for name, result in results["tidelog"].items():
+        if name != "end-to-end latency":
+            names.append(f"tidelog: {name}")
+            values.append(result.records_s)
+            colors.append("#1f77b4")
+    for name, value in results["peers"].items():
+        if value is not None:
+            names.append(name)
+            values.append(value)
+            colors.append("#ff7f0e")
+    for name, value in PUBLISHED_2014.items():
+        names.append(f"Kafka 2014 (published): {name}")
+        values.append(value)
+        colors.append("#aaaaaa")
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(names) + 1.2))
+    ax.barh(names[::-1], values[::-1], color=colors[::-1])
+    ax.set_xlabel("records/s (100-byte records; OMB case 1 KiB)")
+    ax.set_title("tidelog vs peers on one 2-core machine (grey: Kafka 2014, published)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    if args is None:
+        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        parser.add_argument("--quick", action="store_true")
+        parser.add_argument("--write-docs", action="store_true")
+        args = parser.parse_args()
+    started = time.monotonic()
+    results = run(args.quick)
+    section = report(results, args.quick)
+    print(section)
+    if args.write_docs:
+        chart(results)
+        write_docs(section, title=SECTION_TITLE)
+    print(f"done in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""tidelog workloads for the peer comparison, through one gateway with the Python SDK.
+
+Modelled on Kafka's 2014 benchmark ("2 million writes per second on three cheap
+machines"): 100-byte records, 6 partitions, one producer - without replication, with
+RF=3 acks=1, with RF=3 acks=all -, one consumer, producer and consumer together, and
+end-to-end latency at a fixed moderate rate. And an OpenMessaging-style case: 1 topic,
+100 partitions, 1 KiB records, the highest rate with acks=all and RF=3.
+
+The producer uses ``send_batch`` (the SDK's vectorized path) with several calls in flight,
+as Kafka's benchmark used its producer's batching; latency percentiles are of whole
+``send_batch`` calls (chunk) for the throughput cases, and per record for the latency
+case (consume time minus the record's create timestamp, same clock).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from tidelog.admin import Admin
+from tidelog.consumer import Consumer
+from tidelog.producer import BatchMetadata, Producer
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class Result:
+    name: str
+    records: int
+    record_bytes: int
+    seconds: float
+    latencies_ms: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def records_s(self) -> float:
+        return self.records / self.seconds if self.seconds else 0.0
+
+    @property
+    def mb_s(self) -> float:
+        return self.records * self.record_bytes / self.seconds / 1e6 if self.seconds else 0.0
+
+    def percentile_ms(self, fraction: float) -> float | None:
+        if not self.latencies_ms:
+            return None
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+
+
+def produce(
+    gateway: str,
+    topic: str,
+    *,
+    records: int,
+    size: int,
+    acks: str,
+    chunk: int = 20_000,
+    in_flight: int = 8,
+    progress: Progress | None = None,
+) -> Result:
+    values = [b"x" * size] * chunk
+    latencies: list[float] = []
+    with Producer(gateway, acks=acks, enable_idempotence=acks == "all", linger_ms=2) as producer:
+        pending: list[tuple[float, Future[BatchMetadata]]] = []
+        started = time.perf_counter()
+        sent = 0
+        while sent < records:
+            n = min(chunk, records - sent)
+            pending.append((time.perf_counter(), producer.send_batch(topic, values[:n])))
+            sent += n
+            if len(pending) >= in_flight:
+                t0, future = pending.pop(0)
+                future.result(120)
+                latencies.append((time.perf_counter() - t0) * 1000)
+                if progress:
+                    progress(chunk)
+        for t0, future in pending:
+            future.result(120)
+            latencies.append((time.perf_counter() - t0) * 1000)
+            if progress:
+                progress(chunk)
+        elapsed = time.perf_counter() - started
+    return Result(f"produce acks={acks}", records, size, elapsed, latencies, "per send_batch")
+
+
+def consume(
+    gateway: str, topic: str, *, records: int, size: int, progress: Progress | None = None
+) -> Result:
+    with Consumer(gateway, auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20) as c:
+        c.subscribe([topic])
+        # Timed from the first poll: it resolves positions and its fetch brings the
+        # first megabytes, which count.
+        started = time.perf_counter()
+        seen = 0
+        while seen < records:
+            batch = c.poll(max_records=1_000_000, timeout_ms=10_000)
+            if not batch:
+                break
+            seen += len(batch)
+            if progress:
+                progress(len(batch))
+        elapsed = time.perf_counter() - started
+    return Result("consume", seen, size, elapsed)
+
+
+def produce_and_consume(
+    gateway: str, topic: str, *, records: int, size: int, acks: str
+) -> tuple[Result, Result]:
+    """A producer and a consumer on the same topic at once (each in its own thread)."""
+    consumed: list[Result] = []
+    start_gate = threading.Event()
+
+    def reader() -> None:
+        with Consumer(gateway, auto_offset_reset="latest") as c:
+            c.subscribe([topic])
+            c.poll(max_records=1, timeout_ms=100)  # positions at the current end
+            start_gate.set()
+            seen = 0
+            started = time.perf_counter()
+            idle_since = time.monotonic()
+            while seen < records and time.monotonic() - idle_since < 10:
+                batch = c.poll(max_records=1_000_000, timeout_ms=500)
+                if batch:
+                    seen += len(batch)
+                    idle_since = time.monotonic()
+            consumed.append(
+                Result("consume (concurrent)", seen, size, time.perf_counter() - started)
+            )
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    start_gate.wait(30)
+    produced = produce(gateway, topic, records=records, size=size, acks=acks)
+    thread.join()
+    return produced, consumed[0]
+
+
+def end_to_end_latency(
+    gateway: str, topic: str, *, rate_per_s: int, seconds: float, size: int
+) -> Result:
+    """Records sent one by one at ``rate_per_s`` (acks=all), read by a concurrent
+    consumer; latency = consume time - the record's create timestamp."""
+    latencies: list[float] = []
+    done = threading.Event()
+    ready = threading.Event()
+
+    def reader() -> None:
+        with Consumer(gateway, auto_offset_reset="latest", fetch_max_wait_ms=100) as c:
+            c.subscribe([topic])
+            c.poll(max_records=1, timeout_ms=100)
+            ready.set()
+            while not done.is_set() or len(latencies) < expected[0]:
+                for record in c.poll(max_records=100_000, timeout_ms=200):
+                    latencies.append(time.time() * 1000 - record.timestamp_ms)
+                if done.is_set() and time.monotonic() > give_up[0]:
+                    return
+
+    expected = [0]
+    give_up = [float("inf")]
+    thread = threading.Thread(target=reader)
+    thread.start()
+    ready.wait(30)
+    payload = b"x" * size
+    with Producer(gateway, acks="all", linger_ms=0) as producer:
+        interval = 1.0 / rate_per_s
+        started = time.perf_counter()
+        next_at = started
+        sent = 0
+        while time.perf_counter() - started < seconds:
+            producer.send(topic, payload)
+            sent += 1
+            next_at += interval
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        producer.flush()
+    expected[0] = sent
+    give_up[0] = time.monotonic() + 10
+    done.set()
+    thread.join()
+    return Result(
+        f"end-to-end latency at {rate_per_s:,}/s", len(latencies), size, seconds, latencies
+    )
+
+
+def create_topic(gateway: str, name: str, partitions: int, replication_factor: int) -> None:
+    Admin(gateway).create_topic(
+        name,
+        partitions,
+        replication_factor,
+        {"min.insync.replicas": str(min(2, replication_factor))},
+    )
