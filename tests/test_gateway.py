@@ -440,3 +440,22 @@ def test_create_partitions_and_consumer_positioning(
                 break
         assert sorted(seen) == sorted([b"p1-3", b"p1-4"] + [f"p2-{i}".encode() for i in range(5)])
         assert consumer.position(("growing", 1)) == 5
+
+
+def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
+    pa = pytest.importorskip("pyarrow")
+    admin.create_topic("arrow-in", partitions=2, replication_factor=3)
+    values = pa.array([f"a{i}".encode() for i in range(5_000)], pa.binary())
+    with tidelog.Producer(gateway.address, batch_bytes=4096) as producer:
+        result = producer.send_batch("arrow-in", values).result(30)
+        pinned = producer.send_batch("arrow-in", values.slice(0, 10), partition=1).result(30)
+    assert len(result) == 5_000 and {m.partition for m in pinned} == {1}
+    records = _consume_all(gateway.address, "arrow-in", 5_010)
+    by_value = {}
+    for r in records:
+        by_value.setdefault(r.value, []).append((r.partition, r.offset))
+    for i, m in enumerate(result):
+        assert (m.partition, m.offset) in by_value[f"a{i}".encode()]
+    assert sorted(r.value for r in records) == sorted(
+        [f"a{i}".encode() for i in range(5_000)] + [f"a{i}".encode() for i in range(10)]
+    )
