@@ -115,7 +115,14 @@ def run(quick: bool) -> dict[str, Any]:
                 ),
             )
             t["consume, one consumer"] = _step(
-                "consume",
+                "consume (poll_arrow)",
+                n,
+                lambda p: workloads.consume(
+                    gw, "k-rf3-all", records=n, size=100, progress=p, arrow=True
+                ),
+            )
+            t["consume, one consumer, a Python object per record"] = _step(
+                "consume (poll)",
                 n,
                 lambda p: workloads.consume(gw, "k-rf3-all", records=n, size=100, progress=p),
             )

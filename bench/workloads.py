@@ -98,8 +98,16 @@ def produce(
 
 
 def consume(
-    gateway: str, topic: str, *, records: int, size: int, progress: Progress | None = None
+    gateway: str,
+    topic: str,
+    *,
+    records: int,
+    size: int,
+    progress: Progress | None = None,
+    arrow: bool = False,
 ) -> Result:
+    """Read ``records`` from the beginning: with ``poll`` (a Python object per record) or,
+    with ``arrow``, ``poll_arrow`` (Arrow tables, no Python per record)."""
     with Consumer(gateway, auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20) as c:
         c.subscribe([topic])
         # Timed from the first poll: it resolves positions and its fetch brings the
@@ -107,14 +115,17 @@ def consume(
         started = time.perf_counter()
         seen = 0
         while seen < records:
-            batch = c.poll(max_records=1_000_000, timeout_ms=10_000)
-            if not batch:
+            if arrow:
+                got = c.poll_arrow(max_records=1_000_000, timeout_ms=10_000).num_rows
+            else:
+                got = len(c.poll(max_records=1_000_000, timeout_ms=10_000))
+            if not got:
                 break
-            seen += len(batch)
+            seen += got
             if progress:
-                progress(len(batch))
+                progress(got)
         elapsed = time.perf_counter() - started
-    return Result("consume", seen, size, elapsed)
+    return Result("consume (poll_arrow)" if arrow else "consume (poll)", seen, size, elapsed)
 
 
 def produce_and_consume(

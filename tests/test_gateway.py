@@ -459,3 +459,36 @@ def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admi
     assert sorted(r.value for r in records) == sorted(
         [f"a{i}".encode() for i in range(5_000)] + [f"a{i}".encode() for i in range(10)]
     )
+
+
+def test_poll_arrow_and_poll_agree(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
+    admin.create_topic("arrow-out", partitions=2, replication_factor=2)
+    with tidelog.Producer(gateway.address) as producer:
+        for i in range(300):
+            producer.send(
+                "arrow-out",
+                f"v{i}".encode(),
+                key=None if i % 5 == 0 else f"k{i % 7}".encode(),
+                headers=[("n", str(i).encode())] if i % 3 == 0 else None,
+            )
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.subscribe(["arrow-out"])
+        # Mixed on purpose: a partial record take, then Arrow for the rest.
+        first = consumer.poll(max_records=7, timeout_ms=5_000)
+        rows = [(r.topic, r.partition, r.offset, r.key, r.value, r.headers) for r in first]
+        while len(rows) < 300:
+            table = consumer.poll_arrow(max_records=50, timeout_ms=5_000)
+            assert table.num_rows <= 50
+            assert table.column_names[:3] == ["topic", "partition", "offset"]
+            for r in table.to_pylist():
+                headers = tuple((h["key"], h["value"]) for h in r["headers"])
+                rows.append(
+                    (r["topic"], r["partition"], r["offset"], r["key"], r["value"], headers)
+                )
+        assert consumer.poll_arrow(timeout_ms=200).num_rows == 0
+    assert len({(r[1], r[2]) for r in rows}) == 300  # no record twice
+    by_value = {r[4]: r for r in rows}
+    for i in range(300):
+        r = by_value[f"v{i}".encode()]
+        assert r[3] == (None if i % 5 == 0 else f"k{i % 7}".encode())
+        assert r[5] == ((("n", str(i).encode()),) if i % 3 == 0 else ())

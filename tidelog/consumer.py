@@ -39,7 +39,7 @@ from tidelog.errors import (
     TidelogError,
     error_for_code,
 )
-from tidelog.records import Header, decode_batches
+from tidelog.records import Header, RecordBatch, arrow_schema, decode_batches
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 
 TopicPartition = tuple[str, int]
@@ -61,6 +61,71 @@ class ConsumerRecord(NamedTuple):
     key: bytes | None
     value: bytes | None
     headers: tuple[Header, ...]
+
+
+class _Chunk:
+    """One fetched batch of one partition, decoded lazily: to records for ``poll``, to
+    Arrow for ``poll_arrow``. ``skip`` records at its start were read before."""
+
+    __slots__ = ("_records", "batch", "skip", "tp")
+
+    def __init__(self, tp: TopicPartition, batch: RecordBatch, skip: int) -> None:
+        self.tp = tp
+        self.batch = batch
+        self.skip = skip
+        self._records: list[ConsumerRecord] | None = None
+
+    def records(self) -> list[ConsumerRecord]:
+        if self._records is None:
+            records = self.batch.records_as(ConsumerRecord, self.tp[0], self.tp[1])
+            self._records = records[self.skip :] if self.skip else records
+        return self._records
+
+    def keep_records(self, rest: list[ConsumerRecord]) -> None:
+        """What is left after a partial take (as records from now on)."""
+        self._records = rest
+
+    def arrow(self, pa: Any) -> Any:
+        if self._records is not None:
+            rows = self._records
+            return pa.Table.from_pydict(
+                {
+                    "topic": pa.array([r.topic for r in rows], pa.string()),
+                    "partition": pa.array([r.partition for r in rows], pa.int32()),
+                    "offset": pa.array([r.offset for r in rows], pa.int64()),
+                    "timestamp_ms": pa.array([r.timestamp_ms for r in rows], pa.int64()),
+                    "key": pa.array([r.key for r in rows], pa.binary()),
+                    "value": pa.array([r.value for r in rows], pa.binary()),
+                    "headers": pa.array(
+                        [[{"key": k, "value": v} for k, v in r.headers] for r in rows],
+                        arrow_schema().field("headers").type,
+                    ),
+                },
+                schema=_consumer_schema(pa),
+            )
+        batch = self.batch.to_arrow()
+        if self.skip:
+            batch = batch.slice(self.skip)
+        n = batch.num_rows
+        table = pa.Table.from_batches([batch])
+        schema = _consumer_schema(pa)
+        table = table.add_column(
+            0, schema.field("partition"), pa.repeat(pa.scalar(self.tp[1], pa.int32()), n)
+        )
+        return table.add_column(
+            0, schema.field("topic"), pa.repeat(pa.scalar(self.tp[0], pa.string()), n)
+        )
+
+
+def _consumer_schema(pa: Any) -> Any:
+    """``poll_arrow``'s schema: topic and partition, then ``records.arrow_schema()``."""
+    return pa.schema(
+        [
+            pa.field("topic", pa.string(), nullable=False),
+            pa.field("partition", pa.int32(), nullable=False),
+            *arrow_schema(),
+        ]
+    )
 
 
 class Consumer:
@@ -110,7 +175,7 @@ class Consumer:
         self._subscription: list[str] = []
         self._positions: dict[TopicPartition, int] = {}
         self._needs_position: set[TopicPartition] = set()
-        self._buffer: deque[list[ConsumerRecord]] = deque()
+        self._buffer: deque[_Chunk] = deque()
         self._last_commit = time.monotonic()
         self._last_refresh = 0.0
         self._committed_positions: dict[TopicPartition, int] = {}
@@ -151,9 +216,7 @@ class Consumer:
         keep = set(partitions)
         self._positions = {tp: o for tp, o in self._positions.items() if tp in keep}
         self._needs_position = {tp for tp in partitions if tp not in self._positions}
-        self._buffer = deque(
-            [r for r in batch if (r.topic, r.partition) in keep] for batch in self._buffer
-        )
+        self._buffer = deque(c for c in self._buffer if c.tp in keep)
 
     def assignment(self) -> list[TopicPartition]:
         return list(self._assignment)
@@ -217,9 +280,7 @@ class Consumer:
         return self._positions[tp]
 
     def _drop_buffered(self, tps: set[TopicPartition]) -> None:
-        self._buffer = deque(
-            [r for r in batch if (r.topic, r.partition) not in tps] for batch in self._buffer
-        )
+        self._buffer = deque(c for c in self._buffer if c.tp not in tps)
 
     def _ensure_positions(self) -> None:
         if not self._needs_position:
@@ -251,40 +312,67 @@ class Consumer:
     def poll(self, max_records: int | None = None, timeout_ms: int = 1000) -> list[ConsumerRecord]:
         """Up to ``max_records`` records (default ``max_poll_records``), waiting at most
         ``timeout_ms`` for some to arrive; an empty list when none did."""
+        self._wait_for_data(timeout_ms)
+        return self._take(max_records or self._max_poll_records)
+
+    def poll_arrow(self, max_records: int | None = None, timeout_ms: int = 1000) -> Any:
+        """Like ``poll``, as a ``pyarrow.Table`` (topic, partition, offset, timestamp_ms,
+        key, value, headers) built by Arrow kernels with no Python work per record: the
+        way to consume in bulk (data pipelines, DataFrames)."""
+        self._wait_for_data(timeout_ms)
+        return self._take_arrow(max_records or self._max_poll_records)
+
+    def _wait_for_data(self, timeout_ms: int) -> None:
         if self._closed:
             raise ConfigError("the consumer is closed")
-        limit = max_records or self._max_poll_records
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
         self._maybe_auto_commit()
         if self._subscription and time.monotonic() - self._last_refresh > METADATA_REFRESH_S:
             self._refresh_subscription()
-        while True:
-            if self._buffer:
-                return self._take(limit)
-            if not self._assignment:
-                return []
+        while not self._buffer and self._assignment:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             self._fetch(max(0, min(remaining_ms, self._max_wait_ms)))
-            if self._buffer or time.monotonic() >= deadline:
-                return self._take(limit)
+            if time.monotonic() >= deadline:
+                return
 
     def _take(self, limit: int) -> list[ConsumerRecord]:
-        """Hand out buffered records; each buffered chunk is one partition's run of
-        consecutive offsets, so positions advance per chunk, not per record."""
+        """Hand out buffered records; each chunk is one partition's run of consecutive
+        offsets, so positions advance per chunk, not per record."""
         out: list[ConsumerRecord] = []
         while self._buffer and len(out) < limit:
             chunk = self._buffer[0]
+            records = chunk.records()
             room = limit - len(out)
-            if len(chunk) <= room:
-                taken = chunk
+            if len(records) <= room:
+                taken = records
                 self._buffer.popleft()
             else:
-                taken = chunk[:room]
-                self._buffer[0] = chunk[room:]
+                taken = records[:room]
+                chunk.keep_records(records[room:])
             out.extend(taken)
-            last = taken[-1]
-            self._positions[(last.topic, last.partition)] = last.offset + 1
+            self._positions[chunk.tp] = taken[-1].offset + 1
         return out
+
+    def _take_arrow(self, limit: int) -> Any:
+        import pyarrow as pa  # noqa: PLC0415  # only for Arrow consumers
+
+        pieces: list[Any] = []
+        taken_total = 0
+        while self._buffer and taken_total < limit:
+            chunk = self._buffer[0]
+            table = chunk.arrow(pa)
+            room = limit - taken_total
+            if table.num_rows <= room:
+                self._buffer.popleft()
+            else:
+                chunk.keep_records(chunk.records()[room:])
+                table = table.slice(0, room)
+            pieces.append(table)
+            taken_total += table.num_rows
+            self._positions[chunk.tp] = table.column("offset")[-1].as_py() + 1
+        if not pieces:
+            return _consumer_schema(pa).empty_table()
+        return pa.concat_tables(pieces)
 
     def _fetch_request(
         self, positions: dict[TopicPartition, int], wait_ms: int
@@ -342,13 +430,8 @@ class Consumer:
                 continue
             position = self._positions[tp]
             for batch in decode_batches(result.records):
-                if batch.next_offset <= position:
-                    continue
-                records = batch.records_as(ConsumerRecord, tp[0], tp[1])
-                if batch.base_offset < position:
-                    records = records[position - batch.base_offset :]
-                if records:
-                    self._buffer.append(records)
+                if batch.next_offset > position:
+                    self._buffer.append(_Chunk(tp, batch, max(0, position - batch.base_offset)))
         if reset:
             self._reset_positions(reset)
         if retry and not self._buffer:
