@@ -39,6 +39,11 @@ DEFAULT_MAX_WAIT_MS: Final = 500
 MAX_WAIT_MS_LIMIT: Final = 30_000
 MAX_PARTITIONS_PER_FETCH: Final = 10_000
 DEFAULT_PARTITION_MAX_BYTES: Final = 1024 * 1024
+EMPTY_RESULT_BYTES: Final = 80
+"""Upper bound of the encoded size of a partition result without records, beyond its
+topic name (varint offsets and epochs, -1s taking 10 bytes each): what a result's size
+exceeds this by counts as record bytes for min_bytes. A batch is at least 65 bytes, so
+any records count."""
 ANSWER_SLACK_S: Final = 5.0
 """Added to a long poll's own wait to make its gRPC deadline: the leader answers first."""
 
@@ -133,9 +138,17 @@ class FetchHandler:
         wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
         if time_remaining_s is not None:
             wait_ms = max(0, min(wait_ms, int((time_remaining_s - DEADLINE_MARGIN_S) * 1000)))
-        found = self._round(by_leader, max_bytes, min_bytes, 0, results)
+        answers: dict[int, storage_pb2.FetchResponse] = {}
+        limits = {"max_bytes": max_bytes, "min_bytes": min_bytes}
+        found = self._round(by_leader, wait_ms=0, results=results, answers=answers, **limits)
         if found < min_bytes and wait_ms > 0 and by_leader and not _has_error(results):
-            self._round(by_leader, max_bytes, min_bytes, wait_ms, results)
+            self._round(by_leader, wait_ms=wait_ms, results=results, answers=answers, **limits)
+        if len(by_leader) == 1 and len(answers) == 1 and len(results) == len(request.partitions):
+            # Every partition had the one leader, which answered them all in request
+            # order: pass its response on as it is (rebuilding it would copy every batch).
+            (answer,) = answers.values()
+            if len(answer.partitions) == len(request.partitions):
+                return answer
         return storage_pb2.FetchResponse(
             partitions=[results[(fp.topic, fp.partition)] for fp in request.partitions]
         )
@@ -143,10 +156,12 @@ class FetchHandler:
     def _round(
         self,
         by_leader: dict[int, tuple[Leader, list[storage_pb2.FetchPartition]]],
+        *,
         max_bytes: int,
         min_bytes: int,
         wait_ms: int,
         results: dict[tuple[str, int], storage_pb2.FetchPartitionResult],
+        answers: dict[int, storage_pb2.FetchResponse],
     ) -> int:
         """One fetch to every leader; fills ``results``; returns the record bytes found.
 
@@ -162,24 +177,32 @@ class FetchHandler:
         pending = [len(by_leader)]
         found = [0]
 
-        def on_done(future: Any, partitions: list[storage_pb2.FetchPartition]) -> None:
+        def on_done(
+            future: Any, partitions: list[storage_pb2.FetchPartition], broker_id: int
+        ) -> None:
             try:
                 response: storage_pb2.FetchResponse = future.result()
-                answers = list(response.partitions)
+                items = list(response.partitions)
+                with lock:
+                    answers[broker_id] = response
             except grpc.FutureCancelledError:
-                answers = []
+                items = []
             except grpc.RpcError as exc:
                 error = error_from_rpc_error(exc)
-                answers = [_fetch_error(fp, error) for fp in partitions]
+                items = [_fetch_error(fp, error) for fp in partitions]
+                with lock:
+                    answers.pop(broker_id, None)
             with lock:
-                for answer in answers:
+                for answer in items:
                     results[(answer.topic, answer.partition)] = answer
-                    found[0] += len(answer.records)
+                    # ByteSize, not len(answer.records): reading a bytes field copies it.
+                    overhead = EMPTY_RESULT_BYTES + len(answer.topic.encode())
+                    found[0] += max(0, answer.ByteSize() - overhead)
                 pending[0] -= 1
                 if pending[0] == 0 or (wait_ms > 0 and found[0] >= min_bytes):
                     done.set()
 
-        for leader, partitions in by_leader.values():
+        for broker_id, (leader, partitions) in by_leader.items():
             stub = self._router.channels.storage(leader.broker)
             future = stub.Fetch.future(
                 storage_pb2.FetchRequest(
@@ -192,7 +215,7 @@ class FetchHandler:
                 timeout=wait_ms / 1000 + ANSWER_SLACK_S,
             )
             calls.append((future, partitions))
-            future.add_done_callback(lambda f, p=partitions: on_done(f, p))
+            future.add_done_callback(lambda f, p=partitions, b=broker_id: on_done(f, p, b))
         done.wait()
         for future, _ in calls:
             future.cancel()
