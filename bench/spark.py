@@ -14,7 +14,6 @@ Run: ``PYTHONPATH=. python -m bench.spark [--rows N] [--write-docs]``.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import tempfile
@@ -31,29 +30,16 @@ TARGETS = {"write": 300_000, "read": 1_000_000}
 
 
 def run(rows: int, partitions: int) -> dict[str, float]:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F  # noqa: N812
 
-    from tidelog.spark import register
+    from tidelog.spark import local_session
 
     with tempfile.TemporaryDirectory(prefix="tidelog-bench-spark-") as tmp:
         base = Path(tmp)
         with running_cluster(base / "cluster") as cluster:
             gateway = cluster.start_gateway().address
             Admin(gateway).create_topic("bench-spark", partitions=partitions, replication_factor=1)
-            spark = (
-                SparkSession.builder.master("local[2]")
-                .appName("tidelog-bench")
-                .config("spark.ui.enabled", "false")
-                .config("spark.ui.showConsoleProgress", "false")
-                .config("spark.driver.memory", "2g")
-                .config("spark.local.dir", str(base / "spark"))
-                .getOrCreate()
-            )
-            spark.sparkContext.setLogLevel("ERROR")
-            register(spark)
+            spark = local_session("tidelog-bench", base / "spark", driver_memory="2g")
             try:
                 values = spark.range(rows, numPartitions=2).select(
                     F.concat(F.lpad(F.col("id").cast("string"), 20, "0"), F.lit("v" * 80))

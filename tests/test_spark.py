@@ -4,8 +4,6 @@ module: it costs ~1 GiB and several seconds to start."""
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,10 +15,9 @@ from tests.support.cluster import GatewayProcess, TestCluster, running_cluster
 from tidelog.partitioner import partition_for_key
 
 pyspark = pytest.importorskip("pyspark")
-from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402, N812
 
-from tidelog.spark import register  # noqa: E402
+from tidelog.spark import local_session  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +33,7 @@ def gateway(cluster: TestCluster) -> GatewayProcess:
 
 @pytest.fixture(scope="module")
 def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("tidelog-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.memory", "1g")
-        .config("spark.local.dir", str(tmp_path_factory.mktemp("spark-local")))
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    register(session)
+    session = local_session("tidelog-tests", tmp_path_factory.mktemp("spark-local"))
     try:
         yield session
     finally:

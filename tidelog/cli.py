@@ -67,6 +67,18 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_advertised_host(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--advertised-host",
+        metavar="HOST",
+        default=None,
+        help=(
+            "host other processes use to reach this one (Kafka's advertised.listeners); "
+            "default: the --listen host, or this machine's FQDN for 0.0.0.0"
+        ),
+    )
+
+
 def _add_cluster_membership(
     parser: argparse.ArgumentParser,
     *,
@@ -141,15 +153,7 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="override every topic's replica.lag.time.max.ms: a follower not caught up "
         "for this long leaves the ISR (default: the topic's, else 30000)",
     )
-    parser.add_argument(
-        "--advertised-host",
-        metavar="HOST",
-        default=None,
-        help=(
-            "host other processes use to reach this one (Kafka's advertised.listeners); "
-            "default: the --listen host, or this machine's FQDN for 0.0.0.0"
-        ),
-    )
+    _add_advertised_host(parser)
     _add_logging(parser)
     parser.set_defaults(handler="services.storage.node:main")
 
@@ -230,15 +234,7 @@ def _add_controller(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="how often to restore preferred leaders where a broker's leadership imbalance "
         "exceeds 10%% (Kafka's leader.imbalance.check.interval.seconds; default: 300)",
     )
-    parser.add_argument(
-        "--advertised-host",
-        metavar="HOST",
-        default=None,
-        help=(
-            "host other processes use to reach this one (Kafka's advertised.listeners); "
-            "default: the --listen host, or this machine's FQDN for 0.0.0.0"
-        ),
-    )
+    _add_advertised_host(parser)
     _add_logging(parser)
     parser.set_defaults(handler="services.controller.node:main")
 

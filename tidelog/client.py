@@ -89,6 +89,19 @@ class PartitionOffsets:
     latest: int
 
 
+def _produce_request(
+    items: Sequence[tuple[str, int, bytes]], acks: common_pb2.Acks, timeout_ms: int
+) -> gateway_pb2.ProduceRequest:
+    return gateway_pb2.ProduceRequest(
+        acks=acks,
+        timeout_ms=timeout_ms,
+        partitions=[
+            gateway_pb2.ProducePartitionData(topic=t, partition=p, records=r) for t, p, r in items
+        ],
+        client_id="tidelog-spark",
+    )
+
+
 class GatewayConnection:
     """Typed calls to one gateway over one channel (see module docstring)."""
 
@@ -219,15 +232,7 @@ class GatewayConnection:
         timeout_ms: int,
     ) -> list[gateway_pb2.ProducePartitionResult]:
         """Send batches (topic, partition, records) in one request; per-item results."""
-        request = gateway_pb2.ProduceRequest(
-            acks=acks,
-            timeout_ms=timeout_ms,
-            partitions=[
-                gateway_pb2.ProducePartitionData(topic=t, partition=p, records=r)
-                for t, p, r in items
-            ],
-            client_id="tidelog-spark",
-        )
+        request = _produce_request(items, acks, timeout_ms)
         response: gateway_pb2.ProduceResponse = self.call(
             self.stub.Produce, request, "produce", timeout_s=timeout_ms / 1000.0 + 5.0
         )
@@ -242,15 +247,7 @@ class GatewayConnection:
         """Start ``produce`` and return a function that waits for its per-item results
         (errors raised as tidelog errors), so the caller can prepare the next request
         meanwhile."""
-        request = gateway_pb2.ProduceRequest(
-            acks=acks,
-            timeout_ms=timeout_ms,
-            partitions=[
-                gateway_pb2.ProducePartitionData(topic=t, partition=p, records=r)
-                for t, p, r in items
-            ],
-            client_id="tidelog-spark",
-        )
+        request = _produce_request(items, acks, timeout_ms)
         future = self.stub.Produce.future(request, timeout=timeout_ms / 1000.0 + 5.0)
 
         def wait() -> list[gateway_pb2.ProducePartitionResult]:

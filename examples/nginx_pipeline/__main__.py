@@ -15,38 +15,17 @@ Exit status 0 when every step worked and the stats account for every generated l
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from pyspark.sql import SparkSession
-
 from examples.nginx_pipeline import job
 from tidelog.admin import Admin
 from tidelog.dev import DevProcess
 from tidelog.errors import TidelogError
-from tidelog.spark import register
-
-
-def spark_session(local_dir: Path) -> SparkSession:
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("nginx-pipeline")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.driver.memory", "1g")
-        .config("spark.local.dir", str(local_dir))
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    register(spark)
-    return spark
+from tidelog.spark import local_session
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             f"2/4 topics {job.SOURCE_TOPIC} (16 partitions, RF 2) and {job.STATS_TOPIC} created",
             flush=True,
         )
-        spark = spark_session(work / "spark")
+        spark = local_session("nginx-pipeline", work / "spark", shuffle_partitions=4)
         try:
             return job.run_pipeline(
                 spark,

@@ -6,6 +6,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -14,3 +17,32 @@ def register(spark: Any) -> None:
     from tidelog.spark.source import TidelogDataSource  # noqa: PLC0415  # pyspark is heavy
 
     spark.dataSource.register(TidelogDataSource)
+
+
+def local_session(
+    app_name: str,
+    local_dir: Path,
+    *,
+    shuffle_partitions: int = 2,
+    driver_memory: str = "1g",
+) -> Any:
+    """A ``local[2]`` SparkSession with the ``tidelog`` format registered: Python workers
+    run this interpreter (``PYSPARK_PYTHON``), no UI, quiet logs. For examples, tests and
+    benchmarks; on a cluster, build the session as ``spark-submit`` configures it."""
+    from pyspark.sql import SparkSession  # noqa: PLC0415  # pyspark is heavy
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+        .config("spark.driver.memory", driver_memory)
+        .config("spark.local.dir", str(local_dir))
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    return spark
