@@ -27,14 +27,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import grpc
 import structlog
 
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.partition import Partition
+from tidelog.batch import iter_batches
 from tidelog.errors import (
+    CorruptBatchError,
     ErrorCode,
     NotLeaderOrFollowerError,
     TidelogError,
@@ -61,6 +63,37 @@ class _FetchState:
     leader_epoch: int
     truncating: bool = True  # KIP-279 reconciliation still to do
     delayed_until: float = 0.0  # monotonic; back off this partition after an error
+    stale: bool = False  # a pipelined answer did not fit: end the pipeline (see _fetch)
+
+
+if TYPE_CHECKING:
+    _FetchFuture = grpc.Future[storage_pb2.FetchResponse]
+
+
+class _Fetched(NamedTuple):
+    """One partition of a Fetch: the offset it was sent with and the latest epoch then."""
+
+    state: _FetchState
+    offset: int
+    epoch: int
+
+
+def _end_after(records: bytes, offset: int) -> tuple[int, int] | None:
+    """``(log end offset, latest batch epoch)`` after appending ``records`` at ``offset``.
+
+    None unless every batch is whole and intact (checksums included) and the batches are
+    contiguous from ``offset``: the follower's append would then not fail on the data.
+    """
+    epoch = -1
+    try:
+        for _, header in iter_batches(records):
+            if header.base_offset != offset:
+                return None
+            offset = header.last_offset + 1
+            epoch = max(epoch, header.partition_leader_epoch)
+    except CorruptBatchError:
+        return None
+    return offset, epoch
 
 
 class ReplicaFetcherThread(threading.Thread):
@@ -267,27 +300,72 @@ class ReplicaFetcherThread(threading.Thread):
     # --- fetching -------------------------------------------------------------------------
 
     def _fetch(self, stub: storage_pb2_grpc.StorageStub, states: list[_FetchState]) -> None:
-        items: list[tuple[_FetchState, int]] = []
+        """Fetch and append, pipelined while every partition's answer is clean.
+
+        A response whose batches are all valid and start at the log end (checked here,
+        before anything is written) tells exactly what the log end and latest epoch will
+        be once it is appended. The next Fetch is then sent with those, and the response
+        is appended while the leader reads and sends the next one: the leader's half of a
+        round (read, serialize, send) overlaps the follower's half (parse, check, write).
+        A pipelined answer is only used for a partition whose log end and epoch turned out
+        as expected; anything else (a failed append, a truncation, a role change) drops it
+        and the loop fetches afresh from the real log end.
+        """
         parts: list[storage_pb2.FetchPartition] = []
+        items: list[_Fetched] = []
         for state in states:
             try:
                 leo, epoch = state.partition.follower_state(state.leader_epoch)
             except TidelogError:
                 self._drop(state)
                 continue
-            items.append((state, leo))
-            part = storage_pb2.FetchPartition(
-                topic=state.partition.topic,
-                partition=state.partition.partition,
-                fetch_offset=leo,
-                max_bytes=PARTITION_FETCH_MAX_BYTES,
-                current_leader_epoch=state.leader_epoch,
-            )
-            if epoch >= 0:
-                part.last_fetched_epoch = epoch
-            parts.append(part)
+            items.append(_Fetched(state, leo, epoch))
+            parts.append(self._fetch_partition(state, leo, epoch))
         if not items:
             return
+        future: _FetchFuture | None = self._send(stub, parts)
+        pipelined = False
+        try:
+            while future is not None:
+                response = self._receive(future)
+                future = None
+                # Read each partition's records once: every access copies them.
+                records = [result.records for result in response.partitions]
+                following = self._predict(items, response, records)
+                if following is not None:
+                    # The next round goes out before this one is written.
+                    future = self._send(
+                        stub, [self._fetch_partition(i.state, i.offset, i.epoch) for i in following]
+                    )
+                for item, result, data in zip(items, response.partitions, records, strict=True):
+                    if pipelined and not self._still_expected(item):
+                        item.state.stale = True  # ends the pipeline: _predict declines
+                        continue
+                    self._handle(item.state, item.offset, result, data)
+                if following is not None:
+                    items, pipelined = following, True
+        finally:
+            for item in items:
+                item.state.stale = False
+            if future is not None:
+                future.cancel()  # an exception left a pipelined fetch unanswered
+
+    @staticmethod
+    def _fetch_partition(state: _FetchState, offset: int, epoch: int) -> storage_pb2.FetchPartition:
+        part = storage_pb2.FetchPartition(
+            topic=state.partition.topic,
+            partition=state.partition.partition,
+            fetch_offset=offset,
+            max_bytes=PARTITION_FETCH_MAX_BYTES,
+            current_leader_epoch=state.leader_epoch,
+        )
+        if epoch >= 0:
+            part.last_fetched_epoch = epoch
+        return part
+
+    def _send(
+        self, stub: storage_pb2_grpc.StorageStub, parts: list[storage_pb2.FetchPartition]
+    ) -> _FetchFuture:
         request = storage_pb2.FetchRequest(
             replica_id=self.local_broker_id,
             broker_epoch=self._broker_epoch(),
@@ -296,12 +374,77 @@ class ReplicaFetcherThread(threading.Thread):
             max_bytes=FETCH_MAX_BYTES,
             partitions=parts,
         )
+        future: _FetchFuture = stub.Fetch.future(
+            request, timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S
+        )
+        return future
+
+    @staticmethod
+    def _receive(future: _FetchFuture) -> storage_pb2.FetchResponse:
         try:
-            response = stub.Fetch(request, timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S)
+            response: storage_pb2.FetchResponse = future.result()
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None
-        for (state, leo), result in zip(items, response.partitions, strict=True):
-            self._handle(state, leo, result)
+        return response
+
+    def _predict(
+        self,
+        items: list[_Fetched],
+        response: storage_pb2.FetchResponse,
+        records: list[bytes],
+    ) -> list[_Fetched] | None:
+        """Where each partition will be once ``response`` is appended, when that is certain.
+
+        None (fetch again only after appending) when there is nothing to overlap (no
+        data), when membership changed or the thread is stopping, when any partition has
+        left the plain fetch state (dropped, truncating, backing off, a pipelined answer
+        that no longer fitted), or when any partition's answer is an error, a divergence,
+        or batches that would not append cleanly: those take the serial path.
+        """
+        if self._changed.is_set() or self._stopping.is_set():
+            return None
+        if len(response.partitions) != len(items):
+            return None
+        now = time.monotonic()
+        following: list[_Fetched] = []
+        data = False
+        for item, result, batches in zip(items, response.partitions, records, strict=True):
+            state = item.state
+            if state.truncating or state.stale or state.delayed_until > now:
+                return None
+            if int(result.error.code) != ErrorCode.NONE or result.diverging_end_offset >= 0:
+                return None
+            if not batches:
+                following.append(item)
+                continue
+            after = _end_after(batches, item.offset)
+            if after is None:
+                return None
+            following.append(_Fetched(state, after[0], max(item.epoch, after[1])))
+            data = True
+        if not data:
+            return None
+        with self._lock:
+            for item in following:
+                key = (item.state.partition.topic, item.state.partition.partition)
+                if self._partitions.get(key) is not item.state:
+                    return None
+        return following
+
+    def _still_expected(self, item: _Fetched) -> bool:
+        """Whether a pipelined fetch's offset and epoch are still the partition's own."""
+        state = item.state
+        if state.truncating or state.delayed_until > time.monotonic():
+            return False
+        with self._lock:
+            key = (state.partition.topic, state.partition.partition)
+            if self._partitions.get(key) is not state:
+                return False
+        try:
+            return state.partition.follower_state(state.leader_epoch) == (item.offset, item.epoch)
+        except TidelogError:
+            self._drop(state)
+            return False
 
     def _reset_if_behind_log_start(self, state: _FetchState, leo: int) -> None:
         stub = self._stub()
@@ -339,7 +482,11 @@ class ReplicaFetcherThread(threading.Thread):
         )
 
     def _handle(
-        self, state: _FetchState, leo: int, result: storage_pb2.FetchPartitionResult
+        self,
+        state: _FetchState,
+        leo: int,
+        result: storage_pb2.FetchPartitionResult,
+        records: bytes,
     ) -> None:
         partition = state.partition
         code = int(result.error.code)
@@ -350,7 +497,7 @@ class ReplicaFetcherThread(threading.Thread):
             return
         if code == ErrorCode.NONE:
             try:
-                partition.follower_append(state.leader_epoch, result.records, result.high_watermark)
+                partition.follower_append(state.leader_epoch, records, result.high_watermark)
             except NotLeaderOrFollowerError:
                 self._drop(state)
             except TidelogError as exc:
