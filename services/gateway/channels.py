@@ -15,7 +15,7 @@ from typing import Final
 import grpc
 
 from services.controller.state import Broker
-from tidelog.v1 import controller_pb2_grpc, storage_pb2_grpc
+from tidelog.v1 import controller_pb2_grpc, storage_pb2, storage_pb2_grpc
 
 CHANNEL_OPTIONS: Final = [
     # Produce requests and fetch responses carry many megabytes of batches.
@@ -55,6 +55,16 @@ class Channels:
 
     def storage(self, broker: Broker) -> storage_pb2_grpc.StorageStub:
         return storage_pb2_grpc.StorageStub(self._channel(broker_address(broker)))
+
+    def storage_fetch_encoded(
+        self, broker: Broker
+    ) -> grpc.UnaryUnaryMultiCallable[storage_pb2.FetchRequest, bytes]:
+        """``Storage.Fetch`` answering the encoded response, unparsed (for pass-through)."""
+        return self._channel(broker_address(broker)).unary_unary(
+            "/tidelog.v1.Storage/Fetch",
+            request_serializer=storage_pb2.FetchRequest.SerializeToString,
+            response_deserializer=None,
+        )
 
     def controller(self, address: str) -> controller_pb2_grpc.ControllerStub:
         return controller_pb2_grpc.ControllerStub(self._channel(address))

@@ -1,7 +1,8 @@
 """Reading through the gateway: Fetch (long-poll over many partitions), Subscribe (follow
 one partition), ListOffsets, and the offsets DescribeTopics reports.
 
-Fetch groups the requested partitions by leader and asks every leader at once. A leader
+Fetch groups the requested partitions by leader and asks every leader at once, passing
+the leaders' encoded answers on without parsing them (see ``FetchHandler.fetch``). A leader
 with nothing new would hold its answer for the whole ``max_wait_ms``, so the gateway asks
 in two rounds: first without waiting (data that is there comes back at once), then, only
 if that found less than ``min_bytes``, a long poll to every leader, answering as soon as
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -115,17 +116,22 @@ class FetchHandler:
                     f"fetch_offset {fp.fetch_offset} of {fp.topic}-{fp.partition} is negative"
                 )
 
-    def fetch(
-        self, request: storage_pb2.FetchRequest, time_remaining_s: float | None
-    ) -> storage_pb2.FetchResponse:
+    def fetch(self, request: storage_pb2.FetchRequest, time_remaining_s: float | None) -> bytes:
+        """A client's Fetch, answered as an encoded ``FetchResponse``.
+
+        The leaders' answers are never parsed when they carry data: a ``FetchResponse`` is
+        one repeated field, so the encodings of several concatenate into one response
+        (results grouped by leader rather than in request order), and the batch bytes
+        cross the gateway without a protobuf copy.
+        """
         self._validate(request)
-        results: dict[tuple[str, int], storage_pb2.FetchPartitionResult] = {}
+        local_errors: list[storage_pb2.FetchPartitionResult] = []
         by_leader: dict[int, tuple[Leader, list[storage_pb2.FetchPartition]]] = {}
         for fp in request.partitions:
             try:
                 leader = self._router.cache.leader(fp.topic, fp.partition)
             except TidelogError as exc:
-                results[(fp.topic, fp.partition)] = _fetch_error(fp, exc)
+                local_errors.append(_fetch_error(fp, exc))
                 continue
             by_leader.setdefault(leader.broker.broker_id, (leader, []))[1].append(fp)
         # Like Kafka's broker-side fetch.max.bytes, the gateway's limit caps what a client
@@ -138,20 +144,13 @@ class FetchHandler:
         wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
         if time_remaining_s is not None:
             wait_ms = max(0, min(wait_ms, int((time_remaining_s - DEADLINE_MARGIN_S) * 1000)))
-        answers: dict[int, storage_pb2.FetchResponse] = {}
+        answers: dict[int, bytes] = {}
         limits = {"max_bytes": max_bytes, "min_bytes": min_bytes}
-        found = self._round(by_leader, wait_ms=0, results=results, answers=answers, **limits)
-        if found < min_bytes and wait_ms > 0 and by_leader and not _has_error(results):
-            self._round(by_leader, wait_ms=wait_ms, results=results, answers=answers, **limits)
-        if len(by_leader) == 1 and len(answers) == 1 and len(results) == len(request.partitions):
-            # Every partition had the one leader, which answered them all in request
-            # order: pass its response on as it is (rebuilding it would copy every batch).
-            (answer,) = answers.values()
-            if len(answer.partitions) == len(request.partitions):
-                return answer
-        return storage_pb2.FetchResponse(
-            partitions=[results[(fp.topic, fp.partition)] for fp in request.partitions]
-        )
+        found, failed = self._round(by_leader, wait_ms=0, answers=answers, **limits)
+        if found < min_bytes and wait_ms > 0 and by_leader and not failed and not local_errors:
+            self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits)
+        encoded = storage_pb2.FetchResponse(partitions=local_errors).SerializeToString()
+        return encoded + b"".join(answers.values())
 
     def _round(
         self,
@@ -160,51 +159,57 @@ class FetchHandler:
         max_bytes: int,
         min_bytes: int,
         wait_ms: int,
-        results: dict[tuple[str, int], storage_pb2.FetchPartitionResult],
-        answers: dict[int, storage_pb2.FetchResponse],
-    ) -> int:
-        """One fetch to every leader; fills ``results``; returns the record bytes found.
+        answers: dict[int, bytes],
+    ) -> tuple[int, bool]:
+        """One fetch to every leader; each leader's encoded answer goes into ``answers``.
+        Returns (record bytes found, whether some partition failed).
 
         With ``wait_ms`` > 0 it returns once any leader answered with data (or all did);
-        the calls still running are cancelled and their partitions keep what ``results``
-        already held.
+        the calls still running are cancelled and their leaders keep the answer
+        ``answers`` already held.
         """
         if not by_leader:
-            return 0
+            return 0, False
         done = threading.Event()
         lock = threading.Lock()
-        calls: list[tuple[Any, list[storage_pb2.FetchPartition]]] = []
+        calls: list[Any] = []
         pending = [len(by_leader)]
         found = [0]
+        failed = [False]
 
         def on_done(
             future: Any, partitions: list[storage_pb2.FetchPartition], broker_id: int
         ) -> None:
+            data = 0
             try:
-                response: storage_pb2.FetchResponse = future.result()
-                items = list(response.partitions)
-                with lock:
-                    answers[broker_id] = response
+                encoded: bytes = future.result()
+                # Results without records are small: only then parse, to see errors.
+                overhead = sum(EMPTY_RESULT_BYTES + 8 + len(fp.topic) for fp in partitions)
+                if len(encoded) > overhead:
+                    data = len(encoded) - overhead
+                else:
+                    response = storage_pb2.FetchResponse.FromString(encoded)
+                    if _has_error(response.partitions):
+                        failed[0] = True
             except grpc.FutureCancelledError:
-                items = []
+                encoded = b""
             except grpc.RpcError as exc:
                 error = error_from_rpc_error(exc)
-                items = [_fetch_error(fp, error) for fp in partitions]
-                with lock:
-                    answers.pop(broker_id, None)
+                encoded = storage_pb2.FetchResponse(
+                    partitions=[_fetch_error(fp, error) for fp in partitions]
+                ).SerializeToString()
+                failed[0] = True
             with lock:
-                for answer in items:
-                    results[(answer.topic, answer.partition)] = answer
-                    # ByteSize, not len(answer.records): reading a bytes field copies it.
-                    overhead = EMPTY_RESULT_BYTES + len(answer.topic.encode())
-                    found[0] += max(0, answer.ByteSize() - overhead)
+                if encoded:
+                    answers[broker_id] = encoded
+                found[0] += data
                 pending[0] -= 1
                 if pending[0] == 0 or (wait_ms > 0 and found[0] >= min_bytes):
                     done.set()
 
         for broker_id, (leader, partitions) in by_leader.items():
-            stub = self._router.channels.storage(leader.broker)
-            future = stub.Fetch.future(
+            call = self._router.channels.storage_fetch_encoded(leader.broker)
+            future: Any = call.future(
                 storage_pb2.FetchRequest(
                     replica_id=-1,
                     max_wait_ms=wait_ms,
@@ -214,13 +219,13 @@ class FetchHandler:
                 ),
                 timeout=wait_ms / 1000 + ANSWER_SLACK_S,
             )
-            calls.append((future, partitions))
+            calls.append(future)
             future.add_done_callback(lambda f, p=partitions, b=broker_id: on_done(f, p, b))
         done.wait()
-        for future, _ in calls:
+        for future in calls:
             future.cancel()
         with lock:
-            return found[0]
+            return found[0], failed[0]
 
     # --- Subscribe ------------------------------------------------------------------------
 
@@ -448,7 +453,7 @@ def _offset_error(
     )
 
 
-def _has_error(results: dict[tuple[str, int], storage_pb2.FetchPartitionResult]) -> bool:
+def _has_error(results: Iterable[storage_pb2.FetchPartitionResult]) -> bool:
     # Like a storage node, answer at once when a partition has an error, so the client can
     # act on it (re-route, reset its offset) instead of waiting for nothing.
-    return any(r.error.code != common_pb2.NONE for r in results.values())
+    return any(r.error.code != common_pb2.NONE for r in results)

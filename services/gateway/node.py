@@ -29,12 +29,12 @@ from services.gateway.groups import OffsetStore
 from services.gateway.metadata_cache import MetadataCache
 from services.gateway.produce import ProduceHandler, ProduceLimits
 from services.gateway.router import Router
-from services.gateway.server import GatewayServicer
+from services.gateway.server import GatewayServicer, add_gateway_to_server
 from services.metastore import MetaStore
 from services.process import bind, format_address, new_server, serve_until_signal
 from tidelog import logging as tidelog_logging
 from tidelog.errors import TidelogError
-from tidelog.v1 import gateway_pb2, gateway_pb2_grpc
+from tidelog.v1 import gateway_pb2
 
 _log = structlog.get_logger("tidelog.gateway.node")
 
@@ -125,7 +125,7 @@ class GatewayNode:
         )
         port = bind(server, config.listen_host, config.listen_port)
         self._port = port
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
+        add_gateway_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (GATEWAY_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Final
+from typing import Any, Final
 
 import grpc
 
@@ -139,7 +139,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     @unary_errors
     def Fetch(  # noqa: N802 - gRPC's method name
         self, request: storage_pb2.FetchRequest, context: grpc.ServicerContext
-    ) -> storage_pb2.FetchResponse:
+    ) -> bytes:
+        """Answers the encoded ``FetchResponse`` (see ``FetchHandler.fetch``); served by
+        ``encoded_fetch_handler``, whose response serializer passes bytes through."""
         return self._fetch.fetch(request, context.time_remaining())
 
     def Subscribe(  # noqa: N802 - gRPC's method name
@@ -385,6 +387,43 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         return gateway_pb2.InitProducerIdResponse(producer_id=producer_id, producer_epoch=0)
 
 
+class _Registrations:
+    """Stands in for a server to collect what a generated ``add_*Servicer_to_server``
+    registers, so one method's handler can be replaced before the real registration."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        del handlers  # the generated code registers the same handlers below
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def add_gateway_to_server(servicer: GatewayServicer, server: grpc.Server) -> None:
+    """Register ``tidelog.v1.Gateway`` like the generated code does, except that Fetch
+    answers bytes that are already an encoded ``FetchResponse`` (no re-encoding)."""
+    registrations = _Registrations()
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, registrations)
+    registrations.handlers["Fetch"] = grpc.unary_unary_rpc_method_handler(
+        servicer.Fetch,
+        request_deserializer=storage_pb2.FetchRequest.FromString,
+        response_serializer=None,  # the bytes go out as they are
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(registrations.service, registrations.handlers),)
+    )
+    # Registered methods are what generated client stubs call (the stubs in grpc-stubs
+    # predate the method, hence the getattr).
+    getattr(server, "add_registered_method_handlers")(  # noqa: B009
+        registrations.service, registrations.handlers
+    )
+
+
 def _ready(view: MetadataView, name: str) -> bool:
     """The topic exists with a leader for every partition."""
     topic = view.topics.get(name)
@@ -397,4 +436,4 @@ def _ready(view: MetadataView, name: str) -> bool:
     return True
 
 
-__all__ = ["GatewayServicer"]
+__all__ = ["GatewayServicer", "add_gateway_to_server"]
