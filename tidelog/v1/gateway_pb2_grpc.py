@@ -134,7 +134,8 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Fetch(self, request, context):
-        """Long-poll fetch from many partitions (replica_id must be -1).
+        """Long-poll fetch from many partitions (replica_id must be -1). One result per
+        partition, grouped by partition leader rather than in request order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
