@@ -422,9 +422,10 @@ class Bench:
     def fetch_replay(self, leader: int, topic: str, start: int, end: int) -> float:
         """Seconds to read ``[start, end)`` from the leader with sequential Fetch calls.
 
-        Same sizes as a replica fetcher (8 MiB per partition, 32 MiB per response), but as
-        a consumer (replica_id -1) that only parses the response and computes the next
-        offset: leader read + gRPC, without the follower's append.
+        Same sizes as a replica fetcher (``PARTITION_FETCH_MAX_BYTES`` per partition,
+        ``FETCH_MAX_BYTES`` per response), but as a consumer (replica_id -1) that only
+        parses the response and computes the next offset, one call at a time: leader read
+        + gRPC, without the follower's append and without its pipelining.
         """
         stub = self.cluster.brokers[leader].stub
         offset = start
@@ -529,7 +530,8 @@ def report_markdown(
         f"| one follower, RF=3 | {catchup.behind_bytes / MIB:,.0f} | {catchup.elapsed_s:.2f} | "
         f"{catchup.mb_s:,.1f} | {catchup.records_s:,.0f} |",
         f"| the same range read by the client with sequential `Fetch` calls "
-        f"(8 MiB per call, as the fetcher asks; no append) | "
+        f"({PARTITION_FETCH_MAX_BYTES // MIB} MiB per call, as the fetcher asks; no append, "
+        "no pipelining) | "
         f"{catchup.behind_bytes / MIB:,.0f} | {catchup.fetch_replay_s:.2f} | "
         f"{catchup.fetch_replay_mb_s:,.1f} | "
         f"{catchup.behind_records / catchup.fetch_replay_s:,.0f} |",

@@ -14,6 +14,13 @@ not have, the follower truncates to the end of its own largest earlier epoch and
 again. Then it fetches from its log end offset and appends the leader's batches as they
 are (``assign_offsets=False``), setting its HW to min(leader HW, own LEO).
 
+Fetches are pipelined (``ReplicaFetcherThread._fetch``): once an answer is verified
+(every batch whole, checksums right, offsets contiguous from the log end), the next
+Fetch goes out from the log end the append will reach, and the answer is appended while
+the leader reads and sends the next range. A pipelined answer is used only if the log
+end and epoch turned out as predicted; errors, divergence, truncation and role changes
+fall back to the serial fetch -> append -> fetch loop.
+
 Every RPC has a deadline; errors back off (``FETCH_BACKOFF_S``) instead of spinning.
 Thread-safety: ``ReplicaFetcherManager`` methods may be called from any thread; each
 fetcher thread owns its RPC channel, and its partition map is guarded by its lock.
