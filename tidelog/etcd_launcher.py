@@ -108,14 +108,14 @@ def find_etcd_binary() -> str:
     raise EtcdNotFoundError(NOT_FOUND_MESSAGE)
 
 
-def _free_port() -> int:
-    """A loopback TCP port that was free a moment ago (bind to 0, read it, close).
+def _free_port(host: str = _LOOPBACK) -> int:
+    """A TCP port on ``host`` that was free a moment ago (bind to 0, read it, close).
 
     Another process may take it before etcd binds; EtcdProcess.start() detects that from
     etcd's exit and retries with new ports, which is why no reservation trick is needed.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((_LOOPBACK, 0))
+        sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
 
@@ -144,8 +144,12 @@ class EtcdProcess:
         tuning: EtcdTuning | None = None,
         binary: str | None = None,
         extra_args: Sequence[str] = (),
+        host: str = _LOOPBACK,
     ) -> None:
         self.data_dir = Path(data_dir)
+        # The address etcd listens on; another than loopback lets processes in other
+        # network namespaces reach it (tests/chaos puts storage nodes in their own).
+        self.host = host
         self.name = name
         self.tuning = tuning or EtcdTuning()
         # Resolve eagerly: a missing binary is a set-up error worth reporting before anything
@@ -162,10 +166,10 @@ class EtcdProcess:
 
     @property
     def endpoint(self) -> str:
-        """The client URL, ``http://127.0.0.1:PORT``; known once start() has succeeded."""
+        """The client URL, ``http://HOST:PORT``; known once start() has succeeded."""
         if self._client_port is None:
             raise EtcdLaunchError("etcd has not been started")
-        return f"http://{_LOOPBACK}:{self._client_port}"
+        return f"http://{self.host}:{self._client_port}"
 
     @property
     def client_port(self) -> int:
@@ -207,9 +211,10 @@ class EtcdProcess:
         last_error: EtcdLaunchError | None = None
         for _ in range(attempts):
             if not keep_ports:
-                self._client_port, self._peer_port = _free_port(), _free_port()
+                self._client_port = _free_port(self.host)
+                self._peer_port = _free_port(self.host)
                 while self._peer_port == self._client_port:
-                    self._peer_port = _free_port()
+                    self._peer_port = _free_port(self.host)
             log_offset = self._spawn()
             try:
                 self._wait_healthy(log_offset)
@@ -288,8 +293,8 @@ class EtcdProcess:
 
     def command(self) -> list[str]:
         """The full etcd command line for the current ports."""
-        client_url = f"http://{_LOOPBACK}:{self._client_port}"
-        peer_url = f"http://{_LOOPBACK}:{self._peer_port}"
+        client_url = f"http://{self.host}:{self._client_port}"
+        peer_url = f"http://{self.host}:{self._peer_port}"
         return [
             self.binary,
             f"--name={self.name}",

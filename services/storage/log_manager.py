@@ -23,6 +23,7 @@ import structlog
 
 from services.storage.log import Log, LogConfig
 from services.storage.log.checkpoint import CheckpointCorruptError, OffsetCheckpointFile
+from services.storage.log.log import DiskFailureHandler
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.topics import parse_partition_dir_name, partition_dir_name
 
@@ -44,8 +45,11 @@ class LogManager:
         default_config: LogConfig | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        on_disk_failure: DiskFailureHandler | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        # Given to every log: what to do when the disk under this directory fails.
+        self.on_disk_failure = on_disk_failure
         self.default_config = default_config or LogConfig()
         self._clock = clock or SYSTEM_CLOCK
         self._rng = rng or random.Random()
@@ -81,6 +85,7 @@ class LogManager:
                 clock=self._clock,
                 rng=self._rng,
             )
+            opened.on_disk_failure = self.on_disk_failure
             self._logs[key] = opened
             if opened.truncated_on_recovery_bytes:
                 log.warning(
@@ -111,6 +116,7 @@ class LogManager:
             clock=self._clock,
             rng=self._rng,
         )
+        created.on_disk_failure = self.on_disk_failure
         self._logs[key] = created
         return created
 

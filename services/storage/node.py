@@ -11,11 +11,18 @@ nothing to recover.
 (SIGTERM / SIGINT -> clean stop, exit status 0) and prints the line
 ``tidelog storage broker <id> listening on <host>:<port>`` on stdout once serving, with
 the real port when asked for port 0.
+
+A disk failure under the data directory (EIO, ENOSPC... from a write, fsync or read,
+``services/storage/log/log.py``) halts the process at once with status
+``EXIT_DISK_FAILURE``, as Kafka halts a broker whose only log directory went offline: no
+acknowledgement can follow a write whose fate is unknown, leadership moves to the other
+replicas when the registration lease expires, and the restart recovers from the disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import threading
@@ -36,7 +43,7 @@ from services.controller.state import Broker
 from services.metastore import MetaStore, MetaStoreError
 from services.process import KEEPALIVE_SERVER_OPTIONS, serve_until_signal
 from services.status import error_from_proto, error_from_rpc_error
-from services.storage.log import LogConfig
+from services.storage.log import Log, LogConfig
 from services.storage.log_manager import LogManager
 from services.storage.registration import BrokerRegistration
 from services.storage.replication import IsrProposal
@@ -52,6 +59,9 @@ from tidelog.errors import BrokerNotAvailableError, TidelogError
 from tidelog.v1 import controller_pb2, controller_pb2_grpc, storage_pb2, storage_pb2_grpc
 
 _log = structlog.get_logger("tidelog.storage.node")
+
+EXIT_DISK_FAILURE: Final = 3
+"""Exit status of a storage node halted by a disk failure (see the module docstring)."""
 
 STORAGE_SERVICE_NAME: Final[str] = storage_pb2.DESCRIPTOR.services_by_name["Storage"].full_name
 
@@ -170,7 +180,9 @@ class StorageNode:
     def start(self) -> None:
         """Recover the logs, bind, serve, report SERVING. Raises OSError if it cannot bind."""
         config = self.config
-        log_manager = LogManager(config.data_dir, config.log_config, clock=self._clock)
+        log_manager = LogManager(
+            config.data_dir, config.log_config, clock=self._clock, on_disk_failure=_halt
+        )
         replicas = ReplicaManager(
             log_manager,
             broker_id=config.broker_id,
@@ -386,3 +398,12 @@ def main(args: argparse.Namespace) -> int:
         StorageNode(config),
         f"tidelog storage broker {config.broker_id} listening on {{address}}",
     )
+
+
+def _halt(failed: Log, error: OSError) -> None:
+    """The log directory failed: halt now (see the module docstring). ``os._exit`` and not
+    ``sys.exit``: nothing may run after this -- no clean shutdown that flushes, writes
+    checkpoints or answers waiting producers."""
+    _log.critical("log_dir_failed", log_dir=str(failed.dir), error=str(error))
+    sys.stderr.flush()
+    os._exit(EXIT_DISK_FAILURE)

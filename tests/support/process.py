@@ -58,12 +58,16 @@ def wait_healthy(address: str, service: str = "", timeout_s: float = 10.0) -> No
 class TidelogProcess:
     """One ``python -m tidelog <args>`` child process that prints a listening line."""
 
-    def __init__(self, args: Sequence[str], *, log_path: Path) -> None:
+    def __init__(
+        self, args: Sequence[str], *, log_path: Path, command_prefix: Sequence[str] = ()
+    ) -> None:
+        """``command_prefix`` runs the interpreter through another program that execs it
+        (``ip netns exec NS`` keeps the PID, so signals still reach tidelog itself)."""
         self.args = list(args)
         self.log_path = log_path
         self._log_file = open(log_path, "ab")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tidelog", *self.args],
+            [*command_prefix, sys.executable, "-m", "tidelog", *self.args],
             stdout=subprocess.PIPE,
             stderr=self._log_file,
             stdin=subprocess.DEVNULL,

@@ -31,17 +31,27 @@ Invariants:
   producer snapshot on disk is at or below it (snapshots above are deleted when the log
   shrinks, with a directory fsync, so a stale one cannot come back).
 
+Disk failures: an ``OSError`` that says the disk itself failed (``DISK_FAILURE_ERRNOS``:
+EIO, ENOSPC, EROFS, EDQUOT) from any operation that touches the files is reported to
+``on_disk_failure`` before it propagates. After a failed write or fsync the state of the
+files is unknown (Linux may even drop the dirty pages a failed fsync was about, so a later
+fsync "succeeds" without the data), so the only safe answer is Kafka's: take the log
+directory offline -- the storage node halts (``services/storage/node.py``) and recovers
+from what is really on disk when it restarts, while the other replicas serve.
+
 Thread-safety: none. One caller at a time; the partition layer holds a lock around every
 call (reads included, because a read may rebuild a damaged index).
 """
 
 from __future__ import annotations
 
+import errno
+import functools
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from tidelog import formats
 from tidelog.batch import BatchHeader, check_batch, stamp
@@ -62,6 +72,32 @@ from .leader_epoch import LeaderEpochCache
 from .producer_state import DEFAULT_PRODUCER_ID_EXPIRATION_MS, ProducerStateManager
 from .segment import BatchSpan, LogSegment
 from .segments import LogSegments
+
+DISK_FAILURE_ERRNOS = frozenset({errno.EIO, errno.ENOSPC, errno.EROFS, errno.EDQUOT})
+"""OSErrors that mean the disk failed, as opposed to a path racing with a deletion."""
+
+DiskFailureHandler = Callable[["Log", OSError], None]
+"""Called with the log and the error before a disk failure propagates (see the module
+docstring); the storage node's handler halts the process."""
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _reports_disk_failure(
+    method: Callable[Concatenate[Log, _P], _R],
+) -> Callable[Concatenate[Log, _P], _R]:
+    @functools.wraps(method)
+    def wrapper(self: Log, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as exc:
+            if exc.errno in DISK_FAILURE_ERRNOS and self.on_disk_failure is not None:
+                self.on_disk_failure(self, exc)
+            raise
+
+    return wrapper
+
 
 PRODUCER_SNAPSHOT_SEGMENTS = 2
 """Producer snapshots are kept for the base offsets of this many newest segments (plus the
@@ -101,6 +137,7 @@ class Log:
         self._producer_state: ProducerStateManager | None = None  # made by _load
         self.truncated_on_recovery_bytes = 0
         self.last_flush_ms = clock.now_ms()
+        self.on_disk_failure: DiskFailureHandler | None = None
 
     # --- opening and recovery -----------------------------------------------------------
 
@@ -348,6 +385,7 @@ class Log:
             position += size
         return spans, headers
 
+    @_reports_disk_failure
     def append(
         self,
         batches: bytes | bytearray | memoryview,
@@ -444,6 +482,7 @@ class Log:
             cache.write()
         return before
 
+    @_reports_disk_failure
     def roll(self) -> LogSegment:
         """Start a new active segment at the log end (a no-op while the active one is empty).
 
@@ -470,6 +509,7 @@ class Log:
 
     # --- reading ----------------------------------------------------------------------------
 
+    @_reports_disk_failure
     def read(self, offset: int, max_bytes: int, max_offset: int | None = None) -> bytes:
         """Whole batches starting with the one that holds ``offset``.
 
@@ -552,6 +592,7 @@ class Log:
 
     # --- durability ---------------------------------------------------------------------
 
+    @_reports_disk_failure
     def flush(self) -> None:
         """fsync everything appended so far and move the recovery point to the log end."""
         if self._log_end_offset > self._recovery_point or self._dir_dirty:
@@ -565,6 +606,7 @@ class Log:
         self._first_unflushed_ms = None
         self.last_flush_ms = self._clock.now_ms()
 
+    @_reports_disk_failure
     def flush_if_due(self) -> bool:
         """Apply ``flush_ms``: flush when the oldest unflushed append is old enough."""
         if (
@@ -578,6 +620,7 @@ class Log:
 
     # --- truncation (replication) ---------------------------------------------------------
 
+    @_reports_disk_failure
     def truncate_to(self, offset: int) -> None:
         """Remove every batch at or after ``offset`` (a follower diverged from its leader).
 
@@ -617,6 +660,7 @@ class Log:
         if state.end_offset != self._log_end_offset:
             self._rebuild_producer_state()
 
+    @_reports_disk_failure
     def truncate_fully_and_start_at(self, offset: int) -> None:
         """Drop every segment and restart the log empty at ``offset``.
 
@@ -641,6 +685,7 @@ class Log:
 
     # --- retention ----------------------------------------------------------------------
 
+    @_reports_disk_failure
     def delete_retention_segments(self) -> int:
         """Retire whole oldest segments past retention.ms or retention.bytes.
 
@@ -678,6 +723,7 @@ class Log:
         )
         self._recovery_point = max(self._recovery_point, self.log_start_offset)
 
+    @_reports_disk_failure
     def remove_deleted_files(self) -> int:
         """Unlink retired segment files whose delay has passed; returns files removed."""
         now_ms = self._clock.now_ms()
@@ -743,6 +789,7 @@ class Log:
         """
         return self._epochs.end_offset_for(epoch, self._log_end_offset)
 
+    @_reports_disk_failure
     def assign_epoch_start_offset(self, epoch: int, start_offset: int | None = None) -> None:
         """Record that leader ``epoch`` starts at ``start_offset`` (default: the log end).
 

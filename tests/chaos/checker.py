@@ -1,0 +1,158 @@
+"""The history checker: a pure function from what the clients saw and what the cluster
+holds at the end to a verdict. It must be able to fail (``test_checker.py`` feeds it
+doctored histories; the negative control makes a real run fail it).
+
+Checks (issue 9):
+
+- every acknowledged value is in the final log exactly once, at its acknowledged offset,
+  with identical bytes (``lost`` counts those that are not);
+- no value appears twice in the final log (``duplicated``), acknowledged or not;
+- offsets of every partition are contiguous from its first offset (``gaps``);
+- within a partition, each writer's values are in the order it sent them (``reordered``);
+- every value is one the workload wrote, intact (``corrupt``);
+- every consumer's reads of a partition have strictly increasing offsets (``non_monotonic``)
+  and each read is the record the final log has at that offset — a read can neither be
+  of a record that later vanished nor disagree with the final log (``vanished_reads``);
+- replicas hold byte-identical batches below the high watermark (``divergent``); one
+  that lags (outside the ISR at the end) must hold a prefix of the others'.
+
+An acknowledgement from a fenced leader shows up as a loss: the fenced leader's copy is
+truncated away when it rejoins, so the value is not in the final log at its offset.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tests.chaos.workload import History, parse_value
+
+ReplicaBatches = list[tuple[int, int, bytes]]
+"""One replica's batches of one partition: (base offset, last offset, batch bytes)."""
+
+
+@dataclass
+class Verdict:
+    acked: int = 0
+    sent: int = 0
+    failed: int = 0
+    final_records: int = 0
+    reads: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    gaps: int = 0
+    reordered: int = 0
+    corrupt: int = 0
+    non_monotonic: int = 0
+    vanished_reads: int = 0
+    divergent: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.lost
+            or self.duplicated
+            or self.gaps
+            or self.reordered
+            or self.corrupt
+            or self.non_monotonic
+            or self.vanished_reads
+            or self.divergent
+        )
+
+    def note(self, text: str) -> None:
+        if len(self.examples) < 20:
+            self.examples.append(text)
+
+    def summary(self) -> str:
+        return (
+            f"acked {self.acked} of {self.sent} sent ({self.failed} failed), final log "
+            f"{self.final_records} records, {self.reads} consumer reads; lost {self.lost}, "
+            f"duplicated {self.duplicated}, gaps {self.gaps}, reordered {self.reordered}, "
+            f"corrupt {self.corrupt}, non-monotonic reads {self.non_monotonic}, vanished "
+            f"reads {self.vanished_reads}, divergent replicas {self.divergent}"
+            + ("" if self.ok else "; e.g. " + "; ".join(self.examples[:8]))
+        )
+
+
+def check(
+    history: History,
+    final_log: dict[int, list[tuple[int, bytes]]],
+    replicas: dict[int, dict[int, ReplicaBatches]] | None = None,
+    high_watermarks: dict[int, int] | None = None,
+) -> Verdict:
+    """``final_log``: partition -> [(offset, value)] read from the beginning to the HW.
+    ``replicas``: partition -> broker id -> batches on its disk; ``high_watermarks``:
+    partition -> HW, below which the replicas must agree."""
+    verdict = Verdict(
+        acked=len(history.acked),
+        sent=history.sent,
+        failed=len(history.failed),
+        final_records=sum(len(records) for records in final_log.values()),
+        reads=sum(len(reads) for reads in history.reads.values()),
+    )
+    at: dict[tuple[int, int], bytes] = {}
+    counts: Counter[bytes] = Counter()
+    for partition, records in final_log.items():
+        previous: int | None = None
+        last_seq: dict[int, int] = {}
+        for offset, value in records:
+            at[(partition, offset)] = value
+            counts[value] += 1
+            if previous is not None and offset != previous + 1:
+                verdict.gaps += 1
+                verdict.note(f"gap in partition {partition}: {previous} then {offset}")
+            previous = offset
+            parsed = parse_value(value)
+            if parsed is None:
+                verdict.corrupt += 1
+                verdict.note(f"corrupt value at {partition}@{offset}: {value[:40]!r}")
+                continue
+            writer, seq = parsed
+            if seq <= last_seq.get(writer, -1):
+                verdict.reordered += 1
+                verdict.note(
+                    f"writer {writer} seq {seq} after {last_seq[writer]} in {partition}@{offset}"
+                )
+            last_seq[writer] = max(seq, last_seq.get(writer, -1))
+    for value, count in counts.items():
+        if count > 1:
+            verdict.duplicated += count - 1
+            verdict.note(f"{value[:24]!r} {count} times")
+    for value, (partition, offset) in history.acked.items():
+        if at.get((partition, offset)) != value:
+            verdict.lost += 1
+            found = "absent" if counts[value] == 0 else "elsewhere"
+            verdict.note(f"acked {value[:24]!r} at {partition}@{offset} is {found}")
+    for name, reads in history.reads.items():
+        last_offset: dict[int, int] = {}
+        for partition, offset, value in reads:
+            if offset <= last_offset.get(partition, -1):
+                verdict.non_monotonic += 1
+                verdict.note(
+                    f"consumer {name} read {partition}@{offset} after {last_offset[partition]}"
+                )
+            last_offset[partition] = offset
+            if at.get((partition, offset)) != value:
+                verdict.vanished_reads += 1
+                verdict.note(
+                    f"consumer {name} read {value[:24]!r} at {partition}@{offset}; "
+                    "the final log differs"
+                )
+    for partition, by_broker in (replicas or {}).items():
+        hw = (high_watermarks or {}).get(partition, 0)
+        reference: ReplicaBatches | None = None
+        reference_broker = -1
+        for broker_id, batches in sorted(by_broker.items()):
+            below = [b for b in batches if b[1] < hw]
+            if reference is None:
+                reference, reference_broker = below, broker_id
+            elif below[: len(reference)] != reference[: len(below)]:
+                # A replica outside the ISR may lag (a prefix is fine); it must not differ.
+                verdict.divergent += 1
+                verdict.note(
+                    f"partition {partition}: broker {broker_id} differs from broker "
+                    f"{reference_broker} below HW {hw}"
+                )
+    return verdict

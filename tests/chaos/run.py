@@ -1,0 +1,112 @@
+"""One chaos run: start the cluster, run the workload under a seeded fault schedule, heal,
+read everything back and check it. Used by ``test_chaos.py`` (short schedules in
+``make test``) and ``python -m tests.chaos`` (``make chaos``: many seeds, long schedules,
+figures into ``docs/RELIABILITY.md``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.chaos.checker import ReplicaBatches, Verdict, check
+from tests.chaos.cluster import BROKER_IDS, ChaosCluster
+from tests.chaos.disk import replica_batches
+from tests.chaos.nemesis import Nemesis, schedule
+from tests.chaos.workload import Workload, read_all
+from tidelog.consumer import Consumer
+
+TOPIC = "chaos"
+PARTITIONS = 3
+
+SAFE_CONFIGS = {"min.insync.replicas": "2", "unclean.leader.election.enable": "false"}
+"""What the run must survive: RF=3, acks=all, two in-sync copies before an ack."""
+
+NEGATIVE_CONTROL_CONFIGS = {"min.insync.replicas": "1", "unclean.leader.election.enable": "true"}
+"""The negative control: a leader may acknowledge alone and an out-of-sync replica may be
+elected, so ``lose_leader`` must make the checker report a loss."""
+
+
+@dataclass
+class RunReport:
+    seed: int
+    rounds: int
+    negative_control: bool
+    verdict: Verdict
+    faults: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+    unhealed: int = 0
+    seconds: float = 0.0
+    nemesis_lines: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items()))
+        skipped = ", ".join(f"{k} {n}" for k, n in sorted(self.skipped.items())) or "none"
+        return (
+            f"seed {self.seed} ({'negative control' if self.negative_control else 'safe'}), "
+            f"{self.seconds:.0f} s: faults {kinds}; skipped {skipped}; not healed in time "
+            f"{self.unhealed}\n{self.verdict.summary()}\nnemesis:\n  "
+            + "\n  ".join(self.nemesis_lines)
+        )
+
+
+def _wait_consumers(workload: Workload, ends: dict[int, int], timeout_s: float) -> None:
+    """Until every consumer has read up to ``ends`` (or the time is up: the checker then
+    simply has fewer reads to check)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        caught_up = True
+        for reads in workload.history.reads.values():
+            last: dict[int, int] = {}
+            for partition, offset, _ in reads:
+                last[partition] = offset
+            if any(last.get(p, -1) + 1 < end for p, end in ends.items()):
+                caught_up = False
+        if caught_up:
+            return
+        time.sleep(0.2)
+
+
+def run_chaos(
+    base_dir: Path, seed: int, rounds: int = 1, *, negative_control: bool = False
+) -> RunReport:
+    started = time.monotonic()
+    configs = NEGATIVE_CONTROL_CONFIGS if negative_control else SAFE_CONFIGS
+    with ChaosCluster(base_dir) as cluster:
+        cluster.start()
+        cluster.create_topic(TOPIC, PARTITIONS, configs)
+        cluster.wait_healthy(TOPIC, 30.0)
+        workload = Workload(cluster.gateway_address, TOPIC, PARTITIONS).start()
+        time.sleep(1.0)  # some traffic before the first fault
+        nemesis = Nemesis(cluster, TOPIC, seed)
+        log = nemesis.run(schedule(seed, rounds, PARTITIONS))
+        if not cluster.wait_healthy(TOPIC, 60.0):
+            log.unhealed += 1
+        workload.stop_writers(flush_timeout_s=30.0)
+        probe = Consumer(cluster.gateway_address, request_timeout_ms=10_000)
+        try:
+            tps = [(TOPIC, p) for p in range(PARTITIONS)]
+            ends = {tp[1]: end for tp, end in probe.end_offsets(tps).items()}
+        finally:
+            probe.close()
+        _wait_consumers(workload, ends, 30.0)
+        workload.stop_readers()
+        final = read_all(cluster.gateway_address, TOPIC, PARTITIONS, timeout_s=60.0)
+        replicas: dict[int, dict[int, ReplicaBatches]] = {
+            p: {b: replica_batches(cluster.data_dir(b), TOPIC, p) for b in BROKER_IDS}
+            for p in range(PARTITIONS)
+        }
+        verdict = check(workload.history, final, replicas, ends)
+    return RunReport(
+        seed=seed,
+        rounds=rounds,
+        negative_control=negative_control,
+        verdict=verdict,
+        faults=log.applied,
+        skipped=log.skipped,
+        unhealed=log.unhealed,
+        seconds=time.monotonic() - started,
+        nemesis_lines=log.lines,
+    )

@@ -1,0 +1,103 @@
+"""The checker fails each way it claims to: doctored histories, one fault each."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.chaos.checker import Verdict, check
+from tests.chaos.workload import History, make_value, parse_value
+
+
+def _clean() -> tuple[
+    History, dict[int, list[tuple[int, bytes]]], dict[int, dict[int, list[tuple[int, int, bytes]]]]
+]:
+    """Two writers, two partitions, every value acknowledged, read and replicated."""
+    history = History()
+    log: dict[int, list[tuple[int, bytes]]] = {0: [], 1: []}
+    for seq in range(6):
+        for writer in (0, 1):
+            value = make_value(writer, seq)
+            partition = (seq + writer) % 2
+            offset = len(log[partition])
+            log[partition].append((offset, value))
+            history.acked[value] = (partition, offset)
+            history.sent += 1
+    history.reads["c0"] = [(p, o, v) for p, records in log.items() for o, v in records]
+    replicas = {
+        p: {b: [(o, o, v) for o, v in records] for b in (0, 1, 2)} for p, records in log.items()
+    }
+    return history, log, replicas
+
+
+def _hw(log: dict[int, list[tuple[int, bytes]]]) -> dict[int, int]:
+    return {p: len(records) for p, records in log.items()}
+
+
+def test_values_round_trip_and_reject_damage() -> None:
+    value = make_value(3, 41)
+    assert parse_value(value) == (3, 41)
+    assert parse_value(value[:-1] + b"x") is None
+    assert parse_value(b"w3:41:00000000:") is None
+
+
+def test_a_clean_history_passes() -> None:
+    history, log, replicas = _clean()
+    verdict = check(history, log, replicas, _hw(log))
+    assert verdict.ok, verdict.summary()
+    assert verdict.acked == 12 and verdict.reads == 12
+
+
+def _damaged(kind: str) -> Verdict:
+    history, log, replicas = _clean()
+    log = copy.deepcopy(log)
+    if kind == "lost":
+        # The last record of partition 0 vanished (a truncated acknowledged write).
+        log[0].pop()
+        history.reads["c0"] = [r for r in history.reads["c0"] if (r[0], r[1]) != (0, 5)]
+    elif kind == "duplicated":
+        offset = len(log[1])
+        log[1].append((offset, log[0][0][1]))
+    elif kind == "gaps":
+        offset, value = log[1][-1]
+        log[1][-1] = (offset + 1, value)
+    elif kind == "reordered":
+        (o1, v1), (o2, v2) = log[0][0], log[0][2]  # same writer, two sequences apart
+        log[0][0], log[0][2] = (o1, v2), (o2, v1)
+    elif kind == "corrupt":
+        offset, value = log[1][0]
+        log[1][0] = (offset, value[:-1] + b"#")
+    elif kind == "non_monotonic":
+        history.reads["c1"] = [(0, 1, log[0][1][1]), (0, 0, log[0][0][1])]
+    elif kind == "vanished_reads":
+        history.reads["c1"] = [(1, 0, make_value(9, 9))]
+    elif kind == "divergent":
+        base, last, value = replicas[0][2][1]
+        replicas[0][2][1] = (base, last, make_value(7, 7))
+    return check(history, log, replicas, _hw(log))
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "lost",
+        "duplicated",
+        "gaps",
+        "reordered",
+        "corrupt",
+        "non_monotonic",
+        "vanished_reads",
+        "divergent",
+    ],
+)
+def test_each_damage_is_reported(kind: str) -> None:
+    verdict = _damaged(kind)
+    assert not verdict.ok
+    assert getattr(verdict, kind) > 0, verdict.summary()
+
+
+def test_a_lagging_replica_is_a_prefix_not_a_divergence() -> None:
+    history, log, replicas = _clean()
+    replicas[0][1] = replicas[0][1][:2]
+    assert check(history, log, replicas, _hw(log)).ok

@@ -1,0 +1,223 @@
+"""The chaos workload: idempotent acks=all producers of unique, checksummed values, and
+concurrent consumers, all through the gateway with the SDK, recording a history.
+
+A value is ``w<writer>:<seq>:<crc32 of the first two fields, hex>`` padded with a filler
+derived from the same fields, so the checker can tell a value it never wrote, a corrupted
+one, and which writer and sequence number a value carries (for the order check).
+
+The history is plain data (``History``) so the checker is a pure function of it and
+can be tested on doctored histories.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from tidelog.consumer import Consumer
+from tidelog.errors import TidelogError
+from tidelog.producer import Producer, RecordMetadata
+
+VALUE_BYTES = 100
+
+
+def make_value(writer: int, seq: int) -> bytes:
+    head = f"w{writer}:{seq}"
+    crc = zlib.crc32(head.encode())
+    text = f"{head}:{crc:08x}:"
+    filler = (f"{crc:08x}" * (VALUE_BYTES // 8 + 1))[: max(0, VALUE_BYTES - len(text))]
+    return (text + filler).encode()
+
+
+def parse_value(value: bytes) -> tuple[int, int] | None:
+    """``(writer, seq)`` of an intact value, None for anything this workload did not write."""
+    try:
+        writer_text, seq_text, crc_text, filler = value.decode().split(":", 3)
+        writer, seq = int(writer_text[1:]), int(seq_text)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not writer_text.startswith("w") or make_value(writer, seq) != value:
+        return None
+    del crc_text, filler
+    return writer, seq
+
+
+@dataclass
+class History:
+    """What the clients saw. Offsets are per (topic) partition; one topic per run."""
+
+    # value -> (partition, offset) as acknowledged to the producer
+    acked: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    # values whose send failed (the write may or may not have happened)
+    failed: dict[bytes, str] = field(default_factory=dict)
+    sent: int = 0
+    # consumer name -> [(partition, offset, value)] in the order polled
+    reads: dict[str, list[tuple[int, int, bytes]]] = field(default_factory=dict)
+    consumer_errors: int = 0
+
+
+class Workload:
+    """Producers and consumers on threads until ``stop()``; see the module docstring."""
+
+    def __init__(
+        self,
+        gateway: str,
+        topic: str,
+        partitions: int,
+        *,
+        writers: int = 2,
+        consumers: int = 2,
+        rate_per_writer_s: float = 200.0,
+    ) -> None:
+        self.gateway = gateway
+        self.topic = topic
+        self.partitions = partitions
+        self.history = History()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._stop_consumers = threading.Event()
+        self._rate_s = rate_per_writer_s
+        self._producers: list[Producer] = []
+        self._threads = [
+            threading.Thread(target=self._write, args=(w,), name=f"chaos-writer-{w}", daemon=True)
+            for w in range(writers)
+        ] + [
+            threading.Thread(
+                target=self._read, args=(f"c{c}",), name=f"chaos-reader-{c}", daemon=True
+            )
+            for c in range(consumers)
+        ]
+
+    def start(self) -> Workload:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop_writers(self, flush_timeout_s: float) -> None:
+        """Stop sending, then wait for every outstanding send to be answered."""
+        self._stop.set()
+        for thread in self._threads:
+            if thread.name.startswith("chaos-writer"):
+                thread.join(flush_timeout_s + 10)
+        for producer in self._producers:
+            # What is still unanswered after the timeout stays neither acked nor failed.
+            with contextlib.suppress(TidelogError):
+                producer.close(flush_timeout_s)
+
+    def stop_readers(self) -> None:
+        self._stop_consumers.set()
+        for thread in self._threads:
+            if thread.name.startswith("chaos-reader"):
+                thread.join(30)
+
+    # --- writers --------------------------------------------------------------------------
+
+    def _write(self, writer: int) -> None:
+        producer = Producer(
+            self.gateway,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=5,
+            delivery_timeout_ms=60_000,
+            request_timeout_ms=5_000,
+            max_block_ms=5_000,
+        )
+        self._producers.append(producer)
+        interval_s = 1.0 / self._rate_s
+        next_at = time.monotonic()
+        seq = 0
+        while not self._stop.is_set():
+            value = make_value(writer, seq)
+            seq += 1
+            try:
+                future = producer.send(self.topic, value)
+            except TidelogError as exc:
+                with self._lock:
+                    self.history.sent += 1
+                    self.history.failed[value] = f"send: {exc}"
+                continue
+            with self._lock:
+                self.history.sent += 1
+            future.add_done_callback(self._on_answer(value))
+            next_at += interval_s
+            delay = next_at - time.monotonic()
+            if delay > 0:
+                self._stop.wait(delay)
+            else:
+                next_at = time.monotonic()  # fell behind (a fault blocked send): no burst
+
+    def _on_answer(self, value: bytes) -> Callable[[Future[RecordMetadata]], None]:
+        def done(future: Future[RecordMetadata]) -> None:
+            error = future.exception()
+            with self._lock:
+                if error is None:
+                    metadata = future.result()
+                    self.history.acked[value] = (metadata.partition, metadata.offset)
+                else:
+                    self.history.failed[value] = repr(error)
+
+        return done
+
+    # --- readers --------------------------------------------------------------------------
+
+    def _read(self, name: str) -> None:
+        reads: list[tuple[int, int, bytes]] = []
+        with self._lock:
+            self.history.reads[name] = reads
+        positions = dict.fromkeys(range(self.partitions), 0)
+        while not self._stop_consumers.is_set():
+            consumer = None
+            try:
+                consumer = Consumer(
+                    self.gateway, auto_offset_reset="earliest", request_timeout_ms=5_000
+                )
+                consumer.assign([(self.topic, p) for p in range(self.partitions)])
+                for partition, offset in positions.items():
+                    consumer.seek((self.topic, partition), offset)
+                while not self._stop_consumers.is_set():
+                    for record in consumer.poll(timeout_ms=200):
+                        reads.append((record.partition, record.offset, record.value or b""))
+                        positions[record.partition] = record.offset + 1
+            except TidelogError:
+                # The gateway could not serve the fetch (a fault); start over from the
+                # positions reached, as an application would.
+                with self._lock:
+                    self.history.consumer_errors += 1
+                self._stop_consumers.wait(0.2)
+            finally:
+                if consumer is not None:
+                    consumer.close()
+
+
+def read_all(
+    gateway: str, topic: str, partitions: int, timeout_s: float
+) -> dict[int, list[tuple[int, bytes]]]:
+    """Every record of every partition from the beginning up to the end offsets (HW) as
+    of the call, with a fresh consumer: the final log the checker compares against."""
+    consumer = Consumer(gateway, auto_offset_reset="earliest", request_timeout_ms=10_000)
+    try:
+        tps = [(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(tps)
+        ends = consumer.end_offsets(tps)
+        log: dict[int, list[tuple[int, bytes]]] = {p: [] for p in range(partitions)}
+        deadline = time.monotonic() + timeout_s
+        remaining = {p for p in range(partitions) if ends[(topic, p)] > 0}
+        while remaining:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"final read did not reach the end offsets {ends} in {timeout_s} s"
+                )
+            for record in consumer.poll(timeout_ms=500):
+                if record.offset < ends[(topic, record.partition)]:
+                    log[record.partition].append((record.offset, record.value or b""))
+                if record.offset + 1 >= ends[(topic, record.partition)]:
+                    remaining.discard(record.partition)
+        return log
+    finally:
+        consumer.close()
