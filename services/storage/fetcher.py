@@ -41,6 +41,7 @@ import structlog
 
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.partition import Partition
+from services.storage.replica_rules import follower_truncation
 from tidelog.batch import iter_batches
 from tidelog.errors import (
     CorruptBatchError,
@@ -275,23 +276,17 @@ class ReplicaFetcherThread(threading.Thread):
         self, state: _FetchState, leo: int, leader_epoch: int, leader_end: int
     ) -> None:
         partition = state.partition
-        if leader_end < 0:
-            # The leader knows no epoch <= ours (its log starts later): keep what is
-            # committed, Kafka's fallback, and fetch; out-of-range handling does the rest.
-            target = min(partition.high_watermark, leo)
-            done = True
-        else:
-            own_epoch, own_end = partition.follower_end_offset_for_epoch(
-                state.leader_epoch, leader_epoch
-            )
-            if own_epoch == leader_epoch:
-                target, done = min(own_end, leader_end, leo), True
-            elif own_end >= 0:
-                # We lack the leader's epoch: cut back to the end of our largest earlier
-                # epoch and ask again about that one (KIP-279).
-                target, done = min(own_end, leo), False
-            else:
-                target, done = min(leader_end, leo), True
+        # The decision is replica_rules.follower_truncation (KIP-101/279, shared with the
+        # simulation tests); the partition only answers about its own epochs.
+        target, done = follower_truncation(
+            log_end_offset=leo,
+            high_watermark=partition.high_watermark,
+            leader_epoch=leader_epoch,
+            leader_end_offset=leader_end,
+            own_end_offset_for=lambda epoch: partition.follower_end_offset_for_epoch(
+                state.leader_epoch, epoch
+            ),
+        )
         new_leo = partition.follower_truncate(state.leader_epoch, target)
         if new_leo < leo:
             _log.info(

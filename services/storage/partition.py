@@ -25,6 +25,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from services.storage.log import Log
+from services.storage.replica_rules import (
+    ack_is_due,
+    clamp_high_watermark,
+    fetch_divergence,
+    follower_high_watermark,
+    has_min_insync_replicas,
+)
 from services.storage.replication import IsrProposal, LeaderReplicationState
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
@@ -296,7 +303,9 @@ class Partition:
                 self._replication = None
                 self._fail_ack_waiters(self._not_leader_error())
                 if role is Role.FOLLOWER:
-                    self._high_watermark = min(self._high_watermark, self._log.log_end_offset)
+                    self._high_watermark = clamp_high_watermark(
+                        self._high_watermark, self._log.log_end_offset
+                    )
             self._wake_watchers()
             return changed
 
@@ -361,7 +370,7 @@ class Partition:
                 self._advance_high_watermark()
                 self._wake_watchers()
             waiter = None
-            if acks_all and self._high_watermark <= info.last_offset:
+            if acks_all and not ack_is_due(self._high_watermark, info.last_offset + 1):
                 waiter = AckWaiter(info.last_offset + 1)
                 heapq.heappush(
                     self._ack_waiters, (waiter.required_offset, next(self._ack_sequence), waiter)
@@ -454,7 +463,9 @@ class Partition:
             target = min(offset, self._log.log_end_offset)
             if target < self._log.log_end_offset:
                 self._log.truncate_to(max(target, self._log.log_start_offset))
-            self._high_watermark = min(self._high_watermark, self._log.log_end_offset)
+            self._high_watermark = clamp_high_watermark(
+                self._high_watermark, self._log.log_end_offset
+            )
             return self._log.log_end_offset
 
     def follower_start_at(self, leader_epoch: int, offset: int) -> None:
@@ -480,8 +491,9 @@ class Partition:
                     raise StorageError(
                         f"{self.topic}-{self.partition}: replicated append failed: {exc}"
                     ) from exc
-            hw = min(leader_high_watermark, self._log.log_end_offset)
-            self._high_watermark = max(self._high_watermark, hw)
+            self._high_watermark = follower_high_watermark(
+                self._high_watermark, leader_high_watermark, self._log.log_end_offset
+            )
             return self._log.log_end_offset
 
     def read(
@@ -508,10 +520,14 @@ class Partition:
         """
         with self._lock:
             self._check_leader(current_leader_epoch)
-            if replica_id >= 0 and last_fetched_epoch >= 0:
-                epoch, end_offset = self._log.end_offset_for_epoch(last_fetched_epoch)
-                # An unknown end (-1: the epoch predates this log's cache) proves nothing.
-                if end_offset >= 0 and (epoch != last_fetched_epoch or end_offset < fetch_offset):
+            if replica_id >= 0:
+                diverging = fetch_divergence(
+                    last_fetched_epoch=last_fetched_epoch,
+                    fetch_offset=fetch_offset,
+                    leader_end_offset_for=self._log.end_offset_for_epoch,
+                )
+                if diverging is not None:
+                    epoch, end_offset = diverging
                     return ReadResult(
                         records=b"",
                         high_watermark=self._high_watermark,
@@ -646,17 +662,17 @@ class Partition:
             return
         state.on_leader_append(self._log.log_end_offset)
         self._high_watermark = max(self._high_watermark, state.high_watermark)
-        if not self._ack_waiters or self._ack_waiters[0][0] > self._high_watermark:
+        if not self._ack_waiters or not ack_is_due(self._high_watermark, self._ack_waiters[0][0]):
             return
         # Kafka's rule: committed with an ISR below min.insync.replicas is not the
         # durability acks=all asked for (the HW may have moved *because* the ISR shrank).
         outcome: TidelogError | None = None
-        if len(state.isr) < self._min_insync_replicas():
+        if not has_min_insync_replicas(len(state.isr), self._min_insync_replicas()):
             outcome = NotEnoughReplicasAfterAppendError(
                 f"{self.topic}-{self.partition}: ISR shrank to {len(state.isr)} replicas, "
                 f"below min.insync.replicas {self._min_insync_replicas()}"
             )
-        while self._ack_waiters and self._ack_waiters[0][0] <= self._high_watermark:
+        while self._ack_waiters and ack_is_due(self._high_watermark, self._ack_waiters[0][0]):
             heapq.heappop(self._ack_waiters)[2].complete(outcome)
 
     def _min_insync_replicas(self) -> int:
@@ -666,7 +682,7 @@ class Partition:
         state = self._replication
         isr_size = len(state.isr) if state is not None else 0
         minimum = self._min_insync_replicas()
-        if isr_size < minimum:
+        if not has_min_insync_replicas(isr_size, minimum):
             raise error(
                 f"{self.topic}-{self.partition}: ISR has {isr_size} replicas, "
                 f"min.insync.replicas is {minimum}"
