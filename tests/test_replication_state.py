@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
+from services.storage.log import Log
+from services.storage.partition import Partition, PartitionState
+from services.storage.replica_rules import fetch_divergence, follower_truncation
 from services.storage.replication import LeaderReplicationState
+from tidelog.records import encode_batch
 
 LAG_MS = 1_000
 
@@ -147,3 +152,55 @@ def test_random_progress_keeps_invariants(seed: int) -> None:
             if b != 1:
                 assert state.high_watermark <= max(follower_leo[b], 0)
         previous_hw = state.high_watermark
+
+
+def test_follower_drops_an_empty_epoch_it_led_so_it_can_fetch_again(tmp_path: Path) -> None:
+    """Regression (found by tests/sim, seed 0): a replica that led epoch 1 without appending,
+    then follows a leader that never had epoch 1, must drop that epoch when it reconciles.
+
+    Before the fix ``Partition.follower_truncate`` skipped ``Log.truncate_to`` when the
+    target was its log end, so epoch 1 stayed the latest in its cache; every fetch named
+    it as the last fetched epoch, the leader answered "diverging" (KIP-320), the follower
+    truncated to the same offset again, and it never replicated another record.
+    """
+    source = Log.open(tmp_path / "source")
+    source.append(encode_batch([b"a", b"b", b"c"]), leader_epoch=0)
+    batches = source.read(0, 1 << 20)
+    follower = Partition("t", 0, Log.open(tmp_path / "t-0"), broker_id=2)
+    follower.apply_state(PartitionState("t", 0, 1, 0, (1, 2), (1, 2), 0))
+    follower.follower_append(0, batches, 3)
+    follower.apply_state(PartitionState("t", 0, 2, 1, (1, 2), (1, 2), 1))  # leads, no data
+    follower.apply_state(PartitionState("t", 0, 1, 2, (1, 2), (1, 2), 2))
+    assert follower.follower_state(2) == (3, 1)
+
+    # The new leader's log: epoch 0 up to 3, then its own epoch 2.
+    leader_log = Log.open(tmp_path / "leader")
+    leader_log.append(batches, assign_offsets=False)
+    leader_log.assign_epoch_start_offset(2)
+    leo, epoch = follower.follower_state(2)
+    assert fetch_divergence(
+        last_fetched_epoch=epoch,
+        fetch_offset=leo,
+        leader_end_offset_for=leader_log.end_offset_for_epoch,
+    ) == (0, 3)
+    answer_epoch, answer_end = leader_log.end_offset_for_epoch(epoch)
+    step = follower_truncation(
+        log_end_offset=leo,
+        high_watermark=follower.high_watermark,
+        leader_epoch=answer_epoch,
+        leader_end_offset=answer_end,
+        own_end_offset_for=lambda e: follower.follower_end_offset_for_epoch(2, e),
+    )
+    assert step == (3, True)
+    assert follower.follower_truncate(2, step.target) == 3
+    # Epoch 1 is gone: the next fetch does not diverge, and no data was lost.
+    leo, epoch = follower.follower_state(2)
+    assert (leo, epoch) == (3, 0)
+    assert (
+        fetch_divergence(
+            last_fetched_epoch=epoch,
+            fetch_offset=leo,
+            leader_end_offset_for=leader_log.end_offset_for_epoch,
+        )
+        is None
+    )

@@ -457,12 +457,18 @@ class Partition:
             return self._log.end_offset_for_epoch(epoch)
 
     def follower_truncate(self, leader_epoch: int, offset: int) -> int:
-        """Truncate to ``offset`` (never above the LEO); returns the new log end offset."""
+        """Truncate to ``offset`` (never above the LEO); returns the new log end offset.
+
+        Called even when no data goes (``offset`` at or past the LEO): ``Log.truncate_to``
+        then still drops a leader epoch this replica assigned at its log end when it led
+        without appending. Left in place, that epoch is sent as the last fetched epoch, the
+        new leader (which never had it) answers "diverging" to every fetch, and the
+        follower truncates to the same offset forever without replicating anything.
+        """
         with self._lock:
             self._check_follower(leader_epoch)
             target = min(offset, self._log.log_end_offset)
-            if target < self._log.log_end_offset:
-                self._log.truncate_to(max(target, self._log.log_start_offset))
+            self._log.truncate_to(max(target, self._log.log_start_offset))
             self._high_watermark = clamp_high_watermark(
                 self._high_watermark, self._log.log_end_offset
             )
