@@ -692,9 +692,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
 
     def _check_follower_broker_epoch(self, replica_id: int, broker_epoch: int) -> None:
         # A fetch from an earlier incarnation of a follower must not count as its progress
-        # (KIP-380); checked only when both sides know the epoch.
+        # (KIP-380). Once the metadata gives the broker a registration epoch, a fetch in its
+        # name must carry exactly that epoch: one without an epoch (0 or negative) is
+        # refused too, or anyone could claim a follower's id, report its log end offset
+        # and move the high watermark over records no follower holds (issue 9).
         known = self._replicas.metadata.brokers.get(replica_id)
-        if known is not None and known.broker_epoch > 0 and 0 < broker_epoch != known.broker_epoch:
+        if known is not None and known.broker_epoch > 0 and broker_epoch != known.broker_epoch:
             raise StaleBrokerEpochError(
                 f"fetch from broker {replica_id} epoch {broker_epoch}; registered epoch is "
                 f"{known.broker_epoch}"
