@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint typecheck pytest protos bench bench-deps bench-peers sysdeps venv clean
+.PHONY: run test lint typecheck pytest protos bench bench-deps bench-peers chaos sysdeps venv clean
 
 # System packages: etcd is the metadata store (tests start their own etcd processes);
 # Java 17 runs Spark.
@@ -24,6 +24,13 @@ sysdeps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl >/dev/null \
 	      || echo "kubectl is not in the configured apt sources; tests/test_deploy.py will fail" >&2; \
 	  else echo "kubectl is missing: install it (apt-get install -y kubectl)" >&2; fi; \
+	fi
+	@# strace injects disk errors and ip makes network namespaces (tests/chaos).
+	@if ! command -v strace >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing strace and iproute2 with apt"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq strace iproute2 >/dev/null; \
+	  else echo "strace/ip missing: the chaos tests will skip disk errors and partitions" >&2; fi; \
 	fi
 	@# Java runs Spark (the pipeline and the data source tests).
 	@if ! command -v java >/dev/null 2>&1; then \
@@ -72,6 +79,12 @@ bench-deps: venv
 
 bench-peers: sysdeps bench-deps
 	PYTHONPATH=. $(BIN)/tidelog bench --write-docs
+
+# The long reliability run (docs/RELIABILITY.md): many chaos seeds with several rounds of
+# every fault each, then their figures into the docs. Needs root for network namespaces
+# and strace for disk errors (sysdeps installs them when missing).
+chaos: sysdeps venv
+	PYTHONPATH=. $(BIN)/python -m tests.chaos --seeds 1-16 --rounds 3 --negative-seeds 1-2 --write-docs
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
