@@ -204,3 +204,38 @@ def test_follower_drops_an_empty_epoch_it_led_so_it_can_fetch_again(tmp_path: Pa
         )
         is None
     )
+
+
+def test_leader_keeps_its_pending_isr_expansion_when_the_same_state_is_resent(
+    tmp_path: Path,
+) -> None:
+    """Regression (found by tests/sim, seed 84): a LeaderAndIsr resent with the partition
+    epoch the leader already has must not count as "the ISR in force".
+
+    Before the fix ``Partition.apply_state`` took it (``>=``), which forgot the pending
+    expansion: the HW then ran over the old ISR {0, 2} while the controller had already
+    committed {0, 1, 2}, and an acks=all write was acknowledged that broker 1 - electable
+    at once - did not hold.
+    """
+    leader = Partition("t", 0, Log.open(tmp_path / "t-0"), broker_id=2)
+    state = PartitionState("t", 0, 2, 1, (2, 0), (1, 2, 0), 1, {"min.insync.replicas": "2"})
+    leader.apply_state(state)
+    leader.append(encode_batch([b"a"] * 5), acks_all=True)
+    leader.read(5, 1 << 20, replica_id=0, current_leader_epoch=1)
+    leader.read(5, 1 << 20, replica_id=1, current_leader_epoch=1)
+    assert leader.high_watermark == 5
+    proposal = leader.propose_isr_change()
+    assert proposal is not None and proposal.new_isr == (1, 2, 0)
+
+    result = leader.append(encode_batch([b"b"] * 5), acks_all=True)
+    assert result.waiter is not None
+    leader.read(10, 1 << 20, replica_id=0, current_leader_epoch=1)
+    leader.apply_state(state)  # the controller's retry of what the leader already has
+    # Broker 1 (at 5) is in the maximal ISR: nothing past 5 is committed or acknowledged.
+    assert leader.high_watermark == 5
+    assert not result.waiter.done.is_set()
+    leader.on_isr_result(proposal, (1, 2, 0), 2)
+    assert leader.high_watermark == 5
+    leader.read(10, 1 << 20, replica_id=1, current_leader_epoch=1)
+    assert leader.high_watermark == 10
+    assert result.waiter.done.is_set() and result.waiter.error is None

@@ -31,6 +31,7 @@ from services.storage.replica_rules import (
     fetch_divergence,
     follower_high_watermark,
     has_min_insync_replicas,
+    leader_and_isr_supersedes,
 )
 from services.storage.replication import IsrProposal, LeaderReplicationState
 from tidelog.clock import SYSTEM_CLOCK, Clock
@@ -295,7 +296,9 @@ class Partition:
                         leader_epoch_start_offset=self._log.log_end_offset,
                         now_ms=self._clock.now_ms(),
                     )
-                elif state.partition_epoch >= self._replication.partition_epoch:
+                elif leader_and_isr_supersedes(
+                    state.partition_epoch, self._replication.partition_epoch
+                ):
                     self._replication.on_isr_committed(state.isr, state.partition_epoch)
                 self._check_min_isr_for_waiters()
                 self._advance_high_watermark()

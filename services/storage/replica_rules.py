@@ -99,6 +99,19 @@ def clamp_high_watermark(high_watermark: int, log_end_offset: int) -> int:
     return min(high_watermark, log_end_offset)
 
 
+def leader_and_isr_supersedes(partition_epoch: int, known_partition_epoch: int) -> bool:
+    """Whether a LeaderAndIsr at the leader's current leader epoch changes its ISR.
+
+    Only a strictly newer partition epoch does. The controller resends a state it already
+    pushed (retries until acknowledged, resyncs); applying that copy as "the ISR in force"
+    would also forget a pending AlterPartition, and the leader would compute its HW over
+    the old ISR while the controller may already have committed the proposed one: after
+    an expansion, records would be acknowledged that an ISR member (electable at once)
+    does not hold (found by tests/sim).
+    """
+    return partition_epoch > known_partition_epoch
+
+
 def has_min_insync_replicas(isr_size: int, min_insync_replicas: int) -> bool:
     """Kafka's acks=all durability rule, used twice on the leader.
 
@@ -126,4 +139,5 @@ __all__ = [
     "follower_high_watermark",
     "follower_truncation",
     "has_min_insync_replicas",
+    "leader_and_isr_supersedes",
 ]
