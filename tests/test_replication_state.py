@@ -239,3 +239,40 @@ def test_leader_keeps_its_pending_isr_expansion_when_the_same_state_is_resent(
     leader.read(10, 1 << 20, replica_id=1, current_leader_epoch=1)
     assert leader.high_watermark == 10
     assert result.waiter.done.is_set() and result.waiter.error is None
+
+
+def test_failed_expansion_keeps_holding_the_high_watermark_until_a_committed_state() -> None:
+    """Regression (found by tests/sim, seed 578): an AlterPartition whose reply was lost
+    (the leader cut off from the controller, a timeout) may have been applied. Before the
+    fix the leader forgot the joining replica at once and advanced the HW without it, while
+    the controller's ISR already held it: records were acknowledged that an electable ISR
+    member lacked."""
+    state = leader(isr=(1, 2))
+    state.on_leader_append(10)
+    state.on_follower_fetch(2, 10, now_ms=1)
+    state.on_follower_fetch(3, 10, now_ms=1)
+    proposal = state.propose_isr_change(now_ms=2, replica_lag_time_max_ms=LAG_MS)
+    assert proposal is not None and proposal.new_isr == (1, 2, 3)
+    state.on_isr_rejected()  # the reply never came
+    assert 3 in state.maximal_isr
+    state.on_leader_append(20)
+    state.on_follower_fetch(2, 20, now_ms=3)
+    assert state.high_watermark == 10  # broker 3 may be in the ISR: wait for it
+    # A retry may be proposed; the next committed state settles it either way.
+    assert state.propose_isr_change(now_ms=4, replica_lag_time_max_ms=LAG_MS) == proposal
+    state.on_isr_rejected()
+    assert not state.on_isr_committed((1, 2, 3), 10)
+    state.on_follower_fetch(3, 20, now_ms=5)
+    assert state.high_watermark == 20
+    # A committed state without it releases the HW from broker 3.
+    other = leader(isr=(1, 2))
+    other.on_leader_append(10)
+    other.on_follower_fetch(2, 10, now_ms=1)
+    other.on_follower_fetch(3, 10, now_ms=1)
+    assert other.propose_isr_change(now_ms=2, replica_lag_time_max_ms=LAG_MS) is not None
+    other.on_isr_rejected()
+    other.on_leader_append(20)
+    other.on_follower_fetch(2, 20, now_ms=3)
+    assert other.high_watermark == 10
+    assert other.on_isr_committed((1, 2), 10)
+    assert other.high_watermark == 20

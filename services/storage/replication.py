@@ -19,7 +19,10 @@ Rules (Kafka's ``Partition`` / ``Replica``, seeds 000 and 004):
   backwards. While an ISR change is in flight the *maximal* ISR is used — the union of
   the current and the proposed ISR — so a pending shrink cannot advance the HW past a
   replica that may still be counted on, and a pending expansion already waits for the
-  joining replica (Kafka KIP-497's "maximal ISR").
+  joining replica (Kafka KIP-497's "maximal ISR"). A proposal that failed still counts
+  until the controller's next committed state: the failure may be a lost reply to an
+  expansion the controller applied (an unreachable controller, a timeout), and
+  acknowledging records a new ISR member lacks would let it be elected without them.
 - A follower may join the ISR only once its LEO reaches the HW *and* the start of the
   leader's current epoch, so a new member holds everything committed (KIP-101).
 
@@ -80,6 +83,9 @@ class LeaderReplicationState:
         self.high_watermark = min(high_watermark, log_end_offset)
         self.leader_epoch_start_offset = leader_epoch_start_offset
         self.pending: IsrProposal | None = None
+        # Members of failed proposals whose outcome the controller has not confirmed: they
+        # may be in its ISR, so the HW waits for them until a committed state says.
+        self.unresolved: frozenset[int] = frozenset()
         # Followers start as caught up "now": a new leader gives them one full lag window
         # before it considers removing them (Kafka resets lastCaughtUpTime on election).
         self.followers = {
@@ -92,9 +98,13 @@ class LeaderReplicationState:
 
     @property
     def maximal_isr(self) -> tuple[int, ...]:
-        if self.pending is None:
+        """The ISR the HW is computed over: committed, pending and unresolved members."""
+        if self.pending is None and not self.unresolved:
             return self.isr
-        return tuple(sorted(set(self.isr) | set(self.pending.new_isr)))
+        members = set(self.isr) | self.unresolved
+        if self.pending is not None:
+            members |= set(self.pending.new_isr)
+        return tuple(sorted(members))
 
     def on_leader_append(self, log_end_offset: int) -> bool:
         """The leader's log grew; returns True if the HW moved (RF 1 / ISR of one)."""
@@ -168,8 +178,16 @@ class LeaderReplicationState:
         self.isr = tuple(isr)
         self.partition_epoch = partition_epoch
         self.pending = None
+        self.unresolved = frozenset()  # the controller's word on who is in the ISR
         return self._advance_high_watermark()
 
     def on_isr_rejected(self) -> None:
-        """The proposal failed (stale epoch, unreachable controller): forget it, retry later."""
+        """The proposal failed (stale epoch, unreachable controller): retry later.
+
+        Its joining members keep counting toward the HW (``unresolved``) until the next
+        committed state: a lost reply looks like a failure, yet the controller may have
+        applied the expansion (Kafka keeps such a proposal pending for the same reason).
+        """
+        if self.pending is not None:
+            self.unresolved |= set(self.pending.new_isr) - set(self.isr)
         self.pending = None
