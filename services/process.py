@@ -11,9 +11,10 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from types import FrameType
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import grpc
 import structlog
@@ -38,14 +39,162 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+HEALTH_CHECK_METHOD: Final = "/grpc.health.v1.Health/Check"
+"""The one method exempt from the concurrency limit (see ``ConcurrencyLimiter``)."""
+
+RESERVED_WORKERS: Final = 4
+"""Threads of the reserve pool: health checks and refusals only, each done in microseconds."""
+
+EXEMPT_HEADROOM: Final = 1_024
+"""Calls beyond ``max_concurrent_rpcs`` that gRPC still admits (for health checks and for
+the refusals the limiter answers); past that gRPC itself refuses, so the total of calls
+held by a server stays bounded even under a flood of health checks."""
+
+
+class CountingThreadPool(futures.ThreadPoolExecutor):
+    """A thread pool that knows how many of the tasks submitted to it have not finished.
+
+    gRPC submits one task per admitted call, so ``in_flight`` is the number of calls
+    running or queued for a thread. Counted by future completion, so a call cancelled
+    while queued (whose handler never runs) is released all the same.
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._count_lock = threading.Lock()
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> futures.Future[Any]:
+        with self._count_lock:
+            self._in_flight += 1
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._release(None)
+            raise
+        future.add_done_callback(self._release)
+        return future
+
+    def _release(self, future: futures.Future[Any] | None) -> None:
+        del future
+        with self._count_lock:
+            self._in_flight -= 1
+
+
+def _on_pool(behavior: Callable[..., Any], pool: futures.ThreadPoolExecutor) -> Callable[..., Any]:
+    """``behavior`` run on ``pool`` instead of the server's pool (gRPC looks for the
+    attribute ``experimental_thread_pool`` on a handler's behavior)."""
+
+    def run(request: Any, context: grpc.ServicerContext) -> Any:
+        return behavior(request, context)
+
+    run.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return run
+
+
+def _same_shape(
+    handler: grpc.RpcMethodHandler[Any, Any],
+    behavior: Callable[..., Any],
+    *,
+    parse_requests: bool = True,
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of ``handler``'s streaming shape that runs ``behavior``."""
+    kwargs: dict[str, Any] = {
+        "request_deserializer": handler.request_deserializer if parse_requests else None,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(behavior, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(behavior, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behavior, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(behavior, **kwargs)
+
+
+if TYPE_CHECKING:  # generic only in the type stubs
+    _ServerInterceptor = grpc.ServerInterceptor[Any, Any]
+else:
+    _ServerInterceptor = grpc.ServerInterceptor
+
+
+class ConcurrencyLimiter(_ServerInterceptor):
+    """At most ``limit`` calls in flight (running or queued for a thread); beyond that,
+    RESOURCE_EXHAUSTED with a message - except health checks, which always answer.
+
+    Why not gRPC's own ``maximum_concurrent_rpcs``: it counts health checks like any
+    call, so a flood that fills the limit also fails the liveness probe, and an
+    orchestrator then restarts a server that was only busy. Health checks also share the
+    thread pool with everything else, so behind a queue of long polls they would wait
+    for seconds even if admitted. Here ``Health/Check`` is never counted and runs on a
+    small reserve pool of its own, and so do the refusals (cheap, so they never queue
+    behind the calls they refuse). ``Health/Watch`` and reflection are streams that may
+    stay open indefinitely, so they count like any call.
+
+    Runs on gRPC's serving thread, before the call is handed to a pool: O(1) per call.
+    """
+
+    def __init__(
+        self,
+        *,
+        role: str,
+        limit: int,
+        pool: CountingThreadPool,
+        reserve: futures.ThreadPoolExecutor,
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {limit}")
+        self._role = role
+        self._limit = limit
+        self._pool = pool
+        self._reserve = reserve
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None  # gRPC answers UNIMPLEMENTED
+        if handler_call_details.method == HEALTH_CHECK_METHOD and handler.unary_unary:
+            return _same_shape(handler, _on_pool(handler.unary_unary, self._reserve))
+        in_flight = self._pool.in_flight
+        if in_flight < self._limit:
+            return handler
+        message = (
+            f"{self._role} is busy: {in_flight} concurrent calls in progress, the limit is "
+            f"{self._limit} (max_concurrent_rpcs); retry with backoff"
+        )
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+            del request
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+        # A refused request's bytes are never parsed.
+        return _same_shape(handler, _on_pool(refuse, self._reserve), parse_requests=False)
+
+
 def new_server(
     *, role: str, max_workers: int, max_message_bytes: int, max_concurrent_rpcs: int
 ) -> grpc.Server:
     """A gRPC server as every tidelog service runs one: a bounded thread pool, a message
     size limit both ways, one process per port, client keepalive pings allowed, and
-    RESOURCE_EXHAUSTED beyond ``max_concurrent_rpcs`` instead of an unbounded queue."""
+    RESOURCE_EXHAUSTED beyond ``max_concurrent_rpcs`` calls in flight instead of an
+    unbounded queue - health checks exempt (``ConcurrencyLimiter``)."""
+    pool = CountingThreadPool(max_workers=max_workers, thread_name_prefix=f"{role}-rpc")
+    reserve = futures.ThreadPoolExecutor(
+        max_workers=RESERVED_WORKERS, thread_name_prefix=f"{role}-reserve"
+    )
     return grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{role}-rpc"),
+        pool,
+        interceptors=[
+            ConcurrencyLimiter(role=role, limit=max_concurrent_rpcs, pool=pool, reserve=reserve)
+        ],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -53,7 +202,8 @@ def new_server(
             ("grpc.so_reuseport", 0),
             *KEEPALIVE_SERVER_OPTIONS,
         ],
-        maximum_concurrent_rpcs=max_concurrent_rpcs,
+        # The outer bound; the limiter refuses ordinary calls long before it.
+        maximum_concurrent_rpcs=max_concurrent_rpcs + EXEMPT_HEADROOM,
     )
 
 

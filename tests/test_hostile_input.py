@@ -44,7 +44,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from services.status import ERROR_CODE_METADATA_KEY, STATUS_FOR_CODE
-from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
+from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 from tests.support.fuzz import (
     INT32_MAX,
     INT64_MAX,
@@ -127,7 +127,13 @@ class Env:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     base: Path = tmp_path_factory.mktemp("hostile")
-    with running_cluster(base, brokers=2) as cluster:
+    # A longer session TTL than the tests' usual 2 s: a 2-core machine busy with a request
+    # flood must not cost the controller its election (that is not what is tested here).
+    with TestCluster(base, session_ttl_s=10) as cluster:
+        for broker_id in (0, 1):
+            cluster.start_broker(broker_id)
+        cluster.start_controller(1)
+        cluster.wait_brokers([0, 1])
         gateway = cluster.start_gateway()
         controller = cluster.active_controller()
         channels = {
@@ -264,10 +270,17 @@ def quiet_snapshot(e: Env, timeout_s: float = 10.0) -> Snapshot:
     """A snapshot once two in a row agree: effects of earlier accepted requests (a
     follower still copying an acks=1 batch) have settled."""
     deadline = time.monotonic() + timeout_s
-    previous = snapshot(e)
+
+    def take() -> Snapshot:
+        try:
+            return snapshot(e)
+        except grpc.RpcError:  # e.g. the controller between terms: the test may say why
+            return wait_for(lambda: snapshot(e), 30, "a snapshot of the cluster")
+
+    previous = take()
     while True:
         time.sleep(0.02)
-        current = snapshot(e)
+        current = take()
         if current == previous or time.monotonic() > deadline:
             return current
         previous = current
@@ -790,6 +803,108 @@ def _produce_acks_1(e: Env, topic: str) -> None:
         timeout=RPC_TIMEOUT_S,
     )
     assert [r.error.code for r in response.partitions] == [0], response
+
+
+# --- explicit cases: control-plane requests without the broker's epoch -------------------
+
+HUGE_CONTROLLER_EPOCH = 2**62
+
+
+def _control_requests(leader: int) -> list[tuple[str, pb_message.Message]]:
+    """Requests only the controller sends, from "a controller" with a huge epoch that
+    does not name the broker's registration epoch (each would, if accepted, fence the real
+    controller out of this broker; the StopReplica would also delete a partition)."""
+    partition = common_pb2.PartitionState(
+        topic=KNOWN,
+        partition=0,
+        leader=1 - leader,
+        leader_epoch=1_000,
+        isr=[0, 1],
+        replicas=[0, 1],
+        partition_epoch=1_000,
+    )
+    requests: list[tuple[str, pb_message.Message]] = []
+    for broker_epoch in (0, -1):
+        common: dict[str, Any] = {
+            "controller_id": 7,
+            "controller_epoch": HUGE_CONTROLLER_EPOCH,
+            "broker_epoch": broker_epoch,
+        }
+        requests += [
+            (
+                "StopReplica",
+                storage_pb2.StopReplicaRequest(
+                    partitions=[
+                        storage_pb2.StopReplicaPartition(
+                            topic=KNOWN, partition=0, leader_epoch=-1, delete_partition=True
+                        )
+                    ],
+                    **common,
+                ),
+            ),
+            (
+                "LeaderAndIsr",
+                storage_pb2.LeaderAndIsrRequest(
+                    partitions=[storage_pb2.LeaderAndIsrPartition(state=partition)], **common
+                ),
+            ),
+            ("UpdateMetadata", storage_pb2.UpdateMetadataRequest(partitions=[partition], **common)),
+        ]
+    return requests
+
+
+def test_controller_requests_without_the_brokers_epoch_are_refused(env: Env) -> None:
+    leader = env.leader_of(KNOWN, 0)
+    before = quiet_snapshot(env)
+    for name, request in _control_requests(leader):
+        result = rpc(env.storage(leader), "Storage", name, request)
+        epoch = getattr(request, "broker_epoch")  # noqa: B009
+        assert_refused(result, ErrorCode.STALE_BROKER_EPOCH, f"{name} broker_epoch {epoch}")
+    assert_unchanged(before, quiet_snapshot(env), "control requests without a broker epoch")
+    # The real controller still manages the broker: a new topic gets its leaders there.
+    topic = "after-hostile-control"
+    env.cluster.create_topic(topic, partitions=2, replication_factor=2)
+    wait_for(
+        lambda: (
+            all(p.leader >= 0 for p in env.cluster.partitions(topic))
+            and all((topic, p) in snapshot(env).logs[b] for b in (0, 1) for p in (0, 1))
+        ),
+        30,
+        "the new topic's logs on both brokers",
+    )
+    delete = env.gateway.stub.DeleteTopics(
+        controller_pb2.DeleteTopicsRequest(names=[topic]), timeout=30
+    )
+    assert [r.error.code for r in delete.topics] == [0]
+
+
+@pytest.mark.parametrize("name", ["ControlledShutdown", "AlterPartition"])
+def test_broker_requests_to_the_controller_need_the_brokers_epoch(env: Env, name: str) -> None:
+    """Epoch -1 reads as "unknown, skip the check" inside the state machine; on the wire it
+    would let anyone take broker 0's leaderships away (ControlledShutdown) or rewrite an
+    ISR in its name."""
+    state = env.cluster.partitions(KNOWN)[0]
+    before = quiet_snapshot(env)
+    request: pb_message.Message
+    if name == "ControlledShutdown":
+        request = controller_pb2.ControlledShutdownRequest(broker_id=state.leader, broker_epoch=-1)
+    else:
+        request = controller_pb2.AlterPartitionRequest(
+            broker_id=state.leader,
+            broker_epoch=-1,
+            partitions=[
+                controller_pb2.AlterPartitionItem(
+                    topic=KNOWN,
+                    partition=0,
+                    leader_epoch=state.leader_epoch,
+                    new_isr=[state.leader],
+                    partition_epoch=state.partition_epoch,
+                )
+            ],
+        )
+    result = rpc(env.channels["controller"], "Controller", name, request)
+    assert_refused(result, ErrorCode.INVALID_REQUEST, f"{name} with broker_epoch -1")
+    assert_unchanged(before, quiet_snapshot(env), f"{name} with broker_epoch -1")
 
 
 # --- flood --------------------------------------------------------------------------------

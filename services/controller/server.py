@@ -119,6 +119,17 @@ def _assignments(
     return tuple((entry.partition, tuple(entry.broker_ids)) for entry in entries)
 
 
+def _require_broker_epoch(method: str, broker_epoch: int) -> None:
+    """Requests only brokers send carry the sender's registration epoch as its proof of
+    identity. The state machine reads a negative epoch as "not known, skip the check"
+    (its own callers may not know it); on the wire, that would let any client move a
+    broker's leaderships or ISRs away by naming it with epoch -1 (issue 9)."""
+    if broker_epoch < 0:
+        raise InvalidRequestError(
+            f"{method} must carry the broker's registration epoch; got broker_epoch {broker_epoch}"
+        )
+
+
 class ControllerServicer(controller_pb2_grpc.ControllerServicer):  # type: ignore[misc]
     """Serves ``tidelog.v1.Controller`` from a ``Controller`` (active or standby)."""
 
@@ -239,6 +250,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):  # type: ignor
     def AlterPartition(  # noqa: N802 - gRPC's method name
         self, request: controller_pb2.AlterPartitionRequest, context: grpc.ServicerContext
     ) -> controller_pb2.AlterPartitionResponse:
+        _require_broker_epoch("AlterPartition", request.broker_epoch)
         proposals = [
             IsrProposal(
                 topic=item.topic,
@@ -268,6 +280,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):  # type: ignor
     def ControlledShutdown(  # noqa: N802 - gRPC's method name
         self, request: controller_pb2.ControlledShutdownRequest, context: grpc.ServicerContext
     ) -> controller_pb2.ControlledShutdownResponse:
+        _require_broker_epoch("ControlledShutdown", request.broker_epoch)
         remaining = self._controller.controlled_shutdown(request.broker_id, request.broker_epoch)
         return controller_pb2.ControlledShutdownResponse(
             error=to_error_proto(None),

@@ -253,7 +253,10 @@ class ReplicaManager:
             raise StaleControllerEpochError(
                 f"controller epoch {controller_epoch} is older than {self._controller_epoch}"
             )
-        if broker_epoch > 0 and self._broker_epoch > 0 and broker_epoch != self._broker_epoch:
+        # Once registered, the epoch is required, not merely checked when present: the
+        # controller always sends it, and without it any client could raise the controller
+        # epoch (fencing the real controller out) or stop and delete partitions (issue 9).
+        if self._broker_epoch > 0 and broker_epoch != self._broker_epoch:
             raise StaleBrokerEpochError(
                 f"request for broker epoch {broker_epoch}; broker {self.broker_id} is "
                 f"registered with epoch {self._broker_epoch}"
