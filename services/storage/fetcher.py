@@ -133,11 +133,25 @@ class ReplicaFetcherThread(threading.Thread):
         with self._lock:
             key = (partition.topic, partition.partition)
             self._partitions[key] = _FetchState(partition, leader_epoch)
+        _log.debug(
+            "fetcher_partition_added",
+            topic=partition.topic,
+            partition=partition.partition,
+            source_broker=self.source_broker_id,
+            epoch=leader_epoch,
+        )
         self._changed.set()
 
     def remove(self, key: tuple[str, int]) -> bool:
         with self._lock:
             removed = self._partitions.pop(key, None) is not None
+        if removed:
+            _log.debug(
+                "fetcher_partition_removed",
+                topic=key[0],
+                partition=key[1],
+                source_broker=self.source_broker_id,
+            )
         self._changed.set()
         return removed
 
@@ -225,6 +239,9 @@ class ReplicaFetcherThread(threading.Thread):
         with self._lock:
             if self._partitions.get(key) is state:
                 del self._partitions[key]
+        _log.debug(
+            "fetcher_partition_dropped", topic=key[0], partition=key[1], epoch=state.leader_epoch
+        )
 
     def _delay(self, state: _FetchState) -> None:
         state.delayed_until = time.monotonic() + FETCH_BACKOFF_S
@@ -263,10 +280,26 @@ class ReplicaFetcherThread(threading.Thread):
             response = stub.OffsetForLeaderEpoch(request, timeout=RPC_SLACK_S)
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None
-        for (state, leo, _), result in zip(asks, response.partitions, strict=True):
+        for (state, leo, epoch), result in zip(asks, response.partitions, strict=True):
             if int(result.error.code) != ErrorCode.NONE:
+                _log.debug(
+                    "offset_for_leader_epoch_error",
+                    topic=state.partition.topic,
+                    partition=state.partition.partition,
+                    epoch=state.leader_epoch,
+                    error=str(error_from_proto(result.error)),
+                )
                 self._delay(state)  # e.g. the leader has not applied its LeaderAndIsr yet
                 continue
+            _log.debug(
+                "offset_for_leader_epoch",
+                topic=state.partition.topic,
+                partition=state.partition.partition,
+                epoch=state.leader_epoch,
+                log_end_offset=leo,
+                asked_epoch=epoch,
+                leader_answer=(result.leader_epoch, result.end_offset),
+            )
             try:
                 self._truncate_one(state, leo, result.leader_epoch, result.end_offset)
             except NotLeaderOrFollowerError:
@@ -495,6 +528,13 @@ class ReplicaFetcherThread(threading.Thread):
         if code == ErrorCode.NONE and result.diverging_end_offset >= 0:
             # KIP-320: our last epoch ends earlier (or not at all) on the leader; redo the
             # epoch-based reconciliation, which truncates exactly where the logs part.
+            _log.debug(
+                "fetch_diverging",
+                topic=partition.topic,
+                partition=partition.partition,
+                fetch_offset=leo,
+                diverging=(result.diverging_epoch, result.diverging_end_offset),
+            )
             state.truncating = True
             return
         if code == ErrorCode.NONE:
