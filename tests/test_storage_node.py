@@ -918,3 +918,54 @@ def test_topic_name_rule() -> None:
     with pytest.raises(TidelogError) as negative:
         partition_dir_name("t", -1)
     assert negative.value.code == ErrorCode.INVALID_REQUEST
+
+
+def test_a_pipelined_follower_fetch_counts_only_what_the_follower_has_written(
+    storage_node: StorageProcess,
+) -> None:
+    """``written_offset`` below ``fetch_offset`` (the follower asked for the next range
+    before writing the last answer) moves the HW only to what is written, and is answered
+    at once rather than long-polled."""
+    stub = storage_node.stub
+    topic = "pipelined-follower"
+    state = common_pb2.PartitionState(
+        topic=topic,
+        partition=0,
+        leader=BROKER_ID,
+        leader_epoch=0,
+        isr=[BROKER_ID, 2],
+        replicas=[BROKER_ID, 2],
+        partition_epoch=0,
+    )
+    response = stub.LeaderAndIsr(
+        storage_pb2.LeaderAndIsrRequest(
+            controller_id=0,
+            controller_epoch=1,
+            partitions=[storage_pb2.LeaderAndIsrPartition(state=state, is_new=True)],
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    assert [code(r.error) for r in response.partitions] == [ErrorCode.NONE]
+    for i in range(3):
+        result = append(stub, topic, encode_batch([f"v{i}".encode()]), acks=common_pb2.LEADER)
+        assert code(result.error) == ErrorCode.NONE
+
+    def follower_fetch(
+        max_wait_ms: int = 20_000, **fields: int
+    ) -> storage_pb2.FetchPartitionResult:
+        request = storage_pb2.FetchRequest(
+            replica_id=2,
+            max_wait_ms=max_wait_ms,
+            partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, **fields)],
+        )
+        answer: storage_pb2.FetchResponse = stub.Fetch(request, timeout=30)
+        return answer.partitions[0]
+
+    started = time.monotonic()
+    pipelined = follower_fetch(fetch_offset=3, written_offset=1)
+    # Not long-polled: nothing to send, yet answered well before max_wait_ms (20 s).
+    assert time.monotonic() - started < 10
+    assert code(pipelined.error) == ErrorCode.NONE and pipelined.records == b""
+    assert pipelined.high_watermark == 1  # written 1, not 3
+    # The next fetch reports the write: now the HW reaches 3.
+    assert follower_fetch(max_wait_ms=0, fetch_offset=3).high_watermark == 3

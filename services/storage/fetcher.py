@@ -17,9 +17,13 @@ are (``assign_offsets=False``), setting its HW to min(leader HW, own LEO).
 Fetches are pipelined (``ReplicaFetcherThread._fetch``): once an answer is verified
 (every batch whole, checksums right, offsets contiguous from the log end), the next
 Fetch goes out from the log end the append will reach, and the answer is appended while
-the leader reads and sends the next range. A pipelined answer is used only if the log
-end and epoch turned out as predicted; errors, divergence, truncation and role changes
-fall back to the serial fetch -> append -> fetch loop.
+the leader reads and sends the next range. That Fetch also says where the written log
+ends (``written_offset``): the leader counts only that toward the HW, so no acks=all
+acknowledgement depends on data still in this process's memory, and it answers such a
+fetch at once instead of long-polling, so the next fetch reports the write. A pipelined
+answer is used only if the log end and epoch turned out as predicted; errors,
+divergence, truncation and role changes fall back to the serial fetch -> append -> fetch
+loop.
 
 Every RPC has a deadline; errors back off (``FETCH_BACKOFF_S``) instead of spinning.
 Thread-safety: ``ReplicaFetcherManager`` methods may be called from any thread; each
@@ -368,9 +372,15 @@ class ReplicaFetcherThread(threading.Thread):
                 records = [result.records for result in response.partitions]
                 following = self._predict(items, response, records)
                 if following is not None:
-                    # The next round goes out before this one is written.
+                    # The next round goes out before this one is written, saying how far
+                    # the log is written (``written_offset``): the leader must not count
+                    # the rest before the append below has happened.
                     future = self._send(
-                        stub, [self._fetch_partition(i.state, i.offset, i.epoch) for i in following]
+                        stub,
+                        [
+                            self._fetch_partition(i.state, i.offset, i.epoch, written=w.offset)
+                            for i, w in zip(following, items, strict=True)
+                        ],
                     )
                 for item, result, data in zip(items, response.partitions, records, strict=True):
                     if pipelined and not self._still_expected(item):
@@ -386,7 +396,9 @@ class ReplicaFetcherThread(threading.Thread):
                 future.cancel()  # an exception left a pipelined fetch unanswered
 
     @staticmethod
-    def _fetch_partition(state: _FetchState, offset: int, epoch: int) -> storage_pb2.FetchPartition:
+    def _fetch_partition(
+        state: _FetchState, offset: int, epoch: int, *, written: int | None = None
+    ) -> storage_pb2.FetchPartition:
         part = storage_pb2.FetchPartition(
             topic=state.partition.topic,
             partition=state.partition.partition,
@@ -396,6 +408,8 @@ class ReplicaFetcherThread(threading.Thread):
         )
         if epoch >= 0:
             part.last_fetched_epoch = epoch
+        if written is not None and written < offset:
+            part.written_offset = written
         return part
 
     def _send(

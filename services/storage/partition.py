@@ -513,13 +513,15 @@ class Partition:
         replica_id: int = CONSUMER_REPLICA_ID,
         current_leader_epoch: int = NO_EPOCH,
         last_fetched_epoch: int = NO_EPOCH,
+        written_offset: int | None = None,
     ) -> ReadResult:
         """Whole batches from ``fetch_offset``, at most about ``max_bytes`` (at least one).
 
         A follower that names its ``last_fetched_epoch`` learns of a divergence (KIP-320):
         when that epoch ends here before ``fetch_offset`` (or is not in this log), the
         result carries no data and the epoch and end offset it should truncate to; its
-        fetch offset then does not count as its LEO.
+        fetch offset then does not count as its LEO. A follower's ``written_offset``
+        (pipelined fetches, ``fetcher.py``) counts as its LEO instead of ``fetch_offset``.
 
         Consumers (``replica_id`` < 0) see only offsets below the high watermark; follower
         replicas read up to the log end offset. Raises OffsetOutOfRangeError when
@@ -547,7 +549,10 @@ class Partition:
                         diverging_end_offset=end_offset,
                     )
             if replica_id >= 0:
-                self._on_follower_fetch(replica_id, fetch_offset)
+                # A pipelining follower has written only up to ``written_offset``: count
+                # that, so the HW (and an acks=all answer) never runs ahead of its log.
+                written = fetch_offset if written_offset is None else written_offset
+                self._on_follower_fetch(replica_id, min(fetch_offset, written))
             max_offset = self._high_watermark if replica_id < 0 else None
             if max_bytes == 0:
                 if not self._log.log_start_offset <= fetch_offset <= self._log.log_end_offset:

@@ -8,10 +8,9 @@ becomes an AlterPartition request to the controller.
 Rules (Kafka's ``Partition`` / ``Replica``, seeds 000 and 004):
 
 - A follower's log end offset (LEO) is the offset it asks to fetch from: everything
-  before it has been written to its log, or is being written as the request goes out
-  (the follower pipelines its fetches, ``fetcher.py``: it asks for the next range once the
-  previous answer is verified -- checksums, offsets contiguous from its log end -- and
-  appends that answer while the request travels).
+  before it has been written to its log. A follower that pipelines its fetches
+  (``fetcher.py``: it asks for the next range while appending the previous answer) says
+  how far its log is written (``written_offset``), and that is what counts here.
 - A follower is *caught up* at time t if at t it had fetched up to the leader's LEO as it
   was at its previous fetch (Kafka's ``lastCaughtUpTimeMs``); it falls out of sync once it
   has not been caught up for ``replica_lag_time_max_ms``.

@@ -759,6 +759,14 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             self._limits.max_wait_ms_limit,
         )
         wait_s = wait_ms / 1000
+        if request.replica_id >= 0 and any(
+            fp.HasField("written_offset") and fp.written_offset < fp.fetch_offset
+            for fp in request.partitions
+        ):
+            # A pipelined follower fetch: answer now, so the follower's next fetch, sent
+            # once it has written, reports that progress (and moves the HW) without
+            # waiting out a long poll (see FetchPartition.written_offset).
+            wait_s = 0.0
         # Answer before the caller's own deadline, leaving time for the response to travel.
         time_remaining_s = context.time_remaining()
         if time_remaining_s is not None:
@@ -813,6 +821,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     last_fetched_epoch=(
                         fp.last_fetched_epoch if fp.HasField("last_fetched_epoch") else NO_EPOCH
                     ),
+                    written_offset=fp.written_offset if fp.HasField("written_offset") else None,
                 )
             except TidelogError as exc:
                 reads.append(exc)
