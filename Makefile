@@ -80,10 +80,13 @@ bench-deps: venv
 bench-peers: sysdeps bench-deps
 	PYTHONPATH=. $(BIN)/tidelog bench --write-docs
 
-# The long reliability run (docs/RELIABILITY.md): many chaos seeds with several rounds of
-# every fault each, then their figures into the docs. Needs root for network namespaces
+# The long reliability run (docs/RELIABILITY.md): thousands of simulation seeds, hundreds
+# of hostile examples per RPC, then many chaos seeds with several rounds of every fault
+# each, whose figures go into the docs. Needs root for network namespaces
 # and strace for disk errors (sysdeps installs them when missing).
 chaos: sysdeps venv
+	TIDELOG_SIM_SEEDS=5000 $(BIN)/pytest -q tests/sim
+	TIDELOG_FUZZ_EXAMPLES=300 $(BIN)/pytest -q tests/test_hostile_input.py
 	PYTHONPATH=. $(BIN)/python -m tests.chaos --seeds 1-16 --rounds 3 --negative-seeds 1-2 --write-docs
 
 clean:

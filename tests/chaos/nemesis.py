@@ -17,6 +17,9 @@ Kinds (issue 9):
 - ``torn_tail``: kill -9 a broker, tear or garble the end of its newest segments, restart;
 - ``disk_error``: restart a broker under strace injecting EIO into its segment writes
   (``pwrite64``) and fsyncs after a drawn number of calls; afterwards restart it normally;
+- ``kill_all_brokers``: kill -9 every storage node at once, restart them all: what they
+  wrote is in the page cache, so everything acknowledged must survive (an acks=all
+  acknowledgement waits for the followers' writes, not for their fetch requests);
 - ``lose_leader``: pause both followers past the TTL (the ISR shrinks to the leader), let
   the leader take writes alone, kill -9 it, resume the followers, then restart it. With
   ``min.insync.replicas=2`` the leader cannot acknowledge alone and the partitions wait
@@ -50,6 +53,7 @@ FAULT_KINDS = (
     "torn_tail",
     "disk_error",
     "lose_leader",
+    "kill_all_brokers",
 )
 
 HEAL_TIMEOUT_S = 45.0
@@ -244,6 +248,15 @@ class Nemesis:
         )
         node.kill()
         self.cluster.start_broker(broker)
+        self.log.applied[fault.kind] += 1
+
+    def kill_all_brokers(self, fault: Fault) -> None:
+        self._say("kill -9 every broker at once")
+        for node in self.cluster.brokers.values():
+            node.kill()
+        time.sleep(fault.duration_s)
+        for broker in self.cluster.brokers:
+            self.cluster.start_broker(broker)
         self.log.applied[fault.kind] += 1
 
     def lose_leader(self, fault: Fault) -> None:
