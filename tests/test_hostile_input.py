@@ -492,19 +492,6 @@ def _name_requests(name: str) -> list[tuple[str, str, str, pb_message.Message]]:
     ]
 
 
-GATEWAY_LOOKUPS = {
-    ("Gateway", "Produce"),
-    ("Gateway", "Fetch"),
-    ("Gateway", "ListOffsets"),
-    ("Gateway", "Subscribe"),
-    ("Gateway", "CommitOffsets"),
-}
-"""Gateway calls that look the topic up in the metadata cache, which answers
-UNKNOWN_TOPIC_OR_PARTITION for any name it does not hold - true of an invalid name too,
-but less precise than the INVALID_TOPIC every other surface gives (the name check belongs
-in ``MetadataView.check_partition``/``leader``, services/gateway/metadata_cache.py)."""
-
-
 @pytest.mark.parametrize("label", sorted(BAD_TOPIC_NAMES))
 def test_bad_topic_names_are_refused_everywhere_with_invalid_topic(env: Env, label: str) -> None:
     name = BAD_TOPIC_NAMES[label]
@@ -512,12 +499,7 @@ def test_bad_topic_names_are_refused_everywhere_with_invalid_topic(env: Env, lab
     for channel, service, name_of_method, request in _name_requests(name):
         result = rpc(env.channels[channel], service, name_of_method, request)
         what = f"{service}.{name_of_method}({label})"
-        if (service, name_of_method) in GATEWAY_LOOKUPS:
-            assert_refused(
-                result, {ErrorCode.INVALID_TOPIC, ErrorCode.UNKNOWN_TOPIC_OR_PARTITION}, what
-            )
-        else:
-            assert_refused(result, ErrorCode.INVALID_TOPIC, what)
+        assert_refused(result, ErrorCode.INVALID_TOPIC, what)
     assert_unchanged(before, quiet_snapshot(env), f"topic name {label}")
     assert_all_healthy(env)
 

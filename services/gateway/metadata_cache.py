@@ -45,6 +45,7 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
 )
 from tidelog.logging import get_logger
+from tidelog.topics import validate_topic_name
 
 _log = get_logger(component="gateway.metadata")
 
@@ -157,6 +158,9 @@ class MetadataView:
     def topic(self, name: str) -> Topic:
         topic = self.topics.get(name)
         if topic is None:
+            # A name no topic could have is INVALID_TOPIC, not "does not exist" (the
+            # storage and controller services answer the same).
+            validate_topic_name(name)
             raise UnknownTopicOrPartitionError(f"topic {name!r} does not exist")
         return topic
 

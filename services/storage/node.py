@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -41,7 +40,7 @@ from grpc_reflection.v1alpha import reflection
 from services.cluster_metadata import CONTROLLER_KEY, broker_key, decode_broker, decode_controller
 from services.controller.state import Broker
 from services.metastore import MetaStore, MetaStoreError
-from services.process import KEEPALIVE_SERVER_OPTIONS, serve_until_signal
+from services.process import new_server, serve_until_signal
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.log import Log, LogConfig
 from services.storage.log_manager import LogManager
@@ -200,18 +199,11 @@ class StorageNode:
             partitions=len(replicas.partitions()),
             elapsed_ms=round((time.monotonic() - started_ms) * 1000),
         )
-        server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=config.max_workers, thread_name_prefix="storage-rpc"
-            ),
-            options=[
-                ("grpc.max_receive_message_length", config.max_message_bytes),
-                ("grpc.max_send_message_length", config.max_message_bytes),
-                # One port per node: a second process on the same port is a mistake.
-                ("grpc.so_reuseport", 0),
-                *KEEPALIVE_SERVER_OPTIONS,
-            ],
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        server = new_server(
+            role="storage",
+            max_workers=config.max_workers,
+            max_message_bytes=config.max_message_bytes,
+            max_concurrent_rpcs=config.max_concurrent_rpcs,
         )
         self._servicer = StorageServicer(replicas, limits=config.limits, clock=self._clock)
         storage_pb2_grpc.add_StorageServicer_to_server(self._servicer, server)
