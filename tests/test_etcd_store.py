@@ -125,7 +125,9 @@ def test_launcher_retries_when_a_port_is_taken(
         real_free_port = etcd_launcher._free_port
         probes = iter([taken, real_free_port()])
         monkeypatch.setattr(
-            etcd_launcher, "_free_port", lambda: next(probes, None) or real_free_port()
+            etcd_launcher,
+            "_free_port",
+            lambda host="127.0.0.1": next(probes, None) or real_free_port(host),
         )
         with EtcdProcess(tmp_path / "etcd") as process:
             assert process.client_port != taken
