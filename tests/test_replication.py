@@ -23,6 +23,7 @@ from typing import TypeVar
 import grpc
 import pytest
 
+from services.storage.fetcher import PIPELINE_MIN_BYTES
 from services.storage.log.producer_state import SEQUENCE_MODULUS
 from services.storage.node import StorageNode, StorageNodeConfig
 from tests.support.cluster import TestCluster, error_code, rpc_error_code
@@ -361,6 +362,44 @@ def test_followers_replicate_and_acks_all_waits_for_them(trio: Trio) -> None:
         wait_for(lambda b=broker_id: trio.log(b).high_watermark == 1000, 5, "follower HW")
     reference = trio.log_bytes(0, 1000)
     assert reference and all(trio.log_bytes(b, 1000) == reference for b in (1, 2))
+
+
+def test_followers_pipeline_large_answers_only_and_stay_identical(trio: Trio) -> None:
+    # Small answers are appended before the next fetch (the HW moves a round trip sooner);
+    # answers of PIPELINE_MIN_BYTES or more overlap the append with the next fetch. Both
+    # paths must leave every replica byte-identical and acks=all answered only once the
+    # followers have written.
+    trio.elect(0, 1, [0, 1, 2], configs={"min.insync.replicas": "2"})
+    for i in range(20):
+        assert code(trio.append(0, [f"small-{i}".encode()]).error) == ErrorCode.NONE
+    followers = (trio.nodes[1].replicas, trio.nodes[2].replicas)
+    assert [f.pipelined_fetches() for f in followers] == [0, 0]
+
+    big_values = [bytes([i % 251]) * 100 for i in range(6_000)]  # one ~700 KiB batch
+    assert len(encode_batch(big_values)) >= PIPELINE_MIN_BYTES
+    errors: list[storage_pb2.AppendResponse] = []
+
+    def produce() -> None:
+        for _ in range(5):
+            response = trio.append(0, big_values, acks=common_pb2.LEADER)
+            if code(response.error) != ErrorCode.NONE:
+                errors.append(response)
+
+    producers = [threading.Thread(target=produce) for _ in range(3)]
+    for thread in producers:
+        thread.start()
+    for thread in producers:
+        thread.join()
+    assert errors == []
+    last = trio.append(0, big_values)  # acks=all: both followers have written it
+    assert code(last.error) == ErrorCode.NONE, last
+    end = last.last_offset + 1
+    assert last.high_watermark >= end
+    for broker_id in (1, 2):
+        wait_for(lambda b=broker_id: trio.log(b).high_watermark == end, 10, "follower HW")
+    assert sum(f.pipelined_fetches() for f in followers) > 0
+    reference = trio.log_bytes(0, end)
+    assert all(trio.log_bytes(b, end) == reference for b in (1, 2))
 
 
 def test_new_follower_truncates_by_leader_epoch_not_to_its_high_watermark(trio: Trio) -> None:

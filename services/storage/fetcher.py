@@ -14,16 +14,17 @@ not have, the follower truncates to the end of its own largest earlier epoch and
 again. Then it fetches from its log end offset and appends the leader's batches as they
 are (``assign_offsets=False``), setting its HW to min(leader HW, own LEO).
 
-Fetches are pipelined (``ReplicaFetcherThread._fetch``): once an answer is verified
-(every batch whole, checksums right, offsets contiguous from the log end), the next
-Fetch goes out from the log end the append will reach, and the answer is appended while
-the leader reads and sends the next range. That Fetch also says where the written log
+Large answers are pipelined (``ReplicaFetcherThread._fetch``): once an answer of at
+least ``PIPELINE_MIN_BYTES`` is verified (every batch whole, checksums right, offsets
+contiguous from the log end), the next Fetch goes out from the log end the append will
+reach, and the answer is appended while the leader reads and sends the next range. That Fetch also says where the written log
 ends (``written_offset``): the leader counts only that toward the HW, so no acks=all
 acknowledgement depends on data still in this process's memory, and it answers such a
 fetch at once instead of long-polling, so the next fetch reports the write. A pipelined
 answer is used only if the log end and epoch turned out as predicted; errors,
 divergence, truncation and role changes fall back to the serial fetch -> append -> fetch
-loop.
+loop, and so do small answers, for which the pipeline's extra round before the HW moves
+would cost more latency than the overlap saves.
 
 Every RPC has a deadline; errors back off (``FETCH_BACKOFF_S``) instead of spinning.
 Thread-safety: ``ReplicaFetcherManager`` methods may be called from any thread; each
@@ -64,6 +65,8 @@ PARTITION_FETCH_MAX_BYTES: Final = 8 * 1024 * 1024  # replica.fetch.max.bytes
 RPC_SLACK_S: Final = 5.0  # deadline beyond the long-poll for the transfer itself
 FETCH_BACKOFF_S: Final = 0.2  # replica.fetch.backoff.ms
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+PIPELINE_MIN_BYTES: Final = 512 * 1024
+"""A smaller answer is appended before the next Fetch goes out (see ``_predict``)."""
 
 AddressResolver = Callable[[int], str | None]
 """Broker id -> "host:port" (metadata cache first, etcd second), None when unknown."""
@@ -128,6 +131,8 @@ class ReplicaFetcherThread(threading.Thread):
         self._partitions: dict[tuple[str, int], _FetchState] = {}
         self._changed = threading.Event()
         self._stopping = threading.Event()
+        # Fetches sent before the previous answer was appended (observability and tests).
+        self.pipelined_fetches = 0
         self._channel: grpc.Channel | None = None
         self._address: str | None = None
 
@@ -372,6 +377,7 @@ class ReplicaFetcherThread(threading.Thread):
                 records = [result.records for result in response.partitions]
                 following = self._predict(items, response, records)
                 if following is not None:
+                    self.pipelined_fetches += 1
                     # The next round goes out before this one is written, saying how far
                     # the log is written (``written_offset``): the leader must not count
                     # the rest before the append below has happened.
@@ -445,10 +451,11 @@ class ReplicaFetcherThread(threading.Thread):
         """Where each partition will be once ``response`` is appended, when that is certain.
 
         None (fetch again only after appending) when there is nothing to overlap (no
-        data), when membership changed or the thread is stopping, when any partition has
-        left the plain fetch state (dropped, truncating, backing off, a pipelined answer
-        that no longer fitted), or when any partition's answer is an error, a divergence,
-        or batches that would not append cleanly: those take the serial path.
+        data, or less than ``PIPELINE_MIN_BYTES``), when membership changed or the thread
+        is stopping, when any partition has left the plain fetch state (dropped,
+        truncating, backing off, a pipelined answer that no longer fitted), or when any
+        partition's answer is an error, a divergence, or batches that would not append
+        cleanly: those take the serial path.
         """
         if self._changed.is_set() or self._stopping.is_set():
             return None
@@ -456,6 +463,13 @@ class ReplicaFetcherThread(threading.Thread):
             return None
         now = time.monotonic()
         following: list[_Fetched] = []
+        # Pipelining makes the HW trail by one extra round trip (the pipelined Fetch
+        # reports the write only on the round after it). That pays when appending the
+        # answer takes about as long as the leader's next read and send; a small answer
+        # appends in far less than a round trip, so fetching after it keeps acks=all and
+        # consumer latency low at moderate rates and loses no throughput.
+        if sum(len(batches) for batches in records) < PIPELINE_MIN_BYTES:
+            return None
         data = False
         for item, result, batches in zip(items, response.partitions, records, strict=True):
             state = item.state
@@ -622,6 +636,12 @@ class ReplicaFetcherManager:
         with self._lock:
             for thread in self._threads.values():
                 thread.remove(key)
+
+    def pipelined_fetches(self) -> int:
+        """Fetches, over every fetcher thread alive, sent before the previous answer was
+        appended."""
+        with self._lock:
+            return sum(thread.pipelined_fetches for thread in self._threads.values())
 
     def shutdown(self) -> None:
         with self._lock:

@@ -451,6 +451,10 @@ class ReplicaManager:
                 error=str(error) if error is not None else None,
             )
 
+    def pipelined_fetches(self) -> int:
+        """Replica fetches sent before the previous answer was appended (fetcher.py)."""
+        return self._fetchers.pipelined_fetches()
+
     def describe(self, keys: Iterable[tuple[str, int]] | None = None) -> list[PartitionInfo]:
         """Snapshots of the hosted partitions (all, or those in ``keys`` that exist)."""
         snapshot = self._partitions
