@@ -17,14 +17,15 @@ are (``assign_offsets=False``), setting its HW to min(leader HW, own LEO).
 Large answers are pipelined (``ReplicaFetcherThread._fetch``): once an answer of at
 least ``PIPELINE_MIN_BYTES`` is verified (every batch whole, checksums right, offsets
 contiguous from the log end), the next Fetch goes out from the log end the append will
-reach, and the answer is appended while the leader reads and sends the next range. That Fetch also says where the written log
-ends (``written_offset``): the leader counts only that toward the HW, so no acks=all
-acknowledgement depends on data still in this process's memory, and it answers such a
-fetch at once instead of long-polling, so the next fetch reports the write. A pipelined
-answer is used only if the log end and epoch turned out as predicted; errors,
-divergence, truncation and role changes fall back to the serial fetch -> append -> fetch
-loop, and so do small answers, for which the pipeline's extra round before the HW moves
-would cost more latency than the overlap saves.
+reach, and the answer is appended while the leader reads and sends the next range. That
+Fetch also says where the written log ends (``written_offset``): the leader counts only
+that toward the HW, so no acks=all acknowledgement depends on data still in this
+process's memory, and it answers such a fetch at once instead of long-polling, so the
+next fetch reports the write. A pipelined answer is used only if the log end and epoch
+turned out as predicted; errors, divergence, truncation and role changes fall back to
+the serial fetch -> append -> fetch loop, and so do small answers, for which the
+pipeline's extra round before the HW moves would cost more latency than the overlap
+saves.
 
 Every RPC has a deadline; errors back off (``FETCH_BACKOFF_S``) instead of spinning.
 Thread-safety: ``ReplicaFetcherManager`` methods may be called from any thread; each
@@ -367,12 +368,14 @@ class ReplicaFetcherThread(threading.Thread):
             parts.append(self._fetch_partition(state, leo, epoch))
         if not items:
             return
-        future: _FetchFuture | None = self._send(stub, parts)
+        # The first round is a blocking call: grpc's ``future()`` starts a thread per
+        # call whenever none of the channel's calls is in flight, which at moderate rates
+        # is every call; only a pipelined round needs a call running in the background.
+        response = self._call(stub, parts)
+        future: _FetchFuture | None = None
         pipelined = False
         try:
-            while future is not None:
-                response = self._receive(future)
-                future = None
+            while True:
                 # Read each partition's records once: every access copies them.
                 records = [result.records for result in response.partitions]
                 following = self._predict(items, response, records)
@@ -393,8 +396,11 @@ class ReplicaFetcherThread(threading.Thread):
                         item.state.stale = True  # ends the pipeline: _predict declines
                         continue
                     self._handle(item.state, item.offset, result, data)
-                if following is not None:
-                    items, pipelined = following, True
+                if following is None or future is None:
+                    return
+                items, pipelined = following, True
+                response = self._receive(future)
+                future = None
         finally:
             for item in items:
                 item.state.stale = False
@@ -421,7 +427,13 @@ class ReplicaFetcherThread(threading.Thread):
     def _send(
         self, stub: storage_pb2_grpc.StorageStub, parts: list[storage_pb2.FetchPartition]
     ) -> _FetchFuture:
-        request = storage_pb2.FetchRequest(
+        future: _FetchFuture = stub.Fetch.future(
+            self._request(parts), timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S
+        )
+        return future
+
+    def _request(self, parts: list[storage_pb2.FetchPartition]) -> storage_pb2.FetchRequest:
+        return storage_pb2.FetchRequest(
             replica_id=self.local_broker_id,
             broker_epoch=self._broker_epoch(),
             max_wait_ms=FETCH_MAX_WAIT_MS,
@@ -429,10 +441,17 @@ class ReplicaFetcherThread(threading.Thread):
             max_bytes=FETCH_MAX_BYTES,
             partitions=parts,
         )
-        future: _FetchFuture = stub.Fetch.future(
-            request, timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S
-        )
-        return future
+
+    def _call(
+        self, stub: storage_pb2_grpc.StorageStub, parts: list[storage_pb2.FetchPartition]
+    ) -> storage_pb2.FetchResponse:
+        try:
+            response: storage_pb2.FetchResponse = stub.Fetch(
+                self._request(parts), timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None
+        return response
 
     @staticmethod
     def _receive(future: _FetchFuture) -> storage_pb2.FetchResponse:
