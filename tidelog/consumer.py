@@ -441,19 +441,23 @@ class Consumer:
         self, response: storage_pb2.FetchResponse, positions: dict[TopicPartition, int]
     ) -> None:
         """While this response is decoded, have the next one fetched: the servers work on
-        it on another core. Only when data is flowing and nothing went wrong (an error
-        needs this consumer's attention first)."""
+        it on another core. Only when more data is already waiting (some partition's high
+        watermark is beyond what this response brought) and nothing went wrong (an error
+        needs this consumer's attention first). A consumer at the end of the log would get
+        an empty answer from such a fetch and then ask again with a wait: two rounds of
+        RPCs per record at moderate rates, for no gain."""
         ends = dict(positions)
-        moved = False
+        waiting = False
         for result in response.partitions:
             if result.error.code != common_pb2.NONE:
                 return
+            tp = (result.topic, result.partition)
+            if tp not in ends:
+                continue
             if result.records:
-                tp = (result.topic, result.partition)
-                if tp in ends:
-                    ends[tp] = next_offset_after(result.records, ends[tp])
-                    moved = moved or ends[tp] > positions[tp]
-        if moved:
+                ends[tp] = next_offset_after(result.records, ends[tp])
+            waiting = waiting or result.high_watermark > ends[tp]
+        if waiting:
             self._prefetch = (
                 ends,
                 self._conn.stub.Fetch.future(

@@ -8,7 +8,8 @@ in two rounds: first without waiting (data that is there comes back at once), th
 if that found less than ``min_bytes``, a long poll to every leader, answering as soon as
 one of them has data; the others are cancelled and their partitions keep the first
 round's (empty) answer. A consumer therefore never waits on a quiet broker while another
-has data for it.
+has data for it. A fetch whose partitions all have one leader skips the first round: that
+leader's long poll answers at once when it has data.
 
 Batches pass through as bytes; the only thing the gateway reads in them is batch headers
 (Subscribe needs the offset after the last batch it forwarded), O(1) per batch.
@@ -146,9 +147,14 @@ class FetchHandler:
             wait_ms = max(0, min(wait_ms, int((time_remaining_s - DEADLINE_MARGIN_S) * 1000)))
         answers: dict[int, bytes] = {}
         limits = {"max_bytes": max_bytes, "min_bytes": min_bytes}
-        found, failed = self._round(by_leader, wait_ms=0, answers=answers, **limits)
-        if found < min_bytes and wait_ms > 0 and by_leader and not failed and not local_errors:
+        if len(by_leader) == 1 and not local_errors:
+            # One leader: its long poll answers at once when data (or an error) is there,
+            # so a first round without waiting would only cost an extra RPC.
             self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits)
+        else:
+            found, failed = self._round(by_leader, wait_ms=0, answers=answers, **limits)
+            if found < min_bytes and wait_ms > 0 and by_leader and not failed and not local_errors:
+                self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits)
         encoded = storage_pb2.FetchResponse(partitions=local_errors).SerializeToString()
         return encoded + b"".join(answers.values())
 
