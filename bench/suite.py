@@ -100,6 +100,7 @@ def run(quick: bool) -> dict[str, Any]:
                 n,
                 lambda p: workloads.produce(gw, "k-rf1", records=n, size=100, acks="1", progress=p),
             )
+            workloads.wait_replicated(gw)  # start each case from a quiet cluster
             t["produce, RF=3 acks=1 (async)"] = _step(
                 "produce RF=3 acks=1",
                 n,
@@ -107,6 +108,7 @@ def run(quick: bool) -> dict[str, Any]:
                     gw, "k-rf3-acks1", records=n, size=100, acks="1", progress=p
                 ),
             )
+            workloads.wait_replicated(gw)  # start each case from a quiet cluster
             t["produce, RF=3 acks=all (sync)"] = _step(
                 "produce RF=3 acks=all",
                 n,
@@ -114,6 +116,7 @@ def run(quick: bool) -> dict[str, Any]:
                     gw, "k-rf3-all", records=n, size=100, acks="all", progress=p
                 ),
             )
+            workloads.wait_replicated(gw)  # start each case from a quiet cluster
             t["consume, one consumer"] = _step(
                 "consume (poll_arrow)",
                 n,
@@ -126,6 +129,7 @@ def run(quick: bool) -> dict[str, Any]:
                 n,
                 lambda p: workloads.consume(gw, "k-rf3-all", records=n, size=100, progress=p),
             )
+            workloads.wait_replicated(gw)  # start each case from a quiet cluster
             both_p, both_c = workloads.produce_and_consume(
                 gw, "k-both", records=n // 2, size=100, acks="all"
             )
@@ -136,6 +140,7 @@ def run(quick: bool) -> dict[str, Any]:
             )
             rate = max(1_000, int(t["produce, RF=3 acks=all (sync)"].records_s) // 2)
             rate = min(rate, 20_000)  # one record per send(): the Python loop's own limit
+            workloads.wait_replicated(gw)  # start each case from a quiet cluster
             t["end-to-end latency"] = workloads.end_to_end_latency(
                 gw, "k-e2e", rate_per_s=rate, seconds=5 if quick else 20, size=100
             )
@@ -144,6 +149,7 @@ def run(quick: bool) -> dict[str, Any]:
                 f"  end-to-end at {rate:,}/s: p50 {e2e.percentile_ms(0.5):.1f} ms, "
                 f"p99 {e2e.percentile_ms(0.99):.1f} ms"
             )
+            workloads.wait_replicated(gw)  # start each case from a quiet cluster
             t["OMB: 100 partitions, 1 KiB, RF=3 acks=all"] = _step(
                 "OMB 100 partitions 1 KiB",
                 omb_n,

@@ -208,6 +208,20 @@ def end_to_end_latency(
     )
 
 
+def wait_replicated(gateway: str, timeout_s: float = 60.0) -> bool:
+    """Wait until every partition's high watermark is its log end offset (the followers
+    have caught up), so one case's replication backlog is not charged to the next.
+    Returns False if that did not happen within ``timeout_s``."""
+    admin = Admin(gateway)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        partitions = [p for t in admin.describe_topics() for p in t.partitions]
+        if all(p.high_watermark == p.log_end_offset >= 0 for p in partitions):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def create_topic(gateway: str, name: str, partitions: int, replication_factor: int) -> None:
     Admin(gateway).create_topic(
         name,
