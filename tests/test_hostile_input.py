@@ -722,8 +722,8 @@ def test_follower_fetch_from_a_broker_that_is_not_a_replica_is_refused(env: Env)
         (other, env.cluster.broker_epoch(other), not_a_replica),  # live, but not a replica
         (other, 0, ErrorCode.STALE_BROKER_EPOCH),  # and not even its epoch
         (leader, env.cluster.broker_epoch(leader), not_a_replica),  # the leader itself
-        (999, 0, not_a_replica),  # no such broker
-        (INT32_MAX, -1, not_a_replica),
+        (999, 0, ErrorCode.STALE_BROKER_EPOCH),  # no such broker: no epoch to check
+        (INT32_MAX, -1, ErrorCode.STALE_BROKER_EPOCH),
     ):
         result = _follower_fetch(env, leader, SOLO, replica_id, broker_epoch=epoch, offset=end)
         assert_refused(result, expected, f"replica_id {replica_id} epoch {epoch}")

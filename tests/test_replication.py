@@ -266,6 +266,42 @@ def test_high_watermark_is_min_leo_over_isr_and_follower_fetch_reads_to_leo(trio
     assert code(follower_fetch(0, replica_id=2).error) == ErrorCode.NOT_LEADER_OR_FOLLOWER
 
 
+def test_fetch_in_the_name_of_a_follower_the_metadata_does_not_list_cannot_move_the_hw(
+    trio: Trio,
+) -> None:
+    # A follower whose registration ended (or an id someone made up) has no epoch the
+    # leader can check: its fetches are refused, so they cannot commit records.
+    trio.elect(0, 1, [0, 1, 2], configs={"min.insync.replicas": "2"})
+    assert code(trio.append(0, [b"a"] * 3).error) == ErrorCode.NONE
+    listed = [
+        common_pb2.BrokerInfo(broker_id=b, host="127.0.0.1", port=trio.nodes[b].port)
+        for b in (0, 1)
+    ]
+    trio.stub(0).UpdateMetadata(
+        storage_pb2.UpdateMetadataRequest(controller_epoch=trio.controller_epoch, brokers=listed),
+        timeout=RPC_TIMEOUT_S,
+    )
+    appended = trio.append(0, [b"b"] * 3, acks=common_pb2.LEADER)
+    end = appended.last_offset + 1
+    wait_for(lambda: trio.log(1).log_end_offset == end, 5, "broker 1 has the records")
+    time.sleep(0.3)  # broker 2's own fetches are refused meanwhile
+    assert trio.log(0).high_watermark == 3
+    request = storage_pb2.FetchRequest(
+        replica_id=2,
+        max_wait_ms=0,
+        partitions=[storage_pb2.FetchPartition(topic=TOPIC, partition=0, fetch_offset=end)],
+    )
+    for broker_epoch in (0, -1, 1):
+        request.broker_epoch = broker_epoch
+        with pytest.raises(grpc.RpcError) as raised:
+            trio.stub(0).Fetch(request, timeout=RPC_TIMEOUT_S)
+        assert rpc_error_code(raised.value) == ErrorCode.STALE_BROKER_EPOCH
+        assert "does not list" in str(raised.value.details())
+    assert trio.log(0).high_watermark == 3
+    trio.publish_brokers()  # listed again: broker 2's fetcher catches up, the HW moves
+    wait_for(lambda: trio.log(0).high_watermark == end, 10, "HW after broker 2 is listed")
+
+
 def test_consumer_long_poll_completes_when_follower_moves_the_high_watermark(trio: Trio) -> None:
     trio.elect(0, 1, [0, 1], replicas=(0, 1), to=(0,))
     trio.append(0, [b"late"], acks=common_pb2.LEADER)

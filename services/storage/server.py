@@ -703,7 +703,16 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         # name must carry exactly that epoch: one without an epoch (0 or negative) is
         # refused too, or anyone could claim a follower's id, report its log end offset
         # and move the high watermark over records no follower holds (issue 9).
-        known = self._replicas.metadata.brokers.get(replica_id)
+        brokers = self._replicas.metadata.brokers
+        known = brokers.get(replica_id)
+        if known is None and brokers:
+            # Not registered as far as this leader knows: a follower whose session ended
+            # (a zombie of KIP-380) or a made-up id. Its epoch cannot be checked, so its
+            # fetch cannot count; a real broker retries once the metadata lists it again.
+            raise StaleBrokerEpochError(
+                f"fetch from broker {replica_id}, which the cluster metadata on broker "
+                f"{self._replicas.broker_id} does not list"
+            )
         if known is not None and known.broker_epoch > 0 and broker_epoch != known.broker_epoch:
             raise StaleBrokerEpochError(
                 f"fetch from broker {replica_id} epoch {broker_epoch}; registered epoch is "
