@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -492,3 +493,59 @@ def test_poll_arrow_and_poll_agree(gateway: GatewayProcess, admin: tidelog.Admin
         r = by_value[f"v{i}".encode()]
         assert r[3] == (None if i % 5 == 0 else f"k{i % 7}".encode())
         assert r[5] == ((("n", str(i).encode()),) if i % 3 == 0 else ())
+
+
+def test_cancelled_subscriptions_free_their_places_under_max_concurrent_rpcs(
+    cluster: TestCluster,
+) -> None:
+    # A subscription long-polls its leader for up to max_wait_ms; when its client goes
+    # away, the gateway must stop waiting at once, or the abandoned calls keep counting
+    # against --max-concurrent-rpcs and ordinary calls are refused meanwhile.
+    limited = cluster.start_gateway(["--max-concurrent-rpcs", "4"])
+    # Created through this gateway, so its metadata cache knows the topic at once.
+    tidelog.Admin(limited.address).create_topic(
+        "quiet-subscriptions", partitions=1, replication_factor=1
+    )
+    channel = grpc.insecure_channel(limited.address)
+    subscribe = channel.unary_stream(
+        "/tidelog.v1.Gateway/Subscribe",
+        request_serializer=gateway_pb2.SubscribeRequest.SerializeToString,
+        response_deserializer=storage_pb2.FetchPartitionResult.FromString,
+    )
+    request = gateway_pb2.SubscribeRequest(
+        topic="quiet-subscriptions",
+        partition=0,
+        start_spec=common_pb2.LATEST,
+        max_wait_ms=30_000,
+    )
+    calls: list[Any] = []
+
+    def saturated() -> bool:
+        # A probe admitted while the subscriptions connect may take the 4th place and get
+        # one of them refused: replace any that ended until all 4 wait and a probe is not
+        # admitted.
+        calls[:] = [call for call in calls if call.is_active()]
+        while len(calls) < 4:
+            calls.append(subscribe(request, timeout=120))
+        time.sleep(0.2)
+        if not all(call.is_active() for call in calls):
+            return False
+        try:
+            limited.stub.ListGroups(gateway_pb2.ListGroupsRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        return False
+
+    try:
+        wait_for(saturated, 30, "4 subscriptions waiting and a fifth call refused")
+    finally:
+        for call in calls:
+            call.cancel()
+    started = time.monotonic()
+    wait_for(
+        lambda: limited.stub.ListGroups(gateway_pb2.ListGroupsRequest(), timeout=5),
+        20,
+        "calls admitted again after the subscriptions were cancelled",
+    )
+    assert time.monotonic() - started < 10  # not the 30 s the leaders would have waited
+    channel.close()

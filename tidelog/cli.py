@@ -103,6 +103,17 @@ def _add_cluster_membership(
         )
 
 
+def _add_max_concurrent_rpcs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-concurrent-rpcs",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="calls in flight at once (running or queued for a thread); beyond that, "
+        "RESOURCE_EXHAUSTED, except health checks (default: 1024)",
+    )
+
+
 def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser = subparsers.add_parser(
         "storage",
@@ -153,6 +164,7 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="override every topic's replica.lag.time.max.ms: a follower not caught up "
         "for this long leaves the ISR (default: the topic's, else 30000)",
     )
+    _add_max_concurrent_rpcs(parser)
     _add_advertised_host(parser)
     _add_logging(parser)
     parser.set_defaults(handler="services.storage.node:main")
@@ -285,6 +297,7 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         metavar="N",
         help="produce requests one ProduceStream may have unanswered (default: 64)",
     )
+    _add_max_concurrent_rpcs(parser)
     _add_logging(parser)
     parser.set_defaults(handler="services.gateway.node:main")
 

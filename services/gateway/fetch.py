@@ -250,6 +250,19 @@ class FetchHandler:
             raise InvalidRequestError(f"max_wait_ms {wait_ms} is outside 0..{MAX_WAIT_MS_LIMIT}")
         self._router.cache.read(lambda view: view.check_partition(request.topic, request.partition))
         offset = self._start_offset(request)
+        # The leader's long poll runs as a future that ends when the client goes away:
+        # otherwise a cancelled subscription would hold this thread (and a place under the
+        # gateway's max_concurrent_rpcs) for up to max_wait_ms after its client left.
+        current: list[Any] = [None]
+        ended = threading.Event()
+
+        def on_end() -> None:
+            ended.set()
+            future = current[0]
+            if future is not None:
+                future.cancel()
+
+        context.add_callback(on_end)
         while context.is_active():
             fetch_partition = storage_pb2.FetchPartition(
                 topic=request.topic,
@@ -265,7 +278,7 @@ class FetchHandler:
                 fetch_partition: storage_pb2.FetchPartition = fetch_partition,
             ) -> storage_pb2.FetchResponse:
                 del leader
-                response: storage_pb2.FetchResponse = stub.Fetch(
+                future = stub.Fetch.future(
                     storage_pb2.FetchRequest(
                         replica_id=-1,
                         max_wait_ms=wait_ms,
@@ -275,6 +288,10 @@ class FetchHandler:
                     ),
                     timeout=min(timeout_s, wait_ms / 1000 + ANSWER_SLACK_S),
                 )
+                current[0] = future
+                if ended.is_set():
+                    future.cancel()
+                response: storage_pb2.FetchResponse = future.result()
                 error = response.partitions[0].error
                 if error.code != common_pb2.NONE:
                     # Raised so the router re-routes leadership errors; others end the stream.
@@ -284,7 +301,12 @@ class FetchHandler:
             # A subscription outlives leader changes: each step may take as long as a new
             # election needs.
             deadline = time.monotonic() + 30.0
-            result = self._router.call_leader(request.topic, request.partition, deadline, call)
+            try:
+                result = self._router.call_leader(request.topic, request.partition, deadline, call)
+            except grpc.FutureCancelledError:
+                return  # the client went away
+            finally:
+                current[0] = None
             answer = result.partitions[0]
             if answer.records:
                 offset = next_offset_after(answer.records, offset)

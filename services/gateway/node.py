@@ -166,6 +166,7 @@ def main(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             max_fetch_bytes=args.max_fetch_bytes,
             max_in_flight_per_stream=args.max_in_flight_per_stream,
+            max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", 1024),
         )
     except (ValueError, TidelogError) as exc:
         print(f"tidelog gateway: error: {exc}", file=sys.stderr)

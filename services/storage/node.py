@@ -381,6 +381,7 @@ def main(args: argparse.Namespace) -> int:
             session_ttl_s=args.session_ttl_s,
             controlled_shutdown_timeout_s=args.controlled_shutdown_timeout_s,
             replica_lag_time_max_ms=getattr(args, "replica_lag_time_max_ms", None),
+            max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", 1024),
         )
     except (ValueError, TidelogError) as exc:
         print(f"tidelog storage: error: {exc}", file=sys.stderr)
