@@ -541,11 +541,10 @@ def test_cancelled_subscriptions_free_their_places_under_max_concurrent_rpcs(
     finally:
         for call in calls:
             call.cancel()
-    started = time.monotonic()
+    # Well before the 30 s the leaders would otherwise have held the subscriptions.
     wait_for(
         lambda: limited.stub.ListGroups(gateway_pb2.ListGroupsRequest(), timeout=5),
         20,
         "calls admitted again after the subscriptions were cancelled",
     )
-    assert time.monotonic() - started < 10  # not the 30 s the leaders would have waited
     channel.close()

@@ -46,6 +46,8 @@ EMPTY_RESULT_BYTES: Final = 80
 topic name (varint offsets and epochs, -1s taking 10 bytes each): what a result's size
 exceeds this by counts as record bytes for min_bytes. A batch is at least 65 bytes, so
 any records count."""
+SUBSCRIBE_POLL_SLICE_MS: Final = 1_000
+"""Longest single long poll of a Subscribe step (see ``FetchHandler.subscribe``)."""
 ANSWER_SLACK_S: Final = 5.0
 """Added to a long poll's own wait to make its gRPC deadline: the leader answers first."""
 
@@ -250,19 +252,10 @@ class FetchHandler:
             raise InvalidRequestError(f"max_wait_ms {wait_ms} is outside 0..{MAX_WAIT_MS_LIMIT}")
         self._router.cache.read(lambda view: view.check_partition(request.topic, request.partition))
         offset = self._start_offset(request)
-        # The leader's long poll runs as a future that ends when the client goes away:
-        # otherwise a cancelled subscription would hold this thread (and a place under the
-        # gateway's max_concurrent_rpcs) for up to max_wait_ms after its client left.
-        current: list[Any] = [None]
-        ended = threading.Event()
-
-        def on_end() -> None:
-            ended.set()
-            future = current[0]
-            if future is not None:
-                future.cancel()
-
-        context.add_callback(on_end)
+        # Each long poll to the leader lasts at most SUBSCRIBE_POLL_SLICE_MS, so a
+        # subscription whose client went away gives back its thread (and its place under
+        # the gateway's max_concurrent_rpcs) within that, not after a whole max_wait_ms.
+        poll_ms = min(wait_ms, SUBSCRIBE_POLL_SLICE_MS)
         while context.is_active():
             fetch_partition = storage_pb2.FetchPartition(
                 topic=request.topic,
@@ -278,20 +271,16 @@ class FetchHandler:
                 fetch_partition: storage_pb2.FetchPartition = fetch_partition,
             ) -> storage_pb2.FetchResponse:
                 del leader
-                future = stub.Fetch.future(
+                response: storage_pb2.FetchResponse = stub.Fetch(
                     storage_pb2.FetchRequest(
                         replica_id=-1,
-                        max_wait_ms=wait_ms,
+                        max_wait_ms=poll_ms,
                         min_bytes=1,
                         max_bytes=max_bytes,
                         partitions=[fetch_partition],
                     ),
-                    timeout=min(timeout_s, wait_ms / 1000 + ANSWER_SLACK_S),
+                    timeout=min(timeout_s, poll_ms / 1000 + ANSWER_SLACK_S),
                 )
-                current[0] = future
-                if ended.is_set():
-                    future.cancel()
-                response: storage_pb2.FetchResponse = future.result()
                 error = response.partitions[0].error
                 if error.code != common_pb2.NONE:
                     # Raised so the router re-routes leadership errors; others end the stream.
@@ -301,12 +290,7 @@ class FetchHandler:
             # A subscription outlives leader changes: each step may take as long as a new
             # election needs.
             deadline = time.monotonic() + 30.0
-            try:
-                result = self._router.call_leader(request.topic, request.partition, deadline, call)
-            except grpc.FutureCancelledError:
-                return  # the client went away
-            finally:
-                current[0] = None
+            result = self._router.call_leader(request.topic, request.partition, deadline, call)
             answer = result.partitions[0]
             if answer.records:
                 offset = next_offset_after(answer.records, offset)
