@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,6 @@ from bench import workloads
 from bench.replication import cpu_seconds
 from tests.support.cluster import TestCluster, running_cluster
 from tidelog.admin import Admin
-from tidelog.consumer import Consumer
 from tidelog.producer import Producer
 from tidelog.records import encode_batch
 from tidelog.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, storage_pb2, storage_pb2_grpc
@@ -40,9 +38,9 @@ SEQUENTIAL_CALLS = 400
 PAUSE_S = 0.002  # between sequential calls, so each finds the cluster idle
 
 
-def _percentile_ms(samples_s: list[float], q: float) -> float:
-    ordered = sorted(samples_s)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+def _percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _time_calls(call: Callable[[], object]) -> tuple[float, float]:
@@ -52,7 +50,7 @@ def _time_calls(call: Callable[[], object]) -> tuple[float, float]:
         call()
         samples.append(time.perf_counter() - started)
         time.sleep(PAUSE_S)
-    return _percentile_ms(samples, 0.5), _percentile_ms(samples, 0.99)
+    return _percentile(samples, 0.5) * 1000, _percentile(samples, 0.99) * 1000
 
 
 def sequential(gateway: str) -> list[tuple[str, float, float]]:
@@ -107,48 +105,25 @@ def _sequential_layers(
 def at_rate(
     cluster: TestCluster, gateway: str, topic: str, rate_per_s: int, seconds: float
 ) -> tuple[list[float], list[float], dict[str, float]]:
-    """(ack latencies s, e2e latencies s, CPU share of a core by process)."""
-    acks: list[float] = []
-    e2e: list[float] = []
-    done = threading.Event()
-    ready = threading.Event()
-
-    def read() -> None:
-        with Consumer(gateway, auto_offset_reset="latest", fetch_max_wait_ms=100) as consumer:
-            consumer.subscribe([topic])
-            consumer.poll(max_records=1, timeout_ms=100)
-            ready.set()
-            while not done.is_set():
-                for record in consumer.poll(max_records=100_000, timeout_ms=200):
-                    e2e.append(time.time() - record.timestamp_ms / 1000)
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    ready.wait(30)
+    """(ack latencies ms, e2e latencies ms, CPU share of a core by cluster process)."""
     processes = {f"broker-{b}": p.pid for b, p in cluster.brokers.items()}
     processes.update({f"gateway-{i}": g.pid for i, g in enumerate(cluster.gateways)})
     processes.update({f"controller-{c}": p.pid for c, p in cluster.controllers.items()})
     processes["etcd"] = cluster.etcd.pid
-    with Producer(gateway, acks="all", linger_ms=0) as producer:
-        cpu_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
-        started = next_at = time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            sent = time.perf_counter()
-            future = producer.send(topic, VALUE)
-            future.add_done_callback(lambda _, s=sent: acks.append(time.perf_counter() - s))
-            next_at += 1 / rate_per_s
-            delay = next_at - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-        elapsed = time.perf_counter() - started
-        cpu = {
-            name: (cpu_seconds(pid) - cpu_before[name]) / elapsed for name, pid in processes.items()
-        }
-        producer.flush()
-    time.sleep(1)
-    done.set()
-    reader.join()
-    return acks, e2e, cpu
+    acks: list[float] = []
+    cpu_before = {name: cpu_seconds(pid) for name, pid in processes.items()}
+    started = time.perf_counter()
+    result = workloads.end_to_end_latency(
+        gateway,
+        topic,
+        rate_per_s=rate_per_s,
+        seconds=seconds,
+        size=len(VALUE),
+        ack_latencies_ms=acks,
+    )
+    elapsed = time.perf_counter() - started
+    cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / elapsed for name, pid in processes.items()}
+    return acks, result.latencies_ms, cpu
 
 
 def main() -> None:
@@ -188,8 +163,8 @@ def main() -> None:
             busiest = max(cpu, key=lambda name: cpu[name])
             print(
                 f"| {rate:,}/s, {label} "
-                f"| {_percentile_ms(acks, 0.5):.1f} / {_percentile_ms(acks, 0.99):.1f} "
-                f"| {_percentile_ms(e2e, 0.5):.1f} / {_percentile_ms(e2e, 0.99):.1f} "
+                f"| {_percentile(acks, 0.5):.1f} / {_percentile(acks, 0.99):.1f} "
+                f"| {_percentile(e2e, 0.5):.1f} / {_percentile(e2e, 0.99):.1f} "
                 f"| {sum(cpu.values()):.2f} | {busiest} {cpu[busiest] * 100:.0f}% |",
                 flush=True,
             )

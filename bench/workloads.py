@@ -161,10 +161,17 @@ def produce_and_consume(
 
 
 def end_to_end_latency(
-    gateway: str, topic: str, *, rate_per_s: int, seconds: float, size: int
+    gateway: str,
+    topic: str,
+    *,
+    rate_per_s: int,
+    seconds: float,
+    size: int,
+    ack_latencies_ms: list[float] | None = None,
 ) -> Result:
     """Records sent one by one at ``rate_per_s`` (acks=all), read by a concurrent
-    consumer; latency = consume time - the record's create timestamp."""
+    consumer; latency = consume time - the record's create timestamp. With
+    ``ack_latencies_ms``, each send's time until its acknowledgement is appended there."""
     latencies: list[float] = []
     done = threading.Event()
     ready = threading.Event()
@@ -192,7 +199,12 @@ def end_to_end_latency(
         next_at = started
         sent = 0
         while time.perf_counter() - started < seconds:
-            producer.send(topic, payload)
+            sent_at = time.perf_counter()
+            future = producer.send(topic, payload)
+            if ack_latencies_ms is not None:
+                future.add_done_callback(
+                    lambda _, s=sent_at: ack_latencies_ms.append((time.perf_counter() - s) * 1000)
+                )
             sent += 1
             next_at += interval
             delay = next_at - time.perf_counter()
