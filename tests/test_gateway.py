@@ -462,6 +462,105 @@ def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admi
     )
 
 
+def test_fetch_across_leaders_answers_as_soon_as_one_has_data(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    # Three partitions on three leaders, all at their log end. A long poll over all of
+    # them must answer when one leader gets data, not wait for the quiet two; their
+    # partitions come back without records, offsets -1 ("not answered").
+    topic = "fetch-first-leader"
+    admin.create_topic(topic, partitions=3, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+    assert len(set(leaders.values())) == 3
+    stub = gateway.stub
+
+    def fetch(offsets: dict[int, int], wait_ms: int) -> dict[int, Any]:
+        response = stub.Fetch(
+            storage_pb2.FetchRequest(
+                replica_id=-1,
+                max_wait_ms=wait_ms,
+                partitions=[
+                    storage_pb2.FetchPartition(topic=topic, partition=p, fetch_offset=o)
+                    for p, o in offsets.items()
+                ],
+            ),
+            # Far below the long poll's wait: waiting for every leader would fail this.
+            timeout=20,
+        )
+        assert len(response.partitions) == len(offsets)
+        assert all(r.error.code == common_pb2.NONE for r in response.partitions)
+        return {r.partition: r for r in response.partitions}
+
+    answer: dict[str, dict[int, Any]] = {}
+    waiting = threading.Thread(
+        target=lambda: answer.update(first=fetch({0: 0, 1: 0, 2: 0}, wait_ms=30_000))
+    )
+    waiting.start()
+    time.sleep(0.5)  # let the long polls reach the leaders
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send(topic, b"one", partition=1).result(30)
+    waiting.join(30)
+    assert not waiting.is_alive()
+    first = answer["first"]
+    assert [r.value for b in decode_batches(first[1].records) for r in b.records] == [b"one"]
+    assert first[1].high_watermark == 1
+    for quiet in (0, 2):
+        assert not first[quiet].records
+        assert first[quiet].high_watermark == -1
+    # Data already at two leaders: whatever one answer leaves out, the next brings, and
+    # neither waits.
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send(topic, b"zero", partition=0).result(30)
+        producer.send(topic, b"two", partition=2).result(30)
+    offsets = {0: 0, 1: 1, 2: 0}
+    seen: list[bytes] = []
+    for _ in range(2):
+        for partition, result in fetch(offsets, wait_ms=30_000).items():
+            for batch in decode_batches(result.records):
+                seen.extend(r.value for r in batch.records)
+                offsets[partition] = batch.next_offset
+        if len(seen) == 2:
+            break
+    assert sorted(seen) == [b"two", b"zero"]
+
+
+def test_fetch_min_bytes_adds_up_across_leaders(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    # min_bytes counts the bytes of every leader together (Kafka's fetch.min.bytes, for a
+    # fetch that spans brokers): data at two leaders that only together reach it answers at
+    # once with both; more than there is waits max_wait_ms and answers with what there is.
+    topic = "fetch-min-bytes"
+    admin.create_topic(topic, partitions=3, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for partition in (0, 2):
+            producer.send_batch(topic, [b"v" * 1000] * 10, partition=partition).result(30)
+
+    def fetch(min_bytes: int, wait_ms: int) -> list[bytes]:
+        response = gateway.stub.Fetch(
+            storage_pb2.FetchRequest(
+                replica_id=-1,
+                max_wait_ms=wait_ms,
+                min_bytes=min_bytes,
+                partitions=[
+                    storage_pb2.FetchPartition(topic=topic, partition=p, fetch_offset=0)
+                    for p in range(3)
+                ],
+            ),
+            timeout=20,  # far below a 30 s wait
+        )
+        assert sorted(r.partition for r in response.partitions) == [0, 1, 2]
+        return [
+            r.value
+            for result in response.partitions
+            for batch in decode_batches(result.records)
+            for r in batch.records
+        ]
+
+    assert len(fetch(min_bytes=15_000, wait_ms=30_000)) == 20
+    assert len(fetch(min_bytes=10**6, wait_ms=300)) == 20
+
+
 def test_poll_arrow_and_poll_agree(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic("arrow-out", partitions=2, replication_factor=2)
     with tidelog.Producer(gateway.address) as producer:

@@ -3,13 +3,13 @@ one partition), ListOffsets, and the offsets DescribeTopics reports.
 
 Fetch groups the requested partitions by leader and asks every leader at once, passing
 the leaders' encoded answers on without parsing them (see ``FetchHandler.fetch``). A leader
-with nothing new would hold its answer for the whole ``max_wait_ms``, so the gateway asks
-in two rounds: first without waiting (data that is there comes back at once), then, only
-if that found less than ``min_bytes``, a long poll to every leader, answering as soon as
-one of them has data; the others are cancelled and their partitions keep the first
-round's (empty) answer. A consumer therefore never waits on a quiet broker while another
-has data for it. A fetch whose partitions all have one leader skips the first round: that
-leader's long poll answers at once when it has data.
+long poll answers at once when it has data, so with ``min_bytes`` 1 (the default) one
+round of long polls is enough: the fetch answers as soon as any leader has data; the
+leaders still waiting are cancelled and their partitions come back without records and
+with offsets -1 ("not answered"): a consumer asks again at once and gets their data then.
+A consumer therefore never waits on a quiet broker while another has data for it. With a
+larger ``min_bytes`` that has to add up across leaders, the gateway first asks every
+leader without waiting, and long-polls only if that found too little.
 
 Batches pass through as bytes; the only thing the gateway reads in them is batch headers
 (Subscribe needs the offset after the last batch it forwarded), O(1) per batch.
@@ -17,7 +17,7 @@ Batches pass through as bytes; the only thing the gateway reads in them is batch
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from typing import Any, Final
 
 import grpc
 
+from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import Leader
 from services.gateway.router import DEADLINE_MARGIN_S, REROUTE_CODES, Router
 from services.status import error_from_proto, error_from_rpc_error, to_error_proto
@@ -62,10 +63,16 @@ class FetchLimits:
 def _fetch_error(
     fp: storage_pb2.FetchPartition, error: TidelogError
 ) -> storage_pb2.FetchPartitionResult:
+    result = _result_without_records(fp)
+    result.error.CopyFrom(to_error_proto(error))
+    return result
+
+
+def _result_without_records(fp: storage_pb2.FetchPartition) -> storage_pb2.FetchPartitionResult:
+    """A result the gateway makes up (no leader's answer): no records, offsets unknown."""
     return storage_pb2.FetchPartitionResult(
         topic=fp.topic,
         partition=fp.partition,
-        error=to_error_proto(error),
         high_watermark=-1,
         log_start_offset=-1,
         log_end_offset=-1,
@@ -76,10 +83,12 @@ def _fetch_error(
 
 
 class FetchHandler:
-    """Fetch, Subscribe, ListOffsets. Thread-safe; holds no threads of its own."""
+    """Fetch, Subscribe, ListOffsets. Thread-safe; a Fetch's calls to leaders run on the
+    ``LeaderCalls`` loop, the rest on the caller's thread."""
 
-    def __init__(self, router: Router, limits: FetchLimits) -> None:
+    def __init__(self, router: Router, limits: FetchLimits, calls: LeaderCalls) -> None:
         self._router = router
+        self._calls = calls
         self.limits = limits
 
     # --- Fetch ----------------------------------------------------------------------------
@@ -149,18 +158,22 @@ class FetchHandler:
             wait_ms = max(0, min(wait_ms, int((time_remaining_s - DEADLINE_MARGIN_S) * 1000)))
         answers: dict[int, bytes] = {}
         limits = {"max_bytes": max_bytes, "min_bytes": min_bytes}
-        if len(by_leader) == 1 and not local_errors:
-            # One leader: its long poll answers at once when data (or an error) is there,
-            # so a first round without waiting would only cost an extra RPC.
-            self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits)
+        run = self._calls.run
+        if local_errors or wait_ms == 0:
+            # A partition that failed here needs its client's attention now: no waiting.
+            run(self._round(by_leader, wait_ms=0, answers=answers, **limits))
+        elif len(by_leader) == 1 or min_bytes <= 1:
+            # Every leader's long poll answers at once when it has data (or an error), so a
+            # first round without waiting would only cost an RPC per leader.
+            run(self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits))
         else:
-            found, failed = self._round(by_leader, wait_ms=0, answers=answers, **limits)
-            if found < min_bytes and wait_ms > 0 and by_leader and not failed and not local_errors:
-                self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits)
+            found, failed = run(self._round(by_leader, wait_ms=0, answers=answers, **limits))
+            if found < min_bytes and not failed:
+                run(self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits))
         encoded = storage_pb2.FetchResponse(partitions=local_errors).SerializeToString()
         return encoded + b"".join(answers.values())
 
-    def _round(
+    async def _round(
         self,
         by_leader: dict[int, tuple[Leader, list[storage_pb2.FetchPartition]]],
         *,
@@ -169,55 +182,17 @@ class FetchHandler:
         wait_ms: int,
         answers: dict[int, bytes],
     ) -> tuple[int, bool]:
-        """One fetch to every leader; each leader's encoded answer goes into ``answers``.
-        Returns (record bytes found, whether some partition failed).
+        """One fetch to every leader, run on the ``LeaderCalls`` loop; each leader's
+        encoded answer goes into ``answers``. Returns (record bytes found, whether some
+        partition failed).
 
         With ``wait_ms`` > 0 it returns once any leader answered with data (or all did);
         the calls still running are cancelled and their leaders keep the answer
-        ``answers`` already held.
+        ``answers`` already held, or get a "not answered" one (no records, offsets -1).
         """
-        if not by_leader:
-            return 0, False
-        done = threading.Event()
-        lock = threading.Lock()
-        calls: list[Any] = []
-        pending = [len(by_leader)]
-        found = [0]
-        failed = [False]
-
-        def on_done(
-            future: Any, partitions: list[storage_pb2.FetchPartition], broker_id: int
-        ) -> None:
-            data = 0
-            try:
-                encoded: bytes = future.result()
-                # Results without records are small: only then parse, to see errors.
-                overhead = sum(EMPTY_RESULT_BYTES + 8 + len(fp.topic) for fp in partitions)
-                if len(encoded) > overhead:
-                    data = len(encoded) - overhead
-                else:
-                    response = storage_pb2.FetchResponse.FromString(encoded)
-                    if _has_error(response.partitions):
-                        failed[0] = True
-            except grpc.FutureCancelledError:
-                encoded = b""
-            except grpc.RpcError as exc:
-                error = error_from_rpc_error(exc)
-                encoded = storage_pb2.FetchResponse(
-                    partitions=[_fetch_error(fp, error) for fp in partitions]
-                ).SerializeToString()
-                failed[0] = True
-            with lock:
-                if encoded:
-                    answers[broker_id] = encoded
-                found[0] += data
-                pending[0] -= 1
-                if pending[0] == 0 or (wait_ms > 0 and found[0] >= min_bytes):
-                    done.set()
-
+        calls: dict[asyncio.Future[bytes], tuple[list[storage_pb2.FetchPartition], int]] = {}
         for broker_id, (leader, partitions) in by_leader.items():
-            call = self._router.channels.storage_fetch_encoded(leader.broker)
-            future: Any = call.future(
+            call = self._calls.fetch_encoded(leader.broker)(
                 storage_pb2.FetchRequest(
                     replica_id=-1,
                     max_wait_ms=wait_ms,
@@ -227,13 +202,30 @@ class FetchHandler:
                 ),
                 timeout=wait_ms / 1000 + ANSWER_SLACK_S,
             )
-            calls.append(future)
-            future.add_done_callback(lambda f, p=partitions, b=broker_id: on_done(f, p, b))
-        done.wait()
-        for future in calls:
-            future.cancel()
-        with lock:
-            return found[0], failed[0]
+            calls[asyncio.ensure_future(call)] = (partitions, broker_id)
+        found = 0
+        failed = False
+        pending: set[asyncio.Future[bytes]] = set(calls)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for call_done in done:
+                    partitions, broker_id = calls[call_done]
+                    encoded, data, error = _leader_answer(call_done, partitions)
+                    answers[broker_id] = encoded
+                    found += data
+                    failed = failed or error
+                if wait_ms > 0 and found >= min_bytes:
+                    break
+        finally:
+            for call_pending in pending:
+                call_pending.cancel()
+                partitions, broker_id = calls[call_pending]
+                if broker_id not in answers:
+                    answers[broker_id] = storage_pb2.FetchResponse(
+                        partitions=[_result_without_records(fp) for fp in partitions]
+                    ).SerializeToString()
+        return found, failed
 
     # --- Subscribe ------------------------------------------------------------------------
 
@@ -469,3 +461,24 @@ def _has_error(results: Iterable[storage_pb2.FetchPartitionResult]) -> bool:
     # Like a storage node, answer at once when a partition has an error, so the client can
     # act on it (re-route, reset its offset) instead of waiting for nothing.
     return any(r.error.code != common_pb2.NONE for r in results)
+
+
+def _leader_answer(
+    call: asyncio.Future[bytes], partitions: list[storage_pb2.FetchPartition]
+) -> tuple[bytes, int, bool]:
+    """(encoded answer, record bytes in it, whether a partition failed) of a finished
+    leader fetch; a failed call becomes an encoded error result per partition."""
+    try:
+        encoded = call.result()
+    except grpc.RpcError as exc:
+        error = error_from_rpc_error(exc)
+        failed = storage_pb2.FetchResponse(
+            partitions=[_fetch_error(fp, error) for fp in partitions]
+        )
+        return failed.SerializeToString(), 0, True
+    # Results without records are small: only then parse, to see errors.
+    overhead = sum(EMPTY_RESULT_BYTES + 8 + len(fp.topic) for fp in partitions)
+    if len(encoded) > overhead:
+        return encoded, len(encoded) - overhead, False
+    response = storage_pb2.FetchResponse.FromString(encoded)
+    return encoded, 0, _has_error(response.partitions)

@@ -26,6 +26,7 @@ from services.gateway.channels import Channels
 from services.gateway.controller_client import ControllerClient, ProducerIds
 from services.gateway.fetch import FetchHandler, FetchLimits
 from services.gateway.groups import OffsetStore
+from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import MetadataCache
 from services.gateway.produce import ProduceHandler, ProduceLimits
 from services.gateway.router import Router
@@ -84,6 +85,7 @@ class GatewayNode:
         self._store: MetaStore | None = None
         self._cache: MetadataCache | None = None
         self._channels = Channels()
+        self._leader_calls = LeaderCalls()
         self._produce: ProduceHandler | None = None
         self._port = 0
         self._stopped = False
@@ -108,7 +110,11 @@ class GatewayNode:
         servicer = GatewayServicer(
             cache=self._cache,
             produce=self._produce,
-            fetch=FetchHandler(router, FetchLimits(max_fetch_bytes=config.max_fetch_bytes)),
+            fetch=FetchHandler(
+                router,
+                FetchLimits(max_fetch_bytes=config.max_fetch_bytes),
+                self._leader_calls,
+            ),
             controller=controller,
             offsets=OffsetStore(self._store, self._cache),
             producer_ids=ProducerIds(controller),
@@ -148,6 +154,7 @@ class GatewayNode:
             self._produce.close()
         if self._cache is not None:
             self._cache.stop()
+        self._leader_calls.close()
         self._channels.close()
         if self._store is not None:
             self._store.close()

@@ -135,7 +135,9 @@ class GatewayServicer:
 
     def Fetch(self, request, context):
         """Long-poll fetch from many partitions (replica_id must be -1). One result per
-        partition, grouped by partition leader rather than in request order.
+        partition, grouped by partition leader rather than in request order. The first
+        leader with data ends the long poll: partitions whose leader had not answered by then
+        come back without records and with offsets -1 (ask again to read them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
