@@ -207,6 +207,49 @@ def new_server(
     )
 
 
+class _Registrations:
+    """Stands in for a server to collect what a generated ``add_*Servicer_to_server``
+    registers, so some handlers can be replaced before the real registration."""
+
+    def __init__(self) -> None:
+        self.service = ""
+        self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        del handlers  # the generated code registers the same handlers below
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+    ) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def add_servicer_answering_encoded(
+    add_generated: Callable[[Any, Any], None],
+    servicer: object,
+    server: grpc.Server,
+    encoded: dict[str, tuple[Callable[..., bytes], Callable[[bytes], Any]]],
+) -> None:
+    """Register ``servicer`` as the generated ``add_generated`` does, except that the
+    unary methods in ``encoded`` (name -> (behaviour, request deserializer)) answer bytes
+    that are already their encoded response (tidelog.wire): gRPC sends them as they are,
+    without protobuf's costly re-encoding of batch bytes."""
+    registrations = _Registrations()
+    add_generated(servicer, registrations)
+    for name, (behaviour, deserializer) in encoded.items():
+        registrations.handlers[name] = grpc.unary_unary_rpc_method_handler(
+            behaviour, request_deserializer=deserializer, response_serializer=None
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(registrations.service, registrations.handlers),)
+    )
+    # Registered methods are what generated client stubs call (the stubs in grpc-stubs
+    # predate the method, hence the getattr).
+    getattr(server, "add_registered_method_handlers")(  # noqa: B009
+        registrations.service, registrations.handlers
+    )
+
+
 def bind(server: grpc.Server, host: str, port: int) -> int:
     """Listen on ``host:port`` (port 0: any free port); returns the port. OSError if not."""
     target = format_address(host, port)

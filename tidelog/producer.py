@@ -56,6 +56,7 @@ from tidelog.errors import (
 from tidelog.partitioner import murmur2_partitions, partition_for_key
 from tidelog.records import Header, encode_batch, encode_batch_arrow
 from tidelog.v1 import common_pb2, gateway_pb2
+from tidelog.wire import encode_produce_request
 
 ACKS: Final = {
     "all": common_pb2.ALL,
@@ -620,7 +621,7 @@ class Producer:
                     self._open_stream(requests)
                     with self._lock:
                         self._requests = requests
-                request = self._build(picked)
+                correlation_id, request = self._build(picked)
             except TidelogError as exc:
                 self._complete_failed(picked, exc)
                 continue
@@ -629,20 +630,20 @@ class Producer:
                 # ends, so a request is either stranded with the stream (and retried) or
                 # never put on a dead one.
                 if self._requests is requests:
-                    self._in_flight[request.correlation_id] = picked
+                    self._in_flight[correlation_id] = picked
                     requests.put(request)
                     continue
             self._complete_failed(picked, NetworkError("the produce stream ended"))
 
     def _open_stream(self, requests: queue.SimpleQueue[Any]) -> None:
-        def iterate() -> Iterator[gateway_pb2.ProduceRequest]:
+        def iterate() -> Iterator[bytes]:
             while True:
                 item = requests.get()
                 if item is _STOP:
                     return
                 yield item
 
-        responses = self._conn.stub.ProduceStream(iterate())
+        responses = self._conn.produce_stream_encoded(iterate())
         reader = threading.Thread(
             target=self._read_responses,
             args=(responses, requests),
@@ -672,32 +673,32 @@ class Producer:
         for picked in stranded:
             self._complete_failed(picked, error)
 
-    def _build(
-        self, picked: list[tuple[_PartitionQueue, list[_Batch]]]
-    ) -> gateway_pb2.ProduceRequest:
+    def _build(self, picked: list[tuple[_PartitionQueue, list[_Batch]]]) -> tuple[int, bytes]:
+        """(correlation id, the encoded ProduceRequest) for the picked batches."""
         if self._idempotent and self._producer_id < 0:
             self._init_producer_id()
-        entries = []
+        entries: list[tuple[str, int, list[bytes]]] = []
         for pq, batches in picked:
             for batch in batches:
                 if batch.encoded is None:
                     self._encode(pq, batch)
             entries.append(
-                gateway_pb2.ProducePartitionData(
-                    topic=batches[0].tp[0],
-                    partition=batches[0].tp[1],
-                    records=b"".join(b.encoded for b in batches if b.encoded is not None),
+                (
+                    batches[0].tp[0],
+                    batches[0].tp[1],
+                    [b.encoded for b in batches if b.encoded is not None],
                 )
             )
         for _, batches in picked:
             for batch in batches:
                 batch.attempts += 1
                 batch.sent = True
-        return gateway_pb2.ProduceRequest(
+        correlation_id = next(self._correlation)
+        return correlation_id, encode_produce_request(
             acks=self._acks,
             timeout_ms=self._request_timeout_ms,
             partitions=entries,
-            correlation_id=next(self._correlation),
+            correlation_id=correlation_id,
             client_id=self._client_id,
         )
 

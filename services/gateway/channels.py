@@ -66,6 +66,17 @@ class Channels:
             response_deserializer=None,
         )
 
+    def storage_append_encoded(
+        self, broker: Broker
+    ) -> grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse]:
+        """``Storage.Append`` taking a request already encoded (``tidelog.wire``): protobuf's
+        own building and encoding of a request full of batches costs ~2 ms per MB."""
+        return self._channel(broker_address(broker)).unary_unary(
+            "/tidelog.v1.Storage/Append",
+            request_serializer=None,
+            response_deserializer=storage_pb2.AppendResponse.FromString,
+        )
+
     def controller(self, address: str) -> controller_pb2_grpc.ControllerStub:
         return controller_pb2_grpc.ControllerStub(self._channel(address))
 

@@ -37,6 +37,7 @@ from tidelog.errors import (
     UnknownServerError,
 )
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
+from tidelog.wire import encode_append_request
 
 _log = structlog.get_logger("tidelog.gateway.produce")
 
@@ -134,8 +135,10 @@ class ProduceHandler:
             # The leader gives up on acks=all waiting a little before our own deadline, so
             # its precise answer (REQUEST_TIMED_OUT) arrives rather than a bare deadline.
             wait_ms = max(1, int((timeout_s - 2 * DEADLINE_MARGIN_S) * 1000))
-            response: storage_pb2.AppendResponse = stub.Append(
-                storage_pb2.AppendRequest(
+            del stub  # the request goes out encoded by hand (tidelog.wire)
+            append = self._router.channels.storage_append_encoded(leader.broker)
+            response: storage_pb2.AppendResponse = append(
+                encode_append_request(
                     topic=data.topic,
                     partition=data.partition,
                     records=data.records,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from typing import Final
 
 import grpc
 
@@ -26,6 +26,7 @@ from services.gateway.fetch import FetchHandler
 from services.gateway.groups import Committed, OffsetStore
 from services.gateway.metadata_cache import MetadataCache, MetadataView
 from services.gateway.produce import ProduceHandler
+from services.process import add_servicer_answering_encoded
 from services.status import abort, to_error_proto, unary_errors
 from tidelog.errors import (
     InvalidRequestError,
@@ -387,40 +388,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         return gateway_pb2.InitProducerIdResponse(producer_id=producer_id, producer_epoch=0)
 
 
-class _Registrations:
-    """Stands in for a server to collect what a generated ``add_*Servicer_to_server``
-    registers, so one method's handler can be replaced before the real registration."""
-
-    def __init__(self) -> None:
-        self.service = ""
-        self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-
-    def add_generic_rpc_handlers(self, handlers: object) -> None:
-        del handlers  # the generated code registers the same handlers below
-
-    def add_registered_method_handlers(
-        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
-    ) -> None:
-        self.service, self.handlers = service, dict(handlers)
-
-
 def add_gateway_to_server(servicer: GatewayServicer, server: grpc.Server) -> None:
     """Register ``tidelog.v1.Gateway`` like the generated code does, except that Fetch
     answers bytes that are already an encoded ``FetchResponse`` (no re-encoding)."""
-    registrations = _Registrations()
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, registrations)
-    registrations.handlers["Fetch"] = grpc.unary_unary_rpc_method_handler(
-        servicer.Fetch,
-        request_deserializer=storage_pb2.FetchRequest.FromString,
-        response_serializer=None,  # the bytes go out as they are
-    )
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(registrations.service, registrations.handlers),)
-    )
-    # Registered methods are what generated client stubs call (the stubs in grpc-stubs
-    # predate the method, hence the getattr).
-    getattr(server, "add_registered_method_handlers")(  # noqa: B009
-        registrations.service, registrations.handlers
+    add_servicer_answering_encoded(
+        gateway_pb2_grpc.add_GatewayServicer_to_server,
+        servicer,
+        server,
+        {"Fetch": (servicer.Fetch, storage_pb2.FetchRequest.FromString)},
     )
 
 

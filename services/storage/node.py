@@ -40,7 +40,7 @@ from grpc_reflection.v1alpha import reflection
 from services.cluster_metadata import CONTROLLER_KEY, broker_key, decode_broker, decode_controller
 from services.controller.state import Broker
 from services.metastore import MetaStore, MetaStoreError
-from services.process import new_server, serve_until_signal
+from services.process import add_servicer_answering_encoded, new_server, serve_until_signal
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.log import Log, LogConfig
 from services.storage.log_manager import LogManager
@@ -206,7 +206,12 @@ class StorageNode:
             max_concurrent_rpcs=config.max_concurrent_rpcs,
         )
         self._servicer = StorageServicer(replicas, limits=config.limits, clock=self._clock)
-        storage_pb2_grpc.add_StorageServicer_to_server(self._servicer, server)
+        add_servicer_answering_encoded(
+            storage_pb2_grpc.add_StorageServicer_to_server,
+            self._servicer,
+            server,
+            {"Fetch": (self._servicer.Fetch, storage_pb2.FetchRequest.FromString)},
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (STORAGE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -64,6 +64,7 @@ from tidelog.errors import (
 )
 from tidelog.topics import validate_partition, validate_topic_name
 from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
+from tidelog.wire import encode_fetch_partition_result, encode_fetch_response
 
 _log = structlog.get_logger("tidelog.storage.server")
 
@@ -655,7 +656,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     @unary_errors
     def Fetch(  # noqa: N802 - gRPC's method name
         self, request: storage_pb2.FetchRequest, context: grpc.ServicerContext
-    ) -> storage_pb2.FetchResponse:
+    ) -> bytes:
+        """Answers the encoded ``FetchResponse`` (tidelog.wire); registered by
+        ``add_storage_to_server``, whose response serializer passes bytes through."""
         params = self._fetch_params(request, context)
         if request.replica_id >= 0:
             self._check_follower_broker_epoch(request.replica_id, request.broker_epoch)
@@ -868,18 +871,21 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     @staticmethod
     def _fetch_response(
         request: storage_pb2.FetchRequest, reads: Sequence[_PartitionRead]
-    ) -> storage_pb2.FetchResponse:
+    ) -> bytes:
         results = []
         for fp, read in zip(request.partitions, reads, strict=True):
             if isinstance(read, TidelogError):
+                error = to_error_proto(read)
                 results.append(
-                    storage_pb2.FetchPartitionResult(
+                    encode_fetch_partition_result(
                         topic=fp.topic,
                         partition=fp.partition,
-                        error=to_error_proto(read),
+                        error_code=error.code,
+                        error_message=error.message,
                         high_watermark=-1,
                         log_start_offset=-1,
                         log_end_offset=-1,
+                        records=b"",
                         leader_epoch=-1,
                         diverging_epoch=-1,
                         diverging_end_offset=-1,
@@ -887,10 +893,11 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 )
                 continue
             results.append(
-                storage_pb2.FetchPartitionResult(
+                encode_fetch_partition_result(
                     topic=fp.topic,
                     partition=fp.partition,
-                    error=to_error_proto(None),
+                    error_code=common_pb2.NONE,
+                    error_message="",
                     high_watermark=read.high_watermark,
                     log_start_offset=read.log_start_offset,
                     log_end_offset=read.log_end_offset,
@@ -900,7 +907,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     diverging_end_offset=read.diverging_end_offset,
                 )
             )
-        return storage_pb2.FetchResponse(partitions=results)
+        return encode_fetch_response(results)
 
     # --- ListOffsets --------------------------------------------------------------------
 
