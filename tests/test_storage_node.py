@@ -359,6 +359,44 @@ def test_fetch_waits_for_min_bytes_then_answers_with_what_there_is(
     assert values_of(list(decode_batches(result.records)[0].records)) == [b"small"]
 
 
+def test_waiting_fetch_keeps_what_each_wake_up_found(storage_node: StorageProcess) -> None:
+    # A waiting fetch reads again only the partitions that changed; what the others
+    # already brought still counts towards min_bytes and is still answered.
+    stub = storage_node.stub
+    for p in (0, 1, 2):
+        make_leader(stub, "wake-keeps", p)
+    first, second = encode_batch([b"a" * 500]), encode_batch([b"b" * 500])
+    outcome: dict[str, Any] = {}
+
+    def poll() -> None:
+        outcome["response"] = stub.Fetch(
+            storage_pb2.FetchRequest(
+                replica_id=-1,
+                max_wait_ms=30_000,
+                min_bytes=len(first) + len(second),
+                partitions=[
+                    storage_pb2.FetchPartition(topic="wake-keeps", partition=p, fetch_offset=0)
+                    for p in (0, 1, 2)
+                ],
+            ),
+            timeout=20,  # the deadline is the check: waiting out max_wait_ms would miss it
+        )
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.5)
+    append(stub, "wake-keeps", first, partition=0)
+    time.sleep(0.5)
+    assert poller.is_alive(), "one batch is below min_bytes: the fetch keeps waiting"
+    append(stub, "wake-keeps", second, partition=2)
+    poller.join(25)
+    assert not poller.is_alive()
+    zero, one, two = outcome["response"].partitions
+    assert values_of(list(decode_batches(zero.records)[0].records)) == [b"a" * 500]
+    assert one.records == b"" and one.high_watermark == 0
+    assert values_of(list(decode_batches(two.records)[0].records)) == [b"b" * 500]
+
+
 # --- bad input: precise status, nothing written ----------------------------------------
 
 

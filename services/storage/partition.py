@@ -23,6 +23,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.storage.log import Log
 from services.storage.replica_rules import (
@@ -66,6 +67,13 @@ def _int_config(configs: dict[str, str], name: str, default: int) -> int:
         return int(configs.get(name, default))
     except ValueError:
         return default
+
+
+class Watcher(Protocol):
+    """What ``Partition.watch`` wakes on a change: a ``threading.Event``, or anything whose
+    ``set`` is as cheap and never blocks (it runs under the partition lock)."""
+
+    def set(self) -> None: ...
 
 
 class AckWaiter:
@@ -204,7 +212,7 @@ class Partition:
         self._replicas: tuple[int, ...] = ()
         self._high_watermark = log.log_start_offset
         self._closed_error: TidelogError | None = None
-        self._watchers: set[threading.Event] = set()
+        self._watchers: set[Watcher] = set()
         self._configs: dict[str, str] = {}
         # Leader only: follower progress, HW and ISR decisions (pure, see replication.py).
         self._replication: LeaderReplicationState | None = None
@@ -630,7 +638,7 @@ class Partition:
 
     # --- long-poll support --------------------------------------------------------------
 
-    def watch(self, waiter: threading.Event) -> None:
+    def watch(self, waiter: Watcher) -> None:
         """Set ``waiter`` on every change of this partition (data, HW, role, close).
 
         Register *before* checking for data, then wait: a change between the check and
@@ -643,7 +651,7 @@ class Partition:
                 return
             self._watchers.add(waiter)
 
-    def unwatch(self, waiter: threading.Event) -> None:
+    def unwatch(self, waiter: Watcher) -> None:
         with self._lock:
             self._watchers.discard(waiter)
 
