@@ -31,9 +31,11 @@ _Buffer = bytes | bytearray | memoryview
 def _varint(value: int) -> bytes:
     """Protobuf base-128 varint; negative int32/int64 values take 10 bytes (two's
     complement over 64 bits), as protobuf writes them."""
+    if 0 <= value < 0x80:
+        return _SMALL_VARINTS[value]
+    if value == -1:  # "none" in many offset and epoch fields
+        return _MINUS_ONE_VARINT
     value &= _UINT64_MASK
-    if value < 0x80:
-        return bytes((value,))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -42,39 +44,48 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+_SMALL_VARINTS: Final = tuple(bytes((i,)) for i in range(0x80))
+_MINUS_ONE_VARINT: Final = b"\xff" * 9 + b"\x01"
+
+
 def _tag(field: int, wire_type: int) -> bytes:
     return _varint((field << 3) | wire_type)
+
+
+# Tags by field number (every field number used here is below 16: one byte each).
+_VARINT_TAGS: Final = tuple(_tag(f, _VARINT) for f in range(16))
+_LENGTH_TAGS: Final = tuple(_tag(f, _LENGTH_DELIMITED) for f in range(16))
 
 
 def _int_field(field: int, value: int, parts: list[_Buffer]) -> None:
     """An int32/int64/enum field with implicit presence: left out when 0."""
     if value:
-        parts.append(_tag(field, _VARINT) + _varint(value))
+        parts.append(_VARINT_TAGS[field] + _varint(value))
 
 
 def _optional_int_field(field: int, value: int | None, parts: list[_Buffer]) -> None:
     """An ``optional`` int field: written whenever it is given, 0 included."""
     if value is not None:
-        parts.append(_tag(field, _VARINT) + _varint(value))
+        parts.append(_VARINT_TAGS[field] + _varint(value))
 
 
 def _string_field(field: int, value: str, parts: list[_Buffer]) -> None:
     if value:
         encoded = value.encode()
-        parts.append(_tag(field, _LENGTH_DELIMITED) + _varint(len(encoded)) + encoded)
+        parts.append(_LENGTH_TAGS[field] + _varint(len(encoded)) + encoded)
 
 
 def _bytes_field(field: int, chunks: Sequence[_Buffer], parts: list[_Buffer]) -> None:
     """A bytes field whose value is the concatenation of ``chunks`` (left out when empty)."""
     size = sum(len(c) for c in chunks)
     if size:
-        parts.append(_tag(field, _LENGTH_DELIMITED) + _varint(size))
+        parts.append(_LENGTH_TAGS[field] + _varint(size))
         parts.extend(chunks)
 
 
 def _message_field(field: int, body: list[_Buffer], parts: list[_Buffer]) -> None:
     """A nested message, written even when empty (explicit presence)."""
-    parts.append(_tag(field, _LENGTH_DELIMITED) + _varint(sum(len(p) for p in body)))
+    parts.append(_LENGTH_TAGS[field] + _varint(sum(len(p) for p in body)))
     parts.extend(body)
 
 
