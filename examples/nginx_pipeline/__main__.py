@@ -4,7 +4,8 @@
    a fresh data directory and a free gateway port;
 2. topics ``nginx_services`` (16 partitions, replication factor 2, as in the seed notes)
    and ``nginx_stats`` are created;
-3. in one Spark ``local[2]`` session: the generator writes the access log (batch write),
+3. in one Spark ``local[2]`` session (started first, before any gRPC channel exists in
+   this process): the generator writes the access log (batch write),
    the streaming job aggregates it (``maxOffsetsPerTrigger``, AvailableNow) into
    ``nginx_stats``, and the report prints the per-service, per-minute table;
 4. the cluster is stopped with SIGTERM and must exit cleanly.
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tidelog-nginx-"))
     cluster: DevProcess | None = None
     started = time.monotonic()
+    # The JVM first: PySpark starts it with a fork() that runs Python in the child, and a
+    # fork while gRPC's threads run (the SDK's channels) can break either side - once in a
+    # few runs the JVM died before answering ("Java gateway process exited").
+    spark = local_session("nginx-pipeline", work / "spark", shuffle_partitions=4)
     try:
         print("1/4 starting the local cluster (tidelog dev)", flush=True)
         cluster = DevProcess(
@@ -48,19 +53,16 @@ def main(argv: list[str] | None = None) -> int:
             f"2/4 topics {job.SOURCE_TOPIC} (16 partitions, RF 2) and {job.STATS_TOPIC} created",
             flush=True,
         )
-        spark = local_session("nginx-pipeline", work / "spark", shuffle_partitions=4)
-        try:
-            return job.run_pipeline(
-                spark,
-                gateway,
-                lines=args.lines,
-                checkpoint=work / "checkpoint",
-                max_offsets=args.max_offsets_per_trigger,
-                step="3/4 ",
-            )
-        finally:
-            spark.stop()
+        return job.run_pipeline(
+            spark,
+            gateway,
+            lines=args.lines,
+            checkpoint=work / "checkpoint",
+            max_offsets=args.max_offsets_per_trigger,
+            step="3/4 ",
+        )
     finally:
+        spark.stop()
         if cluster is not None:
             status = cluster.stop()
             print(
