@@ -10,7 +10,9 @@ SDK's ``Producer.send(...).result()``. Their difference is what each hop costs.
 Rate cases send one record per ``Producer.send`` (acks=all, linger 0) at a fixed rate
 while a ``Consumer`` polls the same topic in another thread; ack = ``send`` to its future
 done, e2e = the record's timestamp to the consumer's hand. Each rate case also reports
-the CPU every process of the cluster used, as a share of one core.
+the CPU every process of the cluster used, as a share of one core. The last two cases
+repeat the 6-partition ones after a 100-partition topic (idle) is created, as the
+suite's OMB topic is: what idle partitions cost every replication round.
 
 Prints markdown tables; ``docs/BENCHMARKS.md`` quotes them with this command.
 """
@@ -35,6 +37,8 @@ from tidelog.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, storage_pb2, s
 
 VALUE = b"x" * 100
 SEQUENTIAL_CALLS = 400
+IDLE_PARTITIONS = 100
+IDLE_LABEL = f"6 partitions, another RF=3 topic of {IDLE_PARTITIONS} idle partitions"
 PAUSE_S = 0.002  # between sequential calls, so each finds the cluster idle
 
 
@@ -153,11 +157,18 @@ def main() -> None:
             "| cores busy (cluster; client not counted) | busiest process |"
         )
         print("|---|---:|---:|---:|---|")
+        created: set[str] = set()
         for topic, label, rate in (
             ("lat-1p", "one partition", 500),
             ("lat-6p", "6 partitions", 500),
             ("lat-6p", "6 partitions", 20_000),
+            ("lat-6p", IDLE_LABEL, 500),
+            ("lat-6p", IDLE_LABEL, 20_000),
         ):
+            if label == IDLE_LABEL and "idle" not in created:
+                # Every follower fetch now also names the idle partitions its leader has.
+                workloads.create_topic(gateway, "idle", IDLE_PARTITIONS, 3)
+                created.add("idle")
             workloads.wait_replicated(gateway)
             acks, e2e, cpu = at_rate(cluster, gateway, topic, rate, args.seconds)
             busiest = max(cpu, key=lambda name: cpu[name])
