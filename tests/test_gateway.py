@@ -3,6 +3,7 @@ gateways as processes, talked to over gRPC by the SDK and by raw stubs."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tidelog
+from services.gateway.leader_calls import LeaderCalls
 from tests.support.cluster import (
     GatewayProcess,
     TestCluster,
@@ -22,6 +24,7 @@ from tests.support.cluster import (
     wait_for,
 )
 from tidelog.errors import (
+    BrokerNotAvailableError,
     ConfigError,
     ErrorCode,
     InvalidGroupIdError,
@@ -559,6 +562,34 @@ def test_fetch_min_bytes_adds_up_across_leaders(
 
     assert len(fetch(min_bytes=15_000, wait_ms=30_000)) == 20
     assert len(fetch(min_bytes=10**6, wait_ms=300)) == 20
+
+
+def test_leader_calls_stop_cleanly() -> None:
+    # The gateway's event loop for leader calls: a caller waiting on it when the gateway
+    # stops gets BROKER_NOT_AVAILABLE (not a hang), and later callers get it at once.
+    calls = LeaderCalls()
+
+    async def answer() -> int:
+        return 42
+
+    assert calls.run(answer()) == 42
+    outcome: dict[str, BaseException] = {}
+
+    def wait_long() -> None:
+        try:
+            calls.run(asyncio.sleep(60))
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    waiter = threading.Thread(target=wait_long)
+    waiter.start()
+    time.sleep(0.2)
+    calls.close()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert isinstance(outcome["error"], BrokerNotAvailableError)
+    with pytest.raises(BrokerNotAvailableError):
+        calls.run(answer())
 
 
 def test_poll_arrow_and_poll_agree(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
