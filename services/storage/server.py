@@ -707,8 +707,8 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             # Re-read after registering: data that arrived in between is not missed, and
             # anything later sets the event. After that, only the partitions that changed
             # are read again: a follower's fetch names every partition it follows from
-            # this leader, and re-reading them all on each wake-up was most of a leader's
-            # CPU with a hundred idle partitions.
+            # this leader, and re-reading them all on each wake-up multiplied the
+            # leader's per-partition work (BENCHMARKS.md, idle partitions).
             reads = self._read_all(request, partitions, params)
             while True:
                 remaining_s = deadline - time.monotonic()
