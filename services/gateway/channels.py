@@ -41,6 +41,12 @@ class Channels:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        # Per address, made on first use (a racing second one is harmless, and dict
+        # assignment is atomic): what the hot paths call.
+        self._stubs: dict[str, storage_pb2_grpc.StorageStub] = {}
+        self._appends: dict[
+            str, grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse]
+        ] = {}
         self._closed = False
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -54,28 +60,27 @@ class Channels:
             return channel
 
     def storage(self, broker: Broker) -> storage_pb2_grpc.StorageStub:
-        return storage_pb2_grpc.StorageStub(self._channel(broker_address(broker)))
-
-    def storage_fetch_encoded(
-        self, broker: Broker
-    ) -> grpc.UnaryUnaryMultiCallable[storage_pb2.FetchRequest, bytes]:
-        """``Storage.Fetch`` answering the encoded response, unparsed (for pass-through)."""
-        return self._channel(broker_address(broker)).unary_unary(
-            "/tidelog.v1.Storage/Fetch",
-            request_serializer=storage_pb2.FetchRequest.SerializeToString,
-            response_deserializer=None,
-        )
+        # Kept per address: a stub makes a callable per method, too much for every call.
+        address = broker_address(broker)
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = storage_pb2_grpc.StorageStub(self._channel(address))
+        return stub
 
     def storage_append_encoded(
         self, broker: Broker
     ) -> grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse]:
         """``Storage.Append`` taking a request already encoded (``tidelog.wire``): protobuf's
         own building and encoding of a request full of batches costs ~2 ms per MB."""
-        return self._channel(broker_address(broker)).unary_unary(
-            "/tidelog.v1.Storage/Append",
-            request_serializer=None,
-            response_deserializer=storage_pb2.AppendResponse.FromString,
-        )
+        address = broker_address(broker)
+        append = self._appends.get(address)
+        if append is None:
+            append = self._appends[address] = self._channel(address).unary_unary(
+                "/tidelog.v1.Storage/Append",
+                request_serializer=None,
+                response_deserializer=storage_pb2.AppendResponse.FromString,
+            )
+        return append
 
     def controller(self, address: str) -> controller_pb2_grpc.ControllerStub:
         return controller_pb2_grpc.ControllerStub(self._channel(address))
@@ -84,5 +89,7 @@ class Channels:
         with self._lock:
             self._closed = True
             channels, self._channels = list(self._channels.values()), {}
+            self._stubs.clear()
+            self._appends.clear()
         for channel in channels:
             channel.close()
