@@ -4,6 +4,8 @@ gateways as processes, talked to over gRPC by the SDK and by raw stubs."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -444,6 +446,42 @@ def test_create_partitions_and_consumer_positioning(
                 break
         assert sorted(seen) == sorted([b"p1-3", b"p1-4"] + [f"p2-{i}".encode() for i in range(5)])
         assert consumer.position(("growing", 1)) == 5
+
+
+def test_records_sent_while_a_request_is_in_flight_share_one_batch(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
+    # Kafka's accumulator: while a partition waits for an answer, later records join one
+    # open batch, instead of each wake-up of the sender closing a batch of a record or
+    # two that the leader, the followers and every consumer then handle one by one.
+    # A stopped gateway holds the producer's request in flight.
+    topic = "in-flight-batching"
+    paused = cluster.start_gateway()
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    later_values = [f"later-{i}".encode() for i in range(30)]
+    with tidelog.Producer(paused.address, linger_ms=0) as producer:
+        producer.send(topic, b"first").result(30)  # producer id and stream in place
+        os.kill(paused.pid, signal.SIGSTOP)
+        try:
+            held = producer.send(topic, b"held")
+            time.sleep(0.3)  # sent: the request sits in the stopped gateway's socket
+            later = []
+            for value in later_values:
+                later.append(producer.send(topic, value))
+                time.sleep(0.005)  # the sender thread wakes between sends
+        finally:
+            os.kill(paused.pid, signal.SIGCONT)
+        offsets = [f.result(30).offset for f in [held, *later]]
+    assert offsets == list(range(1, 32))
+    response = paused.stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=0)],
+        ),
+        timeout=30,
+    )
+    batches = [[r.value for r in b.records] for b in decode_batches(response.partitions[0].records)]
+    assert batches == [[b"first"], [b"held"], later_values]
 
 
 def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admin) -> None:

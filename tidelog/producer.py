@@ -4,7 +4,9 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
 
 * **Accumulator** - per partition, a queue of ``_Batch``es. ``send`` appends a record to
   the partition's open batch; a batch closes when it reaches ``batch_bytes`` or has waited
-  ``linger_ms``. ``send_batch`` cuts its values straight into closed batches.
+  ``linger_ms`` - but not while its partition has a request in flight (or waits to retry):
+  records keep joining it until the partition may send. ``send_batch`` cuts its values
+  straight into closed batches.
 * **Partitioner** - an explicit partition wins; else a key is hashed with Kafka's murmur2
   (``tidelog.partitioner``), so a key lands where Kafka would put it; records without a key
   stick to one partition until a batch's worth went there (Kafka's sticky partitioner).
@@ -570,8 +572,18 @@ class Producer:
         """(lock held) Batches to send now, and how long until more may be ready."""
         wait_s = 1.0
         for tp, batch in list(self._open.items()):
+            if self._flushing or self._closing:
+                self._close_open(tp)
+                continue
+            pq = self._queues.get(tp)
+            if pq is not None and (pq.in_flight or pq.retry_at_s > now):
+                # The partition cannot send now: later records keep joining this batch
+                # (as in Kafka's accumulator) instead of each wake-up closing a batch of
+                # a few records, which the leader, followers and consumers would then
+                # handle one by one. It closes when the partition may send again.
+                continue
             due = batch.created_s + self._linger_s
-            if self._flushing or self._closing or due <= now:
+            if due <= now:
                 self._close_open(tp)
             else:
                 wait_s = min(wait_s, due - now)
