@@ -338,6 +338,7 @@ class Producer:
         with self._lock:
             self._reserve(size)
             batch = self._open.get(tp)
+            opened = batch is None
             if batch is None:
                 batch = self._open[tp] = _Batch(tp)
                 self._unfinished += 1
@@ -358,7 +359,12 @@ class Producer:
                 self._close_open(tp)
                 if key is None and self._partitioner is None:
                     self._next_sticky(topic, self._counts.get(topic, 1))
-            self._lock.notify_all()
+                self._lock.notify_all()
+            elif opened:
+                # The sender learns of a new batch (and its linger deadline). A record
+                # joining an open batch changes nothing it decides on, so it is not
+                # woken for each one: at 20,000 sends/s that was 20,000 wake-ups.
+                self._lock.notify_all()
         return future
 
     def send_batch(
