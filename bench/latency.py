@@ -10,9 +10,11 @@ SDK's ``Producer.send(...).result()``. Their difference is what each hop costs.
 Rate cases send one record per ``Producer.send`` (acks=all, linger 0) at a fixed rate
 while a ``Consumer`` polls the same topic in another thread; ack = ``send`` to its future
 done, e2e = the record's timestamp to the consumer's hand. Each rate case also reports
-the CPU every process of the cluster used, as a share of one core. The last two cases
-repeat the 6-partition ones after a 100-partition topic (idle) is created, as the
-suite's OMB topic is: what idle partitions cost every replication round.
+the CPU every process of the cluster used, as a share of one core. The benchmark process
+freezes its garbage collector's view before sending (``workloads.end_to_end_latency``);
+one case runs without that, to show what the client's own full collections cost. The
+last two cases repeat the 6-partition ones after a 100-partition topic (idle) is
+created, as the suite's OMB topic is: what idle partitions cost every replication round.
 
 Prints markdown tables; ``docs/BENCHMARKS.md`` quotes them with this command.
 """
@@ -39,6 +41,7 @@ VALUE = b"x" * 100
 SEQUENTIAL_CALLS = 400
 IDLE_PARTITIONS = 100
 IDLE_LABEL = f"6 partitions, another RF=3 topic of {IDLE_PARTITIONS} idle partitions"
+GC_NOT_FROZEN = "the client's GC not frozen"
 PAUSE_S = 0.002  # between sequential calls, so each finds the cluster idle
 
 
@@ -107,7 +110,13 @@ def _sequential_layers(
 
 
 def at_rate(
-    cluster: TestCluster, gateway: str, topic: str, rate_per_s: int, seconds: float
+    cluster: TestCluster,
+    gateway: str,
+    topic: str,
+    rate_per_s: int,
+    seconds: float,
+    *,
+    freeze_gc: bool = True,
 ) -> tuple[list[float], list[float], dict[str, float]]:
     """(ack latencies ms, e2e latencies ms, CPU share of a core by cluster process)."""
     processes = {f"broker-{b}": p.pid for b, p in cluster.brokers.items()}
@@ -124,6 +133,7 @@ def at_rate(
         seconds=seconds,
         size=len(VALUE),
         ack_latencies_ms=acks,
+        freeze_gc=freeze_gc,
     )
     elapsed = time.perf_counter() - started
     cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / elapsed for name, pid in processes.items()}
@@ -158,19 +168,22 @@ def main() -> None:
         )
         print("|---|---:|---:|---:|---|")
         created: set[str] = set()
-        for topic, label, rate in (
-            ("lat-1p", "one partition", 500),
-            ("lat-6p", "6 partitions", 500),
-            ("lat-6p", "6 partitions", 20_000),
-            ("lat-6p", IDLE_LABEL, 500),
-            ("lat-6p", IDLE_LABEL, 20_000),
+        for topic, label, rate, freeze_gc in (
+            ("lat-1p", "one partition", 500, True),
+            ("lat-6p", "6 partitions", 500, True),
+            ("lat-6p", "6 partitions", 20_000, True),
+            ("lat-6p", f"6 partitions, {GC_NOT_FROZEN}", 20_000, False),
+            ("lat-6p", IDLE_LABEL, 500, True),
+            ("lat-6p", IDLE_LABEL, 20_000, True),
         ):
             if label == IDLE_LABEL and "idle" not in created:
                 # Every follower fetch now also names the idle partitions its leader has.
                 workloads.create_topic(gateway, "idle", IDLE_PARTITIONS, 3)
                 created.add("idle")
             workloads.wait_replicated(gateway)
-            acks, e2e, cpu = at_rate(cluster, gateway, topic, rate, args.seconds)
+            acks, e2e, cpu = at_rate(
+                cluster, gateway, topic, rate, args.seconds, freeze_gc=freeze_gc
+            )
             busiest = max(cpu, key=lambda name: cpu[name])
             print(
                 f"| {rate:,}/s, {label} "
