@@ -34,6 +34,7 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
 )
 from tidelog.partitioner import partition_for_key
+from tidelog.producer import RECORD_OVERHEAD_BYTES
 from tidelog.records import decode_batches, encode_batch
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
 
@@ -482,6 +483,27 @@ def test_records_sent_while_a_request_is_in_flight_share_one_batch(
     )
     batches = [[r.value for r in b.records] for b in decode_batches(response.partitions[0].records)]
     assert batches == [[b"first"], [b"held"], later_values]
+
+
+def test_keyless_records_move_on_after_a_batch_worth_even_in_small_batches(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    # Kafka's uniform sticky partitioner (KIP-794): the bytes sent to the sticky partition
+    # are counted across batches. Here every record is its own batch (each waits for its
+    # answer), which never fills one: counting per batch would never move.
+    topic = "sticky-moves"
+    admin.create_topic(topic, partitions=6, replication_factor=1)
+    value = b"v" * 100
+    batch_bytes = 8 * (len(value) + RECORD_OVERHEAD_BYTES)  # 8 records' worth
+    with tidelog.Producer(gateway.address, batch_bytes=batch_bytes, linger_ms=0) as producer:
+        partitions = [producer.send(topic, value).result(30).partition for _ in range(80)]
+    runs: list[int] = []
+    for i, p in enumerate(partitions):
+        if i and p == partitions[i - 1]:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    assert runs == [8] * 10, partitions
 
 
 def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admin) -> None:

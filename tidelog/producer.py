@@ -9,7 +9,9 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
   straight into closed batches.
 * **Partitioner** - an explicit partition wins; else a key is hashed with Kafka's murmur2
   (``tidelog.partitioner``), so a key lands where Kafka would put it; records without a key
-  stick to one partition until a batch's worth went there (Kafka's sticky partitioner).
+  stick to one partition until ``batch_bytes`` went there, counted across batches, then
+  move to another (Kafka's uniform sticky partitioner, KIP-794: with small batches, as at
+  linger 0, counting per batch would never move).
 * **Sender** - one background thread drains ready batches into ProduceRequests (several
   partitions each, several batches per partition) on one ProduceStream, with up to
   ``max_in_flight_requests`` requests unanswered; a reader thread matches answers by
@@ -254,6 +256,7 @@ class Producer:
         self._open: dict[tuple[str, int], _Batch] = {}
         self._counts: dict[str, int] = {}
         self._sticky: dict[str, int] = {}
+        self._sticky_bytes: dict[str, int] = {}  # sent to the topic's sticky partition
         self._buffered_bytes = 0
         self._unfinished = 0  # batches created and not yet completed
         self._flushing = 0
@@ -300,6 +303,7 @@ class Producer:
         return partition
 
     def _next_sticky(self, topic: str, count: int) -> None:
+        self._sticky_bytes[topic] = 0
         current = self._sticky.get(topic, -1)
         if count > 1:
             choice = random.randrange(count - 1)
@@ -323,6 +327,7 @@ class Producer:
             raise ConfigError(f"value must be bytes or None, not {type(value).__name__}")
         if key is not None and not isinstance(key, bytes | bytearray | memoryview):
             raise ConfigError(f"key must be bytes or None, not {type(key).__name__}")
+        sticky = partition is None and key is None and self._partitioner is None
         if partition is None:
             partition = self._choose(topic, key)
         else:
@@ -355,10 +360,13 @@ class Producer:
             batch.timestamps.append(ts)
             batch.size_bytes += size
             batch.record_futures.append((index, future))
+            if sticky and self._sticky.get(topic) == partition:
+                went = self._sticky_bytes.get(topic, 0) + size
+                self._sticky_bytes[topic] = went
+                if went >= self._batch_bytes:
+                    self._next_sticky(topic, self._counts.get(topic, 1))
             if batch.size_bytes >= self._batch_bytes:
                 self._close_open(tp)
-                if key is None and self._partitioner is None:
-                    self._next_sticky(topic, self._counts.get(topic, 1))
                 self._lock.notify_all()
             elif opened:
                 # The sender learns of a new batch (and its linger deadline). A record
