@@ -276,3 +276,7 @@ def create_topic(gateway: str, name: str, partitions: int, replication_factor: i
         replication_factor,
         {"min.insync.replicas": str(min(2, replication_factor))},
     )
+
+
+def delete_topic(gateway: str, name: str) -> None:
+    Admin(gateway).delete_topic(name)
