@@ -25,6 +25,7 @@ from tests.support.cluster import (
     running_cluster,
     wait_for,
 )
+from tidelog.consumer import MAX_FETCHES_IN_FLIGHT
 from tidelog.errors import (
     BrokerNotAvailableError,
     ConfigError,
@@ -738,3 +739,153 @@ def test_cancelled_subscriptions_free_their_places_under_max_concurrent_rpcs(
         "calls admitted again after the subscriptions were cancelled",
     )
     channel.close()
+
+
+def _leaders(admin: tidelog.Admin, topic: str) -> dict[tuple[str, int], int]:
+    return {(topic, p.partition): p.leader for p in admin.describe_topic(topic).partitions}
+
+
+def _groups_in_flight(consumer: tidelog.Consumer) -> list[set[tuple[str, int]]]:
+    return [set(fetch.offsets) for fetch in consumer._fetches.values()]
+
+
+def test_consumer_keeps_one_fetch_in_flight_per_leader(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Each leader's partitions are fetched by a long poll of their own, so one leader's
+    data never waits for a round with another (Kafka's fetcher); every record is read
+    once, in order per partition."""
+    admin.create_topic("per-leader", partitions=6, replication_factor=1)
+    leaders = _leaders(admin, "per-leader")
+    assert len(set(leaders.values())) == 3, leaders  # spread over the three brokers
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(6):
+            producer.send_batch(
+                "per-leader", [f"{p}-{i}".encode() for i in range(20)], partition=p
+            ).result(30)
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.subscribe(["per-leader"])
+        seen: dict[int, list[int]] = {p: [] for p in range(6)}
+        deadline = time.monotonic() + 30
+        while sum(map(len, seen.values())) < 120 and time.monotonic() < deadline:
+            for record in consumer.poll(max_records=7, timeout_ms=500):
+                seen[record.partition].append(record.offset)
+        assert seen == {p: list(range(20)) for p in range(6)}
+        consumer.poll(timeout_ms=0)  # at the log end: every group long-polls
+        groups = _groups_in_flight(consumer)
+        assert len(groups) == 3, groups
+        for group in groups:
+            assert len({leaders[tp] for tp in group}) == 1, (group, leaders)
+        assert set().union(*groups) == set(leaders)
+
+
+def test_consumer_seek_during_fetches_reads_from_the_new_offset(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A seek drops what was fetched for the partition (buffered or in flight): the next
+    records come from the new offset, and the other partitions lose and repeat nothing."""
+    admin.create_topic("seek-inflight", partitions=3, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(3):
+            for i in range(5):  # several batches per partition
+                producer.send_batch(
+                    "seek-inflight",
+                    [f"{p}-{i * 10 + j}".encode() for j in range(10)],
+                    partition=p,
+                ).result(30)
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.subscribe(["seek-inflight"])
+        first = []
+        while not first:
+            first = consumer.poll(max_records=3, timeout_ms=1000)
+        seen: dict[int, list[int]] = {p: [] for p in range(3)}
+        for record in first:
+            seen[record.partition].append(record.offset)
+        # Data for every partition is buffered or on its way; move partition 0 back.
+        consumer.seek(("seek-inflight", 0), 7)
+        seen[0] = []
+        deadline = time.monotonic() + 30
+        while sum(map(len, seen.values())) < 43 + 100 and time.monotonic() < deadline:
+            for record in consumer.poll(max_records=4, timeout_ms=500):
+                seen[record.partition].append(record.offset)
+        assert seen[0] == list(range(7, 50))
+        assert seen[1] == list(range(50))
+        assert seen[2] == list(range(50))
+
+
+def test_consumer_buffers_at_most_about_fetch_max_bytes(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Fetching ahead stops once ``fetch_max_bytes`` are buffered: a consumer whose
+    application is slow does not pull the whole log into memory."""
+    admin.create_topic("slow-reader", partitions=3, replication_factor=1)
+    values = [b"v" * 1000] * 100  # ~100 kB batches
+    with tidelog.Producer(gateway.address) as producer:
+        for _ in range(20):
+            for p in range(3):
+                producer.send_batch("slow-reader", values, partition=p).result(30)
+    limit = 150_000
+    with tidelog.Consumer(
+        gateway.address,
+        auto_offset_reset="earliest",
+        fetch_max_bytes=limit,
+        max_partition_fetch_bytes=limit,
+    ) as consumer:
+        consumer.subscribe(["slow-reader"])
+        read = 0
+        peak = 0
+        deadline = time.monotonic() + 60
+        while read < 1_500 and time.monotonic() < deadline:
+            read += len(consumer.poll(max_records=50, timeout_ms=500))
+            peak = max(peak, consumer._buffered_bytes)
+            time.sleep(0.02)  # the application's own work
+        assert read == 1_500
+        # At most the limit plus what the three leaders' fetches in flight then bring
+        # (each at most about one fetch's worth: the limit or a single batch above it);
+        # the topic holds ~6 MB.
+        assert 0 < peak <= 4 * limit, peak
+
+
+def test_consumer_regroups_after_a_leader_dies(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """kill -9 the leader of partitions a consumer is long-polling: the consumer notices
+    the leader change in its fetch answers, regroups by the new leaders, and reads every
+    acknowledged record exactly once."""
+    admin.create_topic(
+        "consumer-failover", partitions=3, replication_factor=3, config={"min.insync.replicas": "2"}
+    )
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.subscribe(["consumer-failover"])
+        consumer.poll(timeout_ms=200)  # fetches in flight at the (empty) log end
+        victim = _leaders(admin, "consumer-failover")[("consumer-failover", 0)]
+        cluster.kill(cluster.brokers[victim])
+        acked: dict[tuple[int, int], bytes] = {}
+        with tidelog.Producer(gateway.address, linger_ms=1, delivery_timeout_ms=60_000) as producer:
+            sent = [(p, f"{p}-{i}".encode()) for i in range(50) for p in range(3)]
+            futures = [producer.send("consumer-failover", v, partition=p) for p, v in sent]
+            for (p, value), future in zip(sent, futures, strict=True):
+                acked[(p, future.result(60).offset)] = value
+        got: list[tuple[int, int, bytes | None]] = []
+        deadline = time.monotonic() + 60
+        while len(got) < len(acked) and time.monotonic() < deadline:
+            got.extend((r.partition, r.offset, r.value) for r in consumer.poll(timeout_ms=500))
+        assert sorted(got) == sorted((p, o, v) for (p, o), v in acked.items())
+        for p in range(3):
+            offsets = [o for q, o, _ in got if q == p]
+            assert offsets == sorted(offsets)
+        consumer.poll(timeout_ms=0)
+        leaders = _leaders(admin, "consumer-failover")
+        assert victim not in leaders.values()
+        # The victim's group is gone: its partition joined its new leader's group.
+        assert victim % MAX_FETCHES_IN_FLIGHT not in consumer._fetches
+        groups = _groups_in_flight(consumer)
+        assert len(groups) == len(set(leaders.values())), (groups, leaders)
+        for group in groups:
+            assert len({leaders[tp] for tp in group}) == 1, (group, leaders)
+    cluster.start_broker(victim)
+    wait_for(
+        lambda: all(len(p.isr) == 3 for p in admin.describe_topic("consumer-failover").partitions),
+        60,
+        "the restarted broker to rejoin every ISR",
+    )

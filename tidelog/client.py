@@ -156,16 +156,25 @@ class GatewayConnection:
 
         Raises UnknownTopicOrPartitionError when a named topic does not exist.
         """
+        return {name: len(leaders) for name, leaders in self.partition_leaders(topics).items()}
+
+    def partition_leaders(self, topics: Sequence[str] = ()) -> dict[str, list[int]]:
+        """Per topic, the leader's broker id of each partition (-1: none), as the gateway's
+        metadata has it (all topics when ``topics`` is empty).
+
+        Raises UnknownTopicOrPartitionError when a named topic does not exist.
+        """
         response: controller_pb2.MetadataResponse = self.call(
             self.stub.Metadata,
             controller_pb2.MetadataRequest(topics=list(topics)),
             f"metadata from gateway {self.address}",
         )
-        counts: dict[str, int] = {}
+        leaders: dict[str, list[int]] = {}
         for topic in response.topics:
             raise_for(topic.error, f"topic {topic.name!r}")
-            counts[topic.name] = len(topic.partitions)
-        return counts
+            by_index = sorted(topic.partitions, key=lambda p: p.partition)
+            leaders[topic.name] = [p.leader for p in by_index]
+        return leaders
 
     def list_offsets(
         self,

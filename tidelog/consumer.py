@@ -1,10 +1,20 @@
 """``tidelog.Consumer``: read partitions through a gateway, optionally as a consumer group.
 
 A consumer owns a position per assigned partition (the next offset to read). ``poll``
-fetches from every assigned partition in one long-poll request, decodes the batches and
 returns records in offset order per partition; positions advance past what was returned.
 Records come from below the high watermark only, so nothing a consumer sees can later
 disappear.
+
+Fetching (Kafka's ``Fetcher``): the assigned partitions are grouped by their leader (from
+the gateway's metadata), and each group has its own long-poll Fetch in flight through the
+gateway, so data one leader has is never held back by a round with another. A fetch that
+answers is decoded into the buffer and its group fetched again at once - while ``poll``
+hands records out - unless ``fetch_max_bytes`` are already buffered. Each partition is in
+at most one fetch, which asks from the offset after what the buffer holds of it; a seek, a
+reset or a change of assignment drops the partition's buffered data and cancels the fetch
+it is in. The grouping only saves rounds: the gateway routes every partition to its
+current leader whatever the group, and a leader change noticed in a fetch answer (a
+retriable error) refreshes the grouping.
 
 Where a partition starts: the group's committed offset when ``group_id`` is set and the
 group committed one; else ``auto_offset_reset`` ("latest", Kafka's default, or
@@ -22,6 +32,7 @@ Not thread-safe, like Kafka's consumer: use one per thread.
 
 from __future__ import annotations
 
+import queue
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -30,13 +41,13 @@ from typing import Any, Final, NamedTuple
 
 import grpc
 
-from tidelog.batch import next_offset_after
 from tidelog.client import GatewayConnection, error_from_rpc, raise_for
 from tidelog.errors import (
     ConfigError,
     ErrorCode,
     OffsetOutOfRangeError,
     TidelogError,
+    UnknownTopicOrPartitionError,
     error_for_code,
 )
 from tidelog.records import Header, RecordBatch, arrow_schema, decode_batches
@@ -49,6 +60,9 @@ METADATA_REFRESH_S: Final = 30.0
 """How often ``subscribe`` looks for partitions added to its topics (Kafka's
 metadata.max.age.ms is 5 minutes; topics here grow rarely but users expect it sooner)."""
 RETRY_BACKOFF_S: Final = 0.1
+MAX_FETCHES_IN_FLIGHT: Final = 16
+"""Fetches in flight at once, one per leader group: beyond that many leaders, leaders
+share a group (by broker id modulo this)."""
 
 
 class ConsumerRecord(NamedTuple):
@@ -61,6 +75,17 @@ class ConsumerRecord(NamedTuple):
     key: bytes | None
     value: bytes | None
     headers: tuple[Header, ...]
+
+
+class _Fetch:
+    """A Fetch in flight for one leader group: the offset it asked of each partition."""
+
+    __slots__ = ("future", "group", "offsets")
+
+    def __init__(self, group: int, offsets: dict[TopicPartition, int], future: Any) -> None:
+        self.group = group
+        self.offsets = offsets
+        self.future = future
 
 
 class _Chunk:
@@ -179,8 +204,16 @@ class Consumer:
         self._last_commit = time.monotonic()
         self._last_refresh = 0.0
         self._committed_positions: dict[TopicPartition, int] = {}
-        # A fetch started ahead of need: (the positions it reads from, its future).
-        self._prefetch: tuple[dict[TopicPartition, int], Any] | None = None
+        # Fetching (module docstring): the leader of each assigned partition, the fetches
+        # in flight by group, the answers waiting to be decoded, and per partition with
+        # buffered data the offset after it (where its next fetch starts).
+        self._leaders: dict[TopicPartition, int] = {}
+        self._leaders_stale = False
+        self._fetches: dict[int, _Fetch] = {}
+        self._answered: queue.SimpleQueue[_Fetch] = queue.SimpleQueue()
+        self._next_fetch: dict[TopicPartition, int] = {}
+        self._buffered_bytes = 0
+        self._backoff_until = 0.0
         self._closed = False
 
     # --- assignment -----------------------------------------------------------------------
@@ -188,16 +221,16 @@ class Consumer:
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
         """Read exactly these partitions (replaces any earlier assignment/subscription)."""
         wanted = list(dict.fromkeys((str(t), int(p)) for t, p in partitions))
-        counts = self._conn.partition_counts(sorted({t for t, _ in wanted}))
+        leaders = self._conn.partition_leaders(sorted({t for t, _ in wanted}))
         for topic, partition in wanted:
-            if not 0 <= partition < counts[topic]:
+            if not 0 <= partition < len(leaders[topic]):
                 raise error_for_code(
                     ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
-                    f"topic {topic!r} has {counts[topic]} partitions; partition {partition} "
-                    "does not exist",
+                    f"topic {topic!r} has {len(leaders[topic])} partitions; partition "
+                    f"{partition} does not exist",
                 )
         self._subscription = []
-        self._set_assignment(wanted)
+        self._set_assignment(wanted, leaders)
 
     def subscribe(self, topics: Sequence[str]) -> None:
         """Read every partition of ``topics`` (they must exist)."""
@@ -207,23 +240,49 @@ class Consumer:
         self._refresh_subscription()
 
     def _refresh_subscription(self) -> None:
-        counts = self._conn.partition_counts(self._subscription)
-        self._last_refresh = time.monotonic()
-        self._set_assignment([(t, p) for t in self._subscription for p in range(counts[t])])
+        leaders = self._conn.partition_leaders(self._subscription)
+        self._set_assignment(
+            [(t, p) for t in self._subscription for p in range(len(leaders[t]))], leaders
+        )
 
-    def _set_assignment(self, partitions: list[TopicPartition]) -> None:
-        self._assignment = partitions
+    def _refresh_leaders(self) -> None:
+        """Regroup the assigned partitions by leader (and, when subscribed, pick up
+        partitions added to the topics)."""
+        if self._subscription:
+            self._refresh_subscription()
+            return
+        topics = sorted({t for t, _ in self._assignment})
+        try:
+            leaders = self._conn.partition_leaders(topics) if topics else {}
+        except UnknownTopicOrPartitionError:
+            # An assigned topic is gone: its fetches keep answering with that error (as
+            # Kafka's consumer does for an assignment); the others keep their grouping.
+            self._last_refresh = time.monotonic()
+            self._leaders_stale = False
+            return
+        self._set_assignment(self._assignment, leaders)
+
+    def _set_assignment(
+        self, partitions: list[TopicPartition], leaders: dict[str, list[int]]
+    ) -> None:
+        self._last_refresh = time.monotonic()
+        self._leaders_stale = False
         keep = set(partitions)
+        self._drop_buffered({tp for tp in self._assignment if tp not in keep})
+        self._assignment = partitions
         self._positions = {tp: o for tp, o in self._positions.items() if tp in keep}
         self._needs_position = {tp for tp in partitions if tp not in self._positions}
-        self._buffer = deque(c for c in self._buffer if c.tp in keep)
+        self._leaders = {
+            (t, p): leaders[t][p] if t in leaders and p < len(leaders[t]) else -1
+            for t, p in partitions
+        }
 
     def assignment(self) -> list[TopicPartition]:
         return list(self._assignment)
 
     def unsubscribe(self) -> None:
         self._subscription = []
-        self._set_assignment([])
+        self._set_assignment([], {})
 
     # --- positions ------------------------------------------------------------------------
 
@@ -280,7 +339,25 @@ class Consumer:
         return self._positions[tp]
 
     def _drop_buffered(self, tps: set[TopicPartition]) -> None:
-        self._buffer = deque(c for c in self._buffer if c.tp not in tps)
+        """Forget what was fetched for ``tps`` (their position changed or they left the
+        assignment): buffered records, where the next fetch starts, fetches in flight."""
+        if not tps:
+            return
+        kept: deque[_Chunk] = deque()
+        for chunk in self._buffer:
+            if chunk.tp in tps:
+                self._buffered_bytes -= chunk.batch.header.size_bytes
+            else:
+                kept.append(chunk)
+        self._buffer = kept
+        for tp in tps:
+            self._next_fetch.pop(tp, None)
+        for group, fetch in list(self._fetches.items()):
+            if not tps.isdisjoint(fetch.offsets):
+                # Its answer for these partitions would start at the old offsets; the
+                # group is fetched again from the new ones.
+                del self._fetches[group]
+                fetch.future.cancel()
 
     def _ensure_positions(self) -> None:
         if not self._needs_position:
@@ -306,6 +383,7 @@ class Consumer:
         for tp in tps:
             self._positions[tp] = found[tp][0]
             self._needs_position.discard(tp)
+        self._drop_buffered(set(tps))
 
     # --- polling --------------------------------------------------------------------------
 
@@ -327,13 +405,28 @@ class Consumer:
             raise ConfigError("the consumer is closed")
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
         self._maybe_auto_commit()
-        if self._subscription and time.monotonic() - self._last_refresh > METADATA_REFRESH_S:
-            self._refresh_subscription()
-        while not self._buffer and self._assignment:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            self._fetch(max(0, min(remaining_ms, self._max_wait_ms)))
-            if time.monotonic() >= deadline:
+        if self._leaders_stale or time.monotonic() - self._last_refresh > METADATA_REFRESH_S:
+            self._refresh_leaders()
+        while True:
+            self._decode_answered()
+            self._ensure_positions()
+            self._send_fetches()
+            if self._buffer or not self._assignment:
                 return
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                return
+            if not self._fetches:
+                # Backing off after a retriable error: nothing is in flight to wait for.
+                time.sleep(min(remaining_s, max(0.0, self._backoff_until - time.monotonic())))
+                if self._leaders_stale:
+                    self._refresh_leaders()
+                continue
+            try:
+                fetch = self._answered.get(timeout=remaining_s)
+            except queue.Empty:
+                return
+            self._decode(fetch)
 
     def _take(self, limit: int) -> list[ConsumerRecord]:
         """Hand out buffered records; each chunk is one partition's run of consecutive
@@ -346,6 +439,7 @@ class Consumer:
             if len(records) <= room:
                 taken = records
                 self._buffer.popleft()
+                self._buffered_bytes -= chunk.batch.header.size_bytes
             else:
                 taken = records[:room]
                 chunk.keep_records(records[room:])
@@ -364,6 +458,7 @@ class Consumer:
             room = limit - taken_total
             if table.num_rows <= room:
                 self._buffer.popleft()
+                self._buffered_bytes -= chunk.batch.header.size_bytes
             else:
                 chunk.keep_records(chunk.records()[room:])
                 table = table.slice(0, room)
@@ -375,7 +470,7 @@ class Consumer:
         return pa.concat_tables(pieces)
 
     def _fetch_request(
-        self, positions: dict[TopicPartition, int], wait_ms: int
+        self, offsets: dict[TopicPartition, int], wait_ms: int
     ) -> storage_pb2.FetchRequest:
         return storage_pb2.FetchRequest(
             replica_id=-1,
@@ -386,37 +481,61 @@ class Consumer:
                 storage_pb2.FetchPartition(
                     topic=t, partition=p, fetch_offset=o, max_bytes=self._partition_max_bytes
                 )
-                for (t, p), o in positions.items()
+                for (t, p), o in offsets.items()
             ],
         )
 
-    def _fetch(self, wait_ms: int) -> None:
-        self._ensure_positions()
-        positions = {tp: self._positions[tp] for tp in self._assignment}
-        timeout_s = self._conn.timeout_s + wait_ms / 1000
-        response: storage_pb2.FetchResponse | None = None
-        if self._prefetch is not None:
-            expected, future = self._prefetch
-            self._prefetch = None
-            if expected == positions:
-                try:
-                    response = future.result(timeout=timeout_s)
-                except grpc.RpcError as exc:
-                    raise error_from_rpc(exc, "fetch") from None
-            else:
-                future.cancel()  # a seek or a new assignment made it useless
-        if response is None:
-            response = self._conn.call(
-                self._conn.stub.Fetch,
-                self._fetch_request(positions, wait_ms),
-                "fetch",
-                timeout_s=timeout_s,
+    def _send_fetches(self) -> None:
+        """Start a long-poll Fetch for every leader group with partitions to fetch and no
+        fetch in flight (module docstring)."""
+        if self._buffered_bytes >= self._max_bytes or time.monotonic() < self._backoff_until:
+            return
+        busy = {tp for fetch in self._fetches.values() for tp in fetch.offsets}
+        groups: dict[int, dict[TopicPartition, int]] = {}
+        for tp in self._assignment:
+            group = self._leaders.get(tp, -1) % MAX_FETCHES_IN_FLIGHT
+            position = self._positions.get(tp)
+            if group in self._fetches or position is None or tp in busy:
+                continue  # it joins its group's next fetch
+            groups.setdefault(group, {})[tp] = self._next_fetch.get(tp, position)
+        timeout_s = self._conn.timeout_s + self._max_wait_ms / 1000
+        for group, offsets in groups.items():
+            future = self._conn.stub.Fetch.future(
+                self._fetch_request(offsets, self._max_wait_ms), timeout=timeout_s
             )
-        self._prefetch_after(response, positions)
+            fetch = _Fetch(group, offsets, future)
+            self._fetches[group] = fetch
+            # Runs on a gRPC thread (or here, if already done): only hands the fetch over.
+            future.add_done_callback(lambda _, f=fetch: self._answered.put(f))
+
+    def _decode_answered(self) -> None:
+        while True:
+            try:
+                fetch = self._answered.get_nowait()
+            except queue.Empty:
+                return
+            self._decode(fetch)
+
+    def _decode(self, fetch: _Fetch) -> None:
+        """Buffer what a fetch brought, if it is still the fetch in flight for its group
+        (not cancelled by a seek or a new assignment)."""
+        if self._fetches.get(fetch.group) is not fetch:
+            return
+        del self._fetches[fetch.group]
+        try:
+            response = fetch.future.result()
+        except grpc.FutureCancelledError:
+            return
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, "fetch") from None
         retry = False
         reset: list[TopicPartition] = []
         for result in response.partitions:
             tp = (result.topic, result.partition)
+            asked = fetch.offsets.get(tp)
+            position = self._positions.get(tp)
+            if asked is None or position is None or self._next_fetch.get(tp, position) != asked:
+                continue  # not asked for, or no longer where this partition reads from
             if result.error.code != common_pb2.NONE:
                 error = error_for_code(int(result.error.code), result.error.message)
                 if error.code == ErrorCode.OFFSET_OUT_OF_RANGE:
@@ -428,42 +547,20 @@ class Consumer:
                 continue
             if not result.records:
                 continue
-            position = self._positions[tp]
+            fetch_from = asked
             for batch in decode_batches(result.records):
-                if batch.next_offset > position:
-                    self._buffer.append(_Chunk(tp, batch, max(0, position - batch.base_offset)))
+                if batch.next_offset > asked:
+                    self._buffer.append(_Chunk(tp, batch, max(0, asked - batch.base_offset)))
+                    self._buffered_bytes += batch.header.size_bytes
+                    fetch_from = batch.next_offset
+            self._next_fetch[tp] = fetch_from
         if reset:
             self._reset_positions(reset)
-        if retry and not self._buffer:
-            time.sleep(RETRY_BACKOFF_S)
-
-    def _prefetch_after(
-        self, response: storage_pb2.FetchResponse, positions: dict[TopicPartition, int]
-    ) -> None:
-        """While this response is decoded, have the next one fetched: the servers work on
-        it on another core. Only when more data is already waiting (some partition's high
-        watermark is beyond what this response brought) and nothing went wrong (an error
-        needs this consumer's attention first). A consumer at the end of the log would get
-        an empty answer from such a fetch and then ask again with a wait: two rounds of
-        RPCs per record at moderate rates, for no gain."""
-        ends = dict(positions)
-        waiting = False
-        for result in response.partitions:
-            if result.error.code != common_pb2.NONE:
-                return
-            tp = (result.topic, result.partition)
-            if tp not in ends:
-                continue
-            if result.records:
-                ends[tp] = next_offset_after(result.records, ends[tp])
-            waiting = waiting or result.high_watermark > ends[tp]
-        if waiting:
-            self._prefetch = (
-                ends,
-                self._conn.stub.Fetch.future(
-                    self._fetch_request(ends, 0), timeout=self._conn.timeout_s
-                ),
-            )
+        if retry:
+            # A leader moved or is unavailable: regroup after a pause rather than ask the
+            # same broker again at once.
+            self._leaders_stale = True
+            self._backoff_until = time.monotonic() + RETRY_BACKOFF_S
 
     def __iter__(self) -> Iterator[ConsumerRecord]:
         """Records forever (until ``close``), polling as needed."""
@@ -540,9 +637,9 @@ class Consumer:
                 self._last_commit = 0.0
                 self._maybe_auto_commit()
         finally:
-            if self._prefetch is not None:
-                self._prefetch[1].cancel()
-                self._prefetch = None
+            for fetch in self._fetches.values():
+                fetch.future.cancel()
+            self._fetches.clear()
             self._closed = True
 
     def __enter__(self) -> Consumer:
