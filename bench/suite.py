@@ -41,6 +41,8 @@ PUBLISHED_2014 = {
     "consume, one consumer": 940_521,
 }
 PUBLISHED_LATENCY_MS = (2, 3)  # end to end, p50 and p99
+E2E = "end-to-end latency"
+HALF_RATE_E2E = "end-to-end latency at half the maximum rate"
 
 
 def _bar(total: int, desc: str) -> Any:
@@ -146,15 +148,31 @@ def run(quick: bool) -> dict[str, Any]:
             workloads.delete_topic(gw, "k-both")
             workloads.create_topic(gw, "k-e2e", 6, 3)
             workloads.wait_replicated(gw)  # start each case from a quiet cluster
-            t["end-to-end latency"] = workloads.end_to_end_latency(
+            t[E2E] = workloads.end_to_end_latency(
                 gw, "k-e2e", rate_per_s=rate, seconds=5 if quick else 20, size=100
             )
-            e2e = t["end-to-end latency"]
+            e2e = t[E2E]
             print(
                 f"  end-to-end at {rate:,}/s: p50 {e2e.percentile_ms(0.5):.1f} ms, "
                 f"p99 {e2e.percentile_ms(0.99):.1f} ms"
             )
             workloads.delete_topic(gw, "k-e2e")
+            # The target is at half the maximum rate, which one send() per record
+            # cannot reach from Python: the same measurement with send_batch. The maximum
+            # with a consumer reading along is the produce + consume case's (acks=all).
+            half = max(1_000, int(min(both_p.records_s, both_c.records_s)) // 2)
+            workloads.create_topic(gw, "k-e2e-half", 6, 3)
+            workloads.wait_replicated(gw)
+            t[HALF_RATE_E2E] = workloads.end_to_end_latency_batched(
+                gw, "k-e2e-half", rate_per_s=half, seconds=3 if quick else 10, size=100
+            )
+            e2e = t[HALF_RATE_E2E]
+            print(
+                f"  end-to-end at {half:,}/s asked ({e2e.records_s:,.0f}/s reached), send_batch: "
+                f"p50 {e2e.percentile_ms(0.5):.1f} ms, p99 {e2e.percentile_ms(0.99):.1f} ms"
+            )
+            workloads.wait_replicated(gw)
+            workloads.delete_topic(gw, "k-e2e-half")
             workloads.create_topic(gw, "omb", 100, 3)
             # OMB's workloads warm up before they measure (warmupDurationMinutes): the
             # first writes to 100 fresh partitions create their segments and indexes and
@@ -201,7 +219,10 @@ def report(results: dict[str, Any], quick: bool) -> str:
         "gateway, the Python SDK (`send_batch`, several calls in flight); 6 partitions and",
         "100-byte records as in Kafka's 2014 benchmark; the OMB-style case has 100",
         "partitions and 1 KiB records and, as OMB does, a warm-up (a third of its volume,",
-        "not measured) first. The end-to-end case sends for one second before it measures.",
+        "not measured) first. The end-to-end cases send for one second before they measure:",
+        "one `send` per record at 20,000/s (the most one Python loop of `send` calls keeps",
+        "up), and `send_batch` every 5 ms at half the rate of the produce + consume case",
+        "(the maximum with a consumer reading along), the issue's latency target.",
         "",
         "Command: `PYTHONPATH=. .venv/bin/tidelog bench"
         f"{' --quick' if quick else ''} --write-docs`",
@@ -221,7 +242,7 @@ def report(results: dict[str, Any], quick: bool) -> str:
             lat += f" ({result.note})" if result.note else ""
         published = PUBLISHED_2014.get(name)
         pub = f"{published:,}" if published else ""
-        if name == "end-to-end latency":
+        if name in (E2E, HALF_RATE_E2E):
             pub = f"p50 {PUBLISHED_LATENCY_MS[0]} ms, p99 {PUBLISHED_LATENCY_MS[1]} ms"
             lines.append(
                 f"| {result.name} | {result.records_s:,.0f} | {result.mb_s:,.1f} | {lat} | {pub} |"
@@ -241,7 +262,8 @@ def report(results: dict[str, Any], quick: bool) -> str:
     nats = results["peers"].get("NATS JetStream R3 (file), nats-py async publish")
     redis = results["peers"].get("Redis Streams XADD pipelined (1 node, no replication)")
     all_rate = t["produce, RF=3 acks=all (sync)"].records_s
-    e2e = t["end-to-end latency"]
+    e2e = t[E2E]
+    half = t[HALF_RATE_E2E]
     lines += [
         "",
         "Targets:",
@@ -261,7 +283,10 @@ def report(results: dict[str, Any], quick: bool) -> str:
         if redis
         else "- Redis: skipped",
         f"- end-to-end p99 {e2e.percentile_ms(0.99):.1f} ms at "
-        f"{e2e.name.split('at ')[1]} (target <= 10 ms)",
+        f"{e2e.name.split('at ')[1]}, one send() per record",
+        f"- end-to-end p99 {half.percentile_ms(0.99):.1f} ms at half the maximum rate "
+        f"({half.records_s:,.0f} records/s, half of produce + consume together; send_batch "
+        "every 5 ms) (target <= 10 ms)",
         f"- RF=1 produce {rf1:,.0f} MB/s = {rf1 / grpc_mb_s:.0%} of the gRPC ceiling "
         "(target >= 50%)",
         "",
@@ -279,7 +304,7 @@ def chart(results: dict[str, Any], path: Path = CHART) -> None:
 
     names, values, colors = [], [], []
     for name, result in results["tidelog"].items():
-        if name != "end-to-end latency":
+        if name not in (E2E, HALF_RATE_E2E):
             names.append(f"tidelog: {name}")
             values.append(result.records_s)
             colors.append("#1f77b4")
