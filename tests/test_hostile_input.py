@@ -899,7 +899,14 @@ def test_flood_beyond_the_concurrency_limit_gets_resource_exhausted_and_health_a
 ) -> None:
     """Subscriptions to a quiet partition hold their call open; more of them than the
     gateway admits must be answered RESOURCE_EXHAUSTED (with a message), while the health
-    check - exempt from the limit, served by threads of its own - keeps answering."""
+    check - exempt from the limit, served by threads of its own - keeps answering.
+
+    On a busy machine a few refused calls reach this client as a bare CANCELLED instead:
+    the server answers before the client's HTTP/2 stream has finished sending, and the
+    client's transport then reports the reset, not the status. gRPC's own
+    ``maximum_concurrent_rpcs`` refusal does the same (1 in 3 runs of a 1,174-call flood
+    with two busy loops on the cores), so the test counts a CANCELLED that arrives while
+    the flood stands as a refusal, and asks for most refusals to be seen whole."""
     flood = GATEWAY_MAX_CONCURRENT_RPCS + 150
     channel = grpc.insecure_channel(env.gateway.address)
     end = quiet_snapshot(env).logs[env.leader_of(SOLO)][(SOLO, 0)][1]
@@ -912,7 +919,10 @@ def test_flood_beyond_the_concurrency_limit_gets_resource_exhausted_and_health_a
         topic=SOLO, partition=0, start_offset=end, max_wait_ms=200
     )
     calls = [subscribe(request, timeout=60) for _ in range(flood)]
+    refused = flood - GATEWAY_MAX_CONCURRENT_RPCS
     exhausted: list[str] = []
+    reset: list[str] = []  # CANCELLED while the flood stood (see above)
+    others: list[str] = []  # any other end while the flood stood: none should
     lock = threading.Lock()
 
     def watch(c: Any) -> None:
@@ -920,19 +930,35 @@ def test_flood_beyond_the_concurrency_limit_gets_resource_exhausted_and_health_a
             for _ in c:
                 pass
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
-                with lock:
+            code = exc.code()  # type: ignore[attr-defined]
+            with lock:
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted.append(exc.details() or "")  # type: ignore[attr-defined]
+                elif flood_over.is_set():
+                    return
+                elif code == grpc.StatusCode.CANCELLED:
+                    reset.append(exc.debug_error_string())  # type: ignore[attr-defined]
+                else:
+                    others.append(f"{code}: {exc.debug_error_string()}")  # type: ignore[attr-defined]
 
+    flood_over = threading.Event()
     threads = [threading.Thread(target=watch, args=(c,), daemon=True) for c in calls]
     for t in threads:
         t.start()
     try:
-        wait_for(
-            lambda: len(exhausted) >= flood - GATEWAY_MAX_CONCURRENT_RPCS,
-            30,
-            f"{flood - GATEWAY_MAX_CONCURRENT_RPCS} calls answered RESOURCE_EXHAUSTED",
-        )
+        try:
+            wait_for(
+                lambda: len(exhausted) + len(reset) >= refused,
+                30,
+                f"{refused} calls refused",
+            )
+        except AssertionError as exc:
+            with lock:
+                seen = (
+                    f"{len(exhausted)} RESOURCE_EXHAUSTED, {len(reset)} CANCELLED, "
+                    f"{len(others)} ended otherwise: {others[:3]}"
+                )
+            raise AssertionError(f"{exc} ({seen})") from None
         health = health_pb2_grpc.HealthStub(channel)
         for _ in range(20):
             # The deadline is the check: behind the flood's queue it would not be met.
@@ -942,13 +968,19 @@ def test_flood_beyond_the_concurrency_limit_gets_resource_exhausted_and_health_a
                 health_pb2.HealthCheckRequest(service="tidelog.v1.Gateway"), timeout=2
             )
             assert response.status == health_pb2.HealthCheckResponse.SERVING
-        assert len(exhausted) == flood - GATEWAY_MAX_CONCURRENT_RPCS, len(exhausted)
-        assert all("concurrent" in d for d in exhausted), exhausted[:3]
+        with lock:
+            # Exactly the calls beyond the limit ended; the admitted ones are still open.
+            assert len(exhausted) + len(reset) == refused, (len(exhausted), len(reset))
+            assert len(exhausted) >= refused // 2, (len(exhausted), reset[:3])
+            assert all("concurrent" in d for d in exhausted), exhausted[:3]
+            assert not others, others[:3]
     finally:
+        flood_over.set()
         for c in calls:
             c.cancel()
+        joined_by = time.monotonic() + 30
         for t in threads:
-            t.join(10)
+            t.join(max(0.0, joined_by - time.monotonic()))
         channel.close()
     # Once the flood is gone, ordinary calls are admitted again.
     wait_for(
