@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -14,6 +15,17 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from tests.support.process import StartStorage, StorageProcess  # noqa: E402
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Spark's JVM starts before any test opens a gRPC channel in this process (as
+    ``make run``'s pipeline does, see ``tidelog.spark.start_jvm``): the Spark tests run
+    after modules whose channels and servers leave gRPC threads behind."""
+    wants_spark = any("spark" in getattr(item, "fixturenames", ()) for item in session.items)
+    if wants_spark and importlib.util.find_spec("pyspark") is not None:
+        from tidelog.spark import start_jvm
+
+        start_jvm()
 
 
 @pytest.fixture

@@ -19,6 +19,20 @@ def register(spark: Any) -> None:
     spark.dataSource.register(TidelogDataSource)
 
 
+def start_jvm(driver_memory: str = "1g") -> None:
+    """Launch Spark's JVM now if this process has none yet; a later ``local_session`` (or
+    any SparkSession) here uses it.
+
+    Call it before the process opens gRPC channels or servers: PySpark starts the JVM
+    with a ``fork()`` that runs Python in the child (a ``preexec_fn``), and a fork while
+    gRPC's threads run can break either side - the JVM dies before answering ("Java
+    gateway process exited") or gRPC's poller loses its descriptor. ``driver_memory`` is
+    fixed when the JVM starts, so pass what the session will ask for."""
+    from pyspark import SparkConf, SparkContext  # noqa: PLC0415  # pyspark is heavy
+
+    SparkContext._ensure_initialized(conf=SparkConf().set("spark.driver.memory", driver_memory))
+
+
 def local_session(
     app_name: str,
     local_dir: Path,
