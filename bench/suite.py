@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from bench import ceilings, peers, workloads
 from bench.gateway import write_docs
@@ -209,6 +209,27 @@ def run(quick: bool) -> dict[str, Any]:
     return results
 
 
+PEER_BATCHING: Final = {
+    "NATS JetStream R3 (file), nats-py async publish": "up to 2,000 publishes awaiting acks",
+    "Redis Streams XADD pipelined (1 node, no replication)": "1,000 XADDs per pipeline",
+    "Redis Streams XREAD (1 node)": "up to 10,000 entries per XREAD",
+}
+"""How each peer's client batches (``bench/peers.py`` defaults), beside its figure."""
+
+
+def _size(n_bytes: float) -> str:
+    return f"{n_bytes:,.0f} B" if n_bytes < 10 * 1024 else f"{n_bytes / 1024:,.0f} KiB"
+
+
+def _batch_cell(result: workloads.Result) -> str:
+    """The producer's mean record batch, or the consumer's mean fetch answer."""
+    if result.batch_bytes:
+        return f"{_size(result.batch_bytes)} batches"
+    if result.fetch_bytes:
+        return f"{_size(result.fetch_bytes)} fetches"
+    return ""
+
+
 def report(results: dict[str, Any], quick: bool) -> str:
     t = results["tidelog"]
     lines = [
@@ -231,9 +252,9 @@ def report(results: dict[str, Any], quick: bool) -> str:
         f"disk {results.get('disk', '?')}",
         f"- Python {platform.python_version()}, Linux {platform.release()}",
         "",
-        "| tidelog case | records/s | MB/s | latency p50 / p99 / p99.9 ms "
+        "| tidelog case | records/s | MB/s | batch size (mean) | latency p50 / p99 / p99.9 ms "
         "| Kafka 2014 (published, other hardware) |",
-        "|---|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, result in t.items():
         lat = ""
@@ -242,17 +263,19 @@ def report(results: dict[str, Any], quick: bool) -> str:
             lat += f" ({result.note})" if result.note else ""
         published = PUBLISHED_2014.get(name)
         pub = f"{published:,}" if published else ""
+        label = name
         if name in (E2E, HALF_RATE_E2E):
             pub = f"p50 {PUBLISHED_LATENCY_MS[0]} ms, p99 {PUBLISHED_LATENCY_MS[1]} ms"
-            lines.append(
-                f"| {result.name} | {result.records_s:,.0f} | {result.mb_s:,.1f} | {lat} | {pub} |"
-            )
-            continue
-        lines.append(f"| {name} | {result.records_s:,.0f} | {result.mb_s:,.1f} | {lat} | {pub} |")
-    lines += ["", "| peer (same machine, same run) | records/s |", "|---|---:|"]
+            label = result.name  # with the rate the case ran at
+        lines.append(
+            f"| {label} | {result.records_s:,.0f} | {result.mb_s:,.1f} | {_batch_cell(result)} "
+            f"| {lat} | {pub} |"
+        )
+    lines += ["", "| peer (same machine, same run) | records/s | batching |", "|---|---:|---|"]
     for name, value in results["peers"].items():
         lines.append(
-            f"| {name} | {'skipped (not installed)' if value is None else f'{value:,.0f}'} |"
+            f"| {name} | {'skipped (not installed)' if value is None else f'{value:,.0f}'} "
+            f"| {PEER_BATCHING.get(name, '')} |"
         )
     lines += ["", "| ceiling (same run) | MB/s |", "|---|---:|"]
     for name, value in results["ceilings"].items():

@@ -39,6 +39,10 @@ class Result:
     seconds: float
     latencies_ms: list[float] = field(default_factory=list)
     note: str = ""
+    # From the clients' metrics (tidelog.metrics): the producer's mean record batch
+    # (batch-size-avg) and the consumer's mean fetch answer (fetch-size-avg), in bytes.
+    batch_bytes: float = 0.0
+    fetch_bytes: float = 0.0
 
     @property
     def records_s(self) -> float:
@@ -96,7 +100,16 @@ def produce(
             if progress:
                 progress(chunk)
         elapsed = time.perf_counter() - started
-    return Result(f"produce acks={acks}", records, size, elapsed, latencies, "per send_batch")
+        batch_bytes = producer.metrics()["batch-size-avg"]
+    return Result(
+        f"produce acks={acks}",
+        records,
+        size,
+        elapsed,
+        latencies,
+        "per send_batch",
+        batch_bytes=batch_bytes,
+    )
 
 
 def consume(
@@ -127,7 +140,14 @@ def consume(
             if progress:
                 progress(got)
         elapsed = time.perf_counter() - started
-    return Result("consume (poll_arrow)" if arrow else "consume (poll)", seen, size, elapsed)
+        fetch_bytes = c.metrics()["fetch-size-avg"]
+    return Result(
+        "consume (poll_arrow)" if arrow else "consume (poll)",
+        seen,
+        size,
+        elapsed,
+        fetch_bytes=fetch_bytes,
+    )
 
 
 def produce_and_consume(
@@ -150,8 +170,15 @@ def produce_and_consume(
                 if batch:
                     seen += len(batch)
                     idle_since = time.monotonic()
+            elapsed = time.perf_counter() - started
             consumed.append(
-                Result("consume (concurrent)", seen, size, time.perf_counter() - started)
+                Result(
+                    "consume (concurrent)",
+                    seen,
+                    size,
+                    elapsed,
+                    fetch_bytes=c.metrics()["fetch-size-avg"],
+                )
             )
 
     thread = threading.Thread(target=reader)
@@ -268,6 +295,7 @@ def end_to_end_latency(
                 lambda ms: measured_from_ms.__setitem__(0, ms),
             )
             producer.flush()
+            batch_bytes = producer.metrics()["batch-size-avg"]
         expected[0] = sent[0]
         give_up[0] = time.monotonic() + 10
         done.set()
@@ -277,7 +305,12 @@ def end_to_end_latency(
         if freeze_gc:
             gc.unfreeze()
     return Result(
-        f"end-to-end latency at {rate_per_s:,}/s", len(latencies), size, seconds, latencies
+        f"end-to-end latency at {rate_per_s:,}/s",
+        len(latencies),
+        size,
+        seconds,
+        latencies,
+        batch_bytes=batch_bytes,
     )
 
 
@@ -405,6 +438,7 @@ def end_to_end_latency_batched(
             measured_s = _send_paced(tick_s, warmup_s, seconds, send, start_measuring)
             for future in pending:
                 future.result(120)
+            batch_bytes = producer.metrics()["batch-size-avg"]
         expected.value = sent[0]
         done.set()
         count, quantiles = results.get(timeout=120)
@@ -419,6 +453,7 @@ def end_to_end_latency_batched(
         size,
         measured_s,
         quantiles,
+        batch_bytes=batch_bytes,
     )
 
 

@@ -31,6 +31,7 @@ from tidelog.errors import (
     ConfigError,
     ErrorCode,
     InvalidGroupIdError,
+    MessageTooLargeError,
     TopicAlreadyExistsError,
     UnknownTopicOrPartitionError,
 )
@@ -524,6 +525,54 @@ def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admi
     assert sorted(r.value for r in records) == sorted(
         [f"a{i}".encode() for i in range(5_000)] + [f"a{i}".encode() for i in range(10)]
     )
+
+
+def test_client_metrics_count_batches_requests_and_records(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka's producer and consumer metrics by name, counted once per batch, request or
+    fetch answer: what the benchmarks report as batch and fetch sizes."""
+    admin.create_topic(
+        "metered", partitions=2, replication_factor=2, config={"max.message.bytes": "4096"}
+    )
+    with tidelog.Producer(gateway.address, batch_bytes=1024, linger_ms=0) as producer:
+        assert producer.metrics()["record-send-total"] == 0
+        assert producer.metrics()["batch-size-avg"] == 0.0
+        producer.send_batch("metered", [b"v" * 40] * 300, partition=0).result(30)
+        sent = producer.metrics()
+        # One batch over the topic's max.message.bytes: the leader refuses it for good.
+        with pytest.raises(MessageTooLargeError):
+            producer.send("metered", b"x" * 8_000, partition=1).result(30)
+        failed = producer.metrics()
+    assert sent["record-send-total"] == 300
+    # batch_bytes 1024 cuts the 300 records (56 estimated bytes each) into batches of
+    # 18 records, ~0.8 KiB encoded, several per request.
+    assert 512 <= sent["batch-size-avg"] <= sent["batch-size-max"] <= 1024 + 128, sent
+    assert 1 <= sent["request-total"] <= 17, sent
+    assert sent["records-per-request-max"] <= 300
+    assert sent["records-per-request-avg"] == 300 / sent["request-total"]
+    assert sent["record-error-total"] == sent["record-retry-total"] == 0
+    assert failed["record-send-total"] == 301 and failed["record-error-total"] == 1
+    assert failed["batch-size-max"] > 8_000 and failed["record-retry-total"] == 0
+
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([("metered", 0)])
+        records: list[Any] = []
+        while len(records) < 300:
+            got = consumer.poll(max_records=100, timeout_ms=5_000)
+            assert got, "no records within 5 s"
+            records.extend(got)
+        read = consumer.metrics()
+    assert [r.value for r in records] == [b"v" * 40] * 300
+    assert read["records-consumed-total"] == 300
+    assert read["fetch-total"] >= 1
+    # Every fetched batch was handed out whole, once: consumed = fetched.
+    fetched_bytes = read["fetch-size-avg"] * read["fetch-total"]
+    assert read["bytes-consumed-total"] == pytest.approx(fetched_bytes)
+    assert read["bytes-consumed-total"] > 300 * 40
+    assert read["fetch-size-max"] >= read["fetch-size-avg"] > 0
+    assert read["records-per-request-max"] <= 300
+    assert read["records-per-request-avg"] * read["fetch-total"] == pytest.approx(300)
 
 
 def test_fetch_across_leaders_answers_as_soon_as_one_has_data(

@@ -27,7 +27,13 @@ Group offsets are committed with ``commit()`` (the positions, or given offsets) 
 of the topics to this consumer (partitions added later are picked up on the next
 metadata refresh); split work between consumers with ``assign``.
 
-Not thread-safe, like Kafka's consumer: use one per thread.
+``metrics()`` reports Kafka's fetch-manager metrics (``tidelog.metrics``): ``fetch-total``
+(fetch answers), ``fetch-size-avg`` and ``-max`` (record bytes an answer brought),
+``records-per-request-avg`` and ``-max`` (records it brought), ``records-consumed-total``
+(records ``poll`` returned) and ``bytes-consumed-total`` (bytes of the batches ``poll``
+finished handing out).
+
+Not thread-safe, like Kafka's consumer: use one per thread (``metrics()`` excepted).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
     error_for_code,
 )
+from tidelog.metrics import ClientMetrics
 from tidelog.records import Header, RecordBatch, arrow_schema, decode_batches
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 
@@ -215,6 +222,10 @@ class Consumer:
         self._buffered_bytes = 0
         self._backoff_until = 0.0
         self._closed = False
+        self._metrics = ClientMetrics(
+            counters=("fetch-total", "records-consumed-total", "bytes-consumed-total"),
+            sensors=("fetch-size", "records-per-request"),
+        )
 
     # --- assignment -----------------------------------------------------------------------
 
@@ -400,6 +411,10 @@ class Consumer:
         self._wait_for_data(timeout_ms)
         return self._take_arrow(max_records or self._max_poll_records)
 
+    def metrics(self) -> dict[str, float]:
+        """Kafka's consumer fetch metrics by name (module docstring), cumulative."""
+        return self._metrics.snapshot()
+
     def _wait_for_data(self, timeout_ms: int) -> None:
         if self._closed:
             raise ConfigError("the consumer is closed")
@@ -440,11 +455,13 @@ class Consumer:
                 taken = records
                 self._buffer.popleft()
                 self._buffered_bytes -= chunk.batch.header.size_bytes
+                self._metrics.add("bytes-consumed-total", chunk.batch.header.size_bytes)
             else:
                 taken = records[:room]
                 chunk.keep_records(records[room:])
             out.extend(taken)
             self._positions[chunk.tp] = taken[-1].offset + 1
+        self._metrics.add("records-consumed-total", len(out))
         return out
 
     def _take_arrow(self, limit: int) -> Any:
@@ -459,12 +476,14 @@ class Consumer:
             if table.num_rows <= room:
                 self._buffer.popleft()
                 self._buffered_bytes -= chunk.batch.header.size_bytes
+                self._metrics.add("bytes-consumed-total", chunk.batch.header.size_bytes)
             else:
                 chunk.keep_records(chunk.records()[room:])
                 table = table.slice(0, room)
             pieces.append(table)
             taken_total += table.num_rows
             self._positions[chunk.tp] = table.column("offset")[-1].as_py() + 1
+        self._metrics.add("records-consumed-total", taken_total)
         if not pieces:
             return _consumer_schema(pa).empty_table()
         return pa.concat_tables(pieces)
@@ -530,6 +549,7 @@ class Consumer:
             raise error_from_rpc(exc, "fetch") from None
         retry = False
         reset: list[TopicPartition] = []
+        fetched_bytes = fetched_records = 0
         for result in response.partitions:
             tp = (result.topic, result.partition)
             asked = fetch.offsets.get(tp)
@@ -548,12 +568,18 @@ class Consumer:
             if not result.records:
                 continue
             fetch_from = asked
+            fetched_bytes += len(result.records)
             for batch in decode_batches(result.records):
                 if batch.next_offset > asked:
-                    self._buffer.append(_Chunk(tp, batch, max(0, asked - batch.base_offset)))
+                    skip = max(0, asked - batch.base_offset)
+                    self._buffer.append(_Chunk(tp, batch, skip))
                     self._buffered_bytes += batch.header.size_bytes
+                    fetched_records += batch.record_count - skip
                     fetch_from = batch.next_offset
             self._next_fetch[tp] = fetch_from
+        self._metrics.add("fetch-total")
+        self._metrics.record("fetch-size", fetched_bytes)
+        self._metrics.record("records-per-request", fetched_records)
         if reset:
             self._reset_positions(reset)
         if retry:

@@ -25,6 +25,11 @@ the original offsets, so retries neither duplicate nor reorder (``enable_idempot
 the default). When a batch fails for good after having been sent, the producer takes a new
 producer id for later batches, since the old id's sequence state is then unknown.
 
+``metrics()`` reports Kafka's producer metrics (``tidelog.metrics``): ``batch-size-avg``
+and ``-max`` (bytes of a record batch when first sent), ``records-per-request-avg`` and
+``-max``, ``request-total``, ``record-send-total`` (records sent for the first time),
+``record-retry-total`` and ``record-error-total``.
+
 ``buffer_bytes`` bounds the bytes waiting in the producer; ``send`` blocks up to
 ``max_block_ms`` for room. Futures are ``concurrent.futures.Future``.
 
@@ -57,6 +62,7 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
     error_for_code,
 )
+from tidelog.metrics import ClientMetrics
 from tidelog.partitioner import murmur2_partitions, partition_for_key
 from tidelog.records import Header, encode_batch, encode_batch_arrow
 from tidelog.v1 import common_pb2, gateway_pb2
@@ -266,6 +272,15 @@ class Producer:
         self._producer_id = -1
         self._producer_epoch = -1
         self._requests: queue.SimpleQueue[Any] | None = None
+        self._metrics = ClientMetrics(
+            counters=(
+                "request-total",
+                "record-send-total",
+                "record-retry-total",
+                "record-error-total",
+            ),
+            sensors=("batch-size", "records-per-request"),
+        )
         self._sender = threading.Thread(target=self._run_sender, name="tidelog-sender", daemon=True)
         self._sender.start()
 
@@ -277,6 +292,10 @@ class Producer:
             counts = self._conn.partition_counts([topic])  # raises for an unknown topic
             count = self._counts[topic] = counts[topic]
         return count
+
+    def metrics(self) -> dict[str, float]:
+        """Kafka's producer metrics by name (module docstring), cumulative since start."""
+        return self._metrics.snapshot()
 
     def partitions_for(self, topic: str) -> list[int]:
         return list(range(self._partition_count(topic)))
@@ -704,10 +723,14 @@ class Producer:
         if self._idempotent and self._producer_id < 0:
             self._init_producer_id()
         entries: list[tuple[str, int, list[bytes]]] = []
+        records = 0
         for pq, batches in picked:
             for batch in batches:
+                records += len(batch)
                 if batch.encoded is None:
                     self._encode(pq, batch)
+                    self._metrics.record("batch-size", len(batch.encoded or b""))
+                    self._metrics.add("record-send-total", len(batch))
             entries.append(
                 (
                     batches[0].tp[0],
@@ -719,6 +742,8 @@ class Producer:
             for batch in batches:
                 batch.attempts += 1
                 batch.sent = True
+        self._metrics.add("request-total")
+        self._metrics.record("records-per-request", records)
         correlation_id = next(self._correlation)
         return correlation_id, encode_produce_request(
             acks=self._acks,
@@ -800,6 +825,7 @@ class Producer:
                 and now - b.created_s < self._delivery_timeout_s
             ]
             if retry and len(retry) == len(batches):
+                self._metrics.add("record-retry-total", sum(len(b) for b in batches))
                 with self._lock:
                     pq.batches.extendleft(reversed(batches))
                     pq.retry_at_s = now + RETRY_BACKOFF_S
@@ -843,6 +869,7 @@ class Producer:
         self._finish(batch)
 
     def _fail(self, batch: _Batch, error: TidelogError) -> None:
+        self._metrics.add("record-error-total", len(batch))
         for _, future in batch.record_futures:
             future.set_exception(error)
         for group, _ in batch.group_slots:
