@@ -1,9 +1,9 @@
 """``tidelog bench``: tidelog against its peers and published figures, on this machine.
 
 One run starts a whole tidelog cluster (etcd, controller, 3 storage nodes, gateway), the
-peers (a 3-server NATS JetStream cluster, one Redis) and the ceilings (a trivial Python
-gRPC put service, the disk, loopback TCP), all on this machine, and drives each with the
-same record sizes. Results go to the terminal, to the "Versus peers" section of
+Spark connector (``bench/spark.py``, in a process of its own), the peers (a 3-server NATS
+JetStream cluster, one Redis) and the ceilings (a trivial Python gRPC put service, the
+disk, loopback TCP), all on this machine, and drives each with the same record sizes. Results go to the terminal, to the "Versus peers" section of
 ``docs/BENCHMARKS.md`` (with ``--write-docs``) and to ``docs/bench-peers.png``.
 
 ``--quick`` uses small volumes (under two minutes); the full run takes under twenty.
@@ -14,6 +14,7 @@ them: Debian's ``nats-server`` and ``redis-server``, PyPI's ``nats-py`` and ``re
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import platform
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench import ceilings, peers, workloads
+from bench import spark as spark_bench
 from bench.gateway import write_docs
 from bench.storage_engine import cpu_model, filesystem_of, memory_gib
 from bench.workloads import Result
@@ -43,6 +45,8 @@ PUBLISHED_2014 = {
 PUBLISHED_LATENCY_MS = (2, 3)  # end to end, p50 and p99
 E2E = "end-to-end latency"
 HALF_RATE_E2E = "end-to-end latency at half the maximum rate"
+SPARK_WRITE = "Spark batch write through the connector (acks=all, RF=1, 4 partitions)"
+SPARK_READ = "Spark batch read through the connector (noop sink, all columns)"
 
 
 def _bar(total: int, desc: str) -> Any:
@@ -186,6 +190,15 @@ def run(quick: bool) -> dict[str, Any]:
                     gw, "omb", records=omb_n, size=1024, acks="all", chunk=5_000, progress=p
                 ),
             )
+        spark_rows = 1_000_000 if quick else 2_000_000
+        print(f"Spark data source ({spark_rows:,} rows; bench/spark.py)", flush=True)
+        spark = _spark_rates(spark_rows)
+        if spark is None:
+            print("  skipped: Spark could not start here (pyspark and Java 17 needed)")
+        else:
+            for key, name in (("write", SPARK_WRITE), ("read", SPARK_READ)):
+                t[name] = Result(name, spark_rows, 100, spark_rows / spark[key])
+                print(f"  {key}: {spark[key]:,.0f} rows/s", flush=True)
         print("peers (same machine, same record size)", flush=True)
         have = peers.available()
         if have["nats"]:
@@ -217,6 +230,32 @@ PEER_BATCHING: Final = {
 """How each peer's client batches (``bench/peers.py`` defaults), beside its figure."""
 
 
+def _spark_child(rows: int, answer: Any) -> None:
+    try:
+        answer.put(spark_bench.run(rows, partitions=4))
+    except Exception as exc:  # reported by the parent as skipped, with the reason
+        answer.put(f"{type(exc).__name__}: {exc}")
+
+
+def _spark_rates(rows: int) -> dict[str, float] | None:
+    """``bench/spark.py``'s write and read rows/s, run in a fresh interpreter: PySpark
+    starts its JVM with a fork, which this process's gRPC threads must not see
+    (``tidelog.spark.start_jvm``). None when Spark cannot run here."""
+    spawn = multiprocessing.get_context("spawn")
+    answer: Any = spawn.Queue()
+    child = spawn.Process(target=_spark_child, args=(rows, answer), daemon=True)
+    child.start()
+    try:
+        outcome = answer.get(timeout=600)
+    except Exception:  # queue.Empty: a child that hung or died
+        outcome = "no answer within 600 s"
+    child.join(30)
+    if isinstance(outcome, dict):
+        return outcome
+    print(f"  Spark: {outcome}", flush=True)
+    return None
+
+
 def _size(n_bytes: float) -> str:
     return f"{n_bytes:,.0f} B" if n_bytes < 10 * 1024 else f"{n_bytes / 1024:,.0f} KiB"
 
@@ -243,7 +282,10 @@ def report(results: dict[str, Any], quick: bool) -> str:
         "not measured) first. The end-to-end cases send for one second before they measure:",
         "one `send` per record at 20,000/s (the most one Python loop of `send` calls keeps",
         "up), and `send_batch` every 5 ms at half the rate of the produce + consume case",
-        "(the maximum with a consumer reading along), the issue's latency target.",
+        "(the maximum with a consumer reading along), the issue's latency target. The",
+        "Spark rows are `bench/spark.py` (a `local[2]` session and a cluster of its own, in",
+        "a fresh process); batch size is the producer's mean record batch",
+        "(`batch-size-avg`) or the consumer's mean fetch answer (`fetch-size-avg`).",
         "",
         "Command: `PYTHONPATH=. .venv/bin/tidelog bench"
         f"{' --quick' if quick else ''} --write-docs`",
