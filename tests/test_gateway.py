@@ -552,6 +552,7 @@ def test_client_metrics_count_batches_requests_and_records(
     assert sent["records-per-request-max"] <= 300
     assert sent["records-per-request-avg"] == 300 / sent["request-total"]
     assert sent["record-error-total"] == sent["record-retry-total"] == 0
+    assert sent["request-latency-max"] >= sent["request-latency-avg"] > 0
     assert failed["record-send-total"] == 301 and failed["record-error-total"] == 1
     assert failed["batch-size-max"] > 8_000 and failed["record-retry-total"] == 0
 

@@ -27,7 +27,8 @@ producer id for later batches, since the old id's sequence state is then unknown
 
 ``metrics()`` reports Kafka's producer metrics (``tidelog.metrics``): ``batch-size-avg``
 and ``-max`` (bytes of a record batch when first sent), ``records-per-request-avg`` and
-``-max``, ``request-total``, ``record-send-total`` (records sent for the first time),
+``-max``, ``request-latency-avg`` and ``-max`` (ms from a request's queueing on the stream
+to its answer), ``request-total``, ``record-send-total`` (records sent for the first time),
 ``record-retry-total`` and ``record-error-total``.
 
 ``buffer_bytes`` bounds the bytes waiting in the producer; ``send`` blocks up to
@@ -279,8 +280,9 @@ class Producer:
                 "record-retry-total",
                 "record-error-total",
             ),
-            sensors=("batch-size", "records-per-request"),
+            sensors=("batch-size", "records-per-request", "request-latency"),
         )
+        self._sent_at_s: dict[int, float] = {}  # correlation id -> when it was queued
         self._sender = threading.Thread(target=self._run_sender, name="tidelog-sender", daemon=True)
         self._sender.start()
 
@@ -676,6 +678,7 @@ class Producer:
                 # never put on a dead one.
                 if self._requests is requests:
                     self._in_flight[correlation_id] = picked
+                    self._sent_at_s[correlation_id] = time.monotonic()
                     requests.put(request)
                     continue
             self._complete_failed(picked, NetworkError("the produce stream ended"))
@@ -702,6 +705,9 @@ class Producer:
             for response in responses:
                 with self._lock:
                     picked = self._in_flight.pop(response.correlation_id, None)
+                    sent_at_s = self._sent_at_s.pop(response.correlation_id, None)
+                if sent_at_s is not None:
+                    self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
                 if picked is not None:
                     self._complete(picked, list(response.partitions))
         except grpc.RpcError as exc:
@@ -714,6 +720,7 @@ class Producer:
                 self._requests = None
             stranded = list(self._in_flight.values())
             self._in_flight.clear()
+            self._sent_at_s.clear()
         requests.put(_STOP)
         for picked in stranded:
             self._complete_failed(picked, error)
