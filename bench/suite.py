@@ -3,8 +3,9 @@
 One run starts a whole tidelog cluster (etcd, controller, 3 storage nodes, gateway), the
 Spark connector (``bench/spark.py``, in a process of its own), the peers (a 3-server NATS
 JetStream cluster, one Redis) and the ceilings (a trivial Python gRPC put service, the
-disk, loopback TCP), all on this machine, and drives each with the same record sizes. Results go to the terminal, to the "Versus peers" section of
-``docs/BENCHMARKS.md`` (with ``--write-docs``) and to ``docs/bench-peers.png``.
+disk, loopback TCP), all on this machine, and drives each with the same record sizes.
+Results go to the terminal, to the "Versus peers" section of ``docs/BENCHMARKS.md``
+(with ``--write-docs``) and to ``docs/bench-peers.png``.
 
 ``--quick`` uses small volumes (under two minutes); the full run takes under twenty.
 Peers whose servers are missing are reported as skipped (``make bench-deps`` installs
