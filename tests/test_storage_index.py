@@ -296,6 +296,28 @@ def test_offset_index_reset_drops_every_entry(tmp_path: Path) -> None:
     assert path.read_bytes() == formats.OFFSET_INDEX_ENTRY.pack(2, 20)
 
 
+def test_index_writes_go_through_the_file_and_the_mapping_is_read_only(tmp_path: Path) -> None:
+    """Appends are pwrite calls and lookups read the mapping (one page cache): a store into
+    the mapping could page-fault while holding the GIL (module docstring), so the mapping
+    refuses stores."""
+    path = tmp_path / "a.index"
+    index = offset_index(path, max_bytes=64 * 1024)
+    for i in range(1, 600):  # past the first 4 KiB page of the mapping
+        index.append(i, i * 10)
+    assert index.lookup(599) == (599, 5_990) and index.lookup(300) == (300, 3_000)
+    with open(path, "rb") as raw:
+        raw.seek(598 * formats.OFFSET_INDEX_ENTRY.size)
+        assert raw.read(formats.OFFSET_INDEX_ENTRY.size) == formats.OFFSET_INDEX_ENTRY.pack(
+            599, 5_990
+        )
+    with pytest.raises(TypeError):
+        index._mm[0:1] = b"x"  # type: ignore[index]
+    index.truncate_to(400)
+    assert index.entries == 399 and index.lookup(599) == (399, 3_990)
+    index.close()
+    assert path.stat().st_size == 399 * formats.OFFSET_INDEX_ENTRY.size
+
+
 # --- TimeIndex ------------------------------------------------------------------------------
 
 
