@@ -125,7 +125,7 @@ class _MappedIndex:
         self.entries += 1
 
     def _truncate_entries(self, entries: int) -> None:
-        """Keep the first ``entries`` entries, zeroing the rest of the mapping."""
+        """Keep the first ``entries`` entries, zeroing the rest in the file."""
         if entries >= self.entries:
             return
         start, end = entries * self._entry_size, self.entries * self._entry_size
