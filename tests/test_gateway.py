@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
 )
 from tidelog.partitioner import partition_for_key
-from tidelog.producer import RECORD_OVERHEAD_BYTES
+from tidelog.producer import RECORD_OVERHEAD_BYTES, BatchMetadata
 from tidelog.records import decode_batches, encode_batch
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
 
@@ -525,6 +526,22 @@ def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admi
     assert sorted(r.value for r in records) == sorted(
         [f"a{i}".encode() for i in range(5_000)] + [f"a{i}".encode() for i in range(10)]
     )
+
+
+def test_batch_metadata_writes_each_batch_offsets_when_first_read() -> None:
+    """send_batch's answer keeps each batch as (first index, end, base offset) and writes
+    the offsets out on first read: whichever way they are read, every value gets its own
+    offset, and values answered one by one (keyed records) keep theirs."""
+    offsets = array("q", bytes(8 * 7))
+    offsets[6] = 99  # a value placed on its own
+    partitions = array("i", [0, 0, 0, 1, 1, 1, 2])
+    runs = [(3, 6, 40), (0, 3, 10)]  # batches answer in any order
+    by_index = BatchMetadata("t", partitions, array("q", offsets), 5, list(runs))
+    assert [m.offset for m in by_index] == [10, 11, 12, 40, 41, 42, 99]
+    assert by_index[4] == tidelog.RecordMetadata("t", 1, 41, 5)
+    whole = BatchMetadata("t", partitions, array("q", offsets), 5, list(runs))
+    assert list(whole.offsets) == [10, 11, 12, 40, 41, 42, 99] == list(whole.offsets)
+    assert len(whole) == 7 and list(whole.partitions) == list(partitions)
 
 
 def test_client_metrics_count_batches_requests_and_records(
