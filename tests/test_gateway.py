@@ -500,13 +500,45 @@ def test_keyless_records_move_on_after_a_batch_worth_even_in_small_batches(
     batch_bytes = 8 * (len(value) + RECORD_OVERHEAD_BYTES)  # 8 records' worth
     with tidelog.Producer(gateway.address, batch_bytes=batch_bytes, linger_ms=0) as producer:
         partitions = [producer.send(topic, value).result(30).partition for _ in range(80)]
+    assert _runs(partitions) == [8] * 10, partitions
+
+
+def _runs(partitions: list[int]) -> list[int]:
+    """Lengths of the runs of equal neighbours: [1, 1, 4, 4, 4] -> [2, 3]."""
     runs: list[int] = []
     for i, p in enumerate(partitions):
         if i and p == partitions[i - 1]:
             runs[-1] += 1
         else:
             runs.append(1)
-    assert runs == [8] * 10, partitions
+    return runs
+
+
+def test_small_keyless_send_batches_stay_on_the_sticky_partition_for_a_batch_worth(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """send_batch counts toward the sticky partition like send (KIP-794): a pipeline's
+    micro-batches, each far below batch_bytes, go to one partition until a batch's worth
+    went there, list and Arrow input alike, instead of each call moving on (which put
+    every leader and follower to work on every round). A call of several batches' worth
+    moves on after each full batch."""
+    pa = pytest.importorskip("pyarrow")
+    topic = "sticky-batches"
+    admin.create_topic(topic, partitions=6, replication_factor=1)
+    value = b"v" * 100
+    batch_bytes = 8 * (len(value) + RECORD_OVERHEAD_BYTES)  # 8 records' worth
+    arrow_pair = pa.array([value] * 2, pa.binary())
+    with tidelog.Producer(gateway.address, batch_bytes=batch_bytes, linger_ms=0) as producer:
+        from_lists = [
+            producer.send_batch(topic, [value] * 2).result(30).partitions[0] for _ in range(40)
+        ]
+        from_arrow = [
+            producer.send_batch(topic, arrow_pair).result(30).partitions[0] for _ in range(40)
+        ]
+        large = producer.send_batch(topic, [value] * 32).result(30)
+    assert _runs(from_lists) == [4] * 10, from_lists
+    assert _runs(from_arrow) == [4] * 10, from_arrow
+    assert _runs(list(large.partitions)) == [8] * 4, list(large.partitions)
 
 
 def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admin) -> None:

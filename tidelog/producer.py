@@ -357,6 +357,19 @@ class Producer:
             partition = self._sticky[topic] = random.randrange(count)
         return partition
 
+    def _stick(self, topic: str, partition: int, size: int, count: int) -> None:
+        """Count ``size`` bytes sent to ``topic``'s sticky partition (when ``partition`` is
+        it) and move on once a batch's worth went there (KIP-794). Counted the same for
+        ``send`` and ``send_batch``: a pipeline's small micro-batches stay on one partition
+        (one leader and its followers at work, requests merging while one is in flight)
+        instead of each landing somewhere else."""
+        if self._sticky.get(topic) != partition:
+            return
+        went = self._sticky_bytes.get(topic, 0) + size
+        self._sticky_bytes[topic] = went
+        if went >= self._batch_bytes:
+            self._next_sticky(topic, count)
+
     def _next_sticky(self, topic: str, count: int) -> None:
         self._sticky_bytes[topic] = 0
         current = self._sticky.get(topic, -1)
@@ -415,11 +428,8 @@ class Producer:
             batch.timestamps.append(ts)
             batch.size_bytes += size
             batch.record_futures.append((index, future))
-            if sticky and self._sticky.get(topic) == partition:
-                went = self._sticky_bytes.get(topic, 0) + size
-                self._sticky_bytes[topic] = went
-                if went >= self._batch_bytes:
-                    self._next_sticky(topic, self._counts.get(topic, 1))
+            if sticky:
+                self._stick(topic, partition, size, self._counts.get(topic, 1))
             if batch.size_bytes >= self._batch_bytes:
                 self._close_open(tp)
                 self._lock.notify_all()
@@ -478,8 +488,14 @@ class Producer:
             start = 0
             while start < n:
                 end = start + self._chunk_end(values, None, range(start, n), 0)
-                plan.append((self._sticky_partition(topic, count), range(start, end)))
-                self._next_sticky(topic, count)
+                target = self._sticky_partition(topic, count)
+                plan.append((target, range(start, end)))
+                # A chunk cut short of the end is a batch's worth by construction.
+                size = self._batch_bytes
+                if end == n:
+                    size = sum(map(len, filter(None, values[start:end])))
+                    size += RECORD_OVERHEAD_BYTES * (end - start)
+                self._stick(topic, target, size, count)
                 start = end
         # Cut each partition's records into batches of at most batch_bytes.
         chunks: list[tuple[int, range | list[int]]] = []
@@ -548,7 +564,9 @@ class Producer:
                 self._unfinished += 1
                 self._lock.notify_all()
             if partition is None:
-                self._next_sticky(topic, count)
+                # A slice cut short of the end is a batch's worth by construction.
+                full = stop < n
+                self._stick(topic, target, self._batch_bytes if full else batch.size_bytes, count)
         return group.future
 
     def _chunk_end(
