@@ -453,7 +453,8 @@ class Producer:
 
         ``values`` (and ``keys``) may be lists of bytes or pyarrow binary arrays; Arrow
         input without keys is cut into zero-copy slices and encoded by Arrow kernels,
-        with no Python work per record.
+        with no Python work per record. Without keys or ``partition``, records go to the
+        sticky partition as ``send``'s do, moving on after each ``batch_bytes`` worth.
         """
         if _is_arrow(values) and keys is None:
             return self._send_arrow(topic, values, partition, timestamp_ms)
