@@ -466,9 +466,12 @@ class Producer:
         if keys is not None and len(keys) != n:
             raise ConfigError(f"{len(keys)} keys for {n} values")
         ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
+        # (partition, record indices, bytes) of each batch to make, in order.
+        chunks: list[tuple[int, range | list[int], int]] = []
+        plan: list[tuple[int, range | list[int]]] = []
         if partition is not None:
             self._check_partition(topic, partition)
-            plan: list[tuple[int, range | list[int]]] = [(partition, range(n))]
+            plan = [(partition, range(n))]
         elif keys is not None and self._partitioner is None:
             count = self._partition_count(topic)
             sticky = self._sticky_partition(topic, count)
@@ -484,33 +487,28 @@ class Producer:
                 by_partition.setdefault(int(self._partitioner(key, count)), []).append(index)
             plan = list(by_partition.items())
         else:
+            # Keyless: each batch goes to the sticky partition of the moment, which moves
+            # on after a batch's worth (a chunk cut short of the end is one by construction).
             count = self._partition_count(topic)
-            plan = []
             start = 0
             while start < n:
-                end = start + self._chunk_end(values, None, range(start, n), 0)
+                end, size = self._chunk(values, None, range(n), start)
                 target = self._sticky_partition(topic, count)
-                plan.append((target, range(start, end)))
-                # A chunk cut short of the end is a batch's worth by construction.
-                size = self._batch_bytes
-                if end == n:
-                    size = sum(map(len, filter(None, values[start:end])))
-                    size += RECORD_OVERHEAD_BYTES * (end - start)
-                self._stick(topic, target, size, count)
+                chunks.append((target, range(start, end), size))
+                self._stick(topic, target, size if end == n else self._batch_bytes, count)
                 start = end
-        # Cut each partition's records into batches of at most batch_bytes.
-        chunks: list[tuple[int, range | list[int]]] = []
+        # Cut each planned partition's records into batches of at most batch_bytes.
         for p, indices in plan:
             position = 0
             while position < len(indices):
-                end = self._chunk_end(values, keys, indices, position)
-                chunks.append((p, indices[position:end]))
+                end, size = self._chunk(values, keys, indices, position)
+                chunks.append((p, indices[position:end], size))
                 position = end
         group = _Group(topic, n, ts, len(chunks))
         if not chunks:
             group.future.set_result(BatchMetadata(topic, group.partitions, group.offsets, ts))
             return group.future
-        for p, indices in chunks:
+        for p, indices, size in chunks:
             batch = _Batch((topic, p))
             if isinstance(indices, range):
                 batch.values = list(values[indices.start : indices.stop])
@@ -521,9 +519,7 @@ class Producer:
                 if keys is not None:
                     batch.keys = [keys[i] for i in indices]
             batch.timestamps = [ts] * len(batch.values)
-            batch.size_bytes = sum(
-                map(len, filter(None, batch.values))
-            ) + RECORD_OVERHEAD_BYTES * len(batch.values)
+            batch.size_bytes = size
             batch.group_slots.append((group, indices))
             with self._lock:
                 self._reserve(min(batch.size_bytes, self._buffer_bytes))
@@ -570,27 +566,29 @@ class Producer:
                 self._stick(topic, target, self._batch_bytes if full else batch.size_bytes, count)
         return group.future
 
-    def _chunk_end(
+    def _chunk(
         self,
         values: Sequence[bytes | None],
         keys: Sequence[bytes | None] | None,
         indices: range | list[int],
         position: int,
-    ) -> int:
-        """The end of the run of ``indices`` from ``position`` that fits ``batch_bytes``."""
+    ) -> tuple[int, int]:
+        """(end, bytes) of the run of ``indices`` from ``position`` that fits
+        ``batch_bytes`` (at least one record)."""
         budget = self._batch_bytes
         size = 0
         end = position
         total = len(indices)
         while end < total:
             i = indices[end]
-            size += len(values[i] or b"") + RECORD_OVERHEAD_BYTES
+            record = len(values[i] or b"") + RECORD_OVERHEAD_BYTES
             if keys is not None:
-                size += len(keys[i] or b"")
-            if size > budget and end > position:
+                record += len(keys[i] or b"")
+            if size + record > budget and end > position:
                 break
+            size += record
             end += 1
-        return end
+        return end, size
 
     def _queue(self, tp: tuple[str, int]) -> _PartitionQueue:
         pq = self._queues.get(tp)
