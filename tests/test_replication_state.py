@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,48 @@ def test_failed_expansion_keeps_holding_the_high_watermark_until_a_committed_sta
     assert other.high_watermark == 10
     assert other.on_isr_committed((1, 2), 10)
     assert other.high_watermark == 20
+
+
+def test_long_polls_wake_only_on_what_their_fetch_can_answer_with(tmp_path: Path) -> None:
+    """Kafka's DelayedFetch rules: a follower's fetch wakes on new data (it reads up to the
+    log end), a consumer's on a moved high watermark (it reads below it), both on a role
+    change. Before, every append and every HW move woke every waiting fetch of the
+    partition: on RF=3 the consumer's long poll woke for data it could not read yet, and
+    the first follower's for the HW the second follower's fetch moved."""
+    leader = Partition("t", 0, Log.open(tmp_path / "t-0"), broker_id=0)
+    leader.apply_state(PartitionState("t", 0, 0, 1, (0, 1, 2), (0, 1, 2), 1))
+    follower_fetch, consumer_fetch = threading.Event(), threading.Event()
+    leader.watch(follower_fetch, replica=True)
+    leader.watch(consumer_fetch, replica=False)
+
+    leader.append(encode_batch([b"a"] * 3))  # new data; the HW waits for the followers
+    assert follower_fetch.is_set() and not consumer_fetch.is_set()
+    follower_fetch.clear()
+
+    leader.read(3, 1 << 20, replica_id=1, current_leader_epoch=1)  # one follower has it
+    assert not follower_fetch.is_set() and not consumer_fetch.is_set()
+    leader.read(3, 1 << 20, replica_id=2, current_leader_epoch=1)  # HW 0 -> 3
+    assert leader.high_watermark == 3
+    assert consumer_fetch.is_set() and not follower_fetch.is_set()
+    consumer_fetch.clear()
+
+    leader.apply_state(PartitionState("t", 0, 1, 2, (0, 1, 2), (0, 1, 2), 2))  # deposed
+    assert follower_fetch.is_set() and consumer_fetch.is_set()
+
+    # Unwatched fetches are not woken any more, whichever set they were in.
+    follower_fetch.clear()
+    consumer_fetch.clear()
+    leader.unwatch(follower_fetch, replica=True)
+    leader.unwatch(consumer_fetch, replica=False)
+    leader.apply_state(PartitionState("t", 0, 0, 3, (0, 1, 2), (0, 1, 2), 3))
+    assert not follower_fetch.is_set() and not consumer_fetch.is_set()
+
+
+def test_an_append_that_commits_at_once_wakes_consumers(tmp_path: Path) -> None:
+    """With the leader alone in the ISR an append moves the HW itself: consumers wake."""
+    leader = Partition("t", 0, Log.open(tmp_path / "t-0"), broker_id=0)
+    leader.apply_state(PartitionState("t", 0, 0, 1, (0,), (0,), 1))
+    consumer_fetch = threading.Event()
+    leader.watch(consumer_fetch, replica=False)
+    leader.append(encode_batch([b"a"]))
+    assert leader.high_watermark == 1 and consumer_fetch.is_set()

@@ -190,9 +190,11 @@ class Partition:
     partition serializes all use of the (single-threaded) Log and all state changes;
     ``locked()`` hands it to the broker's maintenance pass (flush, retention, checkpoints)
     so that pass never races an append. Waiters (``watch``) are events set, under the same
-    lock, whenever the partition changes in a way a long-polling fetch cares about: new
-    data, a moved high watermark, a role change, or closing. Lock order: the replica
-    manager's lock before any partition lock; never two partition locks at once.
+    lock, whenever the partition changes in a way their long-polling fetch cares about
+    (Kafka's DelayedFetch rules): a follower's fetch reads up to the log end, so new data
+    wakes it; a consumer's reads below the high watermark, so a moved HW wakes it; a role
+    change or closing wakes both. Lock order: the replica manager's lock before any
+    partition lock; never two partition locks at once.
     """
 
     def __init__(
@@ -212,7 +214,9 @@ class Partition:
         self._replicas: tuple[int, ...] = ()
         self._high_watermark = log.log_start_offset
         self._closed_error: TidelogError | None = None
-        self._watchers: set[Watcher] = set()
+        # Long-polling fetches: followers' (woken by new data) and consumers' (by the HW).
+        self._log_end_watchers: set[Watcher] = set()
+        self._high_watermark_watchers: set[Watcher] = set()
         self._configs: dict[str, str] = {}
         # Leader only: follower progress, HW and ISR decisions (pure, see replication.py).
         self._replication: LeaderReplicationState | None = None
@@ -378,8 +382,9 @@ class Partition:
             except OSError as exc:
                 raise StorageError(f"{self.topic}-{self.partition}: append failed: {exc}") from exc
             if not info.duplicate:
+                high_watermark = self._high_watermark
                 self._advance_high_watermark()
-                self._wake_watchers()
+                self._wake_watchers(high_watermark_moved=self._high_watermark > high_watermark)
             waiter = None
             if acks_all and not ack_is_due(self._high_watermark, info.last_offset + 1):
                 waiter = AckWaiter(info.last_offset + 1)
@@ -638,8 +643,14 @@ class Partition:
 
     # --- long-poll support --------------------------------------------------------------
 
-    def watch(self, waiter: Watcher) -> None:
-        """Set ``waiter`` on every change of this partition (data, HW, role, close).
+    def watch(self, waiter: Watcher, *, replica: bool) -> None:
+        """Set ``waiter`` on every change of this partition that a fetch may answer with:
+        for a follower's fetch (``replica``) new data or a new log end, for a consumer's a
+        moved high watermark, for both a role change or closing. Kafka completes a
+        DelayedFetch by the same rules: a follower is not woken by a HW that moved under
+        data it already has (it learns the HW with its next answer), nor a consumer by
+        data it may not read yet - on an RF=3 partition each of those was a wasted wake-up
+        per append (BENCHMARKS.md).
 
         Register *before* checking for data, then wait: a change between the check and
         the wait has already set the event, so no wake-up is lost. Stays registered until
@@ -649,20 +660,31 @@ class Partition:
             if self._closed_error is not None:
                 waiter.set()
                 return
-            self._watchers.add(waiter)
+            self._watchers_for(replica=replica).add(waiter)
 
-    def unwatch(self, waiter: Watcher) -> None:
+    def unwatch(self, waiter: Watcher, *, replica: bool) -> None:
         with self._lock:
-            self._watchers.discard(waiter)
+            self._watchers_for(replica=replica).discard(waiter)
 
     # --- internals (call with the lock held) --------------------------------------------
 
-    def _wake_watchers(self) -> None:
+    def _watchers_for(self, *, replica: bool) -> set[Watcher]:
+        return self._log_end_watchers if replica else self._high_watermark_watchers
+
+    def _wake_watchers(
+        self, *, log_end_moved: bool = True, high_watermark_moved: bool = True
+    ) -> None:
+        """Wake the fetches a change concerns; with no arguments (a role change, closing,
+        an ISR change) every one."""
         # Waiters stay registered until their fetch ends (``unwatch`` in a finally), so the
-        # set holds at most the fetches currently waiting on this partition - a number the
+        # sets hold at most the fetches currently waiting on this partition - a number the
         # server bounds.
-        for waiter in self._watchers:
-            waiter.set()
+        if log_end_moved:
+            for waiter in self._log_end_watchers:
+                waiter.set()
+        if high_watermark_moved:
+            for waiter in self._high_watermark_watchers:
+                waiter.set()
 
     def _on_follower_fetch(self, replica_id: int, fetch_offset: int) -> None:
         state = self._replication
@@ -674,7 +696,7 @@ class Partition:
             return  # the read below raises OFFSET_OUT_OF_RANGE; not a valid LEO report
         if state.on_follower_fetch(replica_id, fetch_offset, self._clock.now_ms()):
             self._advance_high_watermark()
-            self._wake_watchers()
+            self._wake_watchers(log_end_moved=False)
 
     def _advance_high_watermark(self) -> None:
         # Leader: HW = min LEO over the maximal ISR (LeaderReplicationState), monotone.

@@ -702,8 +702,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 waiter.set()
         try:
             context.add_callback(waiter.set)  # the client went away: stop waiting
+            replica = params.replica_id >= 0
             for partition, watcher in watched:
-                partition.watch(watcher)
+                partition.watch(watcher, replica=replica)
             # Re-read after registering: data that arrived in between is not missed, and
             # anything later sets the event. After that, only the partitions that changed
             # are read again: a follower's fetch names every partition it follows from
@@ -726,7 +727,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     reads = self._read_all(request, partitions, params, again, reads)
         finally:
             for partition, watcher in watched:
-                partition.unwatch(watcher)
+                partition.unwatch(watcher, replica=params.replica_id >= 0)
             with self._waiters_lock:
                 self._waiters.discard(waiter)
             self._waiting_fetch_slots.release()
