@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import grpc
 import structlog
 
+from services.allocator import retain_freed_memory
 from tidelog.errors import TidelogError
 
 _log = structlog.get_logger("tidelog.process")
@@ -288,6 +289,7 @@ def serve_until_signal(command: str, node: ServiceNode, announce: str) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    retain_freed_memory()  # before the first message buffer is allocated
     try:
         node.start()
     except Exception as exc:
