@@ -43,14 +43,18 @@ def _run(mode: str, **env: str) -> tuple[str, float]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environment.pop("GLIBC_TUNABLES", None)
     environment.update(env, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-c", _PROBE, mode],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=environment,
-        timeout=60,
-    ).stdout.splitlines()[-1].split()  # the lines before are the module's log events
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", _PROBE, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=environment,
+            timeout=60,
+        )
+        .stdout.splitlines()[-1]
+        .split()
+    )  # the lines before are the module's log events
     return out[0], float(out[1])
 
 
