@@ -47,6 +47,7 @@ class Channels:
         self._appends: dict[
             str, grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse]
         ] = {}
+        self._fetches: dict[str, grpc.UnaryUnaryMultiCallable[storage_pb2.FetchRequest, bytes]] = {}
         self._closed = False
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -82,6 +83,20 @@ class Channels:
             )
         return append
 
+    def storage_fetch_encoded(
+        self, broker: Broker
+    ) -> grpc.UnaryUnaryMultiCallable[storage_pb2.FetchRequest, bytes]:
+        """``Storage.Fetch`` answering the encoded response, unparsed (for pass-through)."""
+        address = broker_address(broker)
+        fetch = self._fetches.get(address)
+        if fetch is None:
+            fetch = self._fetches[address] = self._channel(address).unary_unary(
+                "/tidelog.v1.Storage/Fetch",
+                request_serializer=storage_pb2.FetchRequest.SerializeToString,
+                response_deserializer=None,
+            )
+        return fetch
+
     def controller(self, address: str) -> controller_pb2_grpc.ControllerStub:
         return controller_pb2_grpc.ControllerStub(self._channel(address))
 
@@ -91,5 +106,6 @@ class Channels:
             channels, self._channels = list(self._channels.values()), {}
             self._stubs.clear()
             self._appends.clear()
+            self._fetches.clear()
         for channel in channels:
             channel.close()

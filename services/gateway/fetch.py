@@ -1,7 +1,8 @@
 """Reading through the gateway: Fetch (long-poll over many partitions), Subscribe (follow
 one partition), ListOffsets, and the offsets DescribeTopics reports.
 
-Fetch groups the requested partitions by leader and asks every leader at once, passing
+Fetch groups the requested partitions by leader and asks every leader at once (one leader:
+a blocking call; several: on the ``LeaderCalls`` event loop), passing
 the leaders' encoded answers on without parsing them (see ``FetchHandler.fetch``). A leader
 long poll answers at once when it has data, so with ``min_bytes`` 1 (the default) one
 round of long polls is enough: the fetch answers as soon as any leader has data; the
@@ -83,8 +84,9 @@ def _result_without_records(fp: storage_pb2.FetchPartition) -> storage_pb2.Fetch
 
 
 class FetchHandler:
-    """Fetch, Subscribe, ListOffsets. Thread-safe; a Fetch's calls to leaders run on the
-    ``LeaderCalls`` loop, the rest on the caller's thread."""
+    """Fetch, Subscribe, ListOffsets. Thread-safe; a Fetch's calls to several leaders run
+    on the ``LeaderCalls`` loop, everything else (a Fetch from one leader included) on the
+    caller's thread."""
 
     def __init__(self, router: Router, limits: FetchLimits, calls: LeaderCalls) -> None:
         self._router = router
@@ -159,10 +161,19 @@ class FetchHandler:
         answers: dict[int, bytes] = {}
         limits = {"max_bytes": max_bytes, "min_bytes": min_bytes}
         run = self._calls.run
-        if local_errors or wait_ms == 0:
+        if len(by_leader) == 1:
+            # One leader - every fetch of the SDK's consumer, which groups its partitions
+            # by leader: a blocking call from this handler thread. Handing it to the
+            # LeaderCalls loop and waiting there cost ~0.25 ms more CPU and ~0.3 ms more
+            # latency per call (BENCHMARKS.md, fifth pass); the loop is for fan-outs.
+            [(leader, partitions)] = by_leader.values()
+            answers[leader.broker.broker_id] = self._fetch_one(
+                leader, partitions, wait_ms=0 if local_errors else wait_ms, **limits
+            )
+        elif local_errors or wait_ms == 0:
             # A partition that failed here needs its client's attention now: no waiting.
             run(self._round(by_leader, wait_ms=0, answers=answers, **limits))
-        elif len(by_leader) == 1 or min_bytes <= 1:
+        elif min_bytes <= 1:
             # Every leader's long poll answers at once when it has data (or an error), so a
             # first round without waiting would only cost an RPC per leader.
             run(self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits))
@@ -172,6 +183,32 @@ class FetchHandler:
                 run(self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits))
         encoded = storage_pb2.FetchResponse(partitions=local_errors).SerializeToString()
         return encoded + b"".join(answers.values())
+
+    def _fetch_one(
+        self,
+        leader: Leader,
+        partitions: list[storage_pb2.FetchPartition],
+        *,
+        max_bytes: int,
+        min_bytes: int,
+        wait_ms: int,
+    ) -> bytes:
+        """One leader's encoded answer (a failed call becomes an error per partition)."""
+        fetch = self._router.channels.storage_fetch_encoded(leader.broker)
+        try:
+            encoded: bytes = fetch(
+                storage_pb2.FetchRequest(
+                    replica_id=-1,
+                    max_wait_ms=wait_ms,
+                    min_bytes=min_bytes,
+                    max_bytes=max_bytes,
+                    partitions=partitions,
+                ),
+                timeout=wait_ms / 1000 + ANSWER_SLACK_S,
+            )
+        except grpc.RpcError as exc:
+            return _failed_answer(exc, partitions)
+        return encoded
 
     async def _round(
         self,
@@ -463,6 +500,14 @@ def _has_error(results: Iterable[storage_pb2.FetchPartitionResult]) -> bool:
     return any(r.error.code != common_pb2.NONE for r in results)
 
 
+def _failed_answer(exc: grpc.RpcError, partitions: list[storage_pb2.FetchPartition]) -> bytes:
+    """The encoded answer for a leader call that failed: its error for every partition."""
+    error = error_from_rpc_error(exc)
+    return storage_pb2.FetchResponse(
+        partitions=[_fetch_error(fp, error) for fp in partitions]
+    ).SerializeToString()
+
+
 def _leader_answer(
     call: asyncio.Future[bytes], partitions: list[storage_pb2.FetchPartition]
 ) -> tuple[bytes, int, bool]:
@@ -471,11 +516,7 @@ def _leader_answer(
     try:
         encoded = call.result()
     except grpc.RpcError as exc:
-        error = error_from_rpc_error(exc)
-        failed = storage_pb2.FetchResponse(
-            partitions=[_fetch_error(fp, error) for fp in partitions]
-        )
-        return failed.SerializeToString(), 0, True
+        return _failed_answer(exc, partitions), 0, True
     # Results without records are small: only then parse, to see errors.
     overhead = sum(EMPTY_RESULT_BYTES + 8 + len(fp.topic) for fp in partitions)
     if len(encoded) > overhead:
