@@ -197,13 +197,7 @@ class FetchHandler:
         fetch = self._router.channels.storage_fetch_encoded(leader.broker)
         try:
             encoded: bytes = fetch(
-                storage_pb2.FetchRequest(
-                    replica_id=-1,
-                    max_wait_ms=wait_ms,
-                    min_bytes=min_bytes,
-                    max_bytes=max_bytes,
-                    partitions=partitions,
-                ),
+                _leader_request(partitions, max_bytes, min_bytes, wait_ms),
                 timeout=wait_ms / 1000 + ANSWER_SLACK_S,
             )
         except grpc.RpcError as exc:
@@ -230,13 +224,7 @@ class FetchHandler:
         calls: dict[asyncio.Future[bytes], tuple[list[storage_pb2.FetchPartition], int]] = {}
         for broker_id, (leader, partitions) in by_leader.items():
             call = self._calls.fetch_encoded(leader.broker)(
-                storage_pb2.FetchRequest(
-                    replica_id=-1,
-                    max_wait_ms=wait_ms,
-                    min_bytes=min_bytes,
-                    max_bytes=max_bytes,
-                    partitions=partitions,
-                ),
+                _leader_request(partitions, max_bytes, min_bytes, wait_ms),
                 timeout=wait_ms / 1000 + ANSWER_SLACK_S,
             )
             calls[asyncio.ensure_future(call)] = (partitions, broker_id)
@@ -498,6 +486,19 @@ def _has_error(results: Iterable[storage_pb2.FetchPartitionResult]) -> bool:
     # Like a storage node, answer at once when a partition has an error, so the client can
     # act on it (re-route, reset its offset) instead of waiting for nothing.
     return any(r.error.code != common_pb2.NONE for r in results)
+
+
+def _leader_request(
+    partitions: list[storage_pb2.FetchPartition], max_bytes: int, min_bytes: int, wait_ms: int
+) -> storage_pb2.FetchRequest:
+    """What the gateway asks one leader for on a client's behalf (a consumer's fetch)."""
+    return storage_pb2.FetchRequest(
+        replica_id=-1,
+        max_wait_ms=wait_ms,
+        min_bytes=min_bytes,
+        max_bytes=max_bytes,
+        partitions=partitions,
+    )
 
 
 def _failed_answer(exc: grpc.RpcError, partitions: list[storage_pb2.FetchPartition]) -> bytes:
