@@ -198,6 +198,20 @@ def test_append_assigns_contiguous_offsets(tmp_path: Path) -> None:
     log.close()
 
 
+def test_one_append_of_more_batches_than_one_pwritev_takes(tmp_path: Path) -> None:
+    """A leader append writes two buffers a batch (the stamped prefix, then the rest from
+    the request); 1,500 batches are 3,000 buffers, more than one pwritev takes (1,024)."""
+    log = open_log(tmp_path / "p-0")
+    model = Model(log)
+    batches = [make_batch(1, value_size=i % 7, tag=i) for i in range(1_500)]
+    assert model.append(*batches) == AppendInfo(0, 1_499)
+    assert read_all(log) == model.all_bytes()
+    assert [r.offset for b in decode_batches(read_all(log)) for r in b.records] == list(
+        range(1_500)
+    )
+    log.close()
+
+
 def test_append_accepts_bytearray_and_memoryview(tmp_path: Path) -> None:
     log = open_log(tmp_path / "p-0")
     raw = make_batch(2)

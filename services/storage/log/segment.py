@@ -18,7 +18,7 @@ Thread-safety: none; the owning ``Log`` is serialized by its caller.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,6 +34,32 @@ RECOVERY_CHUNK_BYTES = 8 << 20
 
 _MAX_HEADER_WALK = 64
 """A read of more batches than this is cut after the pread instead (``_whole_batches``)."""
+
+
+_IOV_MAX = 1024
+"""Buffers one ``pwritev`` takes at most (Linux's IOV_MAX)."""
+
+
+def _pwrite_all(fd: int, buffers: Sequence[bytes | bytearray | memoryview], offset: int) -> int:
+    """Write ``buffers`` back to back at ``offset`` with as few ``pwritev`` calls as
+    possible (a write may take less than asked: the rest follows). Returns bytes written."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    total = sum(len(v) for v in views)
+    first = 0
+    position = offset
+    while first < len(views):
+        written = os.pwritev(fd, views[first : first + _IOV_MAX], position)
+        if written <= 0:
+            raise OSError(f"pwritev wrote nothing at position {position}")
+        position += written
+        while written:  # drop what was written: whole buffers, then part of one
+            if written >= len(views[first]):
+                written -= len(views[first])
+                first += 1
+            else:
+                views[first] = views[first][written:]
+                written = 0
+    return total
 
 
 class BatchSpan(NamedTuple):
@@ -308,14 +334,15 @@ class LogSegment:
             and not self.time_index.is_full
         )
 
-    def append(self, data: bytes | bytearray | memoryview, spans: list[BatchSpan]) -> None:
-        """Write validated batches (offsets already assigned) at the end of the segment."""
+    def append(
+        self, data: Sequence[bytes | bytearray | memoryview], spans: list[BatchSpan]
+    ) -> None:
+        """Write validated batches (offsets already assigned) at the end of the segment:
+        the buffers of ``data`` back to back, ``spans`` giving the batches' places in
+        their concatenation."""
         self._load_tail()
         start = self.size_bytes
-        view = memoryview(data)
-        written = 0
-        while written < len(view):  # pwrite may write less than asked
-            written += os.pwrite(self._fd, view[written:], start + written)
+        size = _pwrite_all(self._fd, data, start)
         for span in spans:
             if span.max_timestamp_ms > self._max_timestamp_ms:
                 self._max_timestamp_ms = span.max_timestamp_ms
@@ -325,7 +352,7 @@ class LogSegment:
                 self.time_index.maybe_append(self._max_timestamp_ms, self._offset_of_max_timestamp)
                 self._bytes_since_index_entry = 0
             self._bytes_since_index_entry += span.size_bytes
-        self.size_bytes = start + len(view)
+        self.size_bytes = start + size
         self._next_offset = spans[-1].last_offset + 1
 
     def read(self, offset: int, max_bytes: int, max_offset: int | None) -> bytes | None:
