@@ -15,8 +15,9 @@ Kinds (issue 9):
 - ``partition_broker``: cut a broker off the network (``netns.py``) past its lease TTL;
 - ``restart_etcd``: kill -9 etcd, start it again on the same data and ports;
 - ``torn_tail``: kill -9 a broker, tear or garble the end of its newest segments, restart;
-- ``disk_error``: restart a broker under strace injecting EIO into its segment writes
-  (``pwrite64``) and fsyncs after a drawn number of calls; afterwards restart it normally;
+- ``disk_error``: restart a broker under strace injecting EIO into its file writes
+  (``pwrite64``, and ``pwritev``/``pwritev2`` for segments) and fsyncs after a drawn
+  number of calls; afterwards restart it normally;
 - ``kill_all_brokers``: kill -9 every storage node at once, restart them all: what they
   wrote is in the page cache, so everything acknowledged must survive (an acks=all
   acknowledgement waits for the followers' writes, not for their fetch requests);
@@ -225,9 +226,9 @@ class Nemesis:
             "-o",
             "/dev/null",
             "-e",
-            "trace=pwrite64,fsync,fdatasync",
+            "trace=pwrite64,pwritev,pwritev2,fsync,fdatasync",
             "-e",
-            f"inject=pwrite64:error=EIO:when={fault.number}+",
+            f"inject=pwrite64,pwritev,pwritev2:error=EIO:when={fault.number}+",
             "-e",
             f"inject=fsync,fdatasync:error=EIO:when={fault.number // 4 + 1}+",
         ]

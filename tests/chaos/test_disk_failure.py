@@ -1,6 +1,7 @@
 """A storage node whose disk fails halts instead of answering, and loses nothing it
-acknowledged: the failure is real (strace injects EIO into the process's own pwrite64 /
-fsync system calls), and the node's files are read back by a restart without strace.
+acknowledged: the failure is real (strace injects EIO into the process's own writes -
+pwrite64, pwritev, pwritev2 - or fsyncs), and the node's files are read back by a restart
+without strace.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from tidelog.v1 import storage_pb2_grpc
 
 pytestmark = pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
 
+WRITES = "pwrite64,pwritev,pwritev2"
+"""The system calls a storage node writes its files with (``os.pwrite``, ``os.pwritev``)."""
+
 
 def _storage(data_dir: Path, log_path: Path, prefix: list[str]) -> TidelogProcess:
     process = TidelogProcess(
@@ -38,8 +42,9 @@ def _storage(data_dir: Path, log_path: Path, prefix: list[str]) -> TidelogProces
 @pytest.mark.parametrize(
     "inject",
     [
-        # Segment writes fail from the 3rd on (the first ones are start-up's checkpoints).
-        ["-e", "trace=pwrite64", "-e", "inject=pwrite64:error=EIO:when=3+"],
+        # Writes fail from the 3rd on (the first ones are start-up's checkpoints): segments
+        # are written with pwritev (glibc's pwritev2), indexes and checkpoints with pwrite.
+        ["-e", f"trace={WRITES}", "-e", f"inject={WRITES}:error=EIO:when=3+"],
         # Writes go through, but flushing them fails (flush.messages=1 fsyncs every append).
         # (start-up makes two fsyncs; the first append's fails).
         ["-e", "trace=fsync", "-e", "inject=fsync:error=EIO:when=3+"],
