@@ -86,7 +86,7 @@ def test_append_request(  # noqa: PLR0917 - one argument per field
     encoded = wire.encode_append_request(
         topic=topic,
         partition=partition,
-        records=memoryview(records),
+        batches=(memoryview(records[:3]), records[3:]),
         acks=acks,
         timeout_ms=timeout_ms,
         current_leader_epoch=current_leader_epoch,

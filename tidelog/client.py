@@ -67,12 +67,23 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> TidelogError:
             code = ErrorCode.__members__.get(name, ErrorCode.UNKNOWN_SERVER_ERROR)
             return error_for_code(code, f"{what}: {details}")
     if status == grpc.StatusCode.UNAVAILABLE:
-        return NetworkError(f"{what}: gateway unreachable ({details})")
+        return NetworkError(f"{what}: unreachable ({details})")
     if status == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RequestTimedOutError(f"{what}: no answer before the deadline")
     if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return RecordListTooLargeError(f"{what}: {details}")
     return UnknownServerError(f"{what}: {status.name}: {details}")
+
+
+def leaders_by_topic(response: controller_pb2.MetadataResponse) -> dict[str, list[int]]:
+    """Per topic of a metadata answer, the leader of each partition (-1: none); raises the
+    first per-topic error (e.g. UnknownTopicOrPartitionError)."""
+    leaders: dict[str, list[int]] = {}
+    for topic in response.topics:
+        raise_for(topic.error, f"topic {topic.name!r}")
+        by_index = sorted(topic.partitions, key=lambda p: p.partition)
+        leaders[topic.name] = [p.leader for p in by_index]
+    return leaders
 
 
 def raise_for(error: common_pb2.Error, what: str) -> None:
@@ -102,6 +113,20 @@ def _produce_request(
     )
 
 
+def client_channel(address: str) -> grpc.Channel:
+    """A channel from the SDK to a gateway or (direct mode) a storage node."""
+    return grpc.insecure_channel(
+        address,
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2_000),
+        ],
+    )
+
+
 class GatewayConnection:
     """Typed calls to one gateway over one channel (see module docstring)."""
 
@@ -111,16 +136,7 @@ class GatewayConnection:
     def __init__(self, address: str, timeout_ms: int = 30_000) -> None:
         self.address = address
         self.timeout_s = timeout_ms / 1000.0
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 2_000),
-            ],
-        )
+        self._channel = client_channel(address)
         self.stub = gateway_pb2_grpc.GatewayStub(self._channel)
         # ProduceStream taking requests already encoded (tidelog.wire): protobuf's own
         # building and encoding of a request full of batches costs ~2 ms per MB.
@@ -158,23 +174,23 @@ class GatewayConnection:
         """
         return {name: len(leaders) for name, leaders in self.partition_leaders(topics).items()}
 
+    def metadata(self, topics: Sequence[str] = ()) -> controller_pb2.MetadataResponse:
+        """The gateway's metadata: live brokers and the named topics' partition states
+        (all topics when ``topics`` is empty); per-topic errors are left in the answer."""
+        response: controller_pb2.MetadataResponse = self.call(
+            self.stub.Metadata,
+            controller_pb2.MetadataRequest(topics=list(topics)),
+            f"metadata from gateway {self.address}",
+        )
+        return response
+
     def partition_leaders(self, topics: Sequence[str] = ()) -> dict[str, list[int]]:
         """Per topic, the leader's broker id of each partition (-1: none), as the gateway's
         metadata has it (all topics when ``topics`` is empty).
 
         Raises UnknownTopicOrPartitionError when a named topic does not exist.
         """
-        response: controller_pb2.MetadataResponse = self.call(
-            self.stub.Metadata,
-            controller_pb2.MetadataRequest(topics=list(topics)),
-            f"metadata from gateway {self.address}",
-        )
-        leaders: dict[str, list[int]] = {}
-        for topic in response.topics:
-            raise_for(topic.error, f"topic {topic.name!r}")
-            by_index = sorted(topic.partitions, key=lambda p: p.partition)
-            leaders[topic.name] = [p.leader for p in by_index]
-        return leaders
+        return leaders_by_topic(self.metadata(topics))
 
     def list_offsets(
         self,

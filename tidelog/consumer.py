@@ -16,6 +16,12 @@ it is in. The grouping only saves rounds: the gateway routes every partition to 
 current leader whatever the group, and a leader change noticed in a fetch answer (a
 retriable error) refreshes the grouping.
 
+Direct mode (``direct=True``, ``tidelog.leaders``): each group's fetch goes to its leader's
+``Storage.Fetch`` itself, as Kafka's consumer fetches, instead of through the gateway (one
+gRPC hop less per fetch; offsets and metadata still come from the gateway). The request
+and the answer are the same messages the gateway forwards. A broker that cannot be
+reached counts as a leader change: the grouping is refreshed after the back-off.
+
 Where a partition starts: the group's committed offset when ``group_id`` is set and the
 group committed one; else ``auto_offset_reset`` ("latest", Kafka's default, or
 "earliest"; "none" raises ``OffsetOutOfRangeError``). An offset that falls out of range
@@ -56,9 +62,10 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
     error_for_code,
 )
+from tidelog.leaders import LeaderDirectory, directory_for
 from tidelog.metrics import ClientMetrics
 from tidelog.records import Header, RecordBatch, arrow_schema, decode_batches
-from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
+from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
 
 TopicPartition = tuple[str, int]
 
@@ -177,6 +184,7 @@ class Consumer:
         max_partition_fetch_bytes: int = 1024 * 1024,
         max_poll_records: int = 500,
         request_timeout_ms: int = 30_000,
+        direct: bool = False,
     ) -> None:
         if auto_offset_reset not in AUTO_OFFSET_RESETS:
             raise ConfigError(
@@ -194,6 +202,8 @@ class Consumer:
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, not {value}")
         self._conn = GatewayConnection.get(gateway, request_timeout_ms)
+        # Direct mode (module docstring): fetches go to the leaders, found through here.
+        self._directory: LeaderDirectory | None = directory_for(self._conn) if direct else None
         self.group_id = group_id
         self._reset = auto_offset_reset
         self._auto_commit = enable_auto_commit and group_id is not None
@@ -232,7 +242,7 @@ class Consumer:
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
         """Read exactly these partitions (replaces any earlier assignment/subscription)."""
         wanted = list(dict.fromkeys((str(t), int(p)) for t, p in partitions))
-        leaders = self._conn.partition_leaders(sorted({t for t, _ in wanted}))
+        leaders = self._partition_leaders(sorted({t for t, _ in wanted}))
         for topic, partition in wanted:
             if not 0 <= partition < len(leaders[topic]):
                 raise error_for_code(
@@ -251,7 +261,7 @@ class Consumer:
         self._refresh_subscription()
 
     def _refresh_subscription(self) -> None:
-        leaders = self._conn.partition_leaders(self._subscription)
+        leaders = self._partition_leaders(self._subscription)
         self._set_assignment(
             [(t, p) for t in self._subscription for p in range(len(leaders[t]))], leaders
         )
@@ -264,7 +274,7 @@ class Consumer:
             return
         topics = sorted({t for t, _ in self._assignment})
         try:
-            leaders = self._conn.partition_leaders(topics) if topics else {}
+            leaders = self._partition_leaders(topics) if topics else {}
         except UnknownTopicOrPartitionError:
             # An assigned topic is gone: its fetches keep answering with that error (as
             # Kafka's consumer does for an assignment); the others keep their grouping.
@@ -272,6 +282,11 @@ class Consumer:
             self._leaders_stale = False
             return
         self._set_assignment(self._assignment, leaders)
+
+    def _partition_leaders(self, topics: Sequence[str]) -> dict[str, list[int]]:
+        if self._directory is not None:
+            return self._directory.refresh(topics)  # the brokers' addresses come along
+        return self._conn.partition_leaders(topics)
 
     def _set_assignment(
         self, partitions: list[TopicPartition], leaders: dict[str, list[int]]
@@ -511,21 +526,54 @@ class Consumer:
             return
         busy = {tp for fetch in self._fetches.values() for tp in fetch.offsets}
         groups: dict[int, dict[TopicPartition, int]] = {}
+        leaderless = False
         for tp in self._assignment:
-            group = self._leaders.get(tp, -1) % MAX_FETCHES_IN_FLIGHT
+            leader = self._leaders.get(tp, -1)
+            if self._directory is None:
+                group = leader % MAX_FETCHES_IN_FLIGHT  # the gateway routes within a group
+            elif leader >= 0:
+                group = leader  # a direct fetch goes to exactly one broker
+            else:
+                leaderless = True
+                continue
             position = self._positions.get(tp)
             if group in self._fetches or position is None or tp in busy:
                 continue  # it joins its group's next fetch
+            if group not in groups and len(self._fetches) + len(groups) >= MAX_FETCHES_IN_FLIGHT:
+                continue  # more leaders than fetches allowed: it waits for a free place
             groups.setdefault(group, {})[tp] = self._next_fetch.get(tp, position)
+        if leaderless:
+            self._retry_later()
         timeout_s = self._conn.timeout_s + self._max_wait_ms / 1000
         for group, offsets in groups.items():
-            future = self._conn.stub.Fetch.future(
+            stub = self._fetch_stub(group)
+            if stub is None:
+                self._retry_later()
+                continue
+            future = stub.Fetch.future(
                 self._fetch_request(offsets, self._max_wait_ms), timeout=timeout_s
             )
             fetch = _Fetch(group, offsets, future)
             self._fetches[group] = fetch
             # Runs on a gRPC thread (or here, if already done): only hands the fetch over.
             future.add_done_callback(lambda _, f=fetch: self._answered.put(f))
+
+    def _fetch_stub(self, group: int) -> Any:
+        """Where a group's fetch goes: the gateway, or (direct mode) the group's leader;
+        None when that broker's address is not known (it is not registered)."""
+        if self._directory is None:
+            return self._conn.stub
+        address = self._directory.address(group)
+        if address is None:
+            return None
+        stub: storage_pb2_grpc.StorageStub = self._directory.storage(address)
+        return stub
+
+    def _retry_later(self) -> None:
+        """A leader moved or cannot be reached: regroup after a pause rather than ask the
+        same broker again at once."""
+        self._leaders_stale = True
+        self._backoff_until = time.monotonic() + RETRY_BACKOFF_S
 
     def _decode_answered(self) -> None:
         while True:
@@ -546,7 +594,11 @@ class Consumer:
         except grpc.FutureCancelledError:
             return
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc, "fetch") from None
+            error = error_from_rpc(exc, "fetch")
+            if self._directory is not None and error.retriable:
+                self._retry_later()  # direct: the leader died or moved (module docstring)
+                return
+            raise error from None
         retry = False
         reset: list[TopicPartition] = []
         fetched_bytes = fetched_records = 0
@@ -583,10 +635,7 @@ class Consumer:
         if reset:
             self._reset_positions(reset)
         if retry:
-            # A leader moved or is unavailable: regroup after a pause rather than ask the
-            # same broker again at once.
-            self._leaders_stale = True
-            self._backoff_until = time.monotonic() + RETRY_BACKOFF_S
+            self._retry_later()
 
     def __iter__(self) -> Iterator[ConsumerRecord]:
         """Records forever (until ``close``), polling as needed."""

@@ -1,4 +1,5 @@
-"""``tidelog.Producer``: batch records per partition and send them through a gateway.
+"""``tidelog.Producer``: batch records per partition and send them through a gateway (or,
+in direct mode, to the partition leaders).
 
 Pieces (Kafka's producer, reduced to what a gateway client needs):
 
@@ -16,6 +17,11 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
   partitions each, several batches per partition) on one ProduceStream, with up to
   ``max_in_flight_requests`` requests unanswered; a reader thread matches answers by
   correlation id and completes futures.
+* **Direct mode** (``direct=True``) - the sender sends each partition's batches in an
+  ``Append`` to the partition's leader itself, as Kafka's producer does, instead of through
+  the gateway (``tidelog.leaders``: the gateway still gives metadata and producer ids).
+  An answer that says the leader moved, or a broker that cannot be reached, makes the
+  batches retry after a metadata refresh, exactly as a gateway's retriable answer does.
 
 Ordering and idempotence: a partition has at most one request in flight, and a batch is
 encoded - given its producer id and sequence - only when it is first sent, so sequences
@@ -49,6 +55,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from types import TracebackType
 from typing import Any, Final, cast, overload
 
@@ -57,17 +64,19 @@ import grpc
 from tidelog.client import GatewayConnection, error_from_rpc
 from tidelog.errors import (
     ConfigError,
+    LeaderNotAvailableError,
     NetworkError,
     RequestTimedOutError,
     TidelogError,
     UnknownTopicOrPartitionError,
     error_for_code,
 )
+from tidelog.leaders import Leader, LeaderDirectory, directory_for
 from tidelog.metrics import ClientMetrics
 from tidelog.partitioner import murmur2_partitions, partition_for_key
 from tidelog.records import Header, encode_batch, encode_batch_arrow
-from tidelog.v1 import common_pb2, gateway_pb2
-from tidelog.wire import encode_produce_request
+from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
+from tidelog.wire import encode_append_request, encode_produce_request
 
 ACKS: Final = {
     "all": common_pb2.ALL,
@@ -83,6 +92,9 @@ gateway's limit."""
 MAX_PARTITION_REQUEST_BYTES: Final = 4 * 1024 * 1024
 """Record bytes of one partition in one request (several batches)."""
 RETRY_BACKOFF_S: Final = 0.1
+LEADER_WAIT_MARGIN_MS: Final = 100
+"""Direct mode: an acks=all append asks the leader to wait this much less than the call's
+deadline, so the leader's precise REQUEST_TIMED_OUT arrives rather than a bare deadline."""
 _STOP: Final = object()
 _ZERO_I32: Final = array("i", [0])
 _ZERO_I64: Final = array("q", [0])
@@ -258,6 +270,7 @@ class Producer:
         max_block_ms: int = 60_000,
         partitioner: Any = None,
         client_id: str = "tidelog-producer",
+        direct: bool = False,
     ) -> None:
         acks_key = str(acks).lower()
         if acks_key not in ACKS:
@@ -278,6 +291,8 @@ class Producer:
             raise ConfigError("enable_idempotence needs acks='all'; pass enable_idempotence=False")
         encode_batch([b""], compression=compression)  # validates the codec name now
         self._conn = GatewayConnection.get(gateway, request_timeout_ms)
+        # Direct mode (module docstring): appends go to the leaders, found through here.
+        self._leaders: LeaderDirectory | None = directory_for(self._conn) if direct else None
         self._acks = ACKS[acks_key]
         self._linger_s = linger_ms / 1000
         self._batch_bytes = batch_bytes
@@ -713,6 +728,9 @@ class Producer:
                             break
                     self._lock.wait(wait_s)
                 requests = self._requests
+            if self._leaders is not None:
+                self._send_direct(picked, self._leaders)
+                continue
             try:
                 if requests is None:
                     requests = queue.SimpleQueue()
@@ -776,40 +794,110 @@ class Producer:
         for picked in stranded:
             self._complete_failed(picked, error)
 
-    def _build(self, picked: list[tuple[_PartitionQueue, list[_Batch]]]) -> tuple[int, bytes]:
-        """(correlation id, the encoded ProduceRequest) for the picked batches."""
+    def _prepare(self, picked: list[tuple[_PartitionQueue, list[_Batch]]]) -> list[list[bytes]]:
+        """Encode the batches sent for the first time (which gives them their sequence) and
+        count the attempt; returns each picked partition's encoded batches."""
         if self._idempotent and self._producer_id < 0:
             self._init_producer_id()
-        entries: list[tuple[str, int, list[bytes]]] = []
-        records = 0
+        encoded: list[list[bytes]] = []
         for pq, batches in picked:
             for batch in batches:
-                records += len(batch)
                 if batch.encoded is None:
                     self._encode(pq, batch)
                     self._metrics.record("batch-size", len(batch.encoded or b""))
                     self._metrics.add("record-send-total", len(batch))
-            entries.append(
-                (
-                    batches[0].tp[0],
-                    batches[0].tp[1],
-                    [b.encoded for b in batches if b.encoded is not None],
-                )
-            )
+            encoded.append([b.encoded for b in batches if b.encoded is not None])
         for _, batches in picked:
             for batch in batches:
                 batch.attempts += 1
                 batch.sent = True
+        return encoded
+
+    def _count_request(self, picked: list[tuple[_PartitionQueue, list[_Batch]]]) -> int:
+        """Count one request of the picked batches; returns its correlation id."""
         self._metrics.add("request-total")
-        self._metrics.record("records-per-request", records)
-        correlation_id = next(self._correlation)
+        self._metrics.record("records-per-request", sum(len(b) for _, bs in picked for b in bs))
+        return next(self._correlation)
+
+    def _build(self, picked: list[tuple[_PartitionQueue, list[_Batch]]]) -> tuple[int, bytes]:
+        """(correlation id, the encoded ProduceRequest) for the picked batches."""
+        encoded = self._prepare(picked)
+        correlation_id = self._count_request(picked)
         return correlation_id, encode_produce_request(
             acks=self._acks,
             timeout_ms=self._request_timeout_ms,
-            partitions=entries,
+            partitions=[
+                (batches[0].tp[0], batches[0].tp[1], chunks)
+                for (_, batches), chunks in zip(picked, encoded, strict=True)
+            ],
             correlation_id=correlation_id,
             client_id=self._client_id,
         )
+
+    # --- direct mode ----------------------------------------------------------------------
+
+    def _send_direct(
+        self, picked: list[tuple[_PartitionQueue, list[_Batch]]], leaders: LeaderDirectory
+    ) -> None:
+        """One ``Append`` per picked partition, to its leader; answered on a gRPC thread."""
+        try:
+            encoded = self._prepare(picked)
+        except TidelogError as exc:
+            self._complete_failed(picked, exc)
+            return
+        # The leader waits for acks=all a little less than the call may take (see the
+        # constant), as the gateway asks of it.
+        wait_ms = max(1, self._request_timeout_ms - LEADER_WAIT_MARGIN_MS)
+        for item, chunks in zip(picked, encoded, strict=True):
+            topic, partition = item[1][0].tp
+            try:
+                leader = leaders.leader((topic, partition))
+            except TidelogError as exc:  # the topic is gone, or the gateway is unreachable
+                self._complete_failed([item], exc)
+                continue
+            if leader is None:
+                leaders.invalidate()
+                self._complete_failed(
+                    [item],
+                    LeaderNotAvailableError(f"{topic}-{partition} has no live leader right now"),
+                )
+                continue
+            request = encode_append_request(
+                topic=topic,
+                partition=partition,
+                batches=chunks,
+                acks=self._acks,
+                timeout_ms=wait_ms,
+                current_leader_epoch=leader.leader_epoch,
+            )
+            correlation_id = self._count_request([item])
+            with self._lock:
+                self._in_flight[correlation_id] = [item]
+                self._sent_at_s[correlation_id] = time.monotonic()
+            future = leaders.append_encoded(leader.address).future(
+                request, timeout=self._request_timeout_ms / 1000
+            )
+            future.add_done_callback(partial(self._append_answered, correlation_id, leader))
+
+    def _append_answered(self, correlation_id: int, leader: Leader, future: Any) -> None:
+        with self._lock:
+            picked = self._in_flight.pop(correlation_id, None)
+            sent_at_s = self._sent_at_s.pop(correlation_id, None)
+        if picked is None:
+            return
+        if sent_at_s is not None:
+            self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
+        try:
+            response: storage_pb2.AppendResponse = future.result()
+        except grpc.RpcError as exc:
+            topic, partition = picked[0][1][0].tp
+            where = f"broker {leader.broker_id} ({leader.address})"
+            error = error_from_rpc(exc, f"append to {topic}-{partition} on {where}")
+            if error.retriable and self._leaders is not None:
+                self._leaders.invalidate()  # moved, fenced or unreachable: ask again
+            self._complete_failed(picked, error)
+            return
+        self._complete(picked, [response])
 
     def _encode(self, pq: _PartitionQueue, batch: _Batch) -> None:
         producer_id, epoch, sequence = -1, -1, -1
@@ -854,7 +942,7 @@ class Producer:
     def _complete(
         self,
         picked: list[tuple[_PartitionQueue, list[_Batch]]],
-        results: list[gateway_pb2.ProducePartitionResult],
+        results: Sequence[gateway_pb2.ProducePartitionResult | storage_pb2.AppendResponse],
     ) -> None:
         for (pq, batches), result in zip(picked, results, strict=False):
             if result.error.code == common_pb2.NONE:

@@ -122,17 +122,17 @@ def encode_append_request(
     *,
     topic: str,
     partition: int,
-    records: _Buffer,
+    batches: Sequence[_Buffer],
     acks: int,
     timeout_ms: int,
     current_leader_epoch: int | None,
     correlation_id: int = 0,
 ) -> bytes:
-    """``AppendRequest``."""
+    """``AppendRequest`` whose ``records`` are ``batches`` concatenated."""
     parts: list[_Buffer] = []
     _string_field(1, topic, parts)
     _int_field(2, partition, parts)
-    _bytes_field(3, (records,), parts)
+    _bytes_field(3, batches, parts)
     _int_field(4, acks, parts)
     _int_field(5, timeout_ms, parts)
     _optional_int_field(6, current_leader_epoch, parts)

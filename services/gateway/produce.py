@@ -141,7 +141,7 @@ class ProduceHandler:
                 encode_append_request(
                     topic=data.topic,
                     partition=data.partition,
-                    records=data.records,
+                    batches=(data.records,),
                     acks=acks,
                     timeout_ms=wait_ms,
                     current_leader_epoch=leader.leader_epoch,

@@ -1,0 +1,160 @@
+"""Partition leaders and storage-node channels for clients in direct mode.
+
+Kafka's clients send produce and fetch requests straight to each partition's leader. The
+gateway (DESIGN.md section 1) puts a hop in between so that a client needs to reach only
+the gateway. In direct mode (``Producer(direct=True)``, ``Consumer(direct=True)``) the SDK
+still asks the gateway for metadata, producer ids and group offsets, but sends its
+``Append`` and ``Fetch`` calls to the leaders' ``tidelog.v1.Storage`` service itself: one
+Python gRPC hop less for every byte and every round trip (docs/BENCHMARKS.md measures
+both modes). The brokers' registered addresses (``BrokerInfo`` host:port, what the
+brokers use to reach each other) must be reachable from the client.
+
+``LeaderDirectory`` caches what the gateway last said: each live broker's address and each
+partition's leader and leader epoch. It asks again when a partition it is asked about is
+unknown or when a client reported that a leader moved (``invalidate``), at most once per
+``min_refresh_interval_s``, so a dead leader does not turn every retry into a metadata
+call. A leader that moved answers NOT_LEADER_OR_FOLLOWER or FENCED_LEADER_EPOCH (the
+leader epoch goes with every append), so a stale entry costs a retry, never a misplaced
+record.
+
+Thread-safety: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import grpc
+
+from tidelog.client import GatewayConnection, client_channel, leaders_by_topic
+from tidelog.v1 import storage_pb2, storage_pb2_grpc
+
+MIN_REFRESH_INTERVAL_S: Final = 0.1
+"""Least time between two metadata refreshes that a stale entry asks for (Kafka's
+retry.backoff.ms)."""
+
+TopicPartition = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Leader:
+    """Where a partition's reads and writes go, as the gateway's metadata last said."""
+
+    broker_id: int
+    leader_epoch: int
+    address: str  # host:port of the broker's Storage service
+
+
+class _Broker:
+    """The calls the SDK makes on one storage node, over one channel."""
+
+    __slots__ = ("append_encoded", "stub")
+
+    def __init__(self, address: str) -> None:
+        channel = client_channel(address)
+        self.stub = storage_pb2_grpc.StorageStub(channel)
+        # Append taking a request encoded by hand (tidelog.wire), as the gateway sends it.
+        self.append_encoded: grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse] = (
+            channel.unary_unary(
+                "/tidelog.v1.Storage/Append",
+                request_serializer=None,
+                response_deserializer=storage_pb2.AppendResponse.FromString,
+            )
+        )
+
+
+class LeaderDirectory:
+    """See the module docstring."""
+
+    def __init__(
+        self, conn: GatewayConnection, min_refresh_interval_s: float = MIN_REFRESH_INTERVAL_S
+    ) -> None:
+        self._conn = conn
+        self._min_refresh_interval_s = min_refresh_interval_s
+        self._lock = threading.Lock()
+        self._addresses: dict[int, str] = {}  # live broker id -> host:port
+        self._leaders: dict[TopicPartition, tuple[int, int]] = {}  # -> (broker id, epoch)
+        self._stale = False
+        self._refreshed_at_s = float("-inf")
+        self._brokers: dict[str, _Broker] = {}  # by address: one channel per storage node
+
+    def refresh(self, topics: Sequence[str]) -> dict[str, list[int]]:
+        """Ask the gateway again about ``topics``; returns each one's partition leaders
+        (-1: none). Raises UnknownTopicOrPartitionError for a topic that does not exist."""
+        response = self._conn.metadata(topics)
+        leaders = leaders_by_topic(response)  # raises before anything is replaced
+        with self._lock:
+            self._addresses = {b.broker_id: f"{b.host}:{b.port}" for b in response.brokers}
+            for topic in response.topics:
+                for state in topic.partitions:
+                    self._leaders[(topic.name, state.partition)] = (
+                        state.leader,
+                        state.leader_epoch,
+                    )
+            self._stale = False
+            self._refreshed_at_s = time.monotonic()
+        return leaders
+
+    def invalidate(self) -> None:
+        """A client saw a leader move or a broker fail: the next lookup asks again."""
+        with self._lock:
+            self._stale = True
+
+    def leader(self, tp: TopicPartition) -> Leader | None:
+        """The partition's leader, refreshing first when the entry is missing or stale
+        (rate-limited); None when it has no live leader right now."""
+        with self._lock:
+            entry = self._leaders.get(tp)
+            wants_refresh = (self._stale or entry is None) and (
+                time.monotonic() - self._refreshed_at_s >= self._min_refresh_interval_s
+            )
+        if wants_refresh:
+            self.refresh([tp[0]])
+        with self._lock:
+            entry = self._leaders.get(tp)
+            if entry is None or entry[0] < 0:
+                return None
+            address = self._addresses.get(entry[0])
+        if address is None:
+            return None  # the leader's registration is gone: it died or is restarting
+        return Leader(broker_id=entry[0], leader_epoch=entry[1], address=address)
+
+    def address(self, broker_id: int) -> str | None:
+        """A live broker's address as last known; None when it is not registered."""
+        with self._lock:
+            return self._addresses.get(broker_id)
+
+    def _broker(self, address: str) -> _Broker:
+        with self._lock:
+            broker = self._brokers.get(address)
+            if broker is None:
+                broker = self._brokers[address] = _Broker(address)
+            return broker
+
+    def append_encoded(
+        self, address: str
+    ) -> grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse]:
+        """``Storage.Append`` on the broker at ``address``, taking an encoded request."""
+        return self._broker(address).append_encoded
+
+    def storage(self, address: str) -> storage_pb2_grpc.StorageStub:
+        """The ``Storage`` stub of the broker at ``address``."""
+        return self._broker(address).stub
+
+
+_registry: dict[GatewayConnection, LeaderDirectory] = {}
+_registry_lock = threading.Lock()
+
+
+def directory_for(conn: GatewayConnection) -> LeaderDirectory:
+    """The directory shared by the direct-mode clients of ``conn`` (connections are one per
+    process and gateway address, so this is one per process and gateway too)."""
+    with _registry_lock:
+        directory = _registry.get(conn)
+        if directory is None:
+            directory = _registry[conn] = LeaderDirectory(conn)
+        return directory
