@@ -48,6 +48,8 @@ E2E = "end-to-end latency"
 HALF_RATE_E2E = "end-to-end latency at half the maximum rate"
 SPARK_WRITE = "Spark batch write (connector, acks=all, RF=1)"
 SPARK_READ = "Spark batch read (connector, noop sink)"
+DIRECT_LABEL = " [direct]"
+"""Marks the cases run with the SDK in direct mode (to the leaders, not via the gateway)."""
 
 
 def _bar(total: int, desc: str) -> Any:
@@ -67,6 +69,107 @@ def _step(desc: str, total: int, fn: Callable[[Callable[[int], None] | None], Re
             bar.close()
     print(f"  {desc}: {result.records_s:,.0f} records/s, {result.mb_s:,.1f} MB/s", flush=True)
     return result
+
+
+def _kafka_2014(gw: str, n: int, quick: bool, *, direct: bool) -> dict[str, Result]:
+    """Kafka's 2014 cases (6 partitions, 100-byte records) and the latency cases, each on a
+    topic of its own that is created when it starts and deleted when it ends, as OMB's
+    driver does with a workload's topics (every partition a broker hosts costs each
+    replication round, BENCHMARKS.md), and each from a settled machine
+    (``workloads.settle``). ``direct``: the SDK's direct mode; the one-``send``-
+    per-record latency case and ``poll`` of Python objects run through the gateway only."""
+    prefix = "kd" if direct else "k"
+    t: dict[str, Result] = {}
+
+    def case(name: str, desc: str, topic: str, fn: Callable[..., Result], **kw: Any) -> None:
+        workloads.settle(gw)
+        t[name] = _step(
+            desc, n, lambda p: fn(gw, topic, records=n, size=100, progress=p, direct=direct, **kw)
+        )
+
+    workloads.create_topic(gw, f"{prefix}-rf1", 6, 1)
+    case(
+        "produce, no replication",
+        "produce RF=1 acks=1",
+        f"{prefix}-rf1",
+        workloads.produce,
+        acks="1",
+    )
+    workloads.delete_topic(gw, f"{prefix}-rf1")
+    workloads.create_topic(gw, f"{prefix}-rf3-acks1", 6, 3)
+    case(
+        "produce, RF=3 acks=1 (async)",
+        "produce RF=3 acks=1",
+        f"{prefix}-rf3-acks1",
+        workloads.produce,
+        acks="1",
+    )
+    workloads.delete_topic(gw, f"{prefix}-rf3-acks1")
+    workloads.create_topic(gw, f"{prefix}-rf3-all", 6, 3)
+    case(
+        "produce, RF=3 acks=all (sync)",
+        "produce RF=3 acks=all",
+        f"{prefix}-rf3-all",
+        workloads.produce,
+        acks="all",
+    )
+    case(
+        "consume, one consumer",
+        "consume (poll_arrow)",
+        f"{prefix}-rf3-all",
+        workloads.consume,
+        arrow=True,
+    )
+    if not direct:
+        case(
+            "consume, one consumer, a Python object per record",
+            "consume (poll)",
+            f"{prefix}-rf3-all",
+            workloads.consume,
+        )
+    workloads.delete_topic(gw, f"{prefix}-rf3-all")
+    workloads.create_topic(gw, f"{prefix}-both", 6, 3)
+    workloads.settle(gw)
+    both_p, both_c = workloads.produce_and_consume(
+        gw, f"{prefix}-both", records=n // 2, size=100, acks="all", direct=direct
+    )
+    t["produce + consume together (produce)"] = both_p
+    t["produce + consume together (consume)"] = both_c
+    print(f"  together: produce {both_p.records_s:,.0f}/s, consume {both_c.records_s:,.0f}/s")
+    workloads.delete_topic(gw, f"{prefix}-both")
+    if not direct:
+        rate = max(1_000, int(t["produce, RF=3 acks=all (sync)"].records_s) // 2)
+        rate = min(rate, 20_000)  # one record per send(): the Python loop's own limit
+        workloads.create_topic(gw, f"{prefix}-e2e", 6, 3)
+        workloads.settle(gw)
+        t[E2E] = e2e = workloads.end_to_end_latency(
+            gw, f"{prefix}-e2e", rate_per_s=rate, seconds=5 if quick else 20, size=100
+        )
+        print(
+            f"  end-to-end at {rate:,}/s: p50 {e2e.percentile_ms(0.5):.1f} ms, "
+            f"p99 {e2e.percentile_ms(0.99):.1f} ms"
+        )
+        workloads.delete_topic(gw, f"{prefix}-e2e")
+    # The issue's target is at half the maximum rate, which one send() per record cannot
+    # reach from Python: the same measurement with send_batch. The maximum with a
+    # consumer reading along is the produce + consume case's (acks=all), in the same mode.
+    half = max(1_000, int(min(both_p.records_s, both_c.records_s)) // 2)
+    workloads.create_topic(gw, f"{prefix}-e2e-half", 6, 3)
+    workloads.settle(gw)
+    t[HALF_RATE_E2E] = e2e = workloads.end_to_end_latency_batched(
+        gw,
+        f"{prefix}-e2e-half",
+        rate_per_s=half,
+        seconds=3 if quick else 10,
+        size=100,
+        direct=direct,
+    )
+    print(
+        f"  end-to-end at {half:,}/s asked ({e2e.records_s:,.0f}/s reached), send_batch: "
+        f"p50 {e2e.percentile_ms(0.5):.1f} ms, p99 {e2e.percentile_ms(0.99):.1f} ms"
+    )
+    workloads.delete_topic(gw, f"{prefix}-e2e-half")
+    return t
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -92,98 +195,18 @@ def run(quick: bool) -> dict[str, Any]:
         print("tidelog (3 storage nodes, 1 gateway, this machine)", flush=True)
         with running_cluster(base / "tidelog") as cluster:
             gw = cluster.start_gateway().address
-            # Each case has the cluster to itself: its topic is created when it starts and
-            # deleted when it ends, as OMB's driver does with a workload's topics (every
-            # partition a broker hosts costs each replication round, BENCHMARKS.md).
-            workloads.create_topic(gw, "k-rf1", 6, 1)
             t = results["tidelog"]
-            t["produce, no replication"] = _step(
-                "produce RF=1 acks=1",
-                n,
-                lambda p: workloads.produce(gw, "k-rf1", records=n, size=100, acks="1", progress=p),
-            )
-            workloads.delete_topic(gw, "k-rf1")
-            workloads.create_topic(gw, "k-rf3-acks1", 6, 3)
-            workloads.wait_replicated(gw)  # start each case from a quiet cluster
-            t["produce, RF=3 acks=1 (async)"] = _step(
-                "produce RF=3 acks=1",
-                n,
-                lambda p: workloads.produce(
-                    gw, "k-rf3-acks1", records=n, size=100, acks="1", progress=p
-                ),
-            )
-            workloads.wait_replicated(gw)
-            workloads.delete_topic(gw, "k-rf3-acks1")
-            workloads.create_topic(gw, "k-rf3-all", 6, 3)
-            workloads.wait_replicated(gw)  # start each case from a quiet cluster
-            t["produce, RF=3 acks=all (sync)"] = _step(
-                "produce RF=3 acks=all",
-                n,
-                lambda p: workloads.produce(
-                    gw, "k-rf3-all", records=n, size=100, acks="all", progress=p
-                ),
-            )
-            workloads.wait_replicated(gw)  # start each case from a quiet cluster
-            t["consume, one consumer"] = _step(
-                "consume (poll_arrow)",
-                n,
-                lambda p: workloads.consume(
-                    gw, "k-rf3-all", records=n, size=100, progress=p, arrow=True
-                ),
-            )
-            t["consume, one consumer, a Python object per record"] = _step(
-                "consume (poll)",
-                n,
-                lambda p: workloads.consume(gw, "k-rf3-all", records=n, size=100, progress=p),
-            )
-            workloads.delete_topic(gw, "k-rf3-all")
-            workloads.create_topic(gw, "k-both", 6, 3)
-            workloads.wait_replicated(gw)  # start each case from a quiet cluster
-            both_p, both_c = workloads.produce_and_consume(
-                gw, "k-both", records=n // 2, size=100, acks="all"
-            )
-            t["produce + consume together (produce)"] = both_p
-            t["produce + consume together (consume)"] = both_c
-            print(
-                f"  together: produce {both_p.records_s:,.0f}/s, consume {both_c.records_s:,.0f}/s"
-            )
-            rate = max(1_000, int(t["produce, RF=3 acks=all (sync)"].records_s) // 2)
-            rate = min(rate, 20_000)  # one record per send(): the Python loop's own limit
-            workloads.wait_replicated(gw)
-            workloads.delete_topic(gw, "k-both")
-            workloads.create_topic(gw, "k-e2e", 6, 3)
-            workloads.wait_replicated(gw)  # start each case from a quiet cluster
-            t[E2E] = workloads.end_to_end_latency(
-                gw, "k-e2e", rate_per_s=rate, seconds=5 if quick else 20, size=100
-            )
-            e2e = t[E2E]
-            print(
-                f"  end-to-end at {rate:,}/s: p50 {e2e.percentile_ms(0.5):.1f} ms, "
-                f"p99 {e2e.percentile_ms(0.99):.1f} ms"
-            )
-            workloads.delete_topic(gw, "k-e2e")
-            # The issue's target is at half the maximum rate, which one send() per record
-            # cannot reach from Python: the same measurement with send_batch. The maximum
-            # with a consumer reading along is the produce + consume case's (acks=all).
-            half = max(1_000, int(min(both_p.records_s, both_c.records_s)) // 2)
-            workloads.create_topic(gw, "k-e2e-half", 6, 3)
-            workloads.wait_replicated(gw)
-            t[HALF_RATE_E2E] = workloads.end_to_end_latency_batched(
-                gw, "k-e2e-half", rate_per_s=half, seconds=3 if quick else 10, size=100
-            )
-            e2e = t[HALF_RATE_E2E]
-            print(
-                f"  end-to-end at {half:,}/s asked ({e2e.records_s:,.0f}/s reached), send_batch: "
-                f"p50 {e2e.percentile_ms(0.5):.1f} ms, p99 {e2e.percentile_ms(0.99):.1f} ms"
-            )
-            workloads.wait_replicated(gw)
-            workloads.delete_topic(gw, "k-e2e-half")
+            t.update(_kafka_2014(gw, n, quick, direct=False))
+            # The same cases with the SDK's direct mode (tidelog.leaders): producers and
+            # consumers talk to the partition leaders, the gateway only gives metadata.
+            print("tidelog, SDK in direct mode (to the leaders, not through the gateway)")
+            results["tidelog direct"] = _kafka_2014(gw, n, quick, direct=True)
             workloads.create_topic(gw, "omb", 100, 3)
             # OMB's workloads warm up before they measure (warmupDurationMinutes): the
             # first writes to 100 fresh partitions create their segments and indexes and
             # fault in page-cache memory.
             workloads.produce(gw, "omb", records=omb_n // 3, size=1024, acks="all", chunk=5_000)
-            workloads.wait_replicated(gw)  # start each case from a quiet cluster
+            workloads.settle(gw)
             t["OMB: 100 partitions, 1 KiB, RF=3 acks=all"] = _step(
                 "OMB 100 partitions 1 KiB",
                 omb_n,
@@ -257,6 +280,14 @@ def _spark_rates(rows: int) -> dict[str, float] | None:
     return None
 
 
+def _tidelog_rows(results: dict[str, Any]) -> list[tuple[str, Result, str]]:
+    """(case, result, mode label) of every tidelog case, the gateway's first."""
+    rows = [(name, result, "") for name, result in results["tidelog"].items()]
+    direct = results.get("tidelog direct", {})
+    rows += [(name, result, DIRECT_LABEL) for name, result in direct.items()]
+    return rows
+
+
 def _size(n_bytes: float) -> str:
     return f"{n_bytes:,.0f} B" if n_bytes < 10 * 1024 else f"{n_bytes / 1024:,.0f} KiB"
 
@@ -286,7 +317,10 @@ def report(results: dict[str, Any], quick: bool) -> str:
         "(the maximum with a consumer reading along), the issue's latency target. The",
         "Spark rows are `bench/spark.py` (a `local[2]` session and a cluster of its own, in",
         "a fresh process); batch size is the producer's mean record batch",
-        "(`batch-size-avg`) or the consumer's mean fetch answer (`fetch-size-avg`).",
+        "(`batch-size-avg`) or the consumer's mean fetch answer (`fetch-size-avg`). Rows",
+        "marked [direct] are the same cases with the SDK in direct mode (`direct=True`:",
+        "producers append to and consumers fetch from the partition leaders, the gateway",
+        "gives only metadata, producer ids and offsets; `tidelog/leaders.py`).",
         "",
         "Command: `PYTHONPATH=. .venv/bin/tidelog bench"
         f"{' --quick' if quick else ''} --write-docs`",
@@ -299,7 +333,7 @@ def report(results: dict[str, Any], quick: bool) -> str:
         "| Kafka 2014 (published, other hardware) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, result in t.items():
+    for name, result, mode in _tidelog_rows(results):
         lat = ""
         if result.latencies_ms:
             lat = " / ".join(f"{result.percentile_ms(q):.1f}" for q in (0.5, 0.99, 0.999))
@@ -310,6 +344,7 @@ def report(results: dict[str, Any], quick: bool) -> str:
         if name in (E2E, HALF_RATE_E2E):
             pub = f"p50 {PUBLISHED_LATENCY_MS[0]} ms, p99 {PUBLISHED_LATENCY_MS[1]} ms"
             label = result.name  # with the rate the case ran at
+        label += mode
         lines.append(
             f"| {label} | {result.records_s:,.0f} | {result.mb_s:,.1f} | {_batch_cell(result)} "
             f"| {lat} | {pub} |"
@@ -323,38 +358,54 @@ def report(results: dict[str, Any], quick: bool) -> str:
     lines += ["", "| ceiling (same run) | MB/s |", "|---|---:|"]
     for name, value in results["ceilings"].items():
         lines.append(f"| {name} | {value:,.0f} |")
-    rf1 = t["produce, no replication"].mb_s
     grpc_mb_s = results["ceilings"]["gRPC 1 MiB puts (Python)"]
     nats = results["peers"].get("NATS JetStream R3 (file), nats-py async publish")
     redis = results["peers"].get("Redis Streams XADD pipelined (1 node, no replication)")
-    all_rate = t["produce, RF=3 acks=all (sync)"].records_s
     e2e = t[E2E]
-    half = t[HALF_RATE_E2E]
+    lines += ["", "Targets (through the gateway; with the SDK in direct mode):", ""]
+
+    def both(fmt: Callable[[dict[str, Result]], str]) -> str:
+        direct = results.get("tidelog direct")
+        return fmt(t) + (f"; direct: {fmt(direct)}" if direct else "")
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "missed"
+
+    def rate(name: str, goal: int) -> Callable[[dict[str, Result]], str]:
+        return lambda r: f"{r[name].records_s:,.0f} {met(r[name].records_s >= goal)}"
+
+    def vs_nats(r: dict[str, Result]) -> str:
+        return f"{r['produce, RF=3 acks=all (sync)'].records_s / (nats or 1):.1f}x"
+
+    def vs_redis(r: dict[str, Result]) -> str:
+        rf1 = r["produce, no replication"].records_s
+        return f"{rf1:,.0f} {'ahead' if redis and rf1 > redis else 'behind'}"
+
+    def half_rate(r: dict[str, Result]) -> str:
+        half = r[HALF_RATE_E2E]
+        p99 = half.percentile_ms(0.99) or 0.0
+        return f"p99 {p99:.1f} ms at {half.records_s:,.0f} records/s {met(p99 <= 10)}"
+
+    def rf1_share(r: dict[str, Result]) -> str:
+        share = r["produce, no replication"].mb_s / grpc_mb_s
+        return f"{r['produce, no replication'].mb_s:,.0f} MB/s = {share:.0%} {met(share >= 0.5)}"
+
     lines += [
-        "",
-        "Targets:",
-        "",
-        f"- RF=3 acks=all {all_rate:,.0f} vs 421,823 records/s: "
-        f"{'met' if all_rate >= 421_823 else 'missed'}",
-        f"- RF=3 acks=1 {t['produce, RF=3 acks=1 (async)'].records_s:,.0f} vs 786,980: "
-        f"{'met' if t['produce, RF=3 acks=1 (async)'].records_s >= 786_980 else 'missed'}",
-        f"- one consumer {t['consume, one consumer'].records_s:,.0f} vs 940,521: "
-        f"{'met' if t['consume, one consumer'].records_s >= 940_521 else 'missed'}",
-        f"- vs NATS JetStream R3: {all_rate / nats:.1f}x (target >= 3x)"
+        f"- RF=3 acks=all >= 421,823 records/s: "
+        f"{both(rate('produce, RF=3 acks=all (sync)', 421_823))}",
+        f"- RF=3 acks=1 >= 786,980: {both(rate('produce, RF=3 acks=1 (async)', 786_980))}",
+        f"- one consumer >= 940,521: {both(rate('consume, one consumer', 940_521))}",
+        f"- >= 3x NATS JetStream R3 ({nats:,.0f} records/s): {both(vs_nats)}"
         if nats
         else "- NATS: skipped",
-        f"- vs Redis Streams (RF=1 tidelog {t['produce, no replication'].records_s:,.0f} "
-        f"vs {redis:,.0f}): "
-        f"{'ahead' if redis and t['produce, no replication'].records_s > redis else 'behind'}"
+        f"- ahead of Redis Streams ({redis:,.0f} records/s) with RF=1: {both(vs_redis)}"
         if redis
         else "- Redis: skipped",
         f"- end-to-end p99 {e2e.percentile_ms(0.99):.1f} ms at "
-        f"{e2e.name.split('at ')[1]}, one send() per record",
-        f"- end-to-end p99 {half.percentile_ms(0.99):.1f} ms at half the maximum rate "
-        f"({half.records_s:,.0f} records/s, half of produce + consume together; send_batch "
-        "every 5 ms) (target <= 10 ms)",
-        f"- RF=1 produce {rf1:,.0f} MB/s = {rf1 / grpc_mb_s:.0%} of the gRPC ceiling "
-        "(target >= 50%)",
+        f"{e2e.name.split('at ')[1]}, one send() per record (gateway)",
+        "- end-to-end p99 <= 10 ms at half the maximum rate (half of produce + consume "
+        f"together in the same mode; send_batch every 5 ms): {both(half_rate)}",
+        f"- RF=1 produce >= 50% of the gRPC ceiling ({grpc_mb_s:,.0f} MB/s): {both(rf1_share)}",
         "",
         "![throughput chart](bench-peers.png)",
         "",
@@ -369,9 +420,9 @@ def chart(results: dict[str, Any], path: Path = CHART) -> None:
     import matplotlib.pyplot as plt
 
     names, values, colors = [], [], []
-    for name, result in results["tidelog"].items():
+    for name, result, mode in _tidelog_rows(results):
         if name not in (E2E, HALF_RATE_E2E):
-            names.append(f"tidelog: {name}")
+            names.append(f"tidelog: {name}{mode}")
             values.append(result.records_s)
             colors.append("#1f77b4")
     for name, value in results["peers"].items():

@@ -17,6 +17,7 @@ half the maximum rate (the issue's latency target, out of reach of a ``send`` lo
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +71,7 @@ def produce(
     in_flight: int = 8,
     progress: Progress | None = None,
     arrow: bool = True,
+    direct: bool = False,
 ) -> Result:
     values: Any = [b"x" * size] * chunk
     if arrow:
@@ -79,7 +81,9 @@ def produce(
         # work per record.
         values = pa.array(values, pa.binary())
     latencies: list[float] = []
-    with Producer(gateway, acks=acks, enable_idempotence=acks == "all", linger_ms=2) as producer:
+    with Producer(
+        gateway, acks=acks, enable_idempotence=acks == "all", linger_ms=2, direct=direct
+    ) as producer:
         pending: list[tuple[float, Future[BatchMetadata]]] = []
         started = time.perf_counter()
         sent = 0
@@ -120,10 +124,13 @@ def consume(
     size: int,
     progress: Progress | None = None,
     arrow: bool = False,
+    direct: bool = False,
 ) -> Result:
     """Read ``records`` from the beginning: with ``poll`` (a Python object per record) or,
     with ``arrow``, ``poll_arrow`` (Arrow tables, no Python per record)."""
-    with Consumer(gateway, auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20) as c:
+    with Consumer(
+        gateway, auto_offset_reset="earliest", max_partition_fetch_bytes=8 << 20, direct=direct
+    ) as c:
         c.subscribe([topic])
         # Timed from the first poll: it resolves positions and its fetch brings the
         # first megabytes, which count.
@@ -151,14 +158,14 @@ def consume(
 
 
 def produce_and_consume(
-    gateway: str, topic: str, *, records: int, size: int, acks: str
+    gateway: str, topic: str, *, records: int, size: int, acks: str, direct: bool = False
 ) -> tuple[Result, Result]:
     """A producer and a consumer on the same topic at once (each in its own thread)."""
     consumed: list[Result] = []
     start_gate = threading.Event()
 
     def reader() -> None:
-        with Consumer(gateway, auto_offset_reset="latest") as c:
+        with Consumer(gateway, auto_offset_reset="latest", direct=direct) as c:
             c.subscribe([topic])
             c.poll(max_records=1, timeout_ms=100)  # positions at the current end
             start_gate.set()
@@ -184,7 +191,7 @@ def produce_and_consume(
     thread = threading.Thread(target=reader)
     thread.start()
     start_gate.wait(30)
-    produced = produce(gateway, topic, records=records, size=size, acks=acks)
+    produced = produce(gateway, topic, records=records, size=size, acks=acks, direct=direct)
     thread.join()
     return produced, consumed[0]
 
@@ -328,6 +335,7 @@ def _batched_latency_reader(
     ready: Any,
     done: Any,
     results: Any,
+    direct: bool = False,
 ) -> None:
     """The consumer of ``end_to_end_latency_batched``, in a process of its own: puts
     (records measured, ``LATENCY_QUANTILES`` quantiles of their latency in ms)."""
@@ -340,6 +348,7 @@ def _batched_latency_reader(
         auto_offset_reset="latest",
         fetch_max_wait_ms=100,
         max_partition_fetch_bytes=8 << 20,
+        direct=direct,
     ) as c:
         c.subscribe([topic])
         c.poll_arrow(max_records=1, timeout_ms=100)
@@ -377,6 +386,7 @@ def end_to_end_latency_batched(
     max_in_flight: int = 64,
     warmup_s: float = 1.0,
     ack_latencies_ms: list[float] | None = None,
+    direct: bool = False,
 ) -> Result:
     """End-to-end latency at a rate one ``send`` per record cannot reach from Python: every
     ``tick_s`` a ``send_batch`` of ``rate_per_s * tick_s`` records (an Arrow column, acks=all,
@@ -410,6 +420,7 @@ def end_to_end_latency_batched(
             "ready": ready,
             "done": done,
             "results": results,
+            "direct": direct,
         },
         daemon=True,
     )
@@ -420,7 +431,7 @@ def end_to_end_latency_batched(
     try:
         if not ready.wait(60):
             raise RuntimeError("the latency consumer process did not start")
-        with Producer(gateway, acks="all", linger_ms=0) as producer:
+        with Producer(gateway, acks="all", linger_ms=0, direct=direct) as producer:
             pending: list[Future[BatchMetadata]] = []
 
             def send(measuring: bool) -> None:
@@ -469,6 +480,16 @@ def wait_replicated(gateway: str, timeout_s: float = 60.0) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+def settle(gateway: str) -> None:
+    """Start a case from a quiet machine: the followers caught up (``wait_replicated``) and
+    the page cache written back (``sync``). The cases before leave up to ~1.5 GB of dirty
+    page cache, which the kernel writes back in bursts of a second or two; inside a
+    latency case's ten seconds such a burst is the p99 (BENCHMARKS.md). What a case writes
+    itself is written back during it as usual."""
+    wait_replicated(gateway)
+    os.sync()
 
 
 def create_topic(gateway: str, name: str, partitions: int, replication_factor: int) -> None:
