@@ -188,3 +188,42 @@ def test_direct_consumer_regroups_after_a_leader_dies(
         60,
         "the restarted broker to rejoin every ISR",
     )
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["gateway", "direct"])
+def test_a_retry_resends_its_batches_without_new_ones(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """An acks=all request that times out while both followers are stopped was written by
+    the leader; records sent meanwhile wait behind it. Its retry must carry exactly its
+    own batches (the leader answers those as duplicates with their first offsets) and
+    the new records the next request: a retry mixing them is refused for good with
+    DUPLICATE_SEQUENCE_NUMBER, failing every record in it."""
+    topic = f"retry-alone-{'direct' if direct else 'gateway'}"
+    _create(admin, topic, 1)
+    partition = admin.describe_topic(topic).partitions[0]
+    followers = [cluster.brokers[b] for b in partition.replicas if b != partition.leader]
+    with tidelog.Producer(
+        gateway.address, direct=direct, linger_ms=0, request_timeout_ms=1_500
+    ) as producer:
+        producer.send(topic, b"first").result(30)
+        for follower in followers:
+            os.kill(follower.pid, signal.SIGSTOP)
+        try:
+            held = [producer.send(topic, f"held-{i}".encode()) for i in range(5)]
+            time.sleep(0.3)  # the held records are in flight, waiting for the followers
+            later = []
+            for i in range(20):
+                later.append(producer.send(topic, f"later-{i}".encode()))
+                time.sleep(0.1)  # records keep coming through the timeout and its retry
+        finally:
+            for follower in followers:
+                os.kill(follower.pid, signal.SIGCONT)
+        metas = [f.result(60) for f in [*held, *later]]
+    assert [m.offset for m in metas] == list(range(1, 26))
+    with tidelog.Consumer(gateway.address, direct=direct, auto_offset_reset="earliest") as c:
+        c.assign([(topic, 0)])
+        values = [r.value for r in _read(c, 26)]
+    assert values == [b"first"] + [f"held-{i}".encode() for i in range(5)] + [
+        f"later-{i}".encode() for i in range(20)
+    ]

@@ -698,8 +698,16 @@ class Producer:
                 continue
             taken: list[_Batch] = []
             size = 0
+            # A retry resends exactly the batches of the request that failed (requeued
+            # together at the head): the leader answers a request of batches it already
+            # wrote with their offsets, but refuses one that mixes them with new batches
+            # (DUPLICATE_SEQUENCE_NUMBER), so new batches wait for the next request.
             while pq.batches and (
-                not taken or size + pq.batches[0].size_bytes <= MAX_PARTITION_REQUEST_BYTES
+                not taken
+                or (
+                    pq.batches[0].sent == taken[0].sent
+                    and size + pq.batches[0].size_bytes <= MAX_PARTITION_REQUEST_BYTES
+                )
             ):
                 batch = pq.batches.popleft()
                 taken.append(batch)
