@@ -1,5 +1,8 @@
 """The chaos workload: idempotent acks=all producers of unique, checksummed values, and
-concurrent consumers, all through the gateway with the SDK, recording a history.
+concurrent consumers, all with the SDK, recording a history. Writers and readers of even
+index go through the gateway, those of odd index use the SDK's direct mode (appends to
+and fetches from the partition leaders, ``tidelog.leaders``): every fault meets both
+paths.
 
 A value is ``w<writer>:<seq>:<crc32 of the first two fields, hex>`` padded with a filler
 derived from the same fields, so the checker can tell a value it never wrote, a corrupted
@@ -88,7 +91,10 @@ class Workload:
             for w in range(writers)
         ] + [
             threading.Thread(
-                target=self._read, args=(f"c{c}",), name=f"chaos-reader-{c}", daemon=True
+                target=self._read,
+                args=(f"c{c}", c % 2 == 1),
+                name=f"chaos-reader-{c}",
+                daemon=True,
             )
             for c in range(consumers)
         ]
@@ -120,6 +126,7 @@ class Workload:
     def _write(self, writer: int) -> None:
         producer = Producer(
             self.gateway,
+            direct=writer % 2 == 1,
             acks="all",
             enable_idempotence=True,
             linger_ms=5,
@@ -165,7 +172,7 @@ class Workload:
 
     # --- readers --------------------------------------------------------------------------
 
-    def _read(self, name: str) -> None:
+    def _read(self, name: str, direct: bool) -> None:
         reads: list[tuple[int, int, bytes]] = []
         with self._lock:
             self.history.reads[name] = reads
@@ -174,7 +181,10 @@ class Workload:
             consumer = None
             try:
                 consumer = Consumer(
-                    self.gateway, auto_offset_reset="earliest", request_timeout_ms=5_000
+                    self.gateway,
+                    auto_offset_reset="earliest",
+                    request_timeout_ms=5_000,
+                    direct=direct,
                 )
                 consumer.assign([(self.topic, p) for p in range(self.partitions)])
                 for partition, offset in positions.items():
@@ -184,8 +194,8 @@ class Workload:
                         reads.append((record.partition, record.offset, record.value or b""))
                         positions[record.partition] = record.offset + 1
             except TidelogError:
-                # The gateway could not serve the fetch (a fault); start over from the
-                # positions reached, as an application would.
+                # The gateway (or, direct, a leader) could not serve the fetch (a fault);
+                # start over from the positions reached, as an application would.
                 with self._lock:
                     self.history.consumer_errors += 1
                 self._stop_consumers.wait(0.2)
