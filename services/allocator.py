@@ -16,6 +16,14 @@ keeps its heap: the process holds on to its peak working set, which the server's
 bound (in-flight requests x message size). An operator who wants glibc's behaviour back,
 or other values, sets glibc's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``
 (or ``GLIBC_TUNABLES``): those win, and this module then changes nothing.
+
+In a container the retained memory counts against the memory limit, and glibc keeps free
+memory per arena (a multi-threaded process has several), so a burst on one thread's arena
+is not reused by the next burst on another. With a cgroup memory limit the thresholds
+shrink with it (``thresholds_for``): at most an eighth of the limit stays free at a
+heap's top. Why it matters: during a full ``tidelog bench`` run (2026-11-25, uncapped
+values, no limit) the gateway's peak resident set (VmHWM) reached ~740 MB and a storage
+node's ~580 MB, while the dev overlay (deploy/k8s) limits a gateway to 512 MiB.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Final
 
 import structlog
@@ -36,15 +46,71 @@ rare larger requests keep their own mmap)."""
 TRIM_THRESHOLD_BYTES: Final = 1024 * 1024 * 1024
 """Free memory at the top of a heap is given back to the kernel only beyond this."""
 
+LIMIT_SHARE_TRIM: Final = 8
+"""Under a memory limit, the trim threshold is at most limit / this."""
+LIMIT_SHARE_MMAP: Final = 16
+"""Under a memory limit, the mmap threshold is at most limit / this."""
+NO_LIMIT_BYTES: Final = 1 << 62
+"""cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything this large is none."""
+
 _M_TRIM_THRESHOLD: Final = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD: Final = -3
 _OVERRIDES: Final = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
 
-def retain_freed_memory() -> bool:
-    """Apply the thresholds above with glibc's ``mallopt``. Returns True when applied;
-    False when the C library is not glibc or the environment already sets malloc's
-    thresholds (the operator's choice stands)."""
+def cgroup_limit_files(proc_cgroup: Path = Path("/proc/self/cgroup")) -> list[Path]:
+    """The files that may hold this process's memory limit: cgroup v2's ``memory.max``
+    and v1's ``memory.limit_in_bytes``, at the mount root (what a container sees through
+    its cgroup namespace) and under the process's own cgroup path (a host or a runtime
+    without a cgroup namespace)."""
+    v2 = Path("/sys/fs/cgroup")
+    v1 = Path("/sys/fs/cgroup/memory")
+    files = [v2 / "memory.max", v1 / "memory.limit_in_bytes"]
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return files
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        relative = path.lstrip("/")
+        if not relative:
+            continue
+        if controllers == "":
+            files.append(v2 / relative / "memory.max")
+        elif "memory" in controllers.split(","):
+            files.append(v1 / relative / "memory.limit_in_bytes")
+    return files
+
+
+def memory_limit_bytes(files: Sequence[Path]) -> int | None:
+    """The smallest memory limit among ``files`` (cgroup format: bytes, or ``max``);
+    None when none is set or readable."""
+    limits: list[int] = []
+    for path in files:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < NO_LIMIT_BYTES:
+            limits.append(int(text))
+    return min(limits) if limits else None
+
+
+def thresholds_for(limit_bytes: int | None) -> tuple[int, int]:
+    """(mmap threshold, trim threshold) in bytes for a process under ``limit_bytes``."""
+    if limit_bytes is None:
+        return MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
+    return (
+        min(MMAP_THRESHOLD_BYTES, limit_bytes // LIMIT_SHARE_MMAP),
+        min(TRIM_THRESHOLD_BYTES, limit_bytes // LIMIT_SHARE_TRIM),
+    )
+
+
+def retain_freed_memory(limit_files: Sequence[Path] | None = None) -> bool:
+    """Apply the thresholds above (shrunk under a cgroup memory limit, read from
+    ``limit_files``, by default ``cgroup_limit_files()``) with glibc's ``mallopt``.
+    Returns True when applied; False when the C library is not glibc or the environment
+    already sets malloc's thresholds (the operator's choice stands)."""
     overridden = [name for name in _OVERRIDES if name in os.environ]
     if overridden:
         _log.info("allocator_left_as_configured", variables=overridden)
@@ -58,14 +124,16 @@ def retain_freed_memory() -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
+    limit = memory_limit_bytes(cgroup_limit_files() if limit_files is None else limit_files)
+    mmap_threshold, trim_threshold = thresholds_for(limit)
     applied = bool(
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+        mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
     _log.info(
         "allocator_configured",
         applied=applied,
-        mmap_threshold_bytes=MMAP_THRESHOLD_BYTES,
-        trim_threshold_bytes=TRIM_THRESHOLD_BYTES,
+        memory_limit_bytes=limit,
+        mmap_threshold_bytes=mmap_threshold,
+        trim_threshold_bytes=trim_threshold,
     )
     return applied

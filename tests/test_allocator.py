@@ -13,6 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from services.allocator import (
+    MMAP_THRESHOLD_BYTES,
+    TRIM_THRESHOLD_BYTES,
+    cgroup_limit_files,
+    memory_limit_bytes,
+    thresholds_for,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 BUFFER_MIB = 40  # above glibc's largest dynamic mmap threshold (32 MiB): mmap'd by default
 ROUNDS = 20
@@ -73,3 +81,39 @@ def test_the_operators_malloc_settings_win() -> None:
     applied, faults_per_buffer = _run("retain", MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
     assert applied == "False"
     assert faults_per_buffer > ROUNDS / 2, faults_per_buffer
+
+
+def test_thresholds_shrink_under_a_memory_limit() -> None:
+    assert thresholds_for(None) == (MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+    mib = 1024 * 1024
+    # The dev overlay's gateway: 512 MiB, so at most 64 MiB stays free at a heap's top.
+    assert thresholds_for(512 * mib) == (32 * mib, 64 * mib)
+    # A large limit leaves the uncapped values.
+    assert thresholds_for(64 * 1024 * mib) == (MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+
+
+def test_memory_limit_is_the_smallest_set_one(tmp_path: Path) -> None:
+    v2, v1, unlimited, garbage = (tmp_path / n for n in ("v2", "v1", "unlimited", "garbage"))
+    v2.write_text("max\n")  # cgroup v2: no limit
+    unlimited.write_text("9223372036854771712\n")  # cgroup v1's "no limit"
+    garbage.write_text("12 MiB\n")
+    assert memory_limit_bytes([v2, unlimited, garbage, tmp_path / "missing"]) is None
+    v1.write_text("536870912\n")
+    v2.write_text("1073741824\n")
+    assert memory_limit_bytes([v2, v1, unlimited]) == 536870912
+
+
+def test_limit_files_follow_the_process_cgroup(tmp_path: Path) -> None:
+    proc_cgroup = tmp_path / "cgroup"
+    proc_cgroup.write_text("4:memory:/pod/abc\n3:cpu:/pod/abc\n0::/kubepods/pod1/c1\n")
+    files = {str(f) for f in cgroup_limit_files(proc_cgroup)}
+    assert files == {
+        "/sys/fs/cgroup/memory.max",  # what a container sees through its cgroup namespace
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "/sys/fs/cgroup/kubepods/pod1/c1/memory.max",
+        "/sys/fs/cgroup/memory/pod/abc/memory.limit_in_bytes",
+    }
+    assert {str(f) for f in cgroup_limit_files(tmp_path / "missing")} == {
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    }
