@@ -48,6 +48,7 @@ E2E = "end-to-end latency"
 HALF_RATE_E2E = "end-to-end latency at half the maximum rate"
 SPARK_WRITE = "Spark batch write (connector, acks=all, RF=1)"
 SPARK_READ = "Spark batch read (connector, noop sink)"
+GRPC_CEILING = "gRPC 1 MiB puts (Python)"
 DIRECT_LABEL = " [direct]"
 """Marks the cases run with the SDK in direct mode (to the leaders, not via the gateway)."""
 
@@ -71,7 +72,9 @@ def _step(desc: str, total: int, fn: Callable[[Callable[[int], None] | None], Re
     return result
 
 
-def _kafka_2014(gw: str, n: int, quick: bool, *, direct: bool) -> dict[str, Result]:
+def _kafka_2014(
+    gw: str, n: int, quick: bool, *, direct: bool, ceilings_mb_s: list[float]
+) -> dict[str, Result]:
     """Kafka's 2014 cases (6 partitions, 100-byte records) and the latency cases, each on a
     topic of its own that is created when it starts and deleted when it ends, as OMB's
     driver does with a workload's topics (every partition a broker hosts costs each
@@ -88,6 +91,12 @@ def _kafka_2014(gw: str, n: int, quick: bool, *, direct: bool) -> dict[str, Resu
         )
 
     workloads.create_topic(gw, f"{prefix}-rf1", 6, 1)
+    # The gRPC ceiling again, right before the case it bounds: on this VM it rises by up to
+    # 1.8x once memory has been used (BENCHMARKS.md), so the start of the run alone would
+    # flatter the RF=1 ratio. The target is judged against the highest measurement.
+    workloads.settle(gw)
+    ceilings_mb_s.append(ceilings.grpc_put_mb_s(128 if quick else 1024))
+    print(f"  gRPC 1 MiB puts (Python), again: {ceilings_mb_s[-1]:,.0f} MB/s", flush=True)
     case(
         "produce, no replication",
         "produce RF=1 acks=1",
@@ -181,7 +190,7 @@ def run(quick: bool) -> dict[str, Any]:
         base = Path(tmp)
         print("ceilings", flush=True)
         results["ceilings"] = {
-            "gRPC 1 MiB puts (Python)": ceilings.grpc_put_mb_s(128 if quick else 1024),
+            GRPC_CEILING: ceilings.grpc_put_mb_s(128 if quick else 1024),
             "disk sequential write": ceilings.disk_write_mb_s(
                 base, 128 if quick else 1024, sync=False
             ),
@@ -196,11 +205,14 @@ def run(quick: bool) -> dict[str, Any]:
         with running_cluster(base / "tidelog") as cluster:
             gw = cluster.start_gateway().address
             t = results["tidelog"]
-            t.update(_kafka_2014(gw, n, quick, direct=False))
+            grpc_runs = results["grpc ceilings"] = [results["ceilings"][GRPC_CEILING]]
+            t.update(_kafka_2014(gw, n, quick, direct=False, ceilings_mb_s=grpc_runs))
             # The same cases with the SDK's direct mode (tidelog.leaders): producers and
             # consumers talk to the partition leaders, the gateway only gives metadata.
             print("tidelog, SDK in direct mode (to the leaders, not through the gateway)")
-            results["tidelog direct"] = _kafka_2014(gw, n, quick, direct=True)
+            results["tidelog direct"] = _kafka_2014(
+                gw, n, quick, direct=True, ceilings_mb_s=grpc_runs
+            )
             workloads.create_topic(gw, "omb", 100, 3)
             # OMB's workloads warm up before they measure (warmupDurationMinutes): the
             # first writes to 100 fresh partitions create their segments and indexes and
@@ -356,9 +368,13 @@ def report(results: dict[str, Any], quick: bool) -> str:
             f"| {PEER_BATCHING.get(name, '')} |"
         )
     lines += ["", "| ceiling (same run) | MB/s |", "|---|---:|"]
+    grpc_runs = results.get("grpc ceilings", [results["ceilings"][GRPC_CEILING]])
     for name, value in results["ceilings"].items():
-        lines.append(f"| {name} | {value:,.0f} |")
-    grpc_mb_s = results["ceilings"]["gRPC 1 MiB puts (Python)"]
+        cell = f"{value:,.0f}"
+        if name == GRPC_CEILING and len(grpc_runs) > 1:
+            cell = " / ".join(f"{v:,.0f}" for v in grpc_runs) + " (start; before each RF=1 case)"
+        lines.append(f"| {name} | {cell} |")
+    grpc_mb_s = max(grpc_runs)
     nats = results["peers"].get("NATS JetStream R3 (file), nats-py async publish")
     redis = results["peers"].get("Redis Streams XADD pipelined (1 node, no replication)")
     e2e = t[E2E]
@@ -405,7 +421,8 @@ def report(results: dict[str, Any], quick: bool) -> str:
         f"{e2e.name.split('at ')[1]}, one send() per record (gateway)",
         "- end-to-end p99 <= 10 ms at half the maximum rate (half of produce + consume "
         f"together in the same mode; send_batch every 5 ms): {both(half_rate)}",
-        f"- RF=1 produce >= 50% of the gRPC ceiling ({grpc_mb_s:,.0f} MB/s): {both(rf1_share)}",
+        f"- RF=1 produce >= 50% of the gRPC ceiling (the highest of the run, {grpc_mb_s:,.0f} "
+        f"MB/s): {both(rf1_share)}",
         "",
         "![throughput chart](bench-peers.png)",
         "",
