@@ -67,6 +67,15 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
         stdin="".join(f"k{i}:v{i}\n" for i in range(30)),
     )
     assert "produced 30 records" in produced.stderr
+    # The same through the SDK's direct mode (to the leaders; the gateway for metadata).
+    tidelog("topics", "create", "direct", "--partitions", "3", gateway=g)
+    lines = "".join(f"d{i}\n" for i in range(20))
+    assert (
+        "produced 20 records"
+        in tidelog("produce", "direct", "--direct", gateway=g, stdin=lines).stderr
+    )
+    read = tidelog("consume", "direct", "--from-beginning", "--direct", gateway=g).stdout
+    assert sorted(read.split()) == sorted(lines.split())
     out = tidelog("consume", "events", "--from-beginning", "--group", "audit", gateway=g).stdout
     assert sorted(out.split()) == sorted(f"v{i}" for i in range(30))
     keyed = tidelog(

@@ -358,6 +358,12 @@ def _add_produce(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="split each line at the first SEP into key and value",
     )
     parser.add_argument("--partition", type=_non_negative_int, default=None, metavar="P")
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="append to the partition leaders, not through the gateway (the brokers' "
+        "addresses must be reachable)",
+    )
     _add_client_options(parser)
     parser.set_defaults(handler="tidelog.commands:cmd_produce")
 
@@ -378,6 +384,12 @@ def _add_consume(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="keep waiting for new records (default: stop at the end)",
     )
     parser.add_argument("--key-separator", metavar="SEP", default=None, help="print KEY SEP VALUE")
+    parser.add_argument(
+        "--direct",
+        action="store_true",
+        help="fetch from the partition leaders, not through the gateway (the brokers' "
+        "addresses must be reachable)",
+    )
     _add_client_options(parser)
     parser.set_defaults(handler="tidelog.commands:cmd_consume")
 

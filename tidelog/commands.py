@@ -150,7 +150,11 @@ def cmd_produce(args: argparse.Namespace) -> int:
         acks = args.acks
         count = 0
         with Producer(
-            args.gateway, acks=acks, enable_idempotence=acks in ("all", "-1"), linger_ms=5
+            args.gateway,
+            acks=acks,
+            enable_idempotence=acks in ("all", "-1"),
+            linger_ms=5,
+            direct=args.direct,
         ) as producer:
             futures = []
             for raw in sys.stdin.buffer:
@@ -191,6 +195,7 @@ def cmd_consume(args: argparse.Namespace) -> int:
             args.gateway,
             group_id=args.group,
             auto_offset_reset="earliest" if args.from_beginning else "latest",
+            direct=args.direct,
         )
         with consumer:
             if args.partition is not None:
