@@ -4,6 +4,9 @@ Every client (Producer, Consumer, Admin, the CLI, the Spark data source) talks t
 gateway through ``GatewayConnection``: typed calls with a deadline whose failures are
 ``tidelog.errors`` exceptions (the ``tidelog-error-code`` trailer the services set, or a
 code derived from the bare gRPC status).
+In direct mode (``tidelog.leaders``) producers and consumers also open channels to the
+storage nodes (``client_channel``) for their appends and fetches; metadata, producer ids
+and group offsets still come from the gateway.
 
 Spark forks Python workers and pickles reader and writer objects into them, and a gRPC
 channel made before ``fork`` is unusable after it, so connections are never pickled:
