@@ -15,9 +15,10 @@ Kinds (issue 9):
 - ``partition_broker``: cut a broker off the network (``netns.py``) past its lease TTL;
 - ``restart_etcd``: kill -9 etcd, start it again on the same data and ports;
 - ``torn_tail``: kill -9 a broker, tear or garble the end of its newest segments, restart;
-- ``disk_error``: restart a broker under strace injecting EIO into its file writes
-  (``pwrite64``, and ``pwritev``/``pwritev2`` for segments) and fsyncs after a drawn
-  number of calls; afterwards restart it normally;
+- ``disk_error``: restart a broker under strace injecting EIO into its segment writes
+  (``pwritev``/``pwritev2``, which only appends make) from a drawn count on, so the
+  disk fails under a running node that leads and follows; afterwards restart it
+  normally;
 - ``kill_all_brokers``: kill -9 every storage node at once, restart them all: what they
   wrote is in the page cache, so everything acknowledged must survive (an acks=all
   acknowledgement waits for the followers' writes, not for their fetch requests);
@@ -227,14 +228,15 @@ class Nemesis:
             "/dev/null",
             "-e",
             "trace=pwrite64,pwritev,pwritev2,fsync,fdatasync",
+            # Only segment writes fail: start-up makes dozens of pwrite64s and fsyncs
+            # (checkpoints, index rebuilds), so counts drawn over those made every
+            # injection a failed start, never a disk failing under a running node. A
+            # failing fsync is covered by tests/chaos/test_disk_failure.py.
             "-e",
-            f"inject=pwrite64,pwritev,pwritev2:error=EIO:when={fault.number}+",
-            "-e",
-            f"inject=fsync,fdatasync:error=EIO:when={fault.number // 4 + 1}+",
+            f"inject=pwritev,pwritev2:error=EIO:when={fault.number}+",
         ]
         self._say(
-            f"broker {broker} restarted under strace: EIO from write {fault.number} "
-            f"and fsync {fault.number // 4 + 1} on"
+            f"broker {broker} restarted under strace: EIO from segment write {fault.number} on"
         )
         try:
             self.cluster.start_broker(broker, wrapper=wrapper)
