@@ -1,0 +1,115 @@
+"""Probes behind the hand-written passes of docs/BENCHMARKS.md (sixth pass on): one case at
+a time on the ``tests/support`` cluster (etcd, controller, 3 brokers, gateway), with the CPU
+each server process used over it (``/proc/PID/stat``), in both SDK modes.
+
+- ``half-rate``: ``bench.workloads.end_to_end_latency_batched`` on a new 6-partition RF=3
+  topic at ``--rate``, e2e and acknowledgement quantiles; ``--dirty`` writes 1.4 GB to a
+  file without syncing first (the state an earlier case leaves), else the case starts
+  after ``sync``.
+- ``rf1``: the gRPC ceiling, then ``bench.workloads.produce`` of ``--records`` 100-byte
+  records on a new 6-partition RF=1 topic (acks=1); the client's CPU comes from
+  ``getrusage``.
+
+Command: ``PYTHONPATH=. .venv/bin/python -m bench.probes half-rate --rate 430000 --modes
+direct,gateway`` (or ``rf1 --modes gateway,direct``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import ceilings, workloads
+from tests.support.cluster import running_cluster
+
+DIRTY_MIB = 1400
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("probe", choices=("half-rate", "rf1"))
+    parser.add_argument("--modes", default="direct,gateway", help="e.g. direct,gateway,direct")
+    parser.add_argument("--rate", type=int, default=430_000, help="half-rate: records/s")
+    parser.add_argument("--seconds", type=float, default=10.0, help="half-rate: measured time")
+    parser.add_argument("--dirty", action="store_true", help="half-rate: 1.4 GB dirty first")
+    parser.add_argument("--records", type=int, default=6_000_000, help="rf1: records")
+    args = parser.parse_args(argv)
+    base = Path(tempfile.mkdtemp(prefix="tidelog-probe-"))
+    with running_cluster(base) as cluster:
+        gateway = cluster.start_gateway()
+        gw = gateway.address
+        pids = {f"broker-{k}": p.pid for k, p in cluster.brokers.items()}
+        pids["gateway"] = gateway.pid
+        for i, mode in enumerate(args.modes.split(",")):
+            topic = f"probe-{i}"
+            direct = mode == "direct"
+            workloads.create_topic(gw, topic, 6, 3 if args.probe == "half-rate" else 1)
+            workloads.settle(gw)
+            ceiling = 0.0
+            if args.probe == "rf1":
+                ceiling = ceilings.grpc_put_mb_s(1024)
+                workloads.settle(gw)
+            elif args.dirty:
+                chunk = os.urandom(1 << 20)
+                with open(base / "dirty.bin", "wb") as f:
+                    for _ in range(DIRTY_MIB):
+                        f.write(chunk)
+            before = {k: _cpu_s(p) for k, p in pids.items()}
+            own_before, started = _own_cpu_s(), time.monotonic()
+            if args.probe == "half-rate":
+                acks: list[float] = []
+                result = workloads.end_to_end_latency_batched(
+                    gw,
+                    topic,
+                    rate_per_s=args.rate,
+                    seconds=args.seconds,
+                    size=100,
+                    direct=direct,
+                    ack_latencies_ms=acks,
+                )
+                quantiles = [result.percentile_ms(q) or 0.0 for q in (0.5, 0.99, 0.999)]
+                line = (
+                    f"{result.records_s:,.0f} records/s, e2e p50/p99/p99.9 "
+                    + " / ".join(f"{q:.1f}" for q in quantiles)
+                    + " ms, ack p50/p99 "
+                    + " / ".join(f"{np.quantile(acks, q):.1f}" for q in (0.5, 0.99))
+                    + " ms"
+                )
+            else:
+                result = workloads.produce(
+                    gw, topic, records=args.records, size=100, acks="1", direct=direct
+                )
+                line = (
+                    f"{result.mb_s:,.0f} MB/s, ceiling {ceiling:,.0f} MB/s "
+                    f"({result.mb_s / ceiling:.0%})"
+                )
+            elapsed = time.monotonic() - started
+            cores = {k: (_cpu_s(p) - before[k]) / elapsed for k, p in pids.items()}
+            cores["client"] = (_own_cpu_s() - own_before) / elapsed
+            busy = ", ".join(f"{k} {v:.2f}" for k, v in cores.items())
+            print(f"{args.probe} {mode}: {line}; cores: {busy}", flush=True)
+            workloads.delete_topic(gw, topic)
+            (base / "dirty.bin").unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
