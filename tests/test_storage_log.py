@@ -1226,6 +1226,7 @@ def test_follower_append_requires_contiguous_offsets(tmp_path: Path) -> None:
         ("max_message_bytes", f.BATCH_HEADER_SIZE - 1),
         ("max_message_bytes", f.MAX_BATCH_BYTES + 1),
         ("file_delete_delay_ms", -1),
+        ("page_cache_window_bytes", -1),
     ],
 )
 def test_log_config_rejects_bad_values(field: str, value: int) -> None:
@@ -1247,6 +1248,7 @@ def test_log_config_accepts_limits() -> None:
         flush_ms=0,
         max_message_bytes=f.BATCH_HEADER_SIZE,
         file_delete_delay_ms=0,
+        page_cache_window_bytes=0,
     )
     LogConfig(segment_bytes=f.MAX_SEGMENT_POSITION, max_message_bytes=f.MAX_BATCH_BYTES)
 
@@ -1265,6 +1267,7 @@ def test_log_config_from_topic_config() -> None:
             "flush.ms": "1000",
             "max.message.bytes": "100000",
             "file.delete.delay.ms": "0",
+            "page.cache.window.bytes": "1048576",
             "min.insync.replicas": "2",  # the cluster's, not the log's: ignored here
             "cleanup.policy": "delete",
         }
@@ -1281,6 +1284,7 @@ def test_log_config_from_topic_config() -> None:
         flush_ms=1000,
         max_message_bytes=100_000,
         file_delete_delay_ms=0,
+        page_cache_window_bytes=1 << 20,
     )
     assert set(TOPIC_CONFIG_FIELDS.values()) == set(LogConfig.__dataclass_fields__)
 

@@ -26,6 +26,7 @@ from services.status import (
     error_from_rpc_error,
     to_error_proto,
 )
+from tests.support.page_cache import on_tmpfs, resident_pages
 from tests.support.process import REPO_ROOT, StartStorage, StorageProcess, tidelog_env
 from tidelog import formats
 from tidelog.errors import (
@@ -820,6 +821,57 @@ def test_kill_9_without_fsync_recovers_a_valid_prefix(start_storage: StartStorag
     # all there; what this proves is that recovery accepts it and serves it intact.
     _check_recovered(node, topic, acked, quiet_raw)
     assert node.terminate() == 0
+
+
+def _append_big_until_killed(
+    node: StorageProcess, topic: str, first_index: int, acked: list[tuple[int, list[bytes]]]
+) -> None:
+    index = first_index
+    while True:
+        values = [f"{topic}-{index}-{j}".encode().ljust(1024, b".") for j in range(64)]
+        try:
+            response = append(node.stub, topic, encode_batch(values))
+        except grpc.RpcError:
+            return
+        acked.append((response.base_offset, values))
+        index += 1
+
+
+def test_kill_9_with_pages_dropped_behind_a_small_window_loses_no_acknowledged_batch(
+    start_storage: StartStorage,
+) -> None:
+    # page.cache.window.bytes at 1 MiB with 2 MiB segments: while being killed, the node
+    # writes back and drops pages of the active segment and whole retired segments, so
+    # the acknowledged data lives on the disk, not in the cache, when recovery reads it.
+    topic = "dropped"
+    node = start_storage()
+    configs = {"page.cache.window.bytes": str(1 << 20), "segment.bytes": str(2 << 20)}
+    make_leader(node.stub, topic, configs=configs)
+    acked: list[tuple[int, list[bytes]]] = []
+    before_kill = 80  # batches of 64 KiB: ~5 MiB, two segments rolled
+    writer = threading.Thread(target=_append_big_until_killed, args=(node, topic, 0, acked))
+    writer.start()
+    deadline = time.monotonic() + 20
+    while len(acked) < before_kill and time.monotonic() < deadline:
+        time.sleep(0.01)
+    segments = sorted((node.data_dir / f"{topic}-0").glob("*.log"))
+    assert len(segments) >= 2
+    if not on_tmpfs(segments[0]):
+        resident, pages = resident_pages(segments[0], 0, segments[0].stat().st_size)
+        assert resident <= pages // 4, (resident, pages)  # retired and dropped
+    assert node.kill() == -9
+    writer.join(10)
+    assert not writer.is_alive()
+
+    restarted = start_storage()
+    make_leader(restarted.stub, topic, epoch=1, configs=configs)
+    records = [r for b in decode_batches(read_all_raw(restarted.stub, topic)) for r in b.records]
+    assert [r.offset for r in records] == list(range(len(records)))
+    for base_offset, values in acked:
+        assert values_of(records[base_offset : base_offset + len(values)]) == values
+    acked_end = acked[-1][0] + len(acked[-1][1])
+    assert acked_end <= len(records) <= acked_end + 64
+    assert restarted.terminate() == 0
 
 
 # --- the command line ---------------------------------------------------------------------

@@ -17,6 +17,9 @@ Defaults (``TOPIC_CONFIG_DEFAULTS``)::
     max.message.bytes               1048588      largest batch accepted (Kafka's 1 MiB + 12)
     message.timestamp.type          CreateTime   only CreateTime: LogAppendTime is not supported
     min.insync.replicas             1            acks=all needs this many in-sync replicas
+    page.cache.window.bytes         67108864     newest 64 MiB per partition stay in the page
+                                                 cache; older bytes are written back and dropped
+                                                 (tidelog's own; 0 keeps all, as Kafka does)
     retention.bytes                 -1           no size limit
     retention.ms                    604800000    7 days; -1 keeps forever
     segment.bytes                   1073741824   1 GiB

@@ -45,6 +45,10 @@ class LogConfig:
     max_message_bytes: int = 1_048_588
     # file.delete.delay.ms: how long a retired segment stays as *.deleted before unlinking.
     file_delete_delay_ms: int = 60_000
+    # page.cache.window.bytes (tidelog's own): bytes of the newest log kept in the OS page
+    # cache; older bytes are written back as appends go and dropped from it (page_cache.py).
+    # 0 keeps everything until the kernel reclaims it, as Kafka does.
+    page_cache_window_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         def require(ok: bool, key: str, value: object, why: str) -> None:
@@ -112,6 +116,12 @@ class LogConfig:
             self.file_delete_delay_ms,
             "must be >= 0",
         )
+        require(
+            self.page_cache_window_bytes >= 0,
+            "page.cache.window.bytes",
+            self.page_cache_window_bytes,
+            "must be >= 0 (0 keeps every written byte in the page cache)",
+        )
 
     @classmethod
     def from_topic_config(
@@ -152,5 +162,6 @@ TOPIC_CONFIG_FIELDS: Final[dict[str, str]] = {
     "flush.ms": "flush_ms",
     "max.message.bytes": "max_message_bytes",
     "file.delete.delay.ms": "file_delete_delay_ms",
+    "page.cache.window.bytes": "page_cache_window_bytes",
 }
 """Kafka topic-config name -> LogConfig field."""

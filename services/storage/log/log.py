@@ -132,6 +132,9 @@ class Log:
         self._recovery_point = 0
         self._first_unflushed_ms: int | None = None
         self._dir_dirty = False  # a segment file was created since the last directory fsync
+        # The segment rolled away from, whose newest bytes stay in the page cache until the
+        # new active segment holds a window of its own (``page_cache``).
+        self._cooling: LogSegment | None = None
         self._pending_deletes: list[tuple[int, list[Path]]] = []  # (due_ms, files)
         self._epochs = LeaderEpochCache(directory / formats.LEADER_EPOCH_CHECKPOINT)
         self._producer_state: ProducerStateManager | None = None  # made by _load
@@ -449,6 +452,7 @@ class Log:
             if segment.should_roll(len(view), last, now_ms):
                 segment = self.roll()
             segment.append(data, spans)
+            self._release_cooling(segment)
         except BaseException:
             if saved_epochs is not None:  # the new epoch never got its data
                 self._epochs = LeaderEpochCache(self._epochs.path, saved_epochs.entries)
@@ -499,6 +503,9 @@ class Log:
         if active.size_bytes == 0:
             return active
         active.on_become_inactive()
+        if self._cooling is not None and self.config.page_cache_window_bytes > 0:
+            self._cooling.release_cache()  # rolled again before the window filled
+        self._cooling = active
         log_path = self.dir / formats.segment_file_name(self._log_end_offset, formats.LOG_SUFFIX)
         if log_path.exists() and log_path.stat().st_size:
             raise StorageError(f"cannot roll: {log_path.name} already exists with data")
@@ -507,6 +514,14 @@ class Log:
         self._dir_dirty = True
         self._take_producer_snapshot()
         return segment
+
+    def _release_cooling(self, active: LogSegment) -> None:
+        cooling = self._cooling
+        window = self.config.page_cache_window_bytes
+        if cooling is not None and (window <= 0 or active.size_bytes >= window):
+            self._cooling = None
+            if window > 0:
+                cooling.release_cache()  # a no-op if retention closed it meanwhile
 
     def _take_producer_snapshot(self) -> None:
         state = self.producer_state
@@ -650,6 +665,7 @@ class Log:
             self.truncate_fully_and_start_at(offset)
             return
         removed_files = False
+        self._cooling = None  # it may be the active segment again below
         while len(self._segments) > 1 and self._segments.last.base_offset >= offset:
             self._delete_now(self._segments.pop_from(len(self._segments) - 1))
             removed_files = True
@@ -673,6 +689,7 @@ class Log:
         The leader epoch cache and the producer state (with its snapshots) are cleared.
         """
         self._delete_now(self._segments.pop_from(0))
+        self._cooling = None
         self._segments.append(self._new_segment(offset, active=True))
         self._dir_dirty = True
         self._log_end_offset = self._recovery_point = offset

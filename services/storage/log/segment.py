@@ -28,6 +28,7 @@ from tidelog.errors import CorruptBatchError, StorageError
 
 from .config import LogConfig
 from .index import IndexCorruptError, OffsetIndex, TimeIndex
+from .page_cache import CacheWindow
 
 RECOVERY_CHUNK_BYTES = 8 << 20
 """How much of the log recovery reads at a time: large reads, few syscalls."""
@@ -97,6 +98,7 @@ class LogSegment:
         )
         self._fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT, 0o644)
         self.size_bytes = os.fstat(self._fd).st_size
+        self._cache = CacheWindow(self._fd, self.size_bytes)
         # True when an index was missing or failed its checks: the owner must recover().
         self.needs_rebuild = False
         self.offset_index, self.time_index = self._open_indexes(active)
@@ -354,6 +356,7 @@ class LogSegment:
             self._bytes_since_index_entry += span.size_bytes
         self.size_bytes = start + size
         self._next_offset = spans[-1].last_offset + 1
+        self._cache.appended(self.size_bytes, self.config.page_cache_window_bytes)
 
     def read(self, offset: int, max_bytes: int, max_offset: int | None) -> bytes | None:
         """Whole, verified batches from the one holding ``offset``.
@@ -519,6 +522,7 @@ class LogSegment:
         removed = self.size_bytes - position
         os.ftruncate(self._fd, position)
         self.size_bytes = position
+        self._cache.truncated(position)
         self._tail_loaded = False
         self._next_offset = None
         if position == 0:
@@ -548,6 +552,12 @@ class LogSegment:
             self.time_index.maybe_append(self._max_timestamp_ms, self._offset_of_max_timestamp)
         self.offset_index.trim()
         self.time_index.trim()
+
+    def release_cache(self) -> None:
+        """Write back and drop this (retired) segment's pages from the page cache
+        (``page_cache``); a no-op once closed."""
+        if self._fd >= 0:
+            self._cache.release(self.size_bytes)
 
     def flush(self) -> None:
         os.fsync(self._fd)
