@@ -53,7 +53,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -293,6 +293,15 @@ class Producer:
         self._conn = GatewayConnection.get(gateway, request_timeout_ms)
         # Direct mode (module docstring): appends go to the leaders, found through here.
         self._leaders: LeaderDirectory | None = directory_for(self._conn) if direct else None
+        # Direct appends are blocking calls on these threads, one per request in flight:
+        # grpc's future() instead starts a thread per channel whenever the channel's calls
+        # go from none to one, which a producer with a few partitions per leader does on
+        # nearly every request (measured: ~10% of direct RF=1 throughput).
+        self._appenders: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(max_in_flight_requests, thread_name_prefix="tidelog-append")
+            if direct
+            else None
+        )
         self._acks = ACKS[acks_key]
         self._linger_s = linger_ms / 1000
         self._batch_bytes = batch_bytes
@@ -655,6 +664,8 @@ class Producer:
                 self._closing = True
                 self._lock.notify_all()
             self._sender.join(timeout=10)
+            if self._appenders is not None:
+                self._appenders.shutdown(wait=False)
 
     def __enter__(self) -> Producer:
         return self
@@ -882,8 +893,11 @@ class Producer:
             with self._lock:
                 self._in_flight[correlation_id] = [item]
                 self._sent_at_s[correlation_id] = time.monotonic()
-            future = leaders.append_encoded(leader.address).future(
-                request, timeout=self._request_timeout_ms / 1000
+            assert self._appenders is not None
+            future = self._appenders.submit(
+                leaders.append_encoded(leader.address),
+                request,
+                timeout=self._request_timeout_ms / 1000,
             )
             future.add_done_callback(partial(self._append_answered, correlation_id, leader))
 
