@@ -74,7 +74,7 @@ from tidelog.errors import (
 from tidelog.leaders import Leader, LeaderDirectory, directory_for
 from tidelog.metrics import ClientMetrics
 from tidelog.partitioner import murmur2_partitions, partition_for_key
-from tidelog.records import Header, encode_batch, encode_batch_arrow
+from tidelog.records import Header, encode_batch, encode_batch_arrow_parts
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 from tidelog.wire import encode_append_request, encode_produce_request
 
@@ -206,6 +206,7 @@ class _Batch:
         "attempts",
         "created_s",
         "encoded",
+        "encoded_bytes",
         "group_slots",
         "headers",
         "keys",
@@ -225,7 +226,10 @@ class _Batch:
         self.timestamps: list[int] = []
         self.size_bytes = 0
         self.created_s = time.monotonic()
-        self.encoded: bytes | None = None
+        # Buffers whose concatenation is the encoded batch (Arrow input: mostly views of
+        # the arrays), joined only into the request that carries them.
+        self.encoded: list[Any] | None = None
+        self.encoded_bytes = 0
         self.attempts = 0
         self.sent = False
         # send(): (index in batch, future); send_batch(): (group, indices in the group).
@@ -813,19 +817,21 @@ class Producer:
         for picked in stranded:
             self._complete_failed(picked, error)
 
-    def _prepare(self, picked: list[tuple[_PartitionQueue, list[_Batch]]]) -> list[list[bytes]]:
+    def _prepare(self, picked: list[tuple[_PartitionQueue, list[_Batch]]]) -> list[list[Any]]:
         """Encode the batches sent for the first time (which gives them their sequence) and
         count the attempt; returns each picked partition's encoded batches."""
         if self._idempotent and self._producer_id < 0:
             self._init_producer_id()
-        encoded: list[list[bytes]] = []
+        encoded: list[list[Any]] = []
         for pq, batches in picked:
+            parts: list[Any] = []
             for batch in batches:
                 if batch.encoded is None:
                     self._encode(pq, batch)
-                    self._metrics.record("batch-size", len(batch.encoded or b""))
+                    self._metrics.record("batch-size", batch.encoded_bytes)
                     self._metrics.add("record-send-total", len(batch))
-            encoded.append([b.encoded for b in batches if b.encoded is not None])
+                parts += batch.encoded or ()
+            encoded.append(parts)
         for _, batches in picked:
             for batch in batches:
                 batch.attempts += 1
@@ -929,7 +935,7 @@ class Producer:
             producer_id, epoch, sequence = self._producer_id, self._producer_epoch, pq.next_sequence
             pq.next_sequence = (pq.next_sequence + len(batch)) % 2**31
         if batch.arrow_values is not None:
-            batch.encoded = encode_batch_arrow(
+            batch.encoded = encode_batch_arrow_parts(
                 batch.arrow_values,
                 batch.arrow_keys,
                 compression=self._compression,
@@ -938,17 +944,20 @@ class Producer:
                 base_sequence=sequence,
                 base_timestamp_ms=batch.timestamps[0],
             )
-            return
-        batch.encoded = encode_batch(
-            batch.values,
-            batch.keys,
-            batch.headers,
-            batch.timestamps,
-            compression=self._compression,
-            producer_id=producer_id,
-            producer_epoch=epoch,
-            base_sequence=sequence,
-        )
+        else:
+            batch.encoded = [
+                encode_batch(
+                    batch.values,
+                    batch.keys,
+                    batch.headers,
+                    batch.timestamps,
+                    compression=self._compression,
+                    producer_id=producer_id,
+                    producer_epoch=epoch,
+                    base_sequence=sequence,
+                )
+            ]
+        batch.encoded_bytes = sum(memoryview(part).nbytes for part in batch.encoded)
 
     def _init_producer_id(self) -> None:
         response: gateway_pb2.InitProducerIdResponse = self._conn.call(
