@@ -934,28 +934,22 @@ class Producer:
                 pq.producer_id, pq.next_sequence = self._producer_id, 0
             producer_id, epoch, sequence = self._producer_id, self._producer_epoch, pq.next_sequence
             pq.next_sequence = (pq.next_sequence + len(batch)) % 2**31
+        options: dict[str, Any] = {
+            "compression": self._compression,
+            "producer_id": producer_id,
+            "producer_epoch": epoch,
+            "base_sequence": sequence,
+        }
         if batch.arrow_values is not None:
             batch.encoded = encode_batch_arrow_parts(
                 batch.arrow_values,
                 batch.arrow_keys,
-                compression=self._compression,
-                producer_id=producer_id,
-                producer_epoch=epoch,
-                base_sequence=sequence,
                 base_timestamp_ms=batch.timestamps[0],
+                **options,
             )
         else:
             batch.encoded = [
-                encode_batch(
-                    batch.values,
-                    batch.keys,
-                    batch.headers,
-                    batch.timestamps,
-                    compression=self._compression,
-                    producer_id=producer_id,
-                    producer_epoch=epoch,
-                    base_sequence=sequence,
-                )
+                encode_batch(batch.values, batch.keys, batch.headers, batch.timestamps, **options)
             ]
         batch.encoded_bytes = sum(memoryview(part).nbytes for part in batch.encoded)
 

@@ -346,32 +346,9 @@ def encode_batch(
     return _seal(body, options, n=n, attributes=attributes, base_ts=base, max_ts=max_ts)
 
 
-def encode_batch_arrow(
-    values: Any,
-    keys: Any = None,
-    headers: Any = None,
-    timestamps_ms: Any = None,
-    *,
-    compression: str = "none",
-    producer_id: int = -1,
-    producer_epoch: int = -1,
-    base_sequence: int = -1,
-    base_timestamp_ms: int | None = None,
-) -> bytes:
-    """``encode_batch_arrow_parts`` joined into one ``bytes``."""
-    return b"".join(
-        encode_batch_arrow_parts(
-            values,
-            keys,
-            headers,
-            timestamps_ms,
-            compression=compression,
-            producer_id=producer_id,
-            producer_epoch=producer_epoch,
-            base_sequence=base_sequence,
-            base_timestamp_ms=base_timestamp_ms,
-        )
-    )
+def encode_batch_arrow(values: Any, *args: Any, **kwargs: Any) -> bytes:
+    """``encode_batch_arrow_parts`` (same arguments) joined into one ``bytes``."""
+    return b"".join(encode_batch_arrow_parts(values, *args, **kwargs))
 
 
 def encode_batch_arrow_parts(
