@@ -58,6 +58,7 @@ def test_pairs_are_accepted_and_empty_is_fine() -> None:
         ({"retention.ms": "-2"}, 1, "retention.ms"),
         ({"segment.bytes": "0"}, 1, "segment.bytes"),
         ({"max.message.bytes": "1"}, 1, "max.message.bytes"),
+        ({"page.cache.window.bytes": "-1"}, 1, "page.cache.window.bytes=-1: must be >= 0"),
         ({"retention.ms": "99999999999999999999"}, 1, "larger than"),
         ({"min.insync.replicas": "0"}, 3, "at least 1"),
         ({"min.insync.replicas": "4"}, 3, "larger than the replication factor 3"),
