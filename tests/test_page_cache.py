@@ -61,7 +61,7 @@ def _fraction_resident(path: Path, start: int, end: int) -> float:
 
 
 def test_pages_behind_the_window_are_dropped_and_still_read_back(log_dir: Path) -> None:
-    window = 2 * MIB  # steps of MIN_STEP_BYTES
+    window = 2 * MIB  # steps of 512 KiB
     log = Log.open(log_dir, LogConfig(page_cache_window_bytes=window), clock=ManualClock())
     values = _fill(log, 48)  # ~12 MiB in one segment
     (segment,) = log_dir.glob("*.log")

@@ -21,10 +21,23 @@ from tidelog.consumer import Consumer
 TOPIC = "chaos"
 PARTITIONS = 3
 
-SAFE_CONFIGS = {"min.insync.replicas": "2", "unclean.leader.election.enable": "false"}
+STORAGE_CONFIGS = {"page.cache.window.bytes": str(128 << 10), "segment.bytes": str(512 << 10)}
+"""A 128 KiB page-cache window and 512 KiB segments, so that under every fault the brokers
+also write back and drop pages (``page_cache``) and roll and retire segments: the default
+64 MiB window and 1 GiB segments are never reached by a round's ~1 MB per partition."""
+
+SAFE_CONFIGS = {
+    "min.insync.replicas": "2",
+    "unclean.leader.election.enable": "false",
+    **STORAGE_CONFIGS,
+}
 """What the run must survive: RF=3, acks=all, two in-sync copies before an ack."""
 
-NEGATIVE_CONTROL_CONFIGS = {"min.insync.replicas": "1", "unclean.leader.election.enable": "true"}
+NEGATIVE_CONTROL_CONFIGS = {
+    "min.insync.replicas": "1",
+    "unclean.leader.election.enable": "true",
+    **STORAGE_CONFIGS,
+}
 """The negative control: a leader may acknowledge alone and an out-of-sync replica may be
 elected, so ``lose_leader`` must make the checker report a loss."""
 
