@@ -14,6 +14,8 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
+import tidelog  # noqa: E402
+from tests.support.cluster import GatewayProcess, TestCluster, running_cluster  # noqa: E402
 from tests.support.process import StartStorage, StorageProcess  # noqa: E402
 
 
@@ -66,3 +68,26 @@ def storage_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoragePr
         yield node
         status = node.terminate()
         assert status == 0, f"storage node exited with {status}:\n{node.log_tail()}"
+
+
+# A whole cluster (etcd, controller, 3 storage nodes) with one gateway, shared by a test
+# module; modules that need another shape define their own ``cluster``/``gateway``.
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TestCluster]:
+    base: Path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    with running_cluster(base) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: TestCluster) -> GatewayProcess:
+    return cluster.start_gateway()
+
+
+@pytest.fixture(scope="module")
+def admin(gateway: GatewayProcess) -> tidelog.Admin:
+    return tidelog.Admin(gateway.address)

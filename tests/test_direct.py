@@ -7,32 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 import tidelog
-from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
+from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 from tidelog.errors import MessageTooLargeError, UnknownTopicOrPartitionError
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
-    base: Path = tmp_path_factory.mktemp("direct")
-    with running_cluster(base) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def gateway(cluster: TestCluster) -> GatewayProcess:
-    return cluster.start_gateway()
-
-
-@pytest.fixture(scope="module")
-def admin(gateway: GatewayProcess) -> tidelog.Admin:
-    return tidelog.Admin(gateway.address)
 
 
 def _create(admin: tidelog.Admin, topic: str, partitions: int) -> None:

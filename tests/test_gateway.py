@@ -10,7 +10,6 @@ import threading
 import time
 from array import array
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,7 +22,6 @@ from tests.support.cluster import (
     GatewayProcess,
     TestCluster,
     rpc_error_code,
-    running_cluster,
     wait_for,
 )
 from tidelog.consumer import MAX_FETCHES_IN_FLIGHT
@@ -40,23 +38,6 @@ from tidelog.partitioner import partition_for_key
 from tidelog.producer import RECORD_OVERHEAD_BYTES, BatchMetadata
 from tidelog.records import decode_batches, encode_batch
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
-    base: Path = tmp_path_factory.mktemp("gateway")
-    with running_cluster(base) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def gateway(cluster: TestCluster) -> GatewayProcess:
-    return cluster.start_gateway()
-
-
-@pytest.fixture(scope="module")
-def admin(gateway: GatewayProcess) -> tidelog.Admin:
-    return tidelog.Admin(gateway.address)
 
 
 def _consume_all(address: str, topic: str, expected: int, group: str | None = None) -> list:

@@ -88,7 +88,7 @@ def test_a_retired_segment_is_dropped_once_the_next_holds_a_window(log_dir: Path
     log = Log.open(log_dir, config, clock=ManualClock())
     values = _fill(log, 16)  # 4 MiB: the second segment starts with the 16th batch
     first = sorted(log_dir.glob("*.log"))[0]
-    # The retired segment's newest bytes are still the log's newest: kept for now.
+    # The retired segment's newest bytes are still the log's newest, so they stay cached.
     assert _fraction_resident(first, first.stat().st_size - MIB, first.stat().st_size) == 1.0
     values += _fill(log, 9, first=16)
     assert log.segment_count == 2
