@@ -31,6 +31,8 @@ from tidelog.errors import (
     ErrorCode,
     InvalidGroupIdError,
     MessageTooLargeError,
+    NetworkError,
+    RequestTimedOutError,
     TopicAlreadyExistsError,
     UnknownTopicOrPartitionError,
 )
@@ -379,6 +381,71 @@ def test_produce_rides_through_a_leader_kill(cluster: TestCluster, gateway: Gate
         30,
         "the restarted broker to rejoin the ISR",
     )
+
+
+def test_a_killed_gateway_fails_every_send_within_the_delivery_timeout(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """kill -9 of the gateway under a producer's stream: every send completes (acknowledged
+    or failed) within delivery_timeout_ms, and every acknowledged record is in the log at
+    its offset. A stream that failed at once used to be left as the producer's current
+    one, so later requests were queued on it forever and flush never returned."""
+    topic = "gateway-killed"
+    doomed = cluster.start_gateway()
+    admin.create_topic(topic, partitions=3, replication_factor=3)
+    producer = tidelog.Producer(doomed.address, linger_ms=1, delivery_timeout_ms=3_000)
+    futures = [producer.send_batch(topic, [f"{i}".encode()] * 100) for i in range(20)]
+    for future in futures:
+        future.result(30)  # the stream is up and answering
+    cluster.kill(doomed)
+    started = time.monotonic()
+    futures += [producer.send_batch(topic, [f"{i}".encode()] * 100) for i in range(20, 60)]
+    producer.flush(30)
+    assert time.monotonic() - started < 3 + 5  # the delivery timeout, and a margin
+    producer.close()
+    acked: dict[tuple[int, int], bytes] = {}
+    failed = 0
+    for i, future in enumerate(futures):
+        try:
+            metadata = future.result(0)
+        except (NetworkError, RequestTimedOutError):
+            failed += 1
+            continue
+        for partition, offset in zip(metadata.partitions, metadata.offsets, strict=True):
+            acked[(partition, offset)] = f"{i}".encode()
+    assert failed >= 40  # nothing after the kill could be acknowledged
+    records = _consume_all(gateway.address, topic, len(acked))
+    assert {(r.partition, r.offset): r.value for r in records} == acked
+
+
+def test_a_stopped_gateway_times_out_the_stream_and_the_retry_lands_once(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A gateway stopped (SIGSTOP) past request_timeout_ms keeps its connection open, so
+    nothing fails by itself: the producer cancels the stream, retries on a new one, and
+    once the gateway runs again every record lands exactly once, in order (idempotence)."""
+    topic = "gateway-stopped"
+    paused = cluster.start_gateway()
+    admin.create_topic(topic, partitions=1, replication_factor=3)
+    with tidelog.Producer(
+        paused.address, linger_ms=1, request_timeout_ms=1_000, delivery_timeout_ms=60_000
+    ) as producer:
+        producer.send(topic, b"first").result(30)  # producer id and stream in place
+        os.kill(paused.pid, signal.SIGSTOP)
+        try:
+            futures = [producer.send(topic, f"v{i}".encode()) for i in range(50)]
+            # Past the request timeout and grace: the first stream was cancelled.
+            wait_for(
+                lambda: producer.metrics()["record-retry-total"] > 0 or None,
+                30,
+                "the producer to give up on the stopped gateway's stream and retry",
+            )
+        finally:
+            os.kill(paused.pid, signal.SIGCONT)
+        offsets = [f.result(60).offset for f in futures]
+    assert offsets == list(range(1, 51))
+    records = _consume_all(gateway.address, topic, 51)
+    assert [r.value for r in records] == [b"first"] + [f"v{i}".encode() for i in range(50)]
 
 
 def test_admin_calls_reach_the_controller(gateway: GatewayProcess) -> None:

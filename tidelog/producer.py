@@ -95,6 +95,13 @@ RETRY_BACKOFF_S: Final = 0.1
 LEADER_WAIT_MARGIN_MS: Final = 100
 """Direct mode: an acks=all append asks the leader to wait this much less than the call's
 deadline, so the leader's precise REQUEST_TIMED_OUT arrives rather than a bare deadline."""
+STREAM_ANSWER_GRACE_S: Final = 1.0
+"""Gateway mode: a request on the produce stream unanswered this long past
+``request_timeout_ms`` (which the gateway is given as its own deadline, so it answers
+REQUEST_TIMED_OUT by then if it can) means the gateway is hung or unreachable without the
+connection failing (a stopped process, a black-holed network): the stream is cancelled and
+its requests are retried on a new one, as Kafka's client closes a connection on
+``request.timeout.ms``."""
 _STOP: Final = object()
 _ZERO_I32: Final = array("i", [0])
 _ZERO_I64: Final = array("q", [0])
@@ -335,6 +342,8 @@ class Producer:
         self._producer_id = -1
         self._producer_epoch = -1
         self._requests: queue.SimpleQueue[Any] | None = None
+        self._stream_call: Any = None  # the current produce stream, to cancel when hung
+        self._stream_timed_out = False  # the current stream was cancelled for that
         self._metrics = ClientMetrics(
             counters=(
                 "request-total",
@@ -745,21 +754,24 @@ class Producer:
                             self._requests.put(_STOP)
                         return
                     wait_s = 0.5
+                    hung = self._hung_stream(time.monotonic())
+                    if hung is not None:
+                        break
                     if len(self._in_flight) < self._max_in_flight:
                         picked, wait_s = self._ready(time.monotonic())
                         if picked:
                             break
-                    self._lock.wait(wait_s)
+                    self._lock.wait(min(wait_s, 0.5))
                 requests = self._requests
+            if hung is not None:
+                hung.cancel()  # its reader strands what was in flight, for a retry
+                continue
             if self._leaders is not None:
                 self._send_direct(picked, self._leaders)
                 continue
             try:
                 if requests is None:
-                    requests = queue.SimpleQueue()
-                    self._open_stream(requests)
-                    with self._lock:
-                        self._requests = requests
+                    requests = self._open_stream()
                 correlation_id, request = self._build(picked)
             except TidelogError as exc:
                 self._complete_failed(picked, exc)
@@ -775,7 +787,29 @@ class Producer:
                     continue
             self._complete_failed(picked, NetworkError("the produce stream ended"))
 
-    def _open_stream(self, requests: queue.SimpleQueue[Any]) -> None:
+    def _hung_stream(self, now: float) -> Any:
+        """(lock held) The produce stream to cancel: its oldest request went unanswered
+        past the request timeout and grace (``STREAM_ANSWER_GRACE_S``); else None."""
+        if self._stream_call is None or self._stream_timed_out or not self._sent_at_s:
+            return None
+        oldest_s = next(iter(self._sent_at_s.values()))  # insertion order: the oldest first
+        if now - oldest_s < self._request_timeout_ms / 1000 + STREAM_ANSWER_GRACE_S:
+            return None
+        self._stream_timed_out = True
+        return self._stream_call
+
+    def _open_stream(self) -> queue.SimpleQueue[Any]:
+        """Open a produce stream and start its reader; returns the stream's request queue.
+
+        The queue is the producer's current one before the reader starts: a stream that
+        fails at once (the gateway is gone) must find itself current to retire itself,
+        or the sender would go on queueing requests that nothing sends or answers."""
+        requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        with self._lock:
+            self._requests = requests
+            self._stream_call = None
+            self._stream_timed_out = False
+
         def iterate() -> Iterator[bytes]:
             while True:
                 item = requests.get()
@@ -783,7 +817,16 @@ class Producer:
                     return
                 yield item
 
-        responses = self._conn.produce_stream_encoded(iterate())
+        try:
+            responses = self._conn.produce_stream_encoded(iterate())
+        except BaseException:
+            with self._lock:
+                if self._requests is requests:
+                    self._requests = None
+            raise
+        with self._lock:
+            if self._requests is requests:
+                self._stream_call = responses
         reader = threading.Thread(
             target=self._read_responses,
             args=(responses, requests),
@@ -791,6 +834,7 @@ class Producer:
             daemon=True,
         )
         reader.start()
+        return requests
 
     def _read_responses(self, responses: Any, requests: queue.SimpleQueue[Any]) -> None:
         try:
@@ -809,7 +853,13 @@ class Producer:
         # The stream is over: everything in flight on it goes back to its queue.
         with self._lock:
             if self._requests is requests:
+                if self._stream_timed_out:
+                    error = RequestTimedOutError(
+                        f"produce stream to {self._conn.address}: no answer within "
+                        f"request_timeout_ms ({self._request_timeout_ms} ms)"
+                    )
                 self._requests = None
+                self._stream_call = None
             stranded = list(self._in_flight.values())
             self._in_flight.clear()
             self._sent_at_s.clear()
