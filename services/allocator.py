@@ -18,12 +18,16 @@ or other values, sets glibc's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THR
 (or ``GLIBC_TUNABLES``): those win, and this module then changes nothing.
 
 In a container the retained memory counts against the memory limit, and glibc keeps free
-memory per arena (a multi-threaded process has several), so a burst on one thread's arena
-is not reused by the next burst on another. With a cgroup memory limit the thresholds
-shrink with it (``thresholds_for``): at most an eighth of the limit stays free at a
-heap's top. Why it matters: during a full ``tidelog bench`` run (2026-11-25, uncapped
-values, no limit) the gateway's peak resident set (VmHWM) reached ~740 MB and a storage
-node's ~580 MB, while the dev overlay (deploy/k8s) limits a gateway to 512 MiB.
+memory per arena: a new thread gets an arena of its own, up to 8 per core, so a
+gRPC server's many threads each keep up to the trim threshold, and a burst freed on one
+thread's arena is not reused by the next burst on another. Under a cgroup memory limit
+the threads therefore share ``ARENAS_UNDER_LIMIT`` arenas, and the thresholds shrink with
+the limit (``thresholds_for``) so that all arenas together keep at most an eighth of it
+free. Why it matters: during a full ``tidelog bench`` run (2026-11-25, uncapped values, no
+limit) the gateway's peak resident set (VmHWM) reached ~740 MB and a storage node's
+~580 MB; a gateway in a 512 MiB memory cgroup (the dev overlay's limit, deploy/k8s) was
+OOM-killed by the suite's produce and consume cases while its arenas were uncapped, and
+peaked at 460 MiB through all of them with two (docs/BENCHMARKS.md, eighth pass).
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ TRIM_THRESHOLD_BYTES: Final = 1024 * 1024 * 1024
 """Free memory at the top of a heap is given back to the kernel only beyond this."""
 
 LIMIT_SHARE_TRIM: Final = 8
-"""Under a memory limit, the trim threshold is at most limit / this."""
+"""Under a memory limit, the arenas' trim thresholds add up to at most limit / this."""
+ARENAS_UNDER_LIMIT: Final = 2
+"""Under a memory limit, malloc arenas the threads share (glibc's ``M_ARENA_MAX``; its own
+default is 8 per core). Two rather than one: the gRPC threads' allocations outside the GIL
+still rarely wait for each other."""
 LIMIT_SHARE_MMAP: Final = 16
 """Under a memory limit, the mmap threshold is at most limit / this."""
 NO_LIMIT_BYTES: Final = 1 << 62
@@ -55,7 +63,13 @@ NO_LIMIT_BYTES: Final = 1 << 62
 
 _M_TRIM_THRESHOLD: Final = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD: Final = -3
-_OVERRIDES: Final = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+_M_ARENA_MAX: Final = -8
+_OVERRIDES: Final = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_ARENA_MAX",
+    "GLIBC_TUNABLES",
+)
 
 
 def cgroup_limit_files(proc_cgroup: Path = Path("/proc/self/cgroup")) -> list[Path]:
@@ -97,13 +111,19 @@ def memory_limit_bytes(files: Sequence[Path]) -> int | None:
 
 
 def thresholds_for(limit_bytes: int | None) -> tuple[int, int]:
-    """(mmap threshold, trim threshold) in bytes for a process under ``limit_bytes``."""
+    """(mmap threshold, trim threshold) in bytes for a process under ``limit_bytes``; the
+    trim threshold holds for each of the ``arena_max_for(limit_bytes)`` arenas."""
     if limit_bytes is None:
         return MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
     return (
         min(MMAP_THRESHOLD_BYTES, limit_bytes // LIMIT_SHARE_MMAP),
-        min(TRIM_THRESHOLD_BYTES, limit_bytes // LIMIT_SHARE_TRIM),
+        min(TRIM_THRESHOLD_BYTES, limit_bytes // (LIMIT_SHARE_TRIM * ARENAS_UNDER_LIMIT)),
     )
+
+
+def arena_max_for(limit_bytes: int | None) -> int | None:
+    """The arenas a process under ``limit_bytes`` may have; None: glibc's default."""
+    return None if limit_bytes is None else ARENAS_UNDER_LIMIT
 
 
 def retain_freed_memory(limit_files: Sequence[Path] | None = None) -> bool:
@@ -126,14 +146,19 @@ def retain_freed_memory(limit_files: Sequence[Path] | None = None) -> bool:
     mallopt.restype = ctypes.c_int
     limit = memory_limit_bytes(cgroup_limit_files() if limit_files is None else limit_files)
     mmap_threshold, trim_threshold = thresholds_for(limit)
+    arena_max = arena_max_for(limit)
     applied = bool(
         mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
+    if arena_max is not None:
+        # Before the server's threads exist: a thread keeps the arena it first got.
+        applied = bool(mallopt(_M_ARENA_MAX, arena_max)) and applied
     _log.info(
         "allocator_configured",
         applied=applied,
         memory_limit_bytes=limit,
         mmap_threshold_bytes=mmap_threshold,
         trim_threshold_bytes=trim_threshold,
+        arena_max=arena_max,
     )
     return applied

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 from services.allocator import (
+    ARENAS_UNDER_LIMIT,
     MMAP_THRESHOLD_BYTES,
     TRIM_THRESHOLD_BYTES,
+    arena_max_for,
     cgroup_limit_files,
     memory_limit_bytes,
     thresholds_for,
@@ -44,6 +46,38 @@ thread = threading.Thread(target=churn)
 thread.start()
 thread.join()
 print(applied, result[0])
+"""
+
+
+# Under a memory limit read from the file argv[1] names (none: "-"), THREADS live threads
+# in turn fill and free a BUFFER_MIB - 20 buffer (below the limit's mmap threshold, so from
+# an arena) and stay alive, as a server's threads do; prints the MiB still resident after.
+THREADS = 16
+_ARENA_PROBE = f"""
+import sys, threading
+from pathlib import Path
+from services.allocator import retain_freed_memory
+retain_freed_memory([Path(sys.argv[1])] if sys.argv[1] != "-" else [])
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) / 1024
+turns = [threading.Event() for _ in range({THREADS} + 1)]
+done = threading.Barrier({THREADS} + 1)
+def work(i):
+    turns[i].wait()
+    buffer = bytearray(({BUFFER_MIB} - 20) * 1024 * 1024)
+    del buffer
+    turns[i + 1].set()
+    done.wait()  # alive: a live thread keeps its arena
+threads = [threading.Thread(target=work, args=(i,)) for i in range({THREADS})]
+for thread in threads:
+    thread.start()
+before = rss_mib()
+turns[0].set()
+turns[-1].wait()
+print(rss_mib() - before)
+done.wait()
 """
 
 
@@ -85,11 +119,41 @@ def test_the_operators_malloc_settings_win() -> None:
 
 def test_thresholds_shrink_under_a_memory_limit() -> None:
     assert thresholds_for(None) == (MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+    assert arena_max_for(None) is None
     mib = 1024 * 1024
-    # The dev overlay's gateway: 512 MiB, so at most 64 MiB stays free at a heap's top.
-    assert thresholds_for(512 * mib) == (32 * mib, 64 * mib)
+    # The dev overlay's gateway: 512 MiB, so at most 64 MiB stays free at the heaps' tops,
+    # 32 MiB in each of its two arenas.
+    assert thresholds_for(512 * mib) == (32 * mib, 32 * mib)
+    assert arena_max_for(512 * mib) == ARENAS_UNDER_LIMIT == 2
     # A large limit leaves the uncapped values.
     assert thresholds_for(64 * 1024 * mib) == (MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_threads_share_two_arenas_under_a_memory_limit(tmp_path: Path) -> None:
+    """A gateway in a 512 MiB cgroup was OOM-killed by the benchmark suite while each of its
+    threads kept its own arena's freed buffers (BENCHMARKS.md, eighth pass)."""
+    limit = tmp_path / "memory.max"
+    limit.write_text(str(512 * 1024 * 1024))
+
+    def retained_mib(limit_file: str) -> float:
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+        environment.update(PYTHONPATH=str(ROOT))
+        out = subprocess.run(
+            [sys.executable, "-c", _ARENA_PROBE, limit_file],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=environment,
+            timeout=60,
+        ).stdout
+        return float(out.splitlines()[-1])
+
+    buffer_mib = BUFFER_MIB - 20
+    # Each thread after the first reuses a buffer freed in one of the two arenas.
+    assert retained_mib(str(limit)) < 3 * buffer_mib
+    # The control, without a limit: every thread keeps its freed buffer in its own arena.
+    assert retained_mib("-") > THREADS / 2 * buffer_mib
 
 
 def test_memory_limit_is_the_smallest_set_one(tmp_path: Path) -> None:
