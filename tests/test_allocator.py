@@ -81,23 +81,25 @@ done.wait()
 """
 
 
-def _run(mode: str, **env: str) -> tuple[str, float]:
+def _last_line(probe: str, argument: str, **env: str) -> str:
+    """Run ``probe`` in a fresh interpreter with glibc's malloc variables cleared (plus
+    ``env``); its last line of output (the lines before are the module's log events)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environment.pop("GLIBC_TUNABLES", None)
     environment.update(env, PYTHONPATH=str(ROOT))
-    out = (
-        subprocess.run(
-            [sys.executable, "-c", _PROBE, mode],
-            capture_output=True,
-            text=True,
-            check=True,
-            env=environment,
-            timeout=60,
-        )
-        .stdout.splitlines()[-1]
-        .split()
-    )  # the lines before are the module's log events
-    return out[0], float(out[1])
+    return subprocess.run(
+        [sys.executable, "-c", probe, argument],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=environment,
+        timeout=60,
+    ).stdout.splitlines()[-1]
+
+
+def _run(mode: str, **env: str) -> tuple[str, float]:
+    applied, faults = _last_line(_PROBE, mode, **env).split()
+    return applied, float(faults)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
@@ -137,17 +139,7 @@ def test_threads_share_two_arenas_under_a_memory_limit(tmp_path: Path) -> None:
     limit.write_text(str(512 * 1024 * 1024))
 
     def retained_mib(limit_file: str) -> float:
-        environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-        environment.update(PYTHONPATH=str(ROOT))
-        out = subprocess.run(
-            [sys.executable, "-c", _ARENA_PROBE, limit_file],
-            capture_output=True,
-            text=True,
-            check=True,
-            env=environment,
-            timeout=60,
-        ).stdout
-        return float(out.splitlines()[-1])
+        return float(_last_line(_ARENA_PROBE, limit_file))
 
     buffer_mib = BUFFER_MIB - 20
     # Each thread after the first reuses a buffer freed in one of the two arenas.
