@@ -448,6 +448,64 @@ def test_a_stopped_gateway_times_out_the_stream_and_the_retry_lands_once(
     assert [r.value for r in records] == [b"first"] + [f"v{i}".encode() for i in range(50)]
 
 
+def test_a_request_that_finds_the_produce_budget_full_fails_alone_and_writes_nothing(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
+    """--queued-max-request-bytes bounds the produce bytes a gateway holds over all
+    clients: with a 1 MiB budget held by a request to a stopped leader, another request
+    waits, and answers REQUEST_TIMED_OUT at its own timeout with nothing written; once
+    the budget frees up the same request goes through."""
+    topic = "produce-budget"
+    small = cluster.start_gateway(["--queued-max-request-bytes", str(1024 * 1024)])
+    admin.create_topic(topic, partitions=3, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+    stuck = 0
+    free = next(p for p, leader in leaders.items() if leader != leaders[stuck])
+    batch = encode_batch([b"x" * 1000] * 900)  # ~900 KiB: two do not fit
+
+    def produce(partition: int, timeout_ms: int) -> gateway_pb2.ProduceResponse:
+        return small.stub.Produce(
+            gateway_pb2.ProduceRequest(
+                acks=common_pb2.LEADER,
+                timeout_ms=timeout_ms,
+                partitions=[
+                    gateway_pb2.ProducePartitionData(
+                        topic=topic, partition=partition, records=batch
+                    )
+                ],
+            ),
+            timeout=30,
+        )
+
+    stopped = cluster.brokers[leaders[stuck]]
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        holder = threading.Thread(target=produce, args=(stuck, 4_000))
+        holder.start()
+        time.sleep(0.5)  # the holder's bytes are in the budget, waiting on the leader
+        started = time.monotonic()
+        refused = produce(free, 1_000).partitions[0]
+        assert ErrorCode(refused.error.code) == ErrorCode.REQUEST_TIMED_OUT
+        assert "--queued-max-request-bytes" in refused.error.message
+        assert time.monotonic() - started >= 0.9
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    holder.join(30)
+    accepted = produce(free, 10_000).partitions[0]
+    assert ErrorCode(accepted.error.code) == ErrorCode.NONE
+    assert accepted.base_offset == 0  # the refused attempt wrote nothing
+    wait_for(
+        lambda: admin.describe_topic(topic).partitions[stuck].leader >= 0 or None,
+        30,
+        "the stopped broker to lead its partition again",
+    )
+    # A producer's stream with more in flight than the budget holds is slowed, not failed.
+    values = [b"y" * 1000] * 5_000
+    with tidelog.Producer(small.address, linger_ms=5) as producer:
+        metadata = producer.send_batch(topic, values, partition=free).result(60)
+    assert list(metadata.offsets) == list(range(900, 5_900))
+
+
 def test_admin_calls_reach_the_controller(gateway: GatewayProcess) -> None:
     response = gateway.stub.CreateTopics(
         controller_pb2.CreateTopicsRequest(

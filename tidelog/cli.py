@@ -297,6 +297,17 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         metavar="N",
         help="produce requests one ProduceStream may have unanswered (default: 64)",
     )
+    parser.add_argument(
+        "--queued-max-request-bytes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=(
+            "record bytes of produce requests held at once, over all clients; a stream "
+            "is read no further until its next request fits (default: 268435456, 256 MiB, "
+            "or an eighth of the cgroup memory limit when that is less)"
+        ),
+    )
     _add_max_concurrent_rpcs(parser)
     _add_logging(parser)
     parser.set_defaults(handler="services.gateway.node:main")

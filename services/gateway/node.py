@@ -22,6 +22,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.allocator import cgroup_limit_files, memory_limit_bytes
 from services.gateway.channels import Channels
 from services.gateway.controller_client import ControllerClient, ProducerIds
 from services.gateway.fetch import FetchHandler, FetchLimits
@@ -58,6 +59,9 @@ class GatewayNodeConfig:
     max_request_bytes: int = 100 * 1024 * 1024
     max_fetch_bytes: int = 50 * 1024 * 1024
     max_in_flight_per_stream: int = 64
+    # Record bytes of produce requests held at once; None: queued_max_request_bytes_for()
+    # of the cgroup memory limit.
+    queued_max_request_bytes: int | None = None
     # Pool threads serving calls; long polls and streams hold one each.
     max_workers: int = 64
     # Calls admitted at once; beyond it gRPC answers RESOURCE_EXHAUSTED instead of queueing.
@@ -69,6 +73,23 @@ class GatewayNodeConfig:
         for name in ("max_request_bytes", "max_fetch_bytes", "max_in_flight_per_stream"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.queued_max_request_bytes is not None and self.queued_max_request_bytes < 1:
+            raise ValueError("queued_max_request_bytes must be >= 1")
+
+
+QUEUED_MAX_REQUEST_BYTES: Final = 256 * 1024 * 1024
+"""Record bytes of produce requests a gateway holds at once, when no memory limit says less."""
+LIMIT_SHARE_QUEUED: Final = 8
+"""Under a memory limit, the produce budget is at most limit / this: each byte held costs
+about three (the request as received, as forwarded, gRPC's buffers), and the rest of the
+limit is for fetches, the allocator's retained memory and the interpreter."""
+
+
+def queued_max_request_bytes_for(limit_bytes: int | None) -> int:
+    """The default produce budget of a gateway under ``limit_bytes`` (None: no limit)."""
+    if limit_bytes is None:
+        return QUEUED_MAX_REQUEST_BYTES
+    return max(1, min(QUEUED_MAX_REQUEST_BYTES, limit_bytes // LIMIT_SHARE_QUEUED))
 
 
 class GatewayNode:
@@ -103,8 +124,16 @@ class GatewayNode:
         self._cache = MetadataCache(self._store)
         self._cache.start(ETCD_TIMEOUT_S)
         router = Router(self._cache, self._channels)
+        budget_bytes = config.queued_max_request_bytes or queued_max_request_bytes_for(
+            memory_limit_bytes(cgroup_limit_files())
+        )
+        _log.info("produce_budget", queued_max_request_bytes=budget_bytes)
         self._produce = ProduceHandler(
-            router, ProduceLimits(max_request_bytes=config.max_request_bytes)
+            router,
+            ProduceLimits(
+                max_request_bytes=config.max_request_bytes,
+                queued_max_request_bytes=budget_bytes,
+            ),
         )
         controller = ControllerClient(self._cache, self._channels)
         servicer = GatewayServicer(
@@ -173,6 +202,7 @@ def main(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             max_fetch_bytes=args.max_fetch_bytes,
             max_in_flight_per_stream=args.max_in_flight_per_stream,
+            queued_max_request_bytes=getattr(args, "queued_max_request_bytes", None),
             max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", 1024),
         )
     except (ValueError, TidelogError) as exc:

@@ -21,10 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Final
 
 import structlog
 
+from services.gateway.byte_budget import ByteBudget
 from services.gateway.metadata_cache import Leader
 from services.gateway.router import DEADLINE_MARGIN_S, Router
 from services.status import to_error_proto
@@ -57,6 +59,14 @@ class ProduceLimits:
     max_request_bytes: int = 100 * 1024 * 1024  # sum of record bytes in one request
     max_background_appends: int = 1024  # acks=0 appends queued but not yet answered
     workers: int = 64  # threads that wait on leaders (acks=all waits hold one each)
+    # Record bytes of all requests held at once (``byte_budget``); node.py sizes it.
+    queued_max_request_bytes: int = 256 * 1024 * 1024
+
+
+def record_bytes(request: gateway_pb2.ProduceRequest) -> int:
+    """The record bytes a request carries (what ``max_request_bytes`` and the budget
+    count)."""
+    return sum(len(data.records) for data in request.partitions)
 
 
 def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> float:
@@ -74,7 +84,6 @@ def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> floa
             f"{len(request.partitions)} partitions in one request; the limit is "
             f"{MAX_PARTITIONS_PER_REQUEST}"
         )
-    total = 0
     seen: set[tuple[str, int]] = set()
     for data in request.partitions:
         key = (data.topic, data.partition)
@@ -84,7 +93,7 @@ def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> floa
                 "put all its batches in one entry"
             )
         seen.add(key)
-        total += len(data.records)
+    total = record_bytes(request)
     if total > limits.max_request_bytes:
         raise RecordListTooLargeError(
             f"the request carries {total} bytes of records; this gateway accepts at most "
@@ -118,6 +127,7 @@ class ProduceHandler:
             max_workers=limits.workers, thread_name_prefix="gateway-produce"
         )
         self._background = threading.BoundedSemaphore(limits.max_background_appends)
+        self.budget = ByteBudget(limits.queued_max_request_bytes)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -176,9 +186,32 @@ class ProduceHandler:
 
     # --- whole requests ---------------------------------------------------------------------
 
+    def _no_room(self, request: gateway_pb2.ProduceRequest) -> gateway_pb2.ProduceResponse:
+        """The answer to a request that found no room in the budget before its deadline:
+        nothing was written, and the client's retry may find room."""
+        error = RequestTimedOutError(
+            f"the gateway held {self.budget.limit_bytes} bytes of other produce requests "
+            "until this one's timeout (--queued-max-request-bytes); nothing was written"
+        )
+        return gateway_pb2.ProduceResponse(
+            correlation_id=request.correlation_id,
+            partitions=[_failed(data, error) for data in request.partitions],
+        )
+
     def produce(self, request: gateway_pb2.ProduceRequest) -> gateway_pb2.ProduceResponse:
         """A unary Produce; raises TidelogError when the request as a whole is bad."""
         deadline = validate(request, self.limits)
+        size = record_bytes(request)
+        if not self.budget.acquire(size, deadline):
+            return self._no_room(request)
+        try:
+            return self._produce_held(request, deadline)
+        finally:
+            self.budget.release(size)
+
+    def _produce_held(
+        self, request: gateway_pb2.ProduceRequest, deadline: float
+    ) -> gateway_pb2.ProduceResponse:
         if len(request.partitions) == 1 and request.acks != common_pb2.NONE_ACKS:
             # The common case needs no hop to a worker thread.
             data = request.partitions[0]
@@ -281,9 +314,21 @@ class ProduceHandler:
         )
         lock = threading.Lock()
         state = {"in_flight": 0, "reading": 1}
+        # Each partition's latest append still running, which the next one waits for.
+        # Only while running: a done future keeps its callbacks, and through them the
+        # whole request it answered, so a stream over 100 partitions that kept every
+        # partition's last future held up to 100 requests' records (~350 MiB in the OMB
+        # case, BENCHMARKS.md eighth pass).
         tails: dict[tuple[str, int], Future[gateway_pb2.ProducePartitionResult]] = {}
 
-        def answer(request: gateway_pb2.ProduceRequest, results: list[Submitted]) -> None:
+        def forget(key: tuple[str, int], tail: Future[gateway_pb2.ProducePartitionResult]) -> None:
+            with lock:
+                if tails.get(key) is tail:
+                    del tails[key]
+
+        def answer(
+            request: gateway_pb2.ProduceRequest, results: list[Submitted], held_bytes: int = 0
+        ) -> None:
             remaining = [len(results)]
 
             def one_done(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
@@ -292,16 +337,20 @@ class ProduceHandler:
                     if remaining[0] > 0:
                         return
                     state["in_flight"] -= 1
-                out.put(
-                    gateway_pb2.ProduceResponse(
-                        correlation_id=request.correlation_id,
-                        partitions=[r.result.result() for r in results],
-                    )
+                self.budget.release(held_bytes)
+                response = gateway_pb2.ProduceResponse(
+                    correlation_id=request.correlation_id,
+                    partitions=[r.result.result() for r in results],
                 )
+                # Each result future keeps this callback, which keeps ``results``: a cycle
+                # that only the cyclic GC would free, with the request's records in it.
+                results.clear()
+                out.put(response)
 
             if not results:
                 with lock:
                     state["in_flight"] -= 1
+                self.budget.release(held_bytes)
                 out.put(gateway_pb2.ProduceResponse(correlation_id=request.correlation_id))
                 return
             for submitted in results:
@@ -329,13 +378,28 @@ class ProduceHandler:
                             request, [Submitted.done(_failed(d, exc)) for d in request.partitions]
                         )
                         continue
+                    # The stream is read no further until the request fits in the budget.
+                    size = record_bytes(request)
+                    if not self.budget.acquire(size, deadline):
+                        with lock:
+                            state["in_flight"] -= 1
+                        out.put(self._no_room(request))
+                        continue
                     results = []
-                    for data in request.partitions:
-                        key = (data.topic, data.partition)
-                        submitted = self.submit(data, request.acks, deadline, tails.get(key))
-                        tails[key] = submitted.tail
-                        results.append(submitted)
-                    answer(request, results)
+                    try:
+                        for data in request.partitions:
+                            key = (data.topic, data.partition)
+                            with lock:
+                                after = tails.get(key)
+                            submitted = self.submit(data, request.acks, deadline, after)
+                            with lock:
+                                tails[key] = submitted.tail
+                            submitted.tail.add_done_callback(partial(forget, key))
+                            results.append(submitted)
+                    except BaseException:
+                        self.budget.release(size)
+                        raise
+                    answer(request, results, size)
             except Exception as exc:  # the client went away, or sent garbage
                 _log.debug("produce_stream_read_ended", error=str(exc))
             finally:
