@@ -286,9 +286,12 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser.add_argument(
         "--max-fetch-bytes",
         type=_positive_int,
-        default=50 * 1024 * 1024,
+        default=None,
         metavar="N",
-        help="cap on the record bytes of one fetch response (default: 52428800, 50 MiB)",
+        help=(
+            "cap on the record bytes of one fetch response (default: 52428800, 50 MiB, or "
+            "1/32 of the cgroup memory limit when that is less)"
+        ),
     )
     parser.add_argument(
         "--max-in-flight-per-stream",

@@ -57,7 +57,8 @@ class GatewayNodeConfig:
     listen_port: int = 0
     cluster: str = "default"
     max_request_bytes: int = 100 * 1024 * 1024
-    max_fetch_bytes: int = 50 * 1024 * 1024
+    # None: max_fetch_bytes_for() of the cgroup memory limit.
+    max_fetch_bytes: int | None = None
     max_in_flight_per_stream: int = 64
     # Record bytes of produce requests held at once; None: queued_max_request_bytes_for()
     # of the cgroup memory limit.
@@ -70,11 +71,15 @@ class GatewayNodeConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.listen_port <= 65535:
             raise ValueError(f"port {self.listen_port} is out of range 0..65535")
-        for name in ("max_request_bytes", "max_fetch_bytes", "max_in_flight_per_stream"):
-            if getattr(self, name) < 1:
+        for name in (
+            "max_request_bytes",
+            "max_fetch_bytes",
+            "max_in_flight_per_stream",
+            "queued_max_request_bytes",
+        ):
+            value = getattr(self, name)
+            if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.queued_max_request_bytes is not None and self.queued_max_request_bytes < 1:
-            raise ValueError("queued_max_request_bytes must be >= 1")
 
 
 QUEUED_MAX_REQUEST_BYTES: Final = 256 * 1024 * 1024
@@ -85,11 +90,27 @@ about three (the request as received, as forwarded, gRPC's buffers), and the res
 limit is for fetches, the allocator's retained memory and the interpreter."""
 
 
+MAX_FETCH_BYTES: Final = 50 * 1024 * 1024
+"""Record bytes of one fetch answer (Kafka's fetch.max.bytes), when no memory limit says
+less."""
+LIMIT_SHARE_FETCH: Final = 32
+"""Under a memory limit, one fetch answer is at most limit / this: the gateway holds an
+answer about three times over (the leaders' answers, the joined answer, gRPC's buffer),
+and a consumer keeps a fetch in flight per leader (tidelog.consumer)."""
+
+
 def queued_max_request_bytes_for(limit_bytes: int | None) -> int:
     """The default produce budget of a gateway under ``limit_bytes`` (None: no limit)."""
     if limit_bytes is None:
         return QUEUED_MAX_REQUEST_BYTES
     return max(1, min(QUEUED_MAX_REQUEST_BYTES, limit_bytes // LIMIT_SHARE_QUEUED))
+
+
+def max_fetch_bytes_for(limit_bytes: int | None) -> int:
+    """The default cap on one fetch answer of a gateway under ``limit_bytes``."""
+    if limit_bytes is None:
+        return MAX_FETCH_BYTES
+    return max(1024 * 1024, min(MAX_FETCH_BYTES, limit_bytes // LIMIT_SHARE_FETCH))
 
 
 class GatewayNode:
@@ -124,10 +145,15 @@ class GatewayNode:
         self._cache = MetadataCache(self._store)
         self._cache.start(ETCD_TIMEOUT_S)
         router = Router(self._cache, self._channels)
-        budget_bytes = config.queued_max_request_bytes or queued_max_request_bytes_for(
-            memory_limit_bytes(cgroup_limit_files())
+        limit = memory_limit_bytes(cgroup_limit_files())
+        budget_bytes = config.queued_max_request_bytes or queued_max_request_bytes_for(limit)
+        fetch_bytes = config.max_fetch_bytes or max_fetch_bytes_for(limit)
+        _log.info(
+            "memory_limits",
+            memory_limit_bytes=limit,
+            queued_max_request_bytes=budget_bytes,
+            max_fetch_bytes=fetch_bytes,
         )
-        _log.info("produce_budget", queued_max_request_bytes=budget_bytes)
         self._produce = ProduceHandler(
             router,
             ProduceLimits(
@@ -141,7 +167,7 @@ class GatewayNode:
             produce=self._produce,
             fetch=FetchHandler(
                 router,
-                FetchLimits(max_fetch_bytes=config.max_fetch_bytes),
+                FetchLimits(max_fetch_bytes=fetch_bytes),
                 self._leader_calls,
             ),
             controller=controller,
@@ -149,9 +175,7 @@ class GatewayNode:
             producer_ids=ProducerIds(controller),
             max_in_flight_per_stream=config.max_in_flight_per_stream,
         )
-        message_limit = (
-            max(config.max_request_bytes, config.max_fetch_bytes) + MESSAGE_OVERHEAD_BYTES
-        )
+        message_limit = max(config.max_request_bytes, fetch_bytes) + MESSAGE_OVERHEAD_BYTES
         server = new_server(
             role="gateway",
             max_workers=config.max_workers,

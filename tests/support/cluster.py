@@ -135,7 +135,15 @@ class ControllerProcess(TidelogProcess):
 class GatewayProcess(TidelogProcess):
     """``tidelog gateway`` on 127.0.0.1 port 0, with a channel and a Gateway stub."""
 
-    def __init__(self, etcd: str, *, cluster: str, log_path: Path, extra_args: Sequence[str] = ()):
+    def __init__(
+        self,
+        etcd: str,
+        *,
+        cluster: str,
+        log_path: Path,
+        extra_args: Sequence[str] = (),
+        command_prefix: Sequence[str] = (),
+    ):
         super().__init__(
             [
                 "gateway",
@@ -148,6 +156,7 @@ class GatewayProcess(TidelogProcess):
                 *extra_args,
             ],
             log_path=log_path,
+            command_prefix=command_prefix,
         )
         self._channel: grpc.Channel | None = None
 
@@ -252,13 +261,17 @@ class TestCluster:
         self.controllers[controller_id] = process
         return process.start()
 
-    def start_gateway(self, extra_args: Sequence[str] = ()) -> GatewayProcess:
-        """Start a gateway (another one each call: gateways are stateless)."""
+    def start_gateway(
+        self, extra_args: Sequence[str] = (), command_prefix: Sequence[str] = ()
+    ) -> GatewayProcess:
+        """Start a gateway (another one each call: gateways are stateless);
+        ``command_prefix`` as ``TidelogProcess``'s."""
         process = GatewayProcess(
             self.etcd.endpoint,
             cluster=self.cluster,
             log_path=self.base_dir / f"gateway-{len(self._all)}.stderr.log",
             extra_args=extra_args,
+            command_prefix=command_prefix,
         )
         self._all.append(process)
         self.gateways.append(process)
