@@ -96,12 +96,15 @@ LEADER_WAIT_MARGIN_MS: Final = 100
 """Direct mode: an acks=all append asks the leader to wait this much less than the call's
 deadline, so the leader's precise REQUEST_TIMED_OUT arrives rather than a bare deadline."""
 STREAM_ANSWER_GRACE_S: Final = 1.0
-"""Gateway mode: a request on the produce stream unanswered this long past
+"""Gateway mode: a produce stream whose oldest request went unanswered this long past
 ``request_timeout_ms`` (which the gateway is given as its own deadline, so it answers
-REQUEST_TIMED_OUT by then if it can) means the gateway is hung or unreachable without the
-connection failing (a stopped process, a black-holed network): the stream is cancelled and
-its requests are retried on a new one, as Kafka's client closes a connection on
-``request.timeout.ms``."""
+REQUEST_TIMED_OUT by then if it can), and that answered nothing else for as long, means a
+gateway hung or unreachable without the connection failing (a stopped process, a
+black-holed network): the stream is cancelled and its requests are retried on a new one,
+as Kafka's client closes a connection on ``request.timeout.ms``. A gateway that still
+answers is left alone even when one answer is late (a busy machine during a failover):
+cancelling strands every partition's request in flight, and their retries race the
+originals the gateway is still carrying."""
 _STOP: Final = object()
 _ZERO_I32: Final = array("i", [0])
 _ZERO_I64: Final = array("q", [0])
@@ -344,6 +347,7 @@ class Producer:
         self._requests: queue.SimpleQueue[Any] | None = None
         self._stream_call: Any = None  # the current produce stream, to cancel when hung
         self._stream_timed_out = False  # the current stream was cancelled for that
+        self._stream_heard_s = 0.0  # when the current stream opened or last answered
         self._metrics = ClientMetrics(
             counters=(
                 "request-total",
@@ -793,7 +797,8 @@ class Producer:
         if self._stream_call is None or self._stream_timed_out or not self._sent_at_s:
             return None
         oldest_s = next(iter(self._sent_at_s.values()))  # insertion order: the oldest first
-        if now - oldest_s < self._request_timeout_ms / 1000 + STREAM_ANSWER_GRACE_S:
+        silent_since_s = max(oldest_s, self._stream_heard_s)
+        if now - silent_since_s < self._request_timeout_ms / 1000 + STREAM_ANSWER_GRACE_S:
             return None
         self._stream_timed_out = True
         return self._stream_call
@@ -809,6 +814,7 @@ class Producer:
             self._requests = requests
             self._stream_call = None
             self._stream_timed_out = False
+            self._stream_heard_s = time.monotonic()
 
         def iterate() -> Iterator[bytes]:
             while True:
@@ -842,6 +848,8 @@ class Producer:
                 with self._lock:
                     picked = self._in_flight.pop(response.correlation_id, None)
                     sent_at_s = self._sent_at_s.pop(response.correlation_id, None)
+                    if self._requests is requests:
+                        self._stream_heard_s = time.monotonic()
                 if sent_at_s is not None:
                     self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
                 if picked is not None:
