@@ -253,6 +253,20 @@ class _Batch:
         return len(self.values) if self.arrow_values is None else len(self.arrow_values)
 
 
+class _Stream:
+    """One ProduceStream to the gateway: its request queue (read by gRPC), the call (to
+    cancel), and what the hung-stream check needs. Fields change under the producer's
+    lock; the producer's current stream is the one its sender queues on."""
+
+    __slots__ = ("call", "heard_s", "requests", "timed_out")
+
+    def __init__(self) -> None:
+        self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.call: Any = None  # set once gRPC has the call
+        self.heard_s = time.monotonic()  # opened, or last answered
+        self.timed_out = False  # cancelled by the producer for that
+
+
 class _PartitionQueue:
     __slots__ = ("batches", "in_flight", "next_sequence", "producer_id", "retry_at_s")
 
@@ -344,10 +358,7 @@ class Producer:
         self._correlation = itertools.count(1)
         self._producer_id = -1
         self._producer_epoch = -1
-        self._requests: queue.SimpleQueue[Any] | None = None
-        self._stream_call: Any = None  # the current produce stream, to cancel when hung
-        self._stream_timed_out = False  # the current stream was cancelled for that
-        self._stream_heard_s = 0.0  # when the current stream opened or last answered
+        self._stream: _Stream | None = None  # gateway mode: the current produce stream
         self._metrics = ClientMetrics(
             counters=(
                 "request-total",
@@ -754,8 +765,8 @@ class Producer:
             with self._lock:
                 while True:
                     if self._closing and self._unfinished == 0:
-                        if self._requests is not None:
-                            self._requests.put(_STOP)
+                        if self._stream is not None:
+                            self._stream.requests.put(_STOP)
                         return
                     wait_s = 0.5
                     hung = self._hung_stream(time.monotonic())
@@ -766,7 +777,7 @@ class Producer:
                         if picked:
                             break
                     self._lock.wait(min(wait_s, 0.5))
-                requests = self._requests
+                stream = self._stream
             if hung is not None:
                 hung.cancel()  # its reader strands what was in flight, for a retry
                 continue
@@ -774,8 +785,8 @@ class Producer:
                 self._send_direct(picked, self._leaders)
                 continue
             try:
-                if requests is None:
-                    requests = self._open_stream()
+                if stream is None:
+                    stream = self._open_stream()
                 correlation_id, request = self._build(picked)
             except TidelogError as exc:
                 self._complete_failed(picked, exc)
@@ -784,41 +795,39 @@ class Producer:
                 # Registered and queued under the lock the reader takes when its stream
                 # ends, so a request is either stranded with the stream (and retried) or
                 # never put on a dead one.
-                if self._requests is requests:
+                if self._stream is stream:
                     self._in_flight[correlation_id] = picked
                     self._sent_at_s[correlation_id] = time.monotonic()
-                    requests.put(request)
+                    stream.requests.put(request)
                     continue
             self._complete_failed(picked, NetworkError("the produce stream ended"))
 
     def _hung_stream(self, now: float) -> Any:
         """(lock held) The produce stream to cancel: its oldest request went unanswered
         past the request timeout and grace (``STREAM_ANSWER_GRACE_S``); else None."""
-        if self._stream_call is None or self._stream_timed_out or not self._sent_at_s:
+        stream = self._stream
+        if stream is None or stream.call is None or stream.timed_out or not self._sent_at_s:
             return None
         oldest_s = next(iter(self._sent_at_s.values()))  # insertion order: the oldest first
-        silent_since_s = max(oldest_s, self._stream_heard_s)
+        silent_since_s = max(oldest_s, stream.heard_s)
         if now - silent_since_s < self._request_timeout_ms / 1000 + STREAM_ANSWER_GRACE_S:
             return None
-        self._stream_timed_out = True
-        return self._stream_call
+        stream.timed_out = True
+        return stream.call
 
-    def _open_stream(self) -> queue.SimpleQueue[Any]:
-        """Open a produce stream and start its reader; returns the stream's request queue.
+    def _open_stream(self) -> _Stream:
+        """Open a produce stream and start its reader; returns it.
 
-        The queue is the producer's current one before the reader starts: a stream that
+        The stream is the producer's current one before the reader starts: a stream that
         fails at once (the gateway is gone) must find itself current to retire itself,
         or the sender would go on queueing requests that nothing sends or answers."""
-        requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        stream = _Stream()
         with self._lock:
-            self._requests = requests
-            self._stream_call = None
-            self._stream_timed_out = False
-            self._stream_heard_s = time.monotonic()
+            self._stream = stream
 
         def iterate() -> Iterator[bytes]:
             while True:
-                item = requests.get()
+                item = stream.requests.get()
                 if item is _STOP:
                     return
                 yield item
@@ -827,29 +836,27 @@ class Producer:
             responses = self._conn.produce_stream_encoded(iterate())
         except BaseException:
             with self._lock:
-                if self._requests is requests:
-                    self._requests = None
+                if self._stream is stream:
+                    self._stream = None
             raise
         with self._lock:
-            if self._requests is requests:
-                self._stream_call = responses
+            stream.call = responses
         reader = threading.Thread(
             target=self._read_responses,
-            args=(responses, requests),
+            args=(responses, stream),
             name="tidelog-producer-reader",
             daemon=True,
         )
         reader.start()
-        return requests
+        return stream
 
-    def _read_responses(self, responses: Any, requests: queue.SimpleQueue[Any]) -> None:
+    def _read_responses(self, responses: Any, stream: _Stream) -> None:
         try:
             for response in responses:
                 with self._lock:
                     picked = self._in_flight.pop(response.correlation_id, None)
                     sent_at_s = self._sent_at_s.pop(response.correlation_id, None)
-                    if self._requests is requests:
-                        self._stream_heard_s = time.monotonic()
+                    stream.heard_s = time.monotonic()
                 if sent_at_s is not None:
                     self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
                 if picked is not None:
@@ -860,18 +867,17 @@ class Producer:
             error = NetworkError("the gateway closed the produce stream")
         # The stream is over: everything in flight on it goes back to its queue.
         with self._lock:
-            if self._requests is requests:
-                if self._stream_timed_out:
-                    error = RequestTimedOutError(
-                        f"produce stream to {self._conn.address}: no answer within "
-                        f"request_timeout_ms ({self._request_timeout_ms} ms)"
-                    )
-                self._requests = None
-                self._stream_call = None
+            if stream.timed_out:
+                error = RequestTimedOutError(
+                    f"produce stream to {self._conn.address}: no answer within "
+                    f"request_timeout_ms ({self._request_timeout_ms} ms)"
+                )
+            if self._stream is stream:
+                self._stream = None
             stranded = list(self._in_flight.values())
             self._in_flight.clear()
             self._sent_at_s.clear()
-        requests.put(_STOP)
+        stream.requests.put(_STOP)
         for picked in stranded:
             self._complete_failed(picked, error)
 
