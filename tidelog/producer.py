@@ -16,7 +16,10 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
 * **Sender** - one background thread drains ready batches into ProduceRequests (several
   partitions each, several batches per partition) on one ProduceStream, with up to
   ``max_in_flight_requests`` requests unanswered; a reader thread matches answers by
-  correlation id and completes futures.
+  correlation id and completes futures. A stream that ends (the gateway died) or stays
+  silent past ``request_timeout_ms`` with a request unanswered (a stopped gateway, a
+  black-holed network: ``STREAM_ANSWER_GRACE_S``) hands its requests back for a retry on
+  a new stream.
 * **Direct mode** (``direct=True``) - the sender sends each partition's batches in an
   ``Append`` to the partition's leader itself, as Kafka's producer does, instead of through
   the gateway (``tidelog.leaders``: the gateway still gives metadata and producer ids).
