@@ -33,6 +33,11 @@ class MemoryCgroup:
         name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
         return int((self.path / name).read_text())
 
+    def reset_peak(self) -> None:
+        """Start the peak over (v1; v2's ``memory.peak`` keeps the peak so far)."""
+        if self.version == 1:
+            (self.path / "memory.max_usage_in_bytes").write_text("0")
+
     def oom_kills(self) -> int:
         text = self.path / ("memory.events" if self.version == 2 else "memory.oom_control")
         fields = dict(line.split() for line in text.read_text().splitlines())
