@@ -1,4 +1,4 @@
-"""services.gateway.byte_budget: the produce bytes a gateway holds at once, alone (the
+"""services.gateway.byte_budget: the produce and fetch bytes a gateway holds at once, alone (the
 gateway test below drives it through a real gateway)."""
 
 from __future__ import annotations
@@ -9,7 +9,12 @@ import time
 import pytest
 
 from services.gateway.byte_budget import ByteBudget
-from services.gateway.node import QUEUED_MAX_REQUEST_BYTES, queued_max_request_bytes_for
+from services.gateway.node import (
+    QUEUED_MAX_FETCH_BYTES,
+    QUEUED_MAX_REQUEST_BYTES,
+    queued_max_fetch_bytes_for,
+    queued_max_request_bytes_for,
+)
 
 
 def test_requests_that_fit_pass_at_once_and_others_wait_for_a_release() -> None:
@@ -55,3 +60,51 @@ def test_the_gateways_budget_shrinks_under_a_memory_limit() -> None:
     assert queued_max_request_bytes_for(None) == QUEUED_MAX_REQUEST_BYTES == 256 * mib
     assert queued_max_request_bytes_for(512 * mib) == 64 * mib  # the dev overlay's gateway
     assert queued_max_request_bytes_for(64 * 1024 * mib) == QUEUED_MAX_REQUEST_BYTES
+
+
+def test_a_fetch_grant_is_a_share_of_the_room_and_at_least_the_floor() -> None:
+    budget = ByteBudget(1000)
+    deadline = time.monotonic() + 1
+    assert budget.acquire_up_to(2000, 100, deadline, share=4) == 250  # a quarter of 1000
+    assert budget.acquire_up_to(50, 100, deadline, share=4) == 50  # less than the floor asked
+    assert budget.acquire_up_to(2000, 100, deadline, share=4) == 175  # a quarter of 700
+    assert budget.acquire_up_to(2000, 100, deadline, share=4) == 131
+    assert budget.acquire_up_to(2000, 100, deadline, share=4) == 100  # the floor, not 98
+    assert budget.in_use_bytes == 706
+    assert budget.acquire_up_to(2000, 100, deadline) == 294  # share 1: all the room left
+
+
+def test_a_fetch_grant_waits_for_the_floor_and_gives_up_at_its_deadline() -> None:
+    budget = ByteBudget(1000)
+    assert budget.acquire(950, time.monotonic() + 1)
+    started = time.monotonic()
+    assert budget.acquire_up_to(500, 100, started + 0.2) == 0  # 50 < the floor of 100
+    assert time.monotonic() - started >= 0.2
+    assert budget.in_use_bytes == 950
+    got: list[int] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(budget.acquire_up_to(500, 100, time.monotonic() + 10))
+    )
+    waiter.start()
+    time.sleep(0.2)
+    assert got == []
+    budget.release(450)
+    waiter.join(5)
+    assert got == [500]
+
+
+def test_take_charges_bytes_already_in_memory_beyond_the_limit() -> None:
+    budget = ByteBudget(100)
+    assert budget.acquire_up_to(100, 10, time.monotonic() + 1) == 100
+    budget.take(40)  # a leader answered a whole first batch larger than the grant
+    assert budget.in_use_bytes == 140
+    assert budget.acquire_up_to(10, 10, time.monotonic() + 0.1) == 0
+    budget.release(140)
+    assert budget.in_use_bytes == 0
+
+
+def test_the_gateways_fetch_budget_shrinks_under_a_memory_limit() -> None:
+    mib = 1024 * 1024
+    assert queued_max_fetch_bytes_for(None) == QUEUED_MAX_FETCH_BYTES == 256 * mib
+    assert queued_max_fetch_bytes_for(512 * mib) == 32 * mib  # the dev overlay's gateway
+    assert queued_max_fetch_bytes_for(8 * mib) == mib  # never below 1 MiB

@@ -502,6 +502,60 @@ def test_a_request_that_finds_the_produce_budget_full_fails_alone_and_writes_not
     assert list(metadata.offsets) == list(range(900, 5_900))
 
 
+def test_fetches_share_the_fetch_budget_and_wait_for_room_instead_of_growing(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
+    """--queued-max-fetch-bytes bounds the fetch answers a gateway holds over all
+    consumers: a fetch asks the leaders for at most a quarter of the room left; long polls
+    that hold the whole budget make the next fetch wait and answer "not answered" (no
+    records, offsets -1) within its own wait time; once they end, it gets its data, and
+    every record is read."""
+    topic = "fetch-budget"
+    mib = 1024 * 1024
+    small = cluster.start_gateway(["--queued-max-fetch-bytes", str(mib)])
+    admin.create_topic(topic, partitions=2, replication_factor=1)
+    values = [f"{i:04d}".encode() * 250 for i in range(2_000)]  # 1000-byte values, ~2 MB
+    with tidelog.Producer(small.address, batch_bytes=100_000) as producer:
+        producer.send_batch(topic, values, partition=0).result(30)
+
+    def fetch(partition: int, wait_ms: int) -> storage_pb2.FetchPartitionResult:
+        response = small.stub.Fetch(
+            storage_pb2.FetchRequest(
+                replica_id=-1,
+                max_wait_ms=wait_ms,
+                partitions=[
+                    storage_pb2.FetchPartition(
+                        topic=topic, partition=partition, fetch_offset=0, max_bytes=mib
+                    )
+                ],
+            ),
+            timeout=30,
+        )
+        result: storage_pb2.FetchPartitionResult = response.partitions[0]
+        assert ErrorCode(result.error.code) == ErrorCode.NONE
+        return result
+
+    alone = fetch(0, 0)  # a quarter of the budget, of the 1 MiB it asked for
+    assert 0 < len(alone.records) <= mib // 4
+    assert alone.high_watermark == 2_000
+    # Four long polls of the empty partition take 256 KiB each: the whole budget.
+    polls = [threading.Thread(target=fetch, args=(1, 6_000)) for _ in range(4)]
+    for poll in polls:
+        poll.start()
+    time.sleep(1.0)
+    started = time.monotonic()
+    starved = fetch(0, 500)
+    assert time.monotonic() - started >= 0.4  # it waited for room
+    assert starved.records == b""
+    assert starved.high_watermark == -1  # "not answered": the client asks again
+    for poll in polls:
+        poll.join(30)
+    fed = fetch(0, 500)
+    assert 0 < len(fed.records) <= mib // 4
+    records = _consume_all(small.address, topic, 2_000)
+    assert sorted(r.value for r in records) == sorted(values)
+
+
 def test_admin_calls_reach_the_controller(gateway: GatewayProcess) -> None:
     response = gateway.stub.CreateTopics(
         controller_pb2.CreateTopicsRequest(

@@ -311,6 +311,17 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
             "or an eighth of the cgroup memory limit when that is less)"
         ),
     )
+    parser.add_argument(
+        "--queued-max-fetch-bytes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help=(
+            "bytes of fetch answers held at once, over all consumers; a fetch asks the "
+            "leaders for no more than the room left (default: 268435456, 256 MiB, or a "
+            "sixteenth of the cgroup memory limit when that is less)"
+        ),
+    )
     _add_max_concurrent_rpcs(parser)
     _add_logging(parser)
     parser.set_defaults(handler="services.gateway.node:main")

@@ -1,5 +1,5 @@
-"""The record bytes of produce requests a gateway holds at once (Kafka's broker setting
-``queued.max.request.bytes``).
+"""The record bytes a gateway holds at once: produce requests (Kafka's broker setting
+``queued.max.request.bytes``) in one budget, fetch answers in another.
 
 Each produce request the gateway has read stays in its memory until every partition's
 leader has answered: the request as received, its batches as forwarded, gRPC's buffers
@@ -9,10 +9,16 @@ its pod's memory limit kills it. A request that does not fit waits here before i
 is read further: gRPC's flow control then holds the client's next requests back in its
 own buffer, which its ``buffer_bytes`` bounds, and the client sees latency, not errors.
 
+A fetch answer is different: a fetch can ask the leaders for less, so it takes what room
+there is (``acquire_up_to``) instead of waiting for all it wanted, and waits only when
+there is less than a useful minimum. Leaders may answer a little more than asked (the
+first batch is always whole, as in Kafka); ``take`` charges that excess without waiting.
+
 Invariants: ``in_use_bytes`` never exceeds ``limit_bytes``, except that one request larger
 than the whole budget is let through when nothing else is held (it passed
-``--max-request-bytes`` already; refusing it would fail it forever). Every ``acquire``
-that returns True is matched by one ``release`` of the same size.
+``--max-request-bytes`` already; refusing it would fail it forever), and except for what
+``take`` charges (at most one batch per leader asked, beyond a fetch's grant). Every byte
+``acquire``, ``acquire_up_to`` or ``take`` hands out is given back by ``release``.
 """
 
 from __future__ import annotations
@@ -48,6 +54,33 @@ class ByteBudget:
                 self._room.wait(remaining_s)
             self._in_use_bytes += size_bytes
             return True
+
+    def acquire_up_to(
+        self, wanted_bytes: int, floor_bytes: int, deadline_s: float, *, share: int = 1
+    ) -> int:
+        """Take up to ``wanted_bytes`` but no more than 1/``share`` of the room left (so
+        later callers find room too), once the room is at least ``floor_bytes`` (or
+        ``wanted_bytes``, if smaller); waits for room until ``deadline_s``. Returns the
+        bytes taken, at least the floor, or 0 if the deadline passed first."""
+        floor_bytes = min(floor_bytes, wanted_bytes)
+        with self._room:
+            while True:
+                room = max(self.limit_bytes, floor_bytes) - self._in_use_bytes
+                if self._in_use_bytes == 0 or room >= floor_bytes:
+                    granted = min(wanted_bytes, max(floor_bytes, room // share))
+                    break
+                remaining_s = deadline_s - time.monotonic()
+                if remaining_s <= 0:
+                    return 0
+                self._room.wait(remaining_s)
+            self._in_use_bytes += granted
+            return granted
+
+    def take(self, size_bytes: int) -> None:
+        """Charge ``size_bytes`` at once, room or not: bytes already in memory (what a
+        leader answered beyond a grant) must be counted until they are released."""
+        with self._room:
+            self._in_use_bytes += size_bytes
 
     def release(self, size_bytes: int) -> None:
         with self._room:

@@ -14,18 +14,26 @@ leader without waiting, and long-polls only if that found too little.
 
 Batches pass through as bytes; the only thing the gateway reads in them is batch headers
 (Subscribe needs the offset after the last batch it forwarded), O(1) per batch.
+
+Memory: every answer is held whole until gRPC has sent it, so all fetches together draw on
+one ``ByteBudget`` (``--queued-max-fetch-bytes``). A fetch asks the leaders for at most the
+room it was granted; with less room than ``FETCH_GRANT_FLOOR_BYTES`` it waits for some,
+within its own wait time, and answers "not answered" (no records, offsets -1) if none came:
+a consumer then simply fetches again. The grant is released when the call ends, so many
+consumers slow each other down instead of growing the gateway past its memory limit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import grpc
 
+from services.gateway.byte_budget import ByteBudget
 from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import Leader
 from services.gateway.router import DEADLINE_MARGIN_S, REROUTE_CODES, Router
@@ -52,13 +60,29 @@ SUBSCRIBE_POLL_SLICE_MS: Final = 1_000
 """Longest single long poll of a Subscribe step (see ``FetchHandler.subscribe``)."""
 ANSWER_SLACK_S: Final = 5.0
 """Added to a long poll's own wait to make its gRPC deadline: the leader answers first."""
+FETCH_GRANT_FLOOR_BYTES: Final = 256 * 1024
+"""The least room a fetch starts with when others hold the fetch budget: a smaller grant
+would make answers of a batch or two, more calls for the same bytes."""
+FETCH_GRANT_SHARE: Final = 4
+"""A fetch takes at most a quarter of the budget's room: a long poll holds its grant while
+it waits, so one consumer asking for much must not leave nothing for the next."""
+MIN_BUDGET_WAIT_S: Final = 0.1
+"""How long a fetch waits for budget room at least, even one asked not to wait
+(``max_wait_ms`` 0): answering "not answered" at once would turn a consumer's polls into a
+busy loop against a full gateway."""
 
 
 @dataclass(frozen=True, slots=True)
 class FetchLimits:
-    max_fetch_bytes: int = (
-        50 * 1024 * 1024
-    )  # record bytes in one response (Kafka's fetch.max.bytes)
+    # Record bytes in one response (Kafka's fetch.max.bytes).
+    max_fetch_bytes: int = 50 * 1024 * 1024
+    # Bytes of fetch answers held at once, over every consumer (see the module docstring).
+    queued_max_fetch_bytes: int = 256 * 1024 * 1024
+
+
+Defer = Callable[[Callable[[], None]], bool]
+"""Runs a callback when the call ends (``grpc.ServicerContext.add_callback``); False if it
+ended already."""
 
 
 def _fetch_error(
@@ -92,6 +116,7 @@ class FetchHandler:
         self._router = router
         self._calls = calls
         self.limits = limits
+        self.budget = ByteBudget(limits.queued_max_fetch_bytes)
 
     # --- Fetch ----------------------------------------------------------------------------
 
@@ -130,15 +155,74 @@ class FetchHandler:
                     f"fetch_offset {fp.fetch_offset} of {fp.topic}-{fp.partition} is negative"
                 )
 
-    def fetch(self, request: storage_pb2.FetchRequest, time_remaining_s: float | None) -> bytes:
+    def fetch(
+        self,
+        request: storage_pb2.FetchRequest,
+        time_remaining_s: float | None,
+        defer: Defer | None = None,
+    ) -> bytes:
         """A client's Fetch, answered as an encoded ``FetchResponse``.
 
         The leaders' answers are never parsed when they carry data: a ``FetchResponse`` is
         one repeated field, so the encodings of several concatenate into one response
         (results grouped by leader rather than in request order), and the batch bytes
         cross the gateway without a protobuf copy.
+
+        The answer's bytes are held in the fetch budget until ``defer`` runs its callback
+        (when gRPC has sent the answer); without ``defer``, until this returns.
         """
         self._validate(request)
+        wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
+        if time_remaining_s is not None:
+            wait_ms = max(0, min(wait_ms, int((time_remaining_s - DEADLINE_MARGIN_S) * 1000)))
+        # Like Kafka's broker-side fetch.max.bytes, the gateway's limit caps what a client
+        # asks for rather than refusing it: a client cannot know every gateway's setting.
+        wanted = min(
+            request.max_bytes if request.HasField("max_bytes") else self.limits.max_fetch_bytes,
+            self.limits.max_fetch_bytes,
+            # What the leaders may answer at most (beyond a whole first batch): an idle
+            # consumer's long poll then holds only its partitions' worth of the budget.
+            sum(
+                fp.max_bytes if fp.HasField("max_bytes") else DEFAULT_PARTITION_MAX_BYTES
+                for fp in request.partitions
+            )
+            + EMPTY_RESULT_BYTES * len(request.partitions),
+        )
+        budget_wait_s = max(wait_ms / 1000, MIN_BUDGET_WAIT_S)
+        if time_remaining_s is not None:
+            budget_wait_s = min(budget_wait_s, max(0.0, time_remaining_s - DEADLINE_MARGIN_S))
+        started_s = time.monotonic()
+        granted = self.budget.acquire_up_to(
+            max(1, wanted),
+            FETCH_GRANT_FLOOR_BYTES,
+            started_s + budget_wait_s,
+            share=FETCH_GRANT_SHARE,
+        )
+        if granted == 0:
+            # Every byte of the budget is another consumer's answer: nothing asked, nothing
+            # held; the client fetches again (results say "not answered").
+            return storage_pb2.FetchResponse(
+                partitions=[_result_without_records(fp) for fp in request.partitions]
+            ).SerializeToString()
+        held = granted
+        try:
+            # The wait for room came out of the long poll's time.
+            waited_ms = int((time.monotonic() - started_s) * 1000)
+            encoded = self._fetch_granted(request, granted, max(0, wait_ms - waited_ms))
+            if len(encoded) > granted:
+                self.budget.take(len(encoded) - granted)  # a first batch larger than asked
+                held = len(encoded)
+        except BaseException:
+            self.budget.release(held)
+            raise
+        if defer is None or not defer(lambda: self.budget.release(held)):
+            self.budget.release(held)
+        return encoded
+
+    def _fetch_granted(
+        self, request: storage_pb2.FetchRequest, max_bytes: int, wait_ms: int
+    ) -> bytes:
+        """``fetch`` once its budget is granted: ``max_bytes`` for the whole answer."""
         local_errors: list[storage_pb2.FetchPartitionResult] = []
         by_leader: dict[int, tuple[Leader, list[storage_pb2.FetchPartition]]] = {}
         for fp in request.partitions:
@@ -148,17 +232,11 @@ class FetchHandler:
                 local_errors.append(_fetch_error(fp, exc))
                 continue
             by_leader.setdefault(leader.broker.broker_id, (leader, []))[1].append(fp)
-        # Like Kafka's broker-side fetch.max.bytes, the gateway's limit caps what a client
-        # asks for rather than refusing it: a client cannot know every gateway's setting.
-        max_bytes = min(
-            request.max_bytes if request.HasField("max_bytes") else self.limits.max_fetch_bytes,
-            self.limits.max_fetch_bytes,
-        )
         min_bytes = request.min_bytes if request.HasField("min_bytes") else 1
-        wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
-        if time_remaining_s is not None:
-            wait_ms = max(0, min(wait_ms, int((time_remaining_s - DEADLINE_MARGIN_S) * 1000)))
         answers: dict[int, bytes] = {}
+        # The grant bounds the whole answer, so leaders asked together share it (the SDK's
+        # consumer asks one leader per fetch, and gets all of it).
+        max_bytes = max(1, max_bytes // max(1, len(by_leader)))
         limits = {"max_bytes": max_bytes, "min_bytes": min_bytes}
         run = self._calls.run
         if len(by_leader) == 1:
@@ -274,44 +352,69 @@ class FetchHandler:
         # the gateway's max_concurrent_rpcs) within that, not after a whole max_wait_ms.
         poll_ms = min(wait_ms, SUBSCRIBE_POLL_SLICE_MS)
         while context.is_active():
-            fetch_partition = storage_pb2.FetchPartition(
-                topic=request.topic,
-                partition=request.partition,
-                fetch_offset=offset,
-                max_bytes=max_bytes,
+            # Each step's answer draws on the fetch budget like a Fetch's, until gRPC has
+            # taken it (the generator resumes after the yield).
+            granted = self.budget.acquire_up_to(
+                max_bytes + EMPTY_RESULT_BYTES,
+                FETCH_GRANT_FLOOR_BYTES,
+                time.monotonic() + max(poll_ms / 1000, MIN_BUDGET_WAIT_S),
+                share=FETCH_GRANT_SHARE,
             )
-
-            def call(
-                stub: Any,
-                leader: Leader,
-                timeout_s: float,
-                fetch_partition: storage_pb2.FetchPartition = fetch_partition,
-            ) -> storage_pb2.FetchResponse:
-                del leader
-                response: storage_pb2.FetchResponse = stub.Fetch(
-                    storage_pb2.FetchRequest(
-                        replica_id=-1,
-                        max_wait_ms=poll_ms,
-                        min_bytes=1,
-                        max_bytes=max_bytes,
-                        partitions=[fetch_partition],
-                    ),
-                    timeout=min(timeout_s, poll_ms / 1000 + ANSWER_SLACK_S),
-                )
-                error = response.partitions[0].error
-                if error.code != common_pb2.NONE:
-                    # Raised so the router re-routes leadership errors; others end the stream.
-                    raise error_from_proto(error) or InvalidRequestError(error.message)
-                return response
-
-            # A subscription outlives leader changes: each step may take as long as a new
-            # election needs.
-            deadline = time.monotonic() + 30.0
-            result = self._router.call_leader(request.topic, request.partition, deadline, call)
-            answer = result.partitions[0]
-            if answer.records:
+            if granted == 0:
+                continue  # no room within a poll's time: as if the poll found nothing
+            try:
+                answer = self._subscribe_step(request, offset, granted, poll_ms)
+                if answer is None:
+                    continue
+                if answer.ByteSize() > granted:
+                    self.budget.take(answer.ByteSize() - granted)
+                    granted = answer.ByteSize()
                 offset = next_offset_after(answer.records, offset)
                 yield answer
+            finally:
+                self.budget.release(granted)
+
+    def _subscribe_step(
+        self, request: gateway_pb2.SubscribeRequest, offset: int, max_bytes: int, poll_ms: int
+    ) -> storage_pb2.FetchPartitionResult | None:
+        """One long poll of a Subscribe from ``offset``: the leader's answer if it has
+        records, else None."""
+        fetch_partition = storage_pb2.FetchPartition(
+            topic=request.topic,
+            partition=request.partition,
+            fetch_offset=offset,
+            max_bytes=max_bytes,
+        )
+
+        def call(
+            stub: Any,
+            leader: Leader,
+            timeout_s: float,
+            fetch_partition: storage_pb2.FetchPartition = fetch_partition,
+        ) -> storage_pb2.FetchResponse:
+            del leader
+            response: storage_pb2.FetchResponse = stub.Fetch(
+                storage_pb2.FetchRequest(
+                    replica_id=-1,
+                    max_wait_ms=poll_ms,
+                    min_bytes=1,
+                    max_bytes=max_bytes,
+                    partitions=[fetch_partition],
+                ),
+                timeout=min(timeout_s, poll_ms / 1000 + ANSWER_SLACK_S),
+            )
+            error = response.partitions[0].error
+            if error.code != common_pb2.NONE:
+                # Raised so the router re-routes leadership errors; others end the stream.
+                raise error_from_proto(error) or InvalidRequestError(error.message)
+            return response
+
+        # A subscription outlives leader changes: each step may take as long as a new
+        # election needs.
+        deadline = time.monotonic() + 30.0
+        result = self._router.call_leader(request.topic, request.partition, deadline, call)
+        answer: storage_pb2.FetchPartitionResult = result.partitions[0]
+        return answer if answer.records else None
 
     def _start_offset(self, request: gateway_pb2.SubscribeRequest) -> int:
         spec = request.start_spec

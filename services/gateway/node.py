@@ -63,6 +63,9 @@ class GatewayNodeConfig:
     # Record bytes of produce requests held at once; None: queued_max_request_bytes_for()
     # of the cgroup memory limit.
     queued_max_request_bytes: int | None = None
+    # Bytes of fetch answers held at once; None: queued_max_fetch_bytes_for() of the cgroup
+    # memory limit.
+    queued_max_fetch_bytes: int | None = None
     # Pool threads serving calls; long polls and streams hold one each.
     max_workers: int = 64
     # Calls admitted at once; beyond it gRPC answers RESOURCE_EXHAUSTED instead of queueing.
@@ -76,6 +79,7 @@ class GatewayNodeConfig:
             "max_fetch_bytes",
             "max_in_flight_per_stream",
             "queued_max_request_bytes",
+            "queued_max_fetch_bytes",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -97,6 +101,21 @@ LIMIT_SHARE_FETCH: Final = 32
 """Under a memory limit, one fetch answer is at most limit / this: the gateway holds an
 answer about three times over (the leaders' answers, the joined answer, gRPC's buffer),
 and a consumer keeps a fetch in flight per leader (tidelog.consumer)."""
+
+
+QUEUED_MAX_FETCH_BYTES: Final = 256 * 1024 * 1024
+"""Bytes of fetch answers a gateway holds at once, when no memory limit says less."""
+LIMIT_SHARE_QUEUED_FETCH: Final = 16
+"""Under a memory limit, the fetch budget is at most limit / this: an answer is held two or
+three times over (the leaders' answers, the joined answer, gRPC's buffer), next to the
+produce budget's share."""
+
+
+def queued_max_fetch_bytes_for(limit_bytes: int | None) -> int:
+    """The default fetch budget of a gateway under ``limit_bytes`` (None: no limit)."""
+    if limit_bytes is None:
+        return QUEUED_MAX_FETCH_BYTES
+    return max(1024 * 1024, min(QUEUED_MAX_FETCH_BYTES, limit_bytes // LIMIT_SHARE_QUEUED_FETCH))
 
 
 def queued_max_request_bytes_for(limit_bytes: int | None) -> int:
@@ -148,11 +167,13 @@ class GatewayNode:
         limit = memory_limit_bytes(cgroup_limit_files())
         budget_bytes = config.queued_max_request_bytes or queued_max_request_bytes_for(limit)
         fetch_bytes = config.max_fetch_bytes or max_fetch_bytes_for(limit)
+        fetch_budget_bytes = config.queued_max_fetch_bytes or queued_max_fetch_bytes_for(limit)
         _log.info(
             "memory_limits",
             memory_limit_bytes=limit,
             queued_max_request_bytes=budget_bytes,
             max_fetch_bytes=fetch_bytes,
+            queued_max_fetch_bytes=fetch_budget_bytes,
         )
         self._produce = ProduceHandler(
             router,
@@ -167,7 +188,7 @@ class GatewayNode:
             produce=self._produce,
             fetch=FetchHandler(
                 router,
-                FetchLimits(max_fetch_bytes=fetch_bytes),
+                FetchLimits(max_fetch_bytes=fetch_bytes, queued_max_fetch_bytes=fetch_budget_bytes),
                 self._leader_calls,
             ),
             controller=controller,
@@ -227,6 +248,7 @@ def main(args: argparse.Namespace) -> int:
             max_fetch_bytes=args.max_fetch_bytes,
             max_in_flight_per_stream=args.max_in_flight_per_stream,
             queued_max_request_bytes=getattr(args, "queued_max_request_bytes", None),
+            queued_max_fetch_bytes=getattr(args, "queued_max_fetch_bytes", None),
             max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", 1024),
         )
     except (ValueError, TidelogError) as exc:

@@ -143,7 +143,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     ) -> bytes:
         """Answers the encoded ``FetchResponse`` (see ``FetchHandler.fetch``); served by
         ``encoded_fetch_handler``, whose response serializer passes bytes through."""
-        return self._fetch.fetch(request, context.time_remaining())
+        return self._fetch.fetch(request, context.time_remaining(), context.add_callback)
 
     def Subscribe(  # noqa: N802 - gRPC's method name
         self, request: gateway_pb2.SubscribeRequest, context: grpc.ServicerContext
