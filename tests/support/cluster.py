@@ -219,9 +219,17 @@ class TestCluster:
         return self.base_dir / f"broker-{broker_id}"
 
     def start_broker(
-        self, broker_id: int, *, rack: str | None = None, wait: bool = True
+        self,
+        broker_id: int,
+        *,
+        rack: str | None = None,
+        wait: bool = True,
+        command_prefix: Sequence[str] = (),
     ) -> StorageProcess:
-        """Start (or restart, on the same data dir) storage node ``broker_id``."""
+        """Start (or restart, on the same data dir) storage node ``broker_id``;
+        ``command_prefix`` as ``TidelogProcess``'s. Each call starts a new process from
+        its own arguments: a restart keeps nothing of the previous one's prefix (a broker
+        restarted into its memory cgroup is given ``command_prefix`` again)."""
         extra = [
             "--etcd",
             self.etcd.endpoint,
@@ -238,6 +246,7 @@ class TestCluster:
             broker_id=broker_id,
             log_path=self.base_dir / f"broker-{broker_id}-{len(self._all)}.stderr.log",
             extra_args=extra,
+            command_prefix=command_prefix,
         )
         self._all.append(node)
         self.brokers[broker_id] = node

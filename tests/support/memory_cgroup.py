@@ -43,6 +43,21 @@ class MemoryCgroup:
         fields = dict(line.split() for line in text.read_text().splitlines())
         return int(fields.get("oom_kill", 0))
 
+    def stat(self) -> dict[str, int]:
+        """``memory.stat``: bytes (and event counts) by name, v1's or v2's names."""
+        lines = (self.path / "memory.stat").read_text().splitlines()
+        return {name: int(value) for name, value in (line.split() for line in lines)}
+
+    def anon_bytes(self) -> int:
+        """Anonymous memory charged to the cgroup now (heaps, stacks: what the kernel can
+        only take back by killing), as opposed to page cache, which it reclaims at the
+        limit."""
+        return self.stat()["rss" if self.version == 1 else "anon"]
+
+    def pids(self) -> list[int]:
+        """The processes in the cgroup now."""
+        return [int(pid) for pid in (self.path / "cgroup.procs").read_text().split()]
+
     def remove(self) -> None:
         """Once its processes have exited."""
         with contextlib.suppress(OSError):  # a leftover empty cgroup harms nothing

@@ -62,7 +62,8 @@ class TidelogProcess:
         self, args: Sequence[str], *, log_path: Path, command_prefix: Sequence[str] = ()
     ) -> None:
         """``command_prefix`` runs the interpreter through another program that execs it
-        (``ip netns exec NS`` keeps the PID, so signals still reach tidelog itself)."""
+        (``ip netns exec NS``, or ``MemoryCgroup.command_prefix``'s shell: each keeps the
+        PID, so signals still reach tidelog itself)."""
         self.args = list(args)
         self.log_path = log_path
         self._log_file = open(log_path, "ab")  # noqa: SIM115 - closed in wait()
@@ -169,7 +170,9 @@ class StorageProcess(TidelogProcess):
         broker_id: int = 1,
         log_path: Path | None = None,
         extra_args: Sequence[str] = (),
+        command_prefix: Sequence[str] = (),
     ) -> None:
+        """``command_prefix`` as ``TidelogProcess``'s (e.g. ``MemoryCgroup.command_prefix``)."""
         self.data_dir = data_dir
         self.broker_id = broker_id
         super().__init__(
@@ -184,6 +187,7 @@ class StorageProcess(TidelogProcess):
                 *extra_args,
             ],
             log_path=log_path or data_dir.with_name(data_dir.name + ".stderr.log"),
+            command_prefix=command_prefix,
         )
         self._channel: grpc.Channel | None = None
 
