@@ -4,6 +4,10 @@ module: it costs ~1 GiB and several seconds to start."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +15,9 @@ from typing import Any
 import pytest
 
 import tidelog
-from tests.support.cluster import GatewayProcess, TestCluster, running_cluster
+from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
+from tidelog.client import GatewayConnection
+from tidelog.errors import NetworkError, RequestTimedOutError
 from tidelog.partitioner import partition_for_key
 
 pyspark = pytest.importorskip("pyspark")
@@ -43,22 +49,7 @@ def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def test_batch_write_then_batch_read_is_identical(spark: Any, gateway: GatewayProcess) -> None:
     tidelog.Admin(gateway.address).create_topic("spark-rt", partitions=4, replication_factor=2)
     rows = 10_000
-    df = spark.range(rows).select(
-        F.when(F.col("id") % 7 == 0, F.lit(None))
-        .otherwise(F.concat(F.lit("k"), (F.col("id") % 50).cast("string")))
-        .cast("binary")
-        .alias("key"),
-        F.concat(F.lit("value-"), F.col("id").cast("string")).cast("binary").alias("value"),
-        F.when(
-            F.col("id") % 3 == 0,
-            F.array(
-                F.struct(
-                    F.lit("h").alias("key"),
-                    F.col("id").cast("string").cast("binary").alias("value"),
-                )
-            ),
-        ).alias("headers"),
-    )
+    df = _keyed_rows(spark, rows)
     df.write.format("tidelog").option("gateway", gateway.address).option("topic", "spark-rt").mode(
         "append"
     ).save()
@@ -164,7 +155,14 @@ def test_unreachable_gateway_and_missing_topic_option(spark: Any) -> None:
 
 
 def _run_copy(
-    spark: Any, gateway: str, source: str, target: str, checkpoint: Path, *, guarantee: str
+    spark: Any,
+    gateway: str,
+    source: str,
+    target: str,
+    checkpoint: Path,
+    *,
+    guarantee: str,
+    direct: str = "false",
 ) -> None:
     query = (
         spark.readStream.format("tidelog")
@@ -172,12 +170,14 @@ def _run_copy(
         .option("subscribe", source)
         .option("startingOffsets", "earliest")
         .option("maxOffsetsPerTrigger", "400")
+        .option("direct", direct)
         .load()
         .select("key", "value")
         .writeStream.format("tidelog")
         .option("gateway", gateway)
         .option("topic", target)
         .option("deliveryGuarantee", guarantee)
+        .option("direct", direct)
         .option("checkpointLocation", str(checkpoint))
         .trigger(availableNow=True)
         .start()
@@ -205,14 +205,21 @@ def _values(spark: Any, gateway: str, topic: str) -> list[bytes]:
     return [bytes(r["value"]) for r in rows.select("value").collect()]
 
 
-@pytest.mark.parametrize("guarantee", ["exactly-once", "at-least-once"])
+@pytest.mark.parametrize(
+    ("guarantee", "direct"),
+    [("exactly-once", "false"), ("at-least-once", "false"), ("exactly-once", "true")],
+    ids=["exactly-once", "at-least-once", "exactly-once-direct"],
+)
 def test_stream_write_replayed_after_a_failure(
-    spark: Any, gateway: GatewayProcess, tmp_path: Path, guarantee: str
+    spark: Any, gateway: GatewayProcess, tmp_path: Path, guarantee: str, direct: str
 ) -> None:
-    """exactly-once: replaying the last micro-batch from the checkpoint adds nothing;
+    """exactly-once: replaying the last micro-batch from the checkpoint adds nothing,
+    through the gateway or with the query reading and writing directly (direct=true: the
+    replay's appends reach the leaders with the same producer ids and sequences);
     at-least-once (the negative control) writes that micro-batch twice."""
     admin = tidelog.Admin(gateway.address)
-    source, target = f"eo-in-{guarantee}", f"eo-out-{guarantee}"
+    suffix = f"{guarantee}-direct" if direct == "true" else guarantee
+    source, target = f"eo-in-{suffix}", f"eo-out-{suffix}"
     admin.create_topic(source, partitions=3, replication_factor=2)
     admin.create_topic(target, partitions=3, replication_factor=2)
     sent = [f"row-{i}".encode() for i in range(1_000)]
@@ -220,10 +227,16 @@ def test_stream_write_replayed_after_a_failure(
     with tidelog.Producer(gateway.address) as producer:
         producer.send_batch(source, sent, keys=keys).result(60)
     checkpoint = tmp_path / "checkpoint"
-    _run_copy(spark, gateway.address, source, target, checkpoint, guarantee=guarantee)
+
+    def copy() -> None:
+        _run_copy(
+            spark, gateway.address, source, target, checkpoint, guarantee=guarantee, direct=direct
+        )
+
+    copy()
     assert sorted(_values(spark, gateway.address, target)) == sorted(sent)
     _forget_last_commit(checkpoint)
-    _run_copy(spark, gateway.address, source, target, checkpoint, guarantee=guarantee)
+    copy()
     written = _values(spark, gateway.address, target)
     if guarantee == "exactly-once":
         assert sorted(written) == sorted(sent)
@@ -280,3 +293,213 @@ def test_batch_read_by_assign_timestamps_ending_offsets_and_min_partitions(
     )
     assert mixed.where("partition = 0").count() == 200
     assert mixed.where("partition = 1").count() == 100
+
+
+# --- direct=true: tasks fetch from and append to the partition leaders -----------------------
+
+
+def _keyed_rows(spark: Any, rows: int) -> Any:
+    """Rows with keys (some null) and headers (some), as the round-trip test above."""
+    return spark.range(rows).select(
+        F.when(F.col("id") % 7 == 0, F.lit(None))
+        .otherwise(F.concat(F.lit("k"), (F.col("id") % 50).cast("string")))
+        .cast("binary")
+        .alias("key"),
+        F.concat(F.lit("value-"), F.col("id").cast("string")).cast("binary").alias("value"),
+        F.when(
+            F.col("id") % 3 == 0,
+            F.array(
+                F.struct(
+                    F.lit("h").alias("key"),
+                    F.col("id").cast("string").cast("binary").alias("value"),
+                )
+            ),
+        ).alias("headers"),
+    )
+
+
+def _planned(df: Any) -> Any:
+    """``df`` with its plan made now, down to its RDD: the source's ``partitions()`` ran
+    (on the driver, asking the gateway), and an action on ``df`` later only runs the
+    tasks."""
+    df._jdf.queryExecution().toRdd()
+    return df
+
+
+def test_direct_write_and_read_bypass_the_gateway(spark: Any, cluster: TestCluster) -> None:
+    """direct=true moves the data path off the gateway, observably:
+
+    - writes: this gateway refuses produce requests over 64 KiB, so the same write through
+      it fails (and writes nothing), while the direct write's appends go to the leaders;
+    - reads: with the gateway stopped (SIGSTOP) once the read is planned, so that it
+      answers no fetch, the direct read's tasks still fetch every record from the
+      leaders the plan named.
+    Every record comes back with its key, value, headers and Kafka partition."""
+    gateway = cluster.start_gateway(["--max-request-bytes", str(64 * 1024)])
+    topic, rows = "spark-direct", 10_000
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=3, replication_factor=2)
+    df = _keyed_rows(spark, rows)
+
+    def write(direct: str) -> None:
+        df.write.format("tidelog").option("gateway", gateway.address).option("topic", topic).option(
+            "direct", direct
+        ).mode("append").save()
+
+    with pytest.raises(Exception, match="RECORD_LIST_TOO_LARGE"):
+        write("false")
+    bounds = tidelog.Admin(gateway.address).describe_topic(topic).partitions
+    assert all(p.high_watermark == 0 for p in bounds), bounds
+    write("TRUE")
+
+    direct_read = _planned(
+        spark.read.format("tidelog")
+        .option("gateway", gateway.address)
+        .option("subscribe", topic)
+        .option("includeHeaders", "true")
+        .option("direct", "true")
+        .load()
+        .select("key", "value", "headers", "partition")
+    )
+    os.kill(gateway.pid, signal.SIGSTOP)
+    try:
+        # The control: the stopped gateway answers no fetch (a channel of its own, so no
+        # executor's connection is involved).
+        with pytest.raises((RequestTimedOutError, NetworkError)):
+            GatewayConnection(gateway.address, timeout_ms=500).fetch(topic, 0, 0, 1024, 0)
+        collected = direct_read.collect()
+    finally:
+        os.kill(gateway.pid, signal.SIGCONT)
+    cluster.kill(gateway)
+    got = {
+        bytes(r["value"]): (
+            r["key"],
+            [(h["key"], h["value"]) for h in (r["headers"] or [])],
+            r["partition"],
+        )
+        for r in collected
+    }
+    assert len(collected) == len(got) == rows
+    for i in range(rows):
+        key = None if i % 7 == 0 else f"k{i % 50}".encode()
+        headers = [("h", str(i).encode())] if i % 3 == 0 else []
+        key_got, headers_got, partition = got[f"value-{i}".encode()]
+        assert (key_got, headers_got) == (key, headers), i
+        if key is not None:
+            assert partition == partition_for_key(key, 3), i
+
+
+def _leader(admin: tidelog.Admin, topic: str, partition: int) -> int:
+    return admin.describe_topic(topic).partitions[partition].leader
+
+
+def _restart(cluster: TestCluster, admin: tidelog.Admin, broker_id: int, topic: str) -> None:
+    """Bring a killed broker back and wait until it follows ``topic`` again, so the tests
+    after this one find the cluster whole."""
+    cluster.start_broker(broker_id)
+    wait_for(
+        lambda: all(len(p.isr) == 3 for p in admin.describe_topic(topic).partitions),
+        60,
+        f"broker {broker_id} to rejoin the ISR of {topic}",
+    )
+
+
+def test_direct_read_rides_through_a_leader_kill(
+    spark: Any, cluster: TestCluster, gateway: GatewayProcess
+) -> None:
+    """The read is planned while a partition's leader lives (its tasks are told to fetch
+    from it), then that leader is killed with SIGKILL: the task finds the new leader
+    through the gateway and reads every record."""
+    admin = tidelog.Admin(gateway.address)
+    topic = "spark-direct-read-kill"
+    admin.create_topic(
+        topic, partitions=2, replication_factor=3, config={"min.insync.replicas": "2"}
+    )
+    sent = {p: [f"{p}-{i}".encode() for i in range(5_000)] for p in range(2)}
+    with tidelog.Producer(gateway.address) as producer:
+        for p, values in sent.items():
+            producer.send_batch(topic, values, partition=p).result(60)
+    df = _planned(
+        spark.read.format("tidelog")
+        .option("gateway", gateway.address)
+        .option("subscribe", topic)
+        .option("direct", "true")
+        .load()
+        .select("partition", "offset", "value")
+    )
+    victim = _leader(admin, topic, 0)
+    cluster.kill(cluster.brokers[victim])
+    rows = df.collect()
+    assert _leader(admin, topic, 0) != victim
+    got = sorted((r["partition"], r["offset"], bytes(r["value"])) for r in rows)
+    assert got == [(p, i, v) for p in range(2) for i, v in enumerate(sent[p])]
+    _restart(cluster, admin, victim, topic)
+
+
+def test_direct_write_rides_through_a_leader_kill(
+    spark: Any, cluster: TestCluster, gateway: GatewayProcess
+) -> None:
+    """SIGKILL the leader of the partition a direct batch write is appending to, once
+    some of it is acknowledged and before all of it is: the tasks append to the new
+    leader and the job completes; every row is there (at-least-once: an append whose
+    answer died with the leader may be there twice)."""
+    admin = tidelog.Admin(gateway.address)
+    topic, rows = "spark-direct-write-kill", 150_000
+    admin.create_topic(
+        topic, partitions=1, replication_factor=3, config={"min.insync.replicas": "2"}
+    )
+    victim = _leader(admin, topic, 0)
+    df = spark.range(rows).select(
+        F.col("id").cast("string").cast("binary").alias("key"),
+        F.concat(F.col("id").cast("string"), F.lit("-"), F.lit("v" * 200))
+        .cast("binary")
+        .alias("value"),
+        F.lit(0).cast("int").alias("partition"),
+    )
+    connection = GatewayConnection.get(gateway.address)
+    killed_at: list[int] = []  # the high watermark when the leader was killed
+    written = threading.Event()
+
+    def kill_once_writing() -> None:
+        """On a thread of its own: the write runs on the test's thread (a data source
+        registered in the session is not found from another Python thread)."""
+        while not written.is_set():
+            high_watermark = connection.bounds([(topic, 0)])[(topic, 0)].latest
+            if high_watermark > 0:
+                cluster.kill(cluster.brokers[victim])
+                killed_at.append(high_watermark)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_once_writing)
+    killer.start()
+    try:
+        (
+            df.write.format("tidelog")
+            .option("gateway", gateway.address)
+            .option("topic", topic)
+            .option("direct", "true")
+            .option("batchBytes", str(256 * 1024))
+            .mode("append")
+            .save()
+        )
+    finally:
+        written.set()
+        killer.join(30)
+    assert killed_at, "the leader was not killed"
+    assert killed_at[0] < rows, "the write was complete before the leader was killed"
+    assert _leader(admin, topic, 0) != victim
+    read = (
+        spark.read.format("tidelog")
+        .option("gateway", gateway.address)
+        .option("subscribe", topic)
+        .load()
+    )
+    keys = [bytes(r["key"]) for r in read.select("key").collect()]
+    assert len(keys) >= rows
+    assert set(keys) == {str(i).encode() for i in range(rows)}
+    wrong = read.where(
+        F.col("value")
+        != F.concat(F.col("key").cast("string"), F.lit("-" + "v" * 200)).cast("binary")
+    )
+    assert wrong.count() == 0
+    _restart(cluster, admin, victim, topic)

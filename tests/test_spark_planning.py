@@ -79,6 +79,24 @@ def test_bad_read_options_name_the_option(options: dict[str, str], message: str)
         parse_read_options({**GW, **options}, streaming=False)
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["batch", "streaming"])
+def test_direct_option_is_a_case_insensitive_boolean(streaming: bool) -> None:
+    reads = {"subscribe": "a"}
+    if streaming:
+        reads["maxOffsetsPerTrigger"] = "10"
+    for parse, base in (
+        (parse_read_options, {**GW, **reads}),
+        (parse_write_options, {**GW, "topic": "a"}),
+    ):
+        assert parse(base, streaming=streaming).direct is False  # the default
+        for text, expected in (("true", True), ("TRUE", True), (" True ", True), ("False", False)):
+            assert parse({**base, "direct": text}, streaming=streaming).direct is expected
+            assert parse({**base, "DIRECT": text}, streaming=streaming).direct is expected
+        for bad in ("yes", "1", "", "on", "truee"):
+            with pytest.raises(ConfigError, match=rf"direct must be true or false, not '{bad}'$"):
+                parse({**base, "direct": bad}, streaming=streaming)
+
+
 def test_streaming_only_and_batch_only_options() -> None:
     with pytest.raises(ConfigError, match="batch queries only"):
         parse_read_options({**GW, "subscribe": "a", "endingOffsets": "latest"}, streaming=True)

@@ -18,7 +18,7 @@ rest at once.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import ClassVar
+from typing import ClassVar, Final
 
 
 class ErrorCode(IntEnum):
@@ -295,6 +295,25 @@ def _build_registry() -> dict[ErrorCode, type[TidelogError]]:
 
 
 _BY_CODE = _build_registry()
+
+
+REROUTE_CODES: Final = frozenset(
+    {
+        ErrorCode.NOT_LEADER_OR_FOLLOWER,
+        ErrorCode.FENCED_LEADER_EPOCH,
+        ErrorCode.UNKNOWN_LEADER_EPOCH,
+        ErrorCode.LEADER_NOT_AVAILABLE,
+        # The leader named by the metadata has not heard of its new role yet.
+        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
+        ErrorCode.NETWORK_EXCEPTION,
+        ErrorCode.BROKER_NOT_AVAILABLE,
+        ErrorCode.REPLICA_NOT_AVAILABLE,
+        ErrorCode.OFFSET_NOT_AVAILABLE,
+    }
+)
+"""A leader's answers that mean "ask again, maybe elsewhere": the request itself was fine.
+The gateway's router re-routes exactly these, and so do clients that call leaders
+themselves (the Spark connector's ``direct`` mode)."""
 
 
 def error_for_code(code: int, message: str = "") -> TidelogError:

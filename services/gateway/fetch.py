@@ -36,10 +36,11 @@ import grpc
 from services.gateway.byte_budget import ByteBudget
 from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import Leader
-from services.gateway.router import DEADLINE_MARGIN_S, REROUTE_CODES, Router
+from services.gateway.router import DEADLINE_MARGIN_S, Router
 from services.status import error_from_proto, error_from_rpc_error, to_error_proto
 from tidelog.batch import next_offset_after
 from tidelog.errors import (
+    REROUTE_CODES,
     ErrorCode,
     InvalidFetchSizeError,
     InvalidRequestError,

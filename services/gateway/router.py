@@ -24,7 +24,7 @@ from services.gateway.channels import Channels
 from services.gateway.metadata_cache import Leader, MetadataCache
 from services.status import error_from_rpc_error
 from tidelog.errors import (
-    ErrorCode,
+    REROUTE_CODES,
     LeaderNotAvailableError,
     RequestTimedOutError,
     TidelogError,
@@ -32,22 +32,6 @@ from tidelog.errors import (
 from tidelog.v1 import storage_pb2_grpc
 
 T = TypeVar("T")
-
-REROUTE_CODES: Final = frozenset(
-    {
-        ErrorCode.NOT_LEADER_OR_FOLLOWER,
-        ErrorCode.FENCED_LEADER_EPOCH,
-        ErrorCode.UNKNOWN_LEADER_EPOCH,
-        ErrorCode.LEADER_NOT_AVAILABLE,
-        # The leader named by the cache has not heard of its new role yet.
-        ErrorCode.UNKNOWN_TOPIC_OR_PARTITION,
-        ErrorCode.NETWORK_EXCEPTION,
-        ErrorCode.BROKER_NOT_AVAILABLE,
-        ErrorCode.REPLICA_NOT_AVAILABLE,
-        ErrorCode.OFFSET_NOT_AVAILABLE,
-    }
-)
-"""Answers that mean "ask again, maybe elsewhere": the request itself was fine."""
 
 RETRY_WAIT_S: Final = 0.1
 """Longest wait for a metadata change before retrying anyway (the leader may have been

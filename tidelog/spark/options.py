@@ -93,6 +93,9 @@ class ReadOptions:
     group_id: str | None
     fetch_max_bytes: int
     request_timeout_ms: int
+    # Tasks fetch from the partition leaders themselves, not through the gateway
+    # (``tidelog.spark.direct``); planning still asks the gateway.
+    direct: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +114,9 @@ class WriteOptions:
     compression: str
     exactly_once: bool
     request_timeout_ms: int
+    # Tasks append to the partition leaders themselves, not through the gateway
+    # (``tidelog.spark.direct``); partition counts still come from the gateway.
+    direct: bool
 
 
 def normalize(options: Mapping[str, str]) -> dict[str, str]:
@@ -195,6 +201,7 @@ def parse_read_options(
             opts, "requesttimeoutms", "requestTimeoutMs", 100, 3_600_000
         )
         or 30_000,
+        direct=_bool(opts, "direct", "direct", default=False),
     )
 
 
@@ -236,6 +243,7 @@ def parse_write_options(
             opts, "requesttimeoutms", "requestTimeoutMs", 100, 3_600_000
         )
         or 30_000,
+        direct=_bool(opts, "direct", "direct", default=False),
     )
 
 

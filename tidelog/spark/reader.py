@@ -1,10 +1,11 @@
 """Reading offset ranges into Arrow in the Kafka source's schema, and resolving plans.
 
 ``read_range`` is what every Spark read task runs: fetch [start, end) of one partition
-through the gateway (whole batches, long-polling where the range is not yet below the
-high watermark of a newly elected leader), decode each batch to Arrow with no Python
-per record (``RecordBatch.to_arrow``), slice off records outside the range and add the
-constant columns. ``resolve_*`` run on the driver: topic discovery and offset bounds.
+through the gateway, or with ``direct=true`` from its leader (``tidelog.spark.direct``),
+in whole batches, long-polling where the range is not yet below the high watermark of a
+newly elected leader; decode each batch to Arrow with no Python per record
+(``RecordBatch.to_arrow``), slice off records outside the range and add the constant
+columns. ``resolve_*`` run on the driver: topic discovery and offset bounds.
 
 The output schema is Spark's Kafka source schema: key, value (binary), topic (string),
 partition (int), offset (long), timestamp (timestamp), timestampType (int: 0 create
@@ -14,7 +15,7 @@ time, 1 log-append time), and with ``includeHeaders`` headers (array of key/valu
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
 from tidelog.client import GatewayConnection
@@ -28,6 +29,7 @@ from tidelog.formats import ATTR_TIMESTAMP_LOG_APPEND
 from tidelog.records import decode_batches
 from tidelog.spark.options import ReadOptions
 from tidelog.spark.planning import Bounds, OffsetRange, TopicPartition
+from tidelog.v1 import storage_pb2
 
 SCHEMA_DDL: Final = (
     "key binary, value binary, topic string, partition int, offset long, "
@@ -123,6 +125,10 @@ def resolve_timestamps(
     return result
 
 
+FetchFunction = Callable[[int, int], storage_pb2.FetchPartitionResult]
+"""``fetch(offset, max_bytes)``: one long-poll fetch of a range's partition, errors raised."""
+
+
 def read_range(
     connection: GatewayConnection,
     offset_range: OffsetRange,
@@ -130,8 +136,12 @@ def read_range(
     include_headers: bool,
     fail_on_data_loss: bool,
     fetch_max_bytes: int,
+    fetch: FetchFunction | None = None,
 ) -> Iterator[Any]:
-    """The records of ``offset_range`` as pyarrow RecordBatches in the source schema."""
+    """The records of ``offset_range`` as pyarrow RecordBatches in the source schema.
+
+    ``fetch`` reads the partition (default: through the gateway of ``connection``, which
+    also answers the bounds looked up when retention removed offsets of the range)."""
     import pyarrow as pa  # noqa: PLC0415  # executors only
     import pyarrow.compute as pc  # noqa: PLC0415
 
@@ -139,10 +149,15 @@ def read_range(
     position, end = offset_range.start, offset_range.end
     topic_scalar = pa.scalar(topic, pa.string())
     partition_scalar = pa.scalar(partition, pa.int32())
+    if fetch is None:
+
+        def fetch(offset: int, max_bytes: int) -> storage_pb2.FetchPartitionResult:
+            return connection.fetch(topic, partition, offset, max_bytes)
+
     stalled_since: float | None = None
     while position < end:
         try:
-            result = connection.fetch(topic, partition, position, fetch_max_bytes)
+            result = fetch(position, fetch_max_bytes)
         except OffsetOutOfRangeError:
             earliest = connection.bounds([(topic, partition)])[(topic, partition)].earliest
             if position >= earliest:

@@ -3,7 +3,9 @@
 These are thin: option checking lives in ``options``, offset rules in ``planning``, the
 I/O of a read task in ``reader`` and of a write task in ``writer``. Spark pickles the
 reader and writer objects to its Python workers, so they hold only options and plans,
-never a channel (``GatewayConnection.get`` makes one per process on first use).
+never a channel (``GatewayConnection.get`` makes one per process on first use). With
+``direct=true`` a range also carries the leader its partition had when the query was
+planned (``tidelog.spark.direct``).
 """
 
 from __future__ import annotations
@@ -28,17 +30,29 @@ from pyspark.sql.types import StructType
 
 from tidelog.client import GatewayConnection
 from tidelog.errors import ConfigError
-from tidelog.spark import planning, reader
+from tidelog.leaders import Leader
+from tidelog.spark import direct, planning, reader
 from tidelog.spark.options import ReadOptions, parse_read_options
 from tidelog.spark.planning import OffsetRange, TopicPartition
 
 
 class RangePartition(InputPartition):
-    """One Spark task's work: an offset range of one partition (picklable)."""
+    """One Spark task's work: an offset range of one partition (picklable), and with
+    ``direct=true`` where to fetch it first (None: ask the gateway)."""
 
-    def __init__(self, offset_range: OffsetRange) -> None:
+    def __init__(self, offset_range: OffsetRange, leader: Leader | None = None) -> None:
         super().__init__(offset_range)
         self.offset_range = offset_range
+        self.leader = leader
+
+
+def _range_partitions(
+    connection: GatewayConnection, options: ReadOptions, ranges: Sequence[OffsetRange]
+) -> list[RangePartition]:
+    if not options.direct:
+        return [RangePartition(r) for r in ranges]
+    leaders = direct.leader_hints(connection, sorted({(r.topic, r.partition) for r in ranges}))
+    return [RangePartition(r, leaders[(r.topic, r.partition)]) for r in ranges]
 
 
 def _env_gateway() -> str | None:
@@ -78,12 +92,24 @@ class TidelogDataSource(DataSource):
 def _read(options: ReadOptions, partition: InputPartition) -> Iterator[Any]:
     assert isinstance(partition, RangePartition), partition
     connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
+    offset_range = partition.offset_range
+    fetcher = (
+        direct.PartitionFetcher(
+            connection,
+            (offset_range.topic, offset_range.partition),
+            partition.leader,
+            options.request_timeout_ms,
+        )
+        if options.direct
+        else None
+    )
     return reader.read_range(
         connection,
-        partition.offset_range,
+        offset_range,
         include_headers=options.include_headers,
         fail_on_data_loss=options.fail_on_data_loss,
         fetch_max_bytes=options.fetch_max_bytes,
+        fetch=None if fetcher is None else fetcher.fetch,
     )
 
 
@@ -120,7 +146,7 @@ class TidelogBatchReader(DataSourceReader):
         ranges = planning.split_ranges(
             planning.ranges_between(starts, ends), options.min_partitions
         )
-        return [RangePartition(r) for r in ranges]
+        return _range_partitions(connection, options, ranges)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return _read(self.options, partition)
@@ -198,9 +224,11 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ranges = planning.ranges_between(
             planning.from_json_offsets(start), planning.from_json_offsets(end)
         )
-        return [
-            RangePartition(r) for r in planning.split_ranges(ranges, self.options.min_partitions)
-        ]
+        return _range_partitions(
+            self._connection(),
+            self.options,
+            planning.split_ranges(ranges, self.options.min_partitions),
+        )
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return _read(self.options, partition)

@@ -7,7 +7,9 @@ else to the partition Kafka's default partitioner picks for its key (murmur2), e
 the task's sticky partition. Rows are grouped per destination with Arrow kernels,
 encoded with ``encode_batch_arrow`` (no Python per record except key hashing) and sent
 in produce requests of several partitions each; two requests may be in flight, never two
-with the same partition, so the records of a partition keep their order.
+with the same partition, so the records of a partition keep their order. With
+``direct=true`` each partition of a request goes in an ``Append`` to its leader instead
+(``tidelog.spark.direct``): same batches, same order rule, same answers to check.
 
 Delivery guarantees (stated precisely in docs/SPARK.md):
 
@@ -40,6 +42,7 @@ from tidelog.client import GatewayConnection
 from tidelog.errors import ConfigError, InvalidRequestError, error_for_code
 from tidelog.partitioner import murmur2_partitions
 from tidelog.records import encode_batch_arrow
+from tidelog.spark.direct import Appender
 from tidelog.spark.options import WriteOptions, parse_write_options
 from tidelog.v1 import common_pb2
 
@@ -98,6 +101,8 @@ class _TaskWriter:
         if identity is not None:
             sticky_seed = int.from_bytes(hashlib.sha256(identity.encode()).digest()[8:16])
         self.connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
+        # direct=true: requests go to the leaders (closed when the task's write ends).
+        self.appender = Appender(self.connection) if options.direct else None
         self.partition_counts: dict[str, int] = {}
         self.sticky: dict[str, int] = {}
         self.random = random.Random(sticky_seed)
@@ -115,6 +120,13 @@ class _TaskWriter:
         return count
 
     def write(self, batches: Iterator[Any]) -> WriteSummary:
+        try:
+            return self._write(batches)
+        finally:
+            if self.appender is not None:
+                self.appender.close()
+
+    def _write(self, batches: Iterator[Any]) -> WriteSummary:
         if self.identity is not None:
             # A replay must cut the same batches from the same rows, whatever order Spark
             # delivers them in this time: collect the task's rows, then sort them.
@@ -257,9 +269,10 @@ class _TaskWriter:
             or any(partitions & tps for _, tps in self.in_flight)
         ):
             self._check(self.in_flight.pop(0)[0]())
-        wait = self.connection.produce_async(
-            items, _ACKS[self.options.acks], self.options.request_timeout_ms
+        produce_async = (
+            self.connection.produce_async if self.appender is None else self.appender.append_async
         )
+        wait = produce_async(items, _ACKS[self.options.acks], self.options.request_timeout_ms)
         self.in_flight.append((wait, partitions))
 
     def _drain(self) -> None:
