@@ -295,6 +295,34 @@ def test_batch_read_by_assign_timestamps_ending_offsets_and_min_partitions(
     assert mixed.where("partition = 1").count() == 100
 
 
+def test_default_batch_bytes_make_batches_the_broker_accepts(
+    spark: Any, gateway: GatewayProcess
+) -> None:
+    """With the default batchBytes (1 MiB, as Kafka's max.message.bytes), batches of small
+    rows with keys and headers stay under the topic's max.message.bytes: the writer counts
+    each record's framing and headers, not only the value and key bytes."""
+    topic = "spark-default-batches"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=1, replication_factor=1)
+    rows = 40_000
+    df = (
+        spark.range(rows)
+        .repartition(1)
+        .select(
+            F.col("id").cast("string").cast("binary").alias("key"),
+            F.concat(F.lit("v" * 180), F.col("id").cast("string")).cast("binary").alias("value"),
+            F.array(
+                F.struct(F.lit("h").alias("key"), F.lit(b"x").cast("binary").alias("value"))
+            ).alias("headers"),
+            F.lit(0).cast("int").alias("partition"),
+        )
+    )
+    df.write.format("tidelog").option("gateway", gateway.address).option("topic", topic).mode(
+        "append"
+    ).save()
+    read = spark.read.format("tidelog").option("gateway", gateway.address)
+    assert read.option("subscribe", topic).load().count() == rows
+
+
 # --- direct=true: tasks fetch from and append to the partition leaders -----------------------
 
 

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tidelog.client import GatewayConnection
 from tidelog.errors import ConfigError, OffsetOutOfRangeError
 from tidelog.spark.options import (
     EARLIEST,
@@ -214,3 +215,13 @@ def test_ranges_and_json_offsets_round_trip() -> None:
     assert ranges_between(starts, ends) == [OffsetRange("a", 0, 5, 9), OffsetRange("b", 3, 0, 4)]
     assert to_json_offsets(ends) == {"a": {"0": 9}, "b": {"2": 7, "3": 4}}
     assert from_json_offsets(to_json_offsets(ends)) == ends
+
+
+def test_each_request_timeout_gets_its_own_gateway_connection() -> None:
+    """A task's requestTimeoutMs holds even when an earlier task in the same worker asked
+    for another: the per-process connection cache is keyed by the timeout too."""
+    address = "127.0.0.1:1"  # never dialled: a connection connects on its first call
+    short = GatewayConnection.get(address, 1_000)
+    long = GatewayConnection.get(address, 60_000)
+    assert (short.timeout_s, long.timeout_s) == (1.0, 60.0)
+    assert GatewayConnection.get(address, 1_000) is short

@@ -133,7 +133,7 @@ def client_channel(address: str) -> grpc.Channel:
 class GatewayConnection:
     """Typed calls to one gateway over one channel (see module docstring)."""
 
-    _registry: ClassVar[dict[tuple[int, str], GatewayConnection]] = {}
+    _registry: ClassVar[dict[tuple[int, str, int], GatewayConnection]] = {}
     _registry_lock: ClassVar = threading.Lock()
 
     def __init__(self, address: str, timeout_ms: int = 30_000) -> None:
@@ -151,9 +151,11 @@ class GatewayConnection:
 
     @classmethod
     def get(cls, address: str | None = None, timeout_ms: int = 30_000) -> GatewayConnection:
-        """This process's connection to ``address`` (made on first use, after any fork)."""
+        """This process's connection to ``address`` with calls bounded by ``timeout_ms``
+        (made on first use, after any fork). One per timeout, so a caller's timeout is
+        never replaced by the one an earlier caller asked for."""
         address = resolve_gateway(address)
-        key = (os.getpid(), address)
+        key = (os.getpid(), address, timeout_ms)
         with cls._registry_lock:
             connection = cls._registry.get(key)
             if connection is None:
