@@ -256,6 +256,12 @@ def run(quick: bool) -> dict[str, Any]:
             for key, name in (("write", SPARK_WRITE), ("read", SPARK_READ)):
                 t[name] = Result(name, spark_rows, 100, spark_rows / spark[key])
                 print(f"  {key}: {spark[key]:,.0f} rows/s", flush=True)
+                direct_key = f"{key} direct"
+                if direct_key in spark:
+                    results.setdefault("tidelog direct", {})[name] = Result(
+                        name, spark_rows, 100, spark_rows / spark[direct_key]
+                    )
+                    print(f"  {direct_key}: {spark[direct_key]:,.0f} rows/s", flush=True)
         print("peers (same machine, same record size)", flush=True)
         have = peers.available()
         if have["nats"]:
@@ -354,7 +360,8 @@ def report(results: dict[str, Any], quick: bool) -> str:
         "(`batch-size-avg`) or the consumer's mean fetch answer (`fetch-size-avg`). Rows",
         "marked [direct] are the same cases with the SDK in direct mode (`direct=True`:",
         "producers append to and consumers fetch from the partition leaders, the gateway",
-        "gives only metadata, producer ids and offsets; `tidelog/leaders.py`).",
+        "gives only metadata, producer ids and offsets; `tidelog/leaders.py`), and for",
+        "the Spark rows the connector's `direct` option, which does the same in its tasks.",
         "",
         "Command: `PYTHONPATH=. .venv/bin/tidelog bench"
         f"{' --quick' if quick else ''} --write-docs`",
