@@ -23,7 +23,7 @@ from tidelog.partitioner import partition_for_key
 pyspark = pytest.importorskip("pyspark")
 from pyspark.sql import functions as F  # noqa: E402, N812
 
-from tidelog.spark import local_session  # noqa: E402
+from tidelog.spark import activate, local_session  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +323,38 @@ def test_default_batch_bytes_make_batches_the_broker_accepts(
     assert read.option("subscribe", topic).load().count() == rows
 
 
+def test_the_format_is_found_from_another_thread_once_activated_there(
+    spark: Any, gateway: GatewayProcess
+) -> None:
+    """Spark finds a session's Python data source through the calling thread's active
+    session: from a new Python thread the format is unknown until ``activate``."""
+    topic = "spark-threads"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=1, replication_factor=1)
+    df = spark.range(100).selectExpr("cast(cast(id as string) as binary) as value")
+    outcomes: list[str] = []
+
+    def write(activated: bool) -> None:
+        try:
+            if activated:
+                activate(spark)
+            df.write.format("tidelog").option("gateway", gateway.address).option(
+                "topic", topic
+            ).mode("append").save()
+            outcomes.append("written")
+        except Exception as exc:
+            outcomes.append(
+                "DATA_SOURCE_NOT_FOUND" if "DATA_SOURCE_NOT_FOUND" in str(exc) else repr(exc)
+            )
+
+    for activated in (False, True):
+        thread = threading.Thread(target=write, args=(activated,))
+        thread.start()
+        thread.join(120)
+    assert outcomes == ["DATA_SOURCE_NOT_FOUND", "written"]
+    read = spark.read.format("tidelog").option("gateway", gateway.address)
+    assert read.option("subscribe", topic).load().count() == 100
+
+
 # --- direct=true: tasks fetch from and append to the partition leaders -----------------------
 
 
@@ -489,7 +521,8 @@ def test_direct_write_rides_through_a_leader_kill(
 
     def kill_once_writing() -> None:
         """On a thread of its own: the write runs on the test's thread (a data source
-        registered in the session is not found from another Python thread)."""
+        registered in the session is not found from another Python thread before
+        ``tidelog.spark.activate``)."""
         while not written.is_set():
             high_watermark = connection.bounds([(topic, 0)])[(topic, 0)].latest
             if high_watermark > 0:

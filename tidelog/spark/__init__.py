@@ -19,6 +19,19 @@ def register(spark: Any) -> None:
     spark.dataSource.register(TidelogDataSource)
 
 
+def activate(spark: Any) -> None:
+    """Make ``spark`` the active session of the calling thread, so ``format("tidelog")``
+    is found there.
+
+    Spark registers Python data sources per session and looks a format name up through
+    the active session of the JVM thread that runs the call. PySpark sets it on the thread
+    that built the session only: in any other Python thread ``format("tidelog")`` fails
+    with DATA_SOURCE_NOT_FOUND until this is called there (``SparkSession.builder
+    .getOrCreate()`` in the thread does not set it)."""
+    # PySpark has no public call for this (private attributes, stable since Spark 2).
+    spark._jvm.SparkSession.setActiveSession(spark._jsparkSession)
+
+
 def start_jvm(driver_memory: str = "1g") -> None:
     """Launch Spark's JVM now if this process has none yet; a later ``local_session`` (or
     any SparkSession) here uses it.
