@@ -53,6 +53,7 @@ from typing import Any, Final, NamedTuple
 
 import grpc
 
+from tidelog import tracing
 from tidelog.client import GatewayConnection, error_from_rpc, raise_for
 from tidelog.errors import (
     ConfigError,
@@ -556,7 +557,13 @@ class Consumer:
             fetch = _Fetch(group, offsets, future)
             self._fetches[group] = fetch
             # Runs on a gRPC thread (or here, if already done): only hands the fetch over.
-            future.add_done_callback(lambda _, f=fetch: self._answered.put(f))
+            future.add_done_callback(lambda _, f=fetch: self._on_answer(f))
+
+    def _on_answer(self, fetch: _Fetch) -> None:
+        if tracing.ENABLED:
+            asked = ",".join(f"{tp[1]}:{offset}" for tp, offset in fetch.offsets.items())
+            tracing.event("k_recv", asked)
+        self._answered.put(fetch)
 
     def _fetch_stub(self, group: int) -> Any:
         """Where a group's fetch goes: the gateway, or (direct mode) the group's leader;

@@ -64,6 +64,7 @@ from typing import Any, Final, cast, overload
 
 import grpc
 
+from tidelog import tracing
 from tidelog.client import GatewayConnection, error_from_rpc
 from tidelog.errors import (
     ConfigError,
@@ -511,6 +512,8 @@ class Producer:
         with no Python work per record. Without keys or ``partition``, records go to the
         sticky partition as ``send``'s do, moving on after each ``batch_bytes`` worth.
         """
+        if tracing.ENABLED:
+            tracing.event("c_call", topic)
         if _is_arrow(values) and keys is None:
             return self._send_arrow(topic, values, partition, timestamp_ms)
         if _is_arrow(values):
@@ -967,6 +970,8 @@ class Producer:
                 self._in_flight[correlation_id] = [item]
                 self._sent_at_s[correlation_id] = time.monotonic()
             assert self._appenders is not None
+            if tracing.ENABLED:
+                tracing.event("c_send", correlation_id, partition)
             future = self._appenders.submit(
                 leaders.append_encoded(leader.address),
                 request,
@@ -984,6 +989,8 @@ class Producer:
             self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
         try:
             response: storage_pb2.AppendResponse = future.result()
+            if tracing.ENABLED:
+                tracing.event("c_ack", correlation_id, response.base_offset, response.last_offset)
         except grpc.RpcError as exc:
             topic, partition = picked[0][1][0].tp
             where = f"broker {leader.broker_id} ({leader.address})"

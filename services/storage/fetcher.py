@@ -48,6 +48,7 @@ import structlog
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.partition import Partition
 from services.storage.replica_rules import follower_truncation
+from tidelog import tracing
 from tidelog.batch import iter_batches
 from tidelog.errors import (
     CorruptBatchError,
@@ -396,11 +397,21 @@ class ReplicaFetcherThread(threading.Thread):
                             for i, w in zip(following, items, strict=True)
                         ],
                     )
+                if tracing.ENABLED:
+                    tracing.event(
+                        "fr_recv",
+                        ",".join(
+                            f"{i.state.partition.partition}:{i.offset}:{len(d)}"
+                            for i, d in zip(items, records, strict=True)
+                        ),
+                    )
                 for item, result, data in zip(items, response.partitions, records, strict=True):
                     if pipelined and not self._still_expected(item):
                         item.state.stale = True  # ends the pipeline: _predict declines
                         continue
                     self._handle(item.state, item.offset, result, data)
+                    if tracing.ENABLED and data:
+                        tracing.event("fr_app", item.state.partition.partition, item.offset)
                 if following is None or future is None:
                     return
                 items, pipelined = following, True

@@ -35,6 +35,7 @@ from services.storage.replica_rules import (
     leader_and_isr_supersedes,
 )
 from services.storage.replication import IsrProposal, LeaderReplicationState
+from tidelog import tracing
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
     FencedLeaderEpochError,
@@ -705,6 +706,8 @@ class Partition:
         if state is None:
             return
         state.on_leader_append(self._log.log_end_offset)
+        if tracing.ENABLED and state.high_watermark > self._high_watermark:
+            tracing.event("hw", self.partition, state.high_watermark)
         self._high_watermark = max(self._high_watermark, state.high_watermark)
         if not self._ack_waiters or not ack_is_due(self._high_watermark, self._ack_waiters[0][0]):
             return

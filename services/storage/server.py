@@ -47,6 +47,7 @@ from services.storage.partition import (
     deleted_error,
 )
 from services.storage.replication import IsrProposal
+from tidelog import tracing
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
     BrokerNotAvailableError,
@@ -652,7 +653,11 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             raise InvalidRequestError(f"timeout_ms {request.timeout_ms} is negative")
         partition = self._replicas.get_partition(request.topic, request.partition)
         acks_all = request.acks in (common_pb2.ALL, common_pb2.ACKS_UNSPECIFIED)
+        if tracing.ENABLED:
+            tracing.event("ap_in", request.partition)
         result = partition.append(request.records, requested_epoch(request), acks_all=acks_all)
+        if tracing.ENABLED:
+            tracing.event("ap_done", request.partition, result.base_offset, result.last_offset)
         high_watermark = result.high_watermark
         if result.waiter is not None:
             # The purgatory: this handler thread sleeps on the waiter's event, which the
@@ -660,6 +665,8 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             timeout_ms = request.timeout_ms or DEFAULT_ACKS_TIMEOUT_MS
             high_watermark = partition.wait_for_ack(result.waiter, timeout_ms / 1000)
         no_acks = request.acks == common_pb2.NONE_ACKS
+        if tracing.ENABLED:
+            tracing.event("ap_out", request.partition, result.base_offset, result.last_offset)
         return storage_pb2.AppendResponse(
             base_offset=-1 if no_acks else result.base_offset,
             last_offset=-1 if no_acks else result.last_offset,
@@ -677,6 +684,15 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     ) -> bytes:
         """Answers the encoded ``FetchResponse`` (tidelog.wire); StorageNode registers it
         with a response serializer that passes the bytes through."""
+        if not tracing.ENABLED:
+            return self._fetch(request, context)
+        asked = ",".join(f"{fp.partition}:{fp.fetch_offset}" for fp in request.partitions)
+        tracing.event("f_in", request.replica_id, asked)
+        answer = self._fetch(request, context)
+        tracing.event("f_out", request.replica_id, asked, len(answer))
+        return answer
+
+    def _fetch(self, request: storage_pb2.FetchRequest, context: grpc.ServicerContext) -> bytes:
         params = self._fetch_params(request, context)
         if request.replica_id >= 0:
             self._check_follower_broker_epoch(request.replica_id, request.broker_epoch)

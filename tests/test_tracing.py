@@ -1,0 +1,62 @@
+"""tidelog.tracing: hop timestamps from every process started with TIDELOG_TRACE_DIR
+(bench/trace_tick.py reads them), and nothing from a process started without it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import tidelog
+from tests.support.cluster import running_cluster
+from tests.support.process import REPO_ROOT, tidelog_env
+from tidelog.tracing import FLUSH_INTERVAL_S, TRACE_DIR_ENV
+
+
+def _events(directory: Path) -> dict[str, Counter[str]]:
+    """Per trace file (one per process): how many lines of each event."""
+    found: dict[str, Counter[str]] = {}
+    for path in directory.glob("*.log"):
+        lines = [line.split() for line in path.read_text().splitlines()]
+        assert all(int(fields[0]) > 0 and int(fields[1]) > 0 for fields in lines)
+        found[path.stem] = Counter(fields[2] for fields in lines)
+    return found
+
+
+def test_a_client_process_traces_only_when_told(tmp_path: Path) -> None:
+    script = "from tidelog import tracing\ntracing.event('c_call', 'topic')\n"
+    untraced = dict(tidelog_env())
+    untraced.pop(TRACE_DIR_ENV, None)
+    subprocess.run([sys.executable, "-c", script], env=untraced, cwd=REPO_ROOT, check=True)
+    assert list(tmp_path.iterdir()) == []
+    traced = {**untraced, TRACE_DIR_ENV: str(tmp_path)}
+    subprocess.run([sys.executable, "-c", script], env=traced, cwd=REPO_ROOT, check=True)
+    # Written at exit although the flush interval had not passed.
+    assert list(_events(tmp_path).values()) == [Counter({"c_call": 1})]
+
+
+def test_storage_nodes_trace_appends_fetches_and_the_high_watermark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    monkeypatch.setenv(TRACE_DIR_ENV, str(traces))  # inherited by the cluster's processes
+    with running_cluster(tmp_path / "cluster") as cluster:
+        gateway = cluster.start_gateway().address
+        tidelog.Admin(gateway).create_topic("traced", partitions=1, replication_factor=3)
+        with tidelog.Producer(gateway, acks="all", direct=True) as producer:
+            for _ in range(3):
+                producer.send_batch("traced", [b"x" * 100] * 10).result(30)
+        time.sleep(3 * FLUSH_INTERVAL_S)  # written before the cluster's kill -9
+    by_process = _events(traces)
+    leaders = [c for c in by_process.values() if c["ap_in"]]
+    assert len(leaders) == 1, by_process
+    leader = leaders[0]
+    assert leader["ap_in"] == leader["ap_done"] == leader["ap_out"] == 3
+    assert leader["hw"] >= 3 and leader["f_in"] >= 6 and leader["f_out"] >= 6
+    followers = [c for c in by_process.values() if c["fr_app"]]
+    assert len(followers) == 2 and all(c["fr_app"] >= 1 and c["fr_recv"] >= 1 for c in followers)
