@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     n = args.records
     try:
-        with running_cluster(Path(tempfile.mkdtemp(prefix="tidelog-memory-"))) as cluster:
+        with (
+            tempfile.TemporaryDirectory(prefix="tidelog-memory-") as tmp,
+            running_cluster(Path(tmp)) as cluster,
+        ):
             gateway = cluster.start_gateway(command_prefix=cgroup.command_prefix)
             gw = gateway.address
             cases: list[tuple[str, str, int, int, Callable[[str], object]]] = [

@@ -52,8 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dirty", action="store_true", help="half-rate: 1.4 GB dirty first")
     parser.add_argument("--records", type=int, default=6_000_000, help="rf1: records")
     args = parser.parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="tidelog-probe-"))
-    with running_cluster(base) as cluster:
+    # Deleted afterwards: a probe writes gigabytes, and kept runs fill the disk.
+    with (
+        tempfile.TemporaryDirectory(prefix="tidelog-probe-") as tmp,
+        running_cluster(Path(tmp)) as cluster,
+    ):
+        base = Path(tmp)
         gateway = cluster.start_gateway()
         gw = gateway.address
         pids = {f"broker-{k}": p.pid for k, p in cluster.brokers.items()}

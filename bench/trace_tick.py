@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         time.sleep(3 * tracing.FLUSH_INTERVAL_S)  # written before the cluster's kill -9
     tracing.flush()
+    shutil.rmtree(directory / "cluster", ignore_errors=True)  # gigabytes of logs; traces stay
     quantiles = [result.percentile_ms(q) or 0.0 for q in (0.5, 0.99)]
     print(
         f"{result.records_s:,.0f} records/s, e2e p50 / p99 {quantiles[0]:.1f} / "
