@@ -26,6 +26,7 @@ from services.status import (
     error_from_rpc_error,
     to_error_proto,
 )
+from tests.support.cluster import wait_for
 from tests.support.page_cache import on_tmpfs, resident_pages
 from tests.support.process import REPO_ROOT, StartStorage, StorageProcess, tidelog_env
 from tidelog import formats
@@ -274,6 +275,80 @@ def test_append_stream_reports_errors_per_message_and_continues(
     ]
     assert (responses[3].base_offset, responses[3].last_offset) == (1, 2)
     assert values_of(read_all(stub, "stream")) == [b"1", b"2", b"3"]
+
+
+def _lead_with_follower_2(stub: storage_pb2_grpc.StorageStub, topic: str) -> None:
+    """Make this broker leader of ``topic``-0 with broker 2 (the test) in the ISR."""
+    state = common_pb2.PartitionState(
+        topic=topic,
+        partition=0,
+        leader=BROKER_ID,
+        leader_epoch=0,
+        isr=[BROKER_ID, 2],
+        replicas=[BROKER_ID, 2],
+        partition_epoch=0,
+    )
+    response = stub.LeaderAndIsr(
+        storage_pb2.LeaderAndIsrRequest(
+            controller_id=0,
+            controller_epoch=1,
+            partitions=[storage_pb2.LeaderAndIsrPartition(state=state, is_new=True)],
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    assert [code(r.error) for r in response.partitions] == [ErrorCode.NONE]
+
+
+def test_append_stream_appends_each_request_as_it_arrives_and_answers_in_order(
+    storage_node: StorageProcess,
+) -> None:
+    """An acks=all append waiting for its follower does not hold back the next request on
+    the same stream (Kafka's requests in flight per partition): both are in the log before
+    either is acknowledged; once the follower's fetch moves the HW past both, the answers
+    come in request order."""
+    stub = storage_node.stub
+    topic = "stream-pipelined"
+    _lead_with_follower_2(stub, topic)
+    release = threading.Event()
+
+    def requests() -> Iterator[storage_pb2.AppendRequest]:
+        for i, value in enumerate((b"first", b"second"), start=1):
+            yield storage_pb2.AppendRequest(
+                topic=topic,
+                partition=0,
+                records=encode_batch([value]),
+                acks=common_pb2.ALL,
+                timeout_ms=30_000,
+                correlation_id=i,
+            )
+        release.wait(30)  # the stream stays open until the answers are checked
+
+    responses = stub.AppendStream(requests(), timeout=60)
+    try:
+
+        def both_written() -> storage_pb2.LogDescription | None:
+            description = log_description(stub, topic)
+            return description if description and description.log_end_offset == 2 else None
+
+        described = wait_for(both_written, 10, "the second append before the first's ack")
+        assert described.high_watermark == 0  # broker 2 has fetched nothing: none acked
+        caught_up = stub.Fetch(
+            storage_pb2.FetchRequest(
+                replica_id=2,
+                max_wait_ms=0,
+                partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=2)],
+            ),
+            timeout=RPC_TIMEOUT_S,
+        )
+        assert caught_up.partitions[0].high_watermark == 2
+        first, second = next(responses), next(responses)
+    finally:
+        release.set()
+    assert [(r.correlation_id, code(r.error), r.base_offset) for r in (first, second)] == [
+        (1, ErrorCode.NONE, 0),
+        (2, ErrorCode.NONE, 1),
+    ]
+    assert list(responses) == []
 
 
 def test_multi_partition_fetch_respects_byte_limits(storage_node: StorageProcess) -> None:
@@ -1018,24 +1093,7 @@ def test_a_pipelined_follower_fetch_counts_only_what_the_follower_has_written(
     at once rather than long-polled."""
     stub = storage_node.stub
     topic = "pipelined-follower"
-    state = common_pb2.PartitionState(
-        topic=topic,
-        partition=0,
-        leader=BROKER_ID,
-        leader_epoch=0,
-        isr=[BROKER_ID, 2],
-        replicas=[BROKER_ID, 2],
-        partition_epoch=0,
-    )
-    response = stub.LeaderAndIsr(
-        storage_pb2.LeaderAndIsrRequest(
-            controller_id=0,
-            controller_epoch=1,
-            partitions=[storage_pb2.LeaderAndIsrPartition(state=state, is_new=True)],
-        ),
-        timeout=RPC_TIMEOUT_S,
-    )
-    assert [code(r.error) for r in response.partitions] == [ErrorCode.NONE]
+    _lead_with_follower_2(stub, topic)
     for i in range(3):
         result = append(stub, topic, encode_batch([f"v{i}".encode()]), acks=common_pb2.LEADER)
         assert code(result.error) == ErrorCode.NONE

@@ -21,7 +21,9 @@ that may hold a thread for long keeps threads free for Append.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import queue
 import shutil
 import threading
 import time
@@ -38,6 +40,7 @@ from services.storage.log import LogConfig
 from services.storage.log_manager import LogManager
 from services.storage.partition import (
     NO_EPOCH,
+    AppendResult,
     OffsetSpec,
     Partition,
     PartitionInfo,
@@ -92,8 +95,12 @@ class ServerLimits:
     # Fetches that may wait at once (each holds a pool thread while it waits); beyond
     # this a fetch answers at once with what there is.
     max_waiting_fetches: int = 32
-    # Open AppendStream calls (each holds a pool thread for its lifetime).
+    # Open AppendStream calls (each holds a pool thread, and a reader thread, for its
+    # lifetime).
     max_append_streams: int = 16
+    # Requests of one AppendStream appended and not yet answered; beyond it the stream is
+    # read no further (gRPC's flow control then holds the client back).
+    append_stream_depth: int = 16
 
     def __post_init__(self) -> None:
         for name in (
@@ -102,6 +109,7 @@ class ServerLimits:
             "max_fetch_response_bytes",
             "max_waiting_fetches",
             "max_append_streams",
+            "append_stream_depth",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -514,6 +522,49 @@ class _FetchParams:
     max_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class _StartedAppend:
+    """An AppendStream request after its append: the partition and result to wait on, or
+    the error that is its answer."""
+
+    request: storage_pb2.AppendRequest
+    partition: Partition | None
+    result: AppendResult | None
+    error: Exception | None = None
+
+
+_PUT_POLL_S: Final = 0.5
+"""How often a reader blocked on a full pipeline looks whether the stream is over."""
+
+
+def _put_unless(
+    items: queue.Queue[_StartedAppend | None], item: _StartedAppend | None, over: threading.Event
+) -> bool:
+    """Put ``item`` once there is room; False if ``over`` is set first (nobody reads)."""
+    while not over.is_set():
+        try:
+            items.put(item, timeout=_PUT_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _withdraw_waiters(items: queue.Queue[_StartedAppend | None]) -> None:
+    """The stream ended with appends unanswered (the client went away): take their
+    acknowledgement waiters off their partitions rather than leave them for the HW."""
+    while True:
+        try:
+            item = items.get_nowait()
+        except queue.Empty:
+            return
+        if item is None or item.partition is None or item.result is None:
+            continue
+        if item.result.waiter is not None:
+            with contextlib.suppress(TidelogError):
+                item.partition.wait_for_ack(item.result.waiter, 0)
+
+
 def requested_epoch(message: Any) -> int:
     """The ``current_leader_epoch`` a request carries, NO_EPOCH (skip the check) if unset.
 
@@ -626,27 +677,71 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 ),
             )
         try:
-            # Requests are answered in order; a failed one gets an error response and the
-            # stream goes on, so one bad batch does not cost the client its pipeline.
-            for request in request_iterator:
-                try:
-                    yield self._append(request)
-                except Exception as exc:
-                    if not isinstance(exc, TidelogError):
-                        _log.exception("append_stream_failed", topic=request.topic)
-                    yield storage_pb2.AppendResponse(
-                        error=to_error_proto(exc),
-                        base_offset=-1,
-                        last_offset=-1,
-                        log_append_time_ms=-1,
-                        log_start_offset=-1,
-                        high_watermark=-1,
-                        correlation_id=request.correlation_id,
-                    )
+            yield from self._pipelined_appends(request_iterator)
         finally:
             self._append_stream_slots.release()
 
+    def _pipelined_appends(
+        self, requests: Iterator[storage_pb2.AppendRequest]
+    ) -> Iterator[storage_pb2.AppendResponse]:
+        """An AppendStream's answers. A reader thread appends each request as it arrives,
+        without waiting for the ones before it to be acknowledged (Kafka lets an
+        idempotent producer keep five requests of a partition in flight); this thread
+        answers them in request order, each once acknowledged. Appending in arrival order
+        keeps a producer's sequences in order. A failed request gets an error answer in its
+        place and the stream goes on, so one bad batch does not cost the client its
+        pipeline. At most ``append_stream_depth`` requests wait for their answer."""
+        started: queue.Queue[_StartedAppend | None] = queue.Queue(self._limits.append_stream_depth)
+        over = threading.Event()  # the answering side is gone: the reader stops
+
+        def read() -> None:
+            try:
+                for request in requests:
+                    if not _put_unless(started, self._start_append_answering_errors(request), over):
+                        return
+            except Exception as exc:  # the client went away, or its deadline passed
+                _log.debug("append_stream_read_ended", error=str(exc))
+            finally:
+                _put_unless(started, None, over)
+
+        threading.Thread(target=read, name="append-stream-reader", daemon=True).start()
+        try:
+            while (item := started.get()) is not None:
+                yield self._finish_append_answering_errors(item)
+        finally:
+            over.set()
+            _withdraw_waiters(started)
+
+    def _start_append_answering_errors(self, request: storage_pb2.AppendRequest) -> _StartedAppend:
+        try:
+            return _StartedAppend(request, *self._start_append(request))
+        except Exception as exc:
+            return _StartedAppend(request, None, None, exc)
+
+    def _finish_append_answering_errors(self, item: _StartedAppend) -> storage_pb2.AppendResponse:
+        error = item.error
+        if error is None and item.partition is not None and item.result is not None:
+            try:
+                return self._finish_append(item.request, item.partition, item.result)
+            except Exception as exc:
+                error = exc
+        if not isinstance(error, TidelogError):
+            _log.error("append_stream_failed", topic=item.request.topic, error=repr(error))
+        return storage_pb2.AppendResponse(
+            error=to_error_proto(error or UnknownServerError("no answer")),
+            base_offset=-1,
+            last_offset=-1,
+            log_append_time_ms=-1,
+            log_start_offset=-1,
+            high_watermark=-1,
+            correlation_id=item.request.correlation_id,
+        )
+
     def _append(self, request: storage_pb2.AppendRequest) -> storage_pb2.AppendResponse:
+        return self._finish_append(request, *self._start_append(request))
+
+    def _start_append(self, request: storage_pb2.AppendRequest) -> tuple[Partition, AppendResult]:
+        """Validate and append (as the leader); the acknowledgement is ``_finish_append``'s."""
         if request.acks not in _ACKS_VALUES:
             raise InvalidRequiredAcksError(f"acks value {request.acks} is not a known Acks")
         if request.timeout_ms < 0:
@@ -658,6 +753,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         result = partition.append(request.records, requested_epoch(request), acks_all=acks_all)
         if tracing.ENABLED:
             tracing.event("ap_done", request.partition, result.base_offset, result.last_offset)
+        return partition, result
+
+    def _finish_append(
+        self, request: storage_pb2.AppendRequest, partition: Partition, result: AppendResult
+    ) -> storage_pb2.AppendResponse:
+        """Wait for the acknowledgement ``request.acks`` asks for, then answer."""
         high_watermark = result.high_watermark
         if result.waiter is not None:
             # The purgatory: this handler thread sleeps on the waiter's event, which the
