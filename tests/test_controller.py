@@ -172,6 +172,18 @@ def heal_isrs(cluster: TestCluster) -> None:
             expand_isr(cluster, topic.name, broker_id)
 
 
+def isrs_settled(cluster: TestCluster) -> bool:
+    """Every live replica is in its ISR: the leaders' own ISR passes have nothing left to
+    propose, so the controller's keys stay as they are unless something writes them."""
+    live = {b.broker_id for b in cluster.describe_cluster().brokers}
+    topics = cluster.api.Metadata(controller_pb2.MetadataRequest(), timeout=RPC_TIMEOUT_S).topics
+    return all(
+        set(p.replicas) & live <= set(p.isr)
+        for topic in topics
+        for p in cluster.partitions(topic.name)
+    )
+
+
 def hosted_roles(cluster: TestCluster, broker_id: int, topic: str) -> dict[int, bool]:
     """partition -> is_leader, as the storage node itself reports (DescribeLogDirs)."""
     response = cluster.brokers[broker_id].stub.DescribeLogDirs(
@@ -870,6 +882,9 @@ def test_deposed_controller_cannot_write_and_brokers_reject_its_epoch(
             10,
             "brokers to reject the old controller epoch",
         )
+        # Earlier tests' partitions may still be regaining replicas: a legitimate write by
+        # the successor after the snapshot would look like one by the deposed controller.
+        wait_for(lambda: isrs_settled(cluster), 30, "every live replica back in its ISR")
         before = controller_keys(cluster)
     finally:
         deposed.proc.send_signal(signal.SIGCONT)

@@ -623,6 +623,9 @@ def test_records_sent_while_a_request_is_in_flight_share_one_batch(
         producer.send(topic, b"first").result(30)  # producer id and stream in place
         os.kill(paused.pid, signal.SIGSTOP)
         try:
+            # Stopped for certain before "held" goes out: a gateway still running for a
+            # moment answered it, and "later-0" then went alone (seen on a loaded machine).
+            wait_for(lambda: _process_state(paused.pid) == "T", 10, "the gateway to stop")
             held = producer.send(topic, b"held")
             time.sleep(0.3)  # sent: the request sits in the stopped gateway's socket
             later = []
@@ -657,6 +660,12 @@ def test_keyless_records_move_on_after_a_batch_worth_even_in_small_batches(
     with tidelog.Producer(gateway.address, batch_bytes=batch_bytes, linger_ms=0) as producer:
         partitions = [producer.send(topic, value).result(30).partition for _ in range(80)]
     assert _runs(partitions) == [8] * 10, partitions
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of ``pid`` in /proc (``T``: stopped by a signal)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _runs(partitions: list[int]) -> list[int]:
