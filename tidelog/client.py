@@ -130,6 +130,31 @@ def client_channel(address: str) -> grpc.Channel:
     )
 
 
+def one_partition_fetch(
+    topic: str,
+    partition: int,
+    offset: int,
+    max_bytes: int,
+    *,
+    max_wait_ms: int,
+    current_leader_epoch: int | None = None,
+) -> storage_pb2.FetchRequest:
+    """A consumer's long-poll fetch of one partition from ``offset``; with
+    ``current_leader_epoch``, one a leader refuses if its epoch differs (direct reads)."""
+    part = storage_pb2.FetchPartition(
+        topic=topic, partition=partition, fetch_offset=offset, max_bytes=max_bytes
+    )
+    if current_leader_epoch is not None:
+        part.current_leader_epoch = current_leader_epoch
+    return storage_pb2.FetchRequest(
+        replica_id=-1,
+        max_wait_ms=max_wait_ms,
+        min_bytes=1,
+        max_bytes=max_bytes,
+        partitions=[part],
+    )
+
+
 class GatewayConnection:
     """Typed calls to one gateway over one channel (see module docstring)."""
 
@@ -241,17 +266,7 @@ class GatewayConnection:
         self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int = 500
     ) -> storage_pb2.FetchPartitionResult:
         """One long-poll fetch of one partition from ``offset`` (errors raised)."""
-        request = storage_pb2.FetchRequest(
-            replica_id=-1,
-            max_wait_ms=max_wait_ms,
-            min_bytes=1,
-            max_bytes=max_bytes,
-            partitions=[
-                storage_pb2.FetchPartition(
-                    topic=topic, partition=partition, fetch_offset=offset, max_bytes=max_bytes
-                )
-            ],
-        )
+        request = one_partition_fetch(topic, partition, offset, max_bytes, max_wait_ms=max_wait_ms)
         response: storage_pb2.FetchResponse = self.call(
             self.stub.Fetch,
             request,

@@ -34,7 +34,7 @@ from typing import Final
 
 import grpc
 
-from tidelog.client import GatewayConnection, error_from_rpc
+from tidelog.client import GatewayConnection, error_from_rpc, one_partition_fetch
 from tidelog.errors import (
     REROUTE_CODES,
     LeaderNotAvailableError,
@@ -134,20 +134,13 @@ class PartitionFetcher:
         self, leader: Leader, offset: int, max_bytes: int, what: str
     ) -> storage_pb2.FetchPartitionResult:
         topic, partition = self._tp
-        request = storage_pb2.FetchRequest(
-            replica_id=-1,
+        request = one_partition_fetch(
+            topic,
+            partition,
+            offset,
+            max_bytes,
             max_wait_ms=FETCH_WAIT_MS,
-            min_bytes=1,
-            max_bytes=max_bytes,
-            partitions=[
-                storage_pb2.FetchPartition(
-                    topic=topic,
-                    partition=partition,
-                    fetch_offset=offset,
-                    max_bytes=max_bytes,
-                    current_leader_epoch=leader.leader_epoch,
-                )
-            ],
+            current_leader_epoch=leader.leader_epoch,
         )
         where = f"{what} from broker {leader.broker_id} ({leader.address})"
         try:
