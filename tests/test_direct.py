@@ -208,3 +208,112 @@ def test_a_retry_resends_its_batches_without_new_ones(
     assert values == [b"first"] + [f"held-{i}".encode() for i in range(5)] + [
         f"later-{i}".encode() for i in range(20)
     ]
+
+
+def _in_flight(producer: tidelog.Producer, topic: str) -> int:
+    """Requests of ``topic``-0 the producer has sent and not had answered."""
+    with producer._lock:
+        pq = producer._queues.get((topic, 0))
+        return 0 if pq is None else pq.in_flight
+
+
+def _stop_followers(cluster: TestCluster, admin: tidelog.Admin, topic: str) -> list:
+    partition = admin.describe_topic(topic).partitions[0]
+    followers = [cluster.brokers[b] for b in partition.replicas if b != partition.leader]
+    for follower in followers:
+        os.kill(follower.pid, signal.SIGSTOP)
+    return followers
+
+
+def test_direct_producer_keeps_several_requests_of_a_partition_in_flight(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """With the followers stopped, acks=all requests wait at the leader. Each record sent
+    meanwhile goes out as its own request down the leader's pipe without waiting for the
+    one before (up to max_in_flight_requests_per_partition, 5); a sixth waits in the
+    producer. Once the followers resume, all are acknowledged in send order."""
+    topic = "direct-pipelined"
+    _create(admin, topic, 1)
+    with tidelog.Producer(gateway.address, direct=True, linger_ms=0) as producer:
+        producer.send(topic, b"first").result(30)
+        followers = _stop_followers(cluster, admin, topic)
+        try:
+            futures = []
+            for i in range(5):
+                futures.append(producer.send(topic, f"p{i}".encode()))
+                wait_for(lambda n=i + 1: _in_flight(producer, topic) == n, 10, f"{i + 1} in flight")
+            futures.append(producer.send(topic, b"p5"))
+            time.sleep(0.3)
+            assert _in_flight(producer, topic) == 5
+            assert not any(f.done() for f in futures)
+        finally:
+            for follower in followers:
+                os.kill(follower.pid, signal.SIGCONT)
+        assert [f.result(60).offset for f in futures] == list(range(1, 7))
+
+
+def test_a_refused_batch_does_not_fail_the_pipelined_ones_behind_it(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Three requests of one partition in flight: the middle one is refused for good
+    (MESSAGE_TOO_LARGE, nothing written), so the leader refuses the third as out of
+    sequence. The producer fails only the middle record: it takes a new producer id and
+    sends the third again under it, and the log holds the first and the third."""
+    topic = "direct-pipelined-refusal"
+    admin.create_topic(
+        topic,
+        partitions=1,
+        replication_factor=3,
+        config={"min.insync.replicas": "2", "max.message.bytes": "4096"},
+    )
+    with tidelog.Producer(gateway.address, direct=True, linger_ms=0) as producer:
+        producer.send(topic, b"first").result(30)
+        followers = _stop_followers(cluster, admin, topic)
+        try:
+            before = producer.send(topic, b"before")
+            wait_for(lambda: _in_flight(producer, topic) == 1, 10, "the first request sent")
+            too_large = producer.send(topic, b"x" * 8000)
+            wait_for(lambda: _in_flight(producer, topic) == 2, 10, "the second request sent")
+            after = producer.send(topic, b"after")
+            wait_for(lambda: _in_flight(producer, topic) == 3, 10, "the third request sent")
+        finally:
+            for follower in followers:
+                os.kill(follower.pid, signal.SIGCONT)
+        assert before.result(60).offset == 1
+        with pytest.raises(MessageTooLargeError):
+            too_large.result(60)
+        assert after.result(60).offset == 2
+        assert producer.metrics()["record-error-total"] == 1
+    with tidelog.Consumer(gateway.address, direct=True, auto_offset_reset="earliest") as c:
+        c.assign([(topic, 0)])
+        assert [r.value for r in _read(c, 3)] == [b"first", b"before", b"after"]
+
+
+def test_a_broker_out_of_append_streams_gets_unary_appends(tmp_path) -> None:
+    """A broker that has its --max-append-streams open refuses another; that producer
+    appends with unary calls instead (one request per partition in flight) and loses
+    nothing, while the producer holding the stream keeps it."""
+    with TestCluster(tmp_path, storage_args=["--max-append-streams", "1"]) as small:
+        small.start_broker(0)
+        small.start_controller(1)
+        small.wait_brokers([0])
+        gw = small.start_gateway()
+        small_admin = tidelog.Admin(gw.address)
+        small_admin.create_topic("streams-limited", partitions=2, replication_factor=1)
+        with (
+            tidelog.Producer(gw.address, direct=True, linger_ms=0) as holder,
+            tidelog.Producer(gw.address, direct=True, linger_ms=0) as refused,
+        ):
+            holder.send("streams-limited", b"h", partition=0).result(30)
+            futures = [
+                refused.send("streams-limited", f"r{i}".encode(), partition=i % 2)
+                for i in range(200)
+            ]
+            offsets = [f.result(60).offset for f in futures]
+            assert refused._pipe_refused_until_s  # it was refused, and went on without
+            assert holder._pipes  # the first still has its stream
+            assert holder.send("streams-limited", b"h2", partition=0).result(30).offset >= 1
+        assert sorted(o for i, o in enumerate(offsets) if i % 2 == 1) == list(range(100))
+        with tidelog.Consumer(gw.address, auto_offset_reset="earliest") as c:
+            c.assign([("streams-limited", 1)])
+            assert [r.value for r in _read(c, 100)] == [f"r{i}".encode() for i in range(1, 200, 2)]

@@ -164,6 +164,14 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="override every topic's replica.lag.time.max.ms: a follower not caught up "
         "for this long leaves the ISR (default: the topic's, else 30000)",
     )
+    parser.add_argument(
+        "--max-append-streams",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="AppendStream calls open at once (a direct-mode producer keeps one per broker); "
+        "beyond that a producer is refused and uses unary appends (default: 16)",
+    )
     _add_max_concurrent_rpcs(parser)
     _add_advertised_host(parser)
     _add_logging(parser)

@@ -52,7 +52,7 @@ class Leader:
 class _Broker:
     """The calls the SDK makes on one storage node, over one channel."""
 
-    __slots__ = ("append_encoded", "stub")
+    __slots__ = ("append_encoded", "append_stream_encoded", "stub")
 
     def __init__(self, address: str) -> None:
         channel = client_channel(address)
@@ -64,6 +64,14 @@ class _Broker:
                 request_serializer=None,
                 response_deserializer=storage_pb2.AppendResponse.FromString,
             )
+        )
+        # AppendStream on encoded requests: the producer's ordered pipe to this broker.
+        self.append_stream_encoded: grpc.StreamStreamMultiCallable[
+            bytes, storage_pb2.AppendResponse
+        ] = channel.stream_stream(
+            "/tidelog.v1.Storage/AppendStream",
+            request_serializer=None,
+            response_deserializer=storage_pb2.AppendResponse.FromString,
         )
 
 
@@ -140,6 +148,12 @@ class LeaderDirectory:
     ) -> grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse]:
         """``Storage.Append`` on the broker at ``address``, taking an encoded request."""
         return self._broker(address).append_encoded
+
+    def append_stream_encoded(
+        self, address: str
+    ) -> grpc.StreamStreamMultiCallable[bytes, storage_pb2.AppendResponse]:
+        """``Storage.AppendStream`` on the broker at ``address``, taking encoded requests."""
+        return self._broker(address).append_stream_encoded
 
     def storage(self, address: str) -> storage_pb2_grpc.StorageStub:
         """The ``Storage`` stub of the broker at ``address``."""

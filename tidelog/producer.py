@@ -25,14 +25,34 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
   the gateway (``tidelog.leaders``: the gateway still gives metadata and producer ids).
   An answer that says the leader moved, or a broker that cannot be reached, makes the
   batches retry after a metadata refresh, exactly as a gateway's retriable answer does.
+* **Pipes** (direct mode) - requests go to a leader on one ``AppendStream`` per broker
+  (``_Pipe``), which the leader appends in arrival order and answers in order. That order
+  is what lets a partition keep up to ``max_in_flight_requests_per_partition`` requests
+  in flight (Kafka's ``max.in.flight.requests.per.connection``, 5): a batch need not wait
+  for the previous one's acknowledgement. A broker that refuses another stream (its
+  ``max_append_streams``) gets unary ``Append`` calls instead, one request per partition
+  in flight, for ``PIPE_REFUSED_BACKOFF_S``. A pipe whose oldest request goes unanswered
+  past ``request_timeout_ms`` (and ``STREAM_ANSWER_GRACE_S``) is cancelled.
 
-Ordering and idempotence: a partition has at most one request in flight, and a batch is
-encoded - given its producer id and sequence - only when it is first sent, so sequences
-follow send order. A failed request is retried with the same bytes (same sequence) until
-``delivery_timeout_ms``; the leader recognises a batch it already wrote and answers with
-the original offsets, so retries neither duplicate nor reorder (``enable_idempotence``,
-the default). When a batch fails for good after having been sent, the producer takes a new
-producer id for later batches, since the old id's sequence state is then unknown.
+Ordering and idempotence: a batch is encoded - given its producer id and sequence - only
+when it is first sent, from the head of its partition's queue, so sequences follow send
+order; each batch also has an ``ordinal``, its place in the partition's queue. A failed
+request is retried with the same bytes (same sequence) until ``delivery_timeout_ms``; the
+leader recognises a batch it already wrote and answers with the original offsets, so
+retries neither duplicate nor reorder (``enable_idempotence``, the default).
+
+With several requests of a partition in flight, a failure is handled as Kafka does:
+
+* the partition sends nothing more until every request it has in flight is answered
+  (``blocked``); failed batches go back into the queue in ordinal order, and are resent
+  request by request as first sent (a retry of a whole request is answered from the
+  leader's memory of its last ``MAX_BATCHES_IN_FLIGHT_PER_PARTITION`` batches, so an
+  idempotent producer never has more batches of a partition in flight than that);
+* a request refused with OUT_OF_ORDER_SEQUENCE while an earlier batch of its partition is
+  still unfinished was refused because that one was not written: it is retried after it;
+* when a batch fails for good after having been sent, the producer takes a new producer
+  id, since the old id's sequence state is then unknown; later batches that the leader
+  refused as out of order (so nothing of them was written) are encoded again under it.
 
 ``metrics()`` reports Kafka's producer metrics (``tidelog.metrics``): ``batch-size-avg``
 and ``-max`` (bytes of a record batch when first sent), ``records-per-request-avg`` and
@@ -67,9 +87,11 @@ import grpc
 from tidelog import tracing
 from tidelog.client import GatewayConnection, error_from_rpc
 from tidelog.errors import (
+    BrokerNotAvailableError,
     ConfigError,
     LeaderNotAvailableError,
     NetworkError,
+    OutOfOrderSequenceError,
     RequestTimedOutError,
     TidelogError,
     UnknownTopicOrPartitionError,
@@ -96,6 +118,14 @@ gateway's limit."""
 MAX_PARTITION_REQUEST_BYTES: Final = 4 * 1024 * 1024
 """Record bytes of one partition in one request (several batches)."""
 RETRY_BACKOFF_S: Final = 0.1
+MAX_BATCHES_IN_FLIGHT_PER_PARTITION: Final = 5
+"""An idempotent producer's batches of one partition unanswered at once (all requests in
+flight together), which also bounds the batches of one request: the leader remembers a
+producer's last five batches (``PRODUCER_BATCHES_RETAINED``), and a retried request is
+answered with its original offsets only while every batch of it is among them."""
+PIPE_REFUSED_BACKOFF_S: Final = 30.0
+"""Direct mode: how long a broker that refused an AppendStream (it has
+``max_append_streams`` open) gets unary appends before the producer asks again."""
 LEADER_WAIT_MARGIN_MS: Final = 100
 """Direct mode: an acks=all append asks the leader to wait this much less than the call's
 deadline, so the leader's precise REQUEST_TIMED_OUT arrives rather than a bare deadline."""
@@ -112,6 +142,12 @@ originals the gateway is still carrying."""
 _STOP: Final = object()
 _ZERO_I32: Final = array("i", [0])
 _ZERO_I64: Final = array("q", [0])
+
+
+def _until_stop(requests: queue.SimpleQueue[Any]) -> Iterator[bytes]:
+    """A stream call's requests: what is put on ``requests``, until ``_STOP``."""
+    while (item := requests.get()) is not _STOP:
+        yield item
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +260,10 @@ class _Batch:
         "group_slots",
         "headers",
         "keys",
+        "ordinal",
+        "producer_id",
         "record_futures",
+        "request_key",
         "sent",
         "size_bytes",
         "timestamps",
@@ -246,6 +285,10 @@ class _Batch:
         self.encoded_bytes = 0
         self.attempts = 0
         self.sent = False
+        self.ordinal = 0  # place in its partition's queue (``_PartitionQueue.enqueue``)
+        self.producer_id = -1  # the producer id it was encoded under
+        # Names the request that first carried it: a retry resends exactly that request.
+        self.request_key = 0
         # send(): (index in batch, future); send_batch(): (group, indices in the group).
         self.record_futures: list[tuple[int, Future[RecordMetadata]]] = []
         self.group_slots: list[tuple[_Group, range | list[int]]] = []
@@ -271,15 +314,85 @@ class _Stream:
         self.timed_out = False  # cancelled by the producer for that
 
 
+class _Pipe:
+    """Direct mode: one AppendStream to a broker. The broker appends its requests in the
+    order sent and answers them in that order (``StorageServicer._pipelined_appends``).
+    Fields change under the producer's lock; ``closed`` is set once, by its reader, when
+    the stream has ended, and nothing is queued on a closed pipe."""
+
+    __slots__ = (
+        "address",
+        "call",
+        "closed",
+        "heard_s",
+        "pending",
+        "requests",
+        "timed_out",
+        "where",
+    )
+
+    def __init__(self, leader: Leader) -> None:
+        self.address = leader.address
+        self.where = f"broker {leader.broker_id} ({leader.address})"  # for error messages
+        self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.call: Any = None
+        self.closed = False
+        self.timed_out = False
+        self.heard_s = time.monotonic()
+        self.pending: deque[int] = deque()  # correlation ids sent and not answered, in order
+
+
 class _PartitionQueue:
-    __slots__ = ("batches", "in_flight", "next_sequence", "producer_id", "retry_at_s")
+    """One partition's batches waiting to be sent, and its requests in flight.
+
+    Invariants: batches are in ordinal order; requests in flight are on one pipe (``pipe``)
+    when there is more than one; a blocked partition sends nothing until ``in_flight`` is
+    back to 0."""
+
+    __slots__ = (
+        "batches",
+        "blocked",
+        "in_flight",
+        "in_flight_batches",
+        "next_ordinal",
+        "next_sequence",
+        "pipe",
+        "producer_id",
+        "retry_at_s",
+    )
 
     def __init__(self) -> None:
         self.batches: deque[_Batch] = deque()
-        self.in_flight = False
+        self.in_flight = 0  # requests sent and not answered
+        self.in_flight_batches = 0
+        self.pipe: _Pipe | None = None  # where its requests in flight went (None: unary)
+        self.blocked = False  # a request failed: wait for the others before sending more
         self.retry_at_s = 0.0
         self.producer_id = -1
         self.next_sequence = 0
+        self.next_ordinal = 0
+
+    def enqueue(self, batch: _Batch) -> None:
+        """A new batch goes last, numbered after every batch before it."""
+        batch.ordinal = self.next_ordinal
+        self.next_ordinal += 1
+        self.batches.append(batch)
+
+    def requeue(self, batches: Sequence[_Batch]) -> None:
+        """Batches back from a request (to retry) go into their ordinal places."""
+        if not self.batches or batches[-1].ordinal < self.batches[0].ordinal:
+            self.batches.extendleft(reversed(batches))
+        else:
+            self.batches = deque(sorted([*batches, *self.batches], key=lambda b: b.ordinal))
+
+    def request_done(self, batches: Sequence[_Batch], *, failed: bool) -> None:
+        self.in_flight -= 1
+        self.in_flight_batches -= len(batches)
+        if failed:
+            self.blocked = True
+        if self.in_flight == 0:
+            self.pipe = None
+            self.blocked = False
 
 
 class Producer:
@@ -298,6 +411,7 @@ class Producer:
         delivery_timeout_ms: int = 120_000,
         request_timeout_ms: int = 30_000,
         max_in_flight_requests: int = 16,
+        max_in_flight_requests_per_partition: int = 5,
         buffer_bytes: int = 64 * 1024 * 1024,
         max_block_ms: int = 60_000,
         partitioner: Any = None,
@@ -310,6 +424,7 @@ class Producer:
         for name, value in (
             ("batch_bytes", batch_bytes),
             ("max_in_flight_requests", max_in_flight_requests),
+            ("max_in_flight_requests_per_partition", max_in_flight_requests_per_partition),
             ("buffer_bytes", buffer_bytes),
             ("delivery_timeout_ms", delivery_timeout_ms),
             ("request_timeout_ms", request_timeout_ms),
@@ -343,6 +458,12 @@ class Producer:
         self._delivery_timeout_s = delivery_timeout_ms / 1000
         self._request_timeout_ms = request_timeout_ms
         self._max_in_flight = max_in_flight_requests
+        # Several requests of a partition in flight need the order a pipe keeps (direct
+        # mode). Through the gateway a partition has one: the gateway's answers to a
+        # stream's requests come in any order.
+        self._per_partition = max_in_flight_requests_per_partition if direct else 1
+        # Batches of a partition in flight, and so of one request (the constant's reason).
+        self._max_batches = MAX_BATCHES_IN_FLIGHT_PER_PARTITION if enable_idempotence else 2**31
         self._buffer_bytes = buffer_bytes
         self._max_block_s = max_block_ms / 1000
         self._partitioner = partitioner
@@ -363,6 +484,9 @@ class Producer:
         self._producer_id = -1
         self._producer_epoch = -1
         self._stream: _Stream | None = None  # gateway mode: the current produce stream
+        self._pipes: dict[str, _Pipe] = {}  # direct mode: open pipes by broker address
+        self._pipe_refused_until_s: dict[str, float] = {}
+        self._request_keys = itertools.count(1)
         self._metrics = ClientMetrics(
             counters=(
                 "request-total",
@@ -582,7 +706,7 @@ class Producer:
             with self._lock:
                 self._reserve(min(batch.size_bytes, self._buffer_bytes))
                 self._close_open(batch.tp)  # keep order with earlier send()s
-                self._queue(batch.tp).batches.append(batch)
+                self._queue(batch.tp).enqueue(batch)
                 self._unfinished += 1
                 self._lock.notify_all()
         return group.future
@@ -615,7 +739,7 @@ class Producer:
             with self._lock:
                 self._reserve(min(batch.size_bytes, self._buffer_bytes))
                 self._close_open(batch.tp)
-                self._queue(batch.tp).batches.append(batch)
+                self._queue(batch.tp).enqueue(batch)
                 self._unfinished += 1
                 self._lock.notify_all()
             if partition is None:
@@ -657,7 +781,7 @@ class Producer:
     def _close_open(self, tp: tuple[str, int]) -> None:
         batch = self._open.pop(tp, None)
         if batch is not None:
-            self._queue(tp).batches.append(batch)
+            self._queue(tp).enqueue(batch)
 
     def _reserve(self, size: int) -> None:
         """Wait (lock held) for ``size`` bytes of buffer room."""
@@ -714,6 +838,22 @@ class Producer:
 
     # --- the sender -----------------------------------------------------------------------
 
+    def _may_send(self, pq: _PartitionQueue) -> bool:
+        """(lock held) Whether the partition may send a request now, retry backoff aside:
+        when nothing of it is in flight, or (pipelining) when its requests in flight went
+        down a pipe that is still open, none failed, the producer id is the one its
+        batches were encoded under, and there is room for another batch."""
+        if pq.in_flight == 0:
+            return True
+        return (
+            pq.in_flight < self._per_partition
+            and pq.in_flight_batches < self._max_batches
+            and not pq.blocked
+            and pq.pipe is not None
+            and not pq.pipe.closed
+            and pq.producer_id == self._producer_id
+        )
+
     def _ready(self, now: float) -> tuple[list[tuple[_PartitionQueue, list[_Batch]]], float]:
         """(lock held) Batches to send now, and how long until more may be ready."""
         wait_s = 1.0
@@ -722,7 +862,7 @@ class Producer:
                 self._close_open(tp)
                 continue
             pq = self._queues.get(tp)
-            if pq is not None and (pq.in_flight or pq.retry_at_s > now):
+            if pq is not None and (not self._may_send(pq) or pq.retry_at_s > now):
                 # The partition cannot send now: later records keep joining this batch
                 # (as in Kafka's accumulator) instead of each wake-up closing a batch of
                 # a few records, which the leader, followers and consumers would then
@@ -736,22 +876,30 @@ class Producer:
         picked: list[tuple[_PartitionQueue, list[_Batch]]] = []
         request_bytes = 0
         for pq in self._queues.values():
-            if pq.in_flight or not pq.batches:
+            if not pq.batches or not self._may_send(pq):
                 continue
             if pq.retry_at_s > now:
                 wait_s = min(wait_s, pq.retry_at_s - now)
                 continue
             taken: list[_Batch] = []
             size = 0
-            # A retry resends exactly the batches of the request that failed (requeued
-            # together at the head): the leader answers a request of batches it already
-            # wrote with their offsets, but refuses one that mixes them with new batches
-            # (DUPLICATE_SEQUENCE_NUMBER), so new batches wait for the next request.
+            room = self._max_batches - pq.in_flight_batches
+            # A retry resends exactly the batches of the request that failed (they share
+            # its request_key): the leader answers a request of batches it already wrote
+            # with their offsets, but refuses one that mixes them with new batches
+            # (DUPLICATE_SEQUENCE_NUMBER), or with batches of another request that it
+            # may not have written. New batches (key 0) go together, within the limits.
             while pq.batches and (
                 not taken
                 or (
-                    pq.batches[0].sent == taken[0].sent
-                    and size + pq.batches[0].size_bytes <= MAX_PARTITION_REQUEST_BYTES
+                    pq.batches[0].request_key == taken[0].request_key
+                    and (
+                        taken[0].sent
+                        or (
+                            len(taken) < room
+                            and size + pq.batches[0].size_bytes <= MAX_PARTITION_REQUEST_BYTES
+                        )
+                    )
                 )
             ):
                 batch = pq.batches.popleft()
@@ -761,7 +909,8 @@ class Producer:
                 pq.batches.extendleft(reversed(taken))
                 wait_s = 0.0
                 break
-            pq.in_flight = True
+            pq.in_flight += 1
+            pq.in_flight_batches += len(taken)
             picked.append((pq, taken))
             request_bytes += size
         return picked, wait_s
@@ -773,9 +922,13 @@ class Producer:
                     if self._closing and self._unfinished == 0:
                         if self._stream is not None:
                             self._stream.requests.put(_STOP)
+                        for pipe in self._pipes.values():
+                            pipe.requests.put(_STOP)
                         return
                     wait_s = 0.5
                     hung = self._hung_stream(time.monotonic())
+                    if hung is None:
+                        hung = self._hung_pipe(time.monotonic())
                     if hung is not None:
                         break
                     if len(self._in_flight) < self._max_in_flight:
@@ -808,6 +961,19 @@ class Producer:
                     continue
             self._complete_failed(picked, NetworkError("the produce stream ended"))
 
+    def _hung_pipe(self, now: float) -> Any:
+        """(lock held) A pipe's call to cancel: its oldest request went unanswered past the
+        request timeout and grace, and it answered nothing for as long; else None."""
+        limit_s = self._request_timeout_ms / 1000 + STREAM_ANSWER_GRACE_S
+        for pipe in self._pipes.values():
+            if pipe.call is None or pipe.timed_out or not pipe.pending:
+                continue
+            sent_s = self._sent_at_s.get(pipe.pending[0])
+            if sent_s is not None and now - max(sent_s, pipe.heard_s) >= limit_s:
+                pipe.timed_out = True
+                return pipe.call
+        return None
+
     def _hung_stream(self, now: float) -> Any:
         """(lock held) The produce stream to cancel: its oldest request went unanswered
         past the request timeout and grace (``STREAM_ANSWER_GRACE_S``); else None."""
@@ -831,15 +997,8 @@ class Producer:
         with self._lock:
             self._stream = stream
 
-        def iterate() -> Iterator[bytes]:
-            while True:
-                item = stream.requests.get()
-                if item is _STOP:
-                    return
-                yield item
-
         try:
-            responses = self._conn.produce_stream_encoded(iterate())
+            responses = self._conn.produce_stream_encoded(_until_stop(stream.requests))
         except BaseException:
             with self._lock:
                 if self._stream is stream:
@@ -895,6 +1054,10 @@ class Producer:
         encoded: list[list[Any]] = []
         for pq, batches in picked:
             parts: list[Any] = []
+            if not batches[0].sent:
+                key = next(self._request_keys)
+                for batch in batches:
+                    batch.request_key = key
             for batch in batches:
                 if batch.encoded is None:
                     self._encode(pq, batch)
@@ -934,17 +1097,12 @@ class Producer:
     def _send_direct(
         self, picked: list[tuple[_PartitionQueue, list[_Batch]]], leaders: LeaderDirectory
     ) -> None:
-        """One ``Append`` per picked partition, to its leader; answered on a gRPC thread."""
-        try:
-            encoded = self._prepare(picked)
-        except TidelogError as exc:
-            self._complete_failed(picked, exc)
-            return
-        # The leader waits for acks=all a little less than the call may take (see the
-        # constant), as the gateway asks of it.
-        wait_ms = max(1, self._request_timeout_ms - LEADER_WAIT_MARGIN_MS)
-        for item, chunks in zip(picked, encoded, strict=True):
-            topic, partition = item[1][0].tp
+        """One ``Append`` per picked partition, to its leader: down the leader's pipe, or
+        as a unary call answered on a pool thread."""
+        routed: list[tuple[tuple[_PartitionQueue, list[_Batch]], Leader, _Pipe | None]] = []
+        for item in picked:
+            pq, batches = item
+            topic, partition = batches[0].tp
             try:
                 leader = leaders.leader((topic, partition))
             except TidelogError as exc:  # the topic is gone, or the gateway is unreachable
@@ -957,6 +1115,31 @@ class Producer:
                     LeaderNotAvailableError(f"{topic}-{partition} has no live leader right now"),
                 )
                 continue
+            pipe = self._pipe_for(leader) if self._per_partition > 1 else None
+            with self._lock:
+                if pq.in_flight > 1 and (pipe is None or pipe is not pq.pipe):
+                    # Its other requests went another way (the leader moved, or the pipe
+                    # ended): this one would not be ordered after them. It waits for them.
+                    pq.in_flight -= 1
+                    pq.in_flight_batches -= len(batches)
+                    pq.blocked = True
+                    pq.requeue(batches)
+                    continue
+                pq.pipe = pipe
+            routed.append((item, leader, pipe))
+        if not routed:
+            return
+        try:
+            encoded = self._prepare([item for item, _, _ in routed])
+        except TidelogError as exc:
+            self._complete_failed([item for item, _, _ in routed], exc)
+            return
+        # The leader waits for acks=all a little less than the call may take (see the
+        # constant), as the gateway asks of it.
+        wait_ms = max(1, self._request_timeout_ms - LEADER_WAIT_MARGIN_MS)
+        for (item, leader, pipe), chunks in zip(routed, encoded, strict=True):
+            topic, partition = item[1][0].tp
+            correlation_id = self._count_request([item])
             request = encode_append_request(
                 topic=topic,
                 partition=partition,
@@ -964,20 +1147,118 @@ class Producer:
                 acks=self._acks,
                 timeout_ms=wait_ms,
                 current_leader_epoch=leader.leader_epoch,
+                correlation_id=correlation_id,
             )
-            correlation_id = self._count_request([item])
-            with self._lock:
-                self._in_flight[correlation_id] = [item]
-                self._sent_at_s[correlation_id] = time.monotonic()
-            assert self._appenders is not None
             if tracing.ENABLED:
                 tracing.event("c_send", correlation_id, partition)
+            with self._lock:
+                if pipe is not None and pipe.closed:
+                    closed = True
+                else:
+                    closed = False
+                    self._in_flight[correlation_id] = [item]
+                    self._sent_at_s[correlation_id] = time.monotonic()
+                    if pipe is not None:
+                        # Under the lock its reader takes to end it: a request is either
+                        # stranded with the pipe (and retried) or never put on a dead one.
+                        pipe.pending.append(correlation_id)
+                        pipe.requests.put(request)
+            if closed:
+                ended = NetworkError(f"the append stream to {leader.address} ended")
+                self._complete_failed([item], ended)
+                continue
+            if pipe is not None:
+                continue
+            assert self._appenders is not None
             future = self._appenders.submit(
                 leaders.append_encoded(leader.address),
                 request,
                 timeout=self._request_timeout_ms / 1000,
             )
             future.add_done_callback(partial(self._append_answered, correlation_id, leader))
+
+    def _pipe_for(self, leader: Leader) -> _Pipe | None:
+        """The open pipe to the broker at ``address``, opened if need be; None while the
+        broker refuses streams (``PIPE_REFUSED_BACKOFF_S``)."""
+        address = leader.address
+        with self._lock:
+            pipe = self._pipes.get(address)
+            if pipe is not None and not pipe.closed:
+                return pipe
+            if self._pipe_refused_until_s.get(address, 0.0) > time.monotonic():
+                return None
+            pipe = self._pipes[address] = _Pipe(leader)
+        assert self._leaders is not None
+
+        responses = self._leaders.append_stream_encoded(address)(_until_stop(pipe.requests))
+        with self._lock:
+            pipe.call = responses
+        threading.Thread(
+            target=self._read_pipe,
+            args=(responses, pipe),
+            name="tidelog-pipe-reader",
+            daemon=True,
+        ).start()
+        return pipe
+
+    def _read_pipe(self, responses: Any, pipe: _Pipe) -> None:
+        answered = 0
+        error: TidelogError
+        try:
+            for response in responses:
+                answered += 1
+                with self._lock:
+                    if pipe.pending and pipe.pending[0] == response.correlation_id:
+                        pipe.pending.popleft()
+                    picked = self._in_flight.pop(response.correlation_id, None)
+                    sent_at_s = self._sent_at_s.pop(response.correlation_id, None)
+                    pipe.heard_s = time.monotonic()
+                if sent_at_s is not None:
+                    self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
+                if picked is None:
+                    continue
+                if tracing.ENABLED:
+                    tracing.event(
+                        "c_ack", response.correlation_id, response.base_offset, response.last_offset
+                    )
+                if response.error.code == common_pb2.NONE:
+                    self._complete(picked, [response])
+                    continue
+                topic, partition = picked[0][1][0].tp
+                error = error_for_code(
+                    int(response.error.code),
+                    f"append to {topic}-{partition} on {pipe.where}: {response.error.message}",
+                )
+                if error.retriable and self._leaders is not None:
+                    self._leaders.invalidate()  # moved or fenced: ask again
+                self._complete_failed(picked, error)
+        except grpc.RpcError as exc:
+            error = error_from_rpc(exc, f"append stream to {pipe.where}")
+        else:
+            error = NetworkError(f"the append stream to {pipe.where} ended")
+        with self._lock:
+            pipe.closed = True
+            if self._pipes.get(pipe.address) is pipe:
+                del self._pipes[pipe.address]
+            if pipe.timed_out:
+                error = RequestTimedOutError(
+                    f"append stream to {pipe.where}: no answer within request_timeout_ms "
+                    f"({self._request_timeout_ms} ms)"
+                )
+            elif answered == 0 and isinstance(error, BrokerNotAvailableError):
+                # Refused (the broker has max_append_streams open): unary appends for now.
+                self._pipe_refused_until_s[pipe.address] = time.monotonic() + PIPE_REFUSED_BACKOFF_S
+            stranded = []
+            for correlation_id in pipe.pending:
+                picked = self._in_flight.pop(correlation_id, None)
+                self._sent_at_s.pop(correlation_id, None)
+                if picked is not None:
+                    stranded.append(picked)
+            pipe.pending.clear()
+        if stranded and self._leaders is not None and error.retriable:
+            self._leaders.invalidate()  # the broker may be gone: ask where leaders are
+        for picked in stranded:  # in send order, so retries keep it
+            self._complete_failed(picked, error)
 
     def _append_answered(self, correlation_id: int, leader: Leader, future: Any) -> None:
         with self._lock:
@@ -1008,6 +1289,7 @@ class Producer:
                 pq.producer_id, pq.next_sequence = self._producer_id, 0
             producer_id, epoch, sequence = self._producer_id, self._producer_epoch, pq.next_sequence
             pq.next_sequence = (pq.next_sequence + len(batch)) % 2**31
+        batch.producer_id = producer_id
         options: dict[str, Any] = {
             "compression": self._compression,
             "producer_id": producer_id,
@@ -1051,30 +1333,56 @@ class Producer:
                     if offset >= 0:
                         offset += len(batch)
                 with self._lock:
-                    pq.in_flight = False
+                    pq.request_done(batches, failed=False)
                     self._lock.notify_all()
             else:
                 error = error_for_code(int(result.error.code), result.error.message)
                 self._complete_failed([(pq, batches)], error)
+
+    def _refused_after_predecessor(self, pq: _PartitionQueue, batches: list[_Batch]) -> bool:
+        """(lock held) Whether an OUT_OF_ORDER_SEQUENCE refusal of ``batches`` is explained
+        by an earlier batch of the partition: one still unfinished (queued for a retry or
+        in flight), or one that failed for good, after which the producer id changed. The
+        refusal means nothing of the request was written, so the batches may be retried -
+        under the new producer id in the second case (``_retry``)."""
+        first = batches[0].ordinal
+        if any(b.ordinal < first for b in pq.batches):
+            return True
+        for items in self._in_flight.values():
+            for other, others in items:
+                if other is pq and others[0].ordinal < first:
+                    return True
+        return batches[0].producer_id != self._producer_id
 
     def _complete_failed(
         self, picked: list[tuple[_PartitionQueue, list[_Batch]]], error: TidelogError
     ) -> None:
         now = time.monotonic()
         for pq, batches in picked:
+            with self._lock:
+                refused = isinstance(
+                    error, OutOfOrderSequenceError
+                ) and self._refused_after_predecessor(pq, batches)
             retry = [
                 b
                 for b in batches
-                if error.retriable
+                if (error.retriable or refused)
                 and b.attempts <= self._retries
                 and now - b.created_s < self._delivery_timeout_s
             ]
             if retry and len(retry) == len(batches):
                 self._metrics.add("record-retry-total", sum(len(b) for b in batches))
                 with self._lock:
-                    pq.batches.extendleft(reversed(batches))
+                    if refused and batches[0].producer_id != self._producer_id:
+                        # Encoded under a producer id given up since: not written (the
+                        # leader refused it), so it is sent again as new under the next id.
+                        for batch in batches:
+                            batch.encoded = None
+                            batch.sent = False
+                            batch.request_key = 0
+                    pq.requeue(batches)
                     pq.retry_at_s = now + RETRY_BACKOFF_S
-                    pq.in_flight = False
+                    pq.request_done(batches, failed=True)
                     self._lock.notify_all()
                 continue
             for batch in batches:
@@ -1083,7 +1391,7 @@ class Producer:
                 if self._idempotent and any(b.sent for b in batches):
                     # The leader's sequence state for this id is unknown now: start afresh.
                     self._producer_id = -1
-                pq.in_flight = False
+                pq.request_done(batches, failed=True)
                 self._lock.notify_all()
 
     def _finish(self, batch: _Batch) -> None:

@@ -374,6 +374,7 @@ def main(args: argparse.Namespace) -> int:
     """
     tidelog_logging.configure("storage", level=args.log_level, broker_id=args.broker_id)
     try:
+        limits = ServerLimits(max_append_streams=getattr(args, "max_append_streams", 16))
         config = StorageNodeConfig(
             broker_id=args.broker_id,
             data_dir=Path(args.data_dir),
@@ -387,6 +388,9 @@ def main(args: argparse.Namespace) -> int:
             controlled_shutdown_timeout_s=args.controlled_shutdown_timeout_s,
             replica_lag_time_max_ms=getattr(args, "replica_lag_time_max_ms", None),
             max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", 1024),
+            limits=limits,
+            # Each open append stream and each waiting fetch holds a pool thread.
+            max_workers=max(64, limits.max_waiting_fetches + limits.max_append_streams + 16),
         )
     except (ValueError, TidelogError) as exc:
         print(f"tidelog storage: error: {exc}", file=sys.stderr)
