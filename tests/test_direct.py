@@ -289,6 +289,47 @@ def test_a_refused_batch_does_not_fail_the_pipelined_ones_behind_it(
         assert [r.value for r in _read(c, 3)] == [b"first", b"before", b"after"]
 
 
+def test_direct_producer_leaves_a_stopped_leader(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """SIGSTOP the leader while requests are pipelined to it: its append stream stays
+    open and silent, so the producer cancels it once the oldest request is
+    request_timeout_ms + the grace old, retries everything that was in flight at the new
+    leader in sequence order, and every record is written once, in send order."""
+    topic = "direct-stopped-leader"
+    _create(admin, topic, 1)
+    with tidelog.Producer(
+        gateway.address,
+        direct=True,
+        linger_ms=1,
+        request_timeout_ms=1_500,
+        delivery_timeout_ms=60_000,
+    ) as producer:
+        producer.send(topic, b"r0").result(30)
+        leader = admin.describe_topic(topic).partitions[0].leader
+        stopped = cluster.brokers[leader]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            futures = []
+            for i in range(1, 200):
+                futures.append(producer.send(topic, f"r{i}".encode()))
+                if i % 20 == 0:
+                    time.sleep(0.01)  # several batches, pipelined to the stopped leader
+            offsets = [f.result(60).offset for f in futures]
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+    assert offsets == list(range(1, 200))
+    assert admin.describe_topic(topic).partitions[0].leader != leader
+    with tidelog.Consumer(gateway.address, direct=True, auto_offset_reset="earliest") as c:
+        c.assign([(topic, 0)])
+        assert [r.value for r in _read(c, 200)] == [f"r{i}".encode() for i in range(200)]
+    wait_for(
+        lambda: len(admin.describe_topic(topic).partitions[0].isr) == 3,
+        60,
+        "the stopped broker to rejoin the ISR",
+    )
+
+
 def test_a_broker_out_of_append_streams_gets_unary_appends(tmp_path) -> None:
     """A broker that has its --max-append-streams open refuses another; that producer
     appends with unary calls instead (one request per partition in flight) and loses
