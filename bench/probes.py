@@ -9,6 +9,8 @@ each server process used over it (``/proc/PID/stat``), in both SDK modes.
 - ``rf1``: the gRPC ceiling, then ``bench.workloads.produce`` of ``--records`` 100-byte
   records on a new 6-partition RF=1 topic (acks=1); the client's CPU comes from
   ``getrusage``.
+- ``acks-all``: ``bench.workloads.produce`` of ``--records`` 100-byte records on a new
+  6-partition RF=3 topic with acks=all (the suite's RF=3 acks=all case).
 
 Command: ``PYTHONPATH=. .venv/bin/python -m bench.probes half-rate --rate 430000 --modes
 direct,gateway`` (or ``rf1 --modes gateway,direct``).
@@ -45,12 +47,12 @@ def _own_cpu_s() -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("probe", choices=("half-rate", "rf1"))
+    parser.add_argument("probe", choices=("half-rate", "rf1", "acks-all"))
     parser.add_argument("--modes", default="direct,gateway", help="e.g. direct,gateway,direct")
     parser.add_argument("--rate", type=int, default=430_000, help="half-rate: records/s")
     parser.add_argument("--seconds", type=float, default=10.0, help="half-rate: measured time")
     parser.add_argument("--dirty", action="store_true", help="half-rate: 1.4 GB dirty first")
-    parser.add_argument("--records", type=int, default=6_000_000, help="rf1: records")
+    parser.add_argument("--records", type=int, default=6_000_000, help="rf1 and acks-all: records")
     args = parser.parse_args(argv)
     # Deleted afterwards: a probe writes gigabytes, and kept runs fill the disk.
     with (
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, mode in enumerate(args.modes.split(",")):
             topic = f"probe-{i}"
             direct = mode == "direct"
-            workloads.create_topic(gw, topic, 6, 3 if args.probe == "half-rate" else 1)
+            workloads.create_topic(gw, topic, 6, 1 if args.probe == "rf1" else 3)
             workloads.settle(gw)
             ceiling = 0.0
             if args.probe == "rf1":
@@ -97,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                     + " / ".join(f"{np.quantile(acks, q):.1f}" for q in (0.5, 0.99))
                     + " ms"
                 )
+            elif args.probe == "acks-all":
+                result = workloads.produce(
+                    gw, topic, records=args.records, size=100, acks="all", direct=direct
+                )
+                line = f"{result.records_s:,.0f} records/s RF=3 acks=all"
             else:
                 result = workloads.produce(
                     gw, topic, records=args.records, size=100, acks="1", direct=direct
