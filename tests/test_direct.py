@@ -330,6 +330,23 @@ def test_direct_producer_leaves_a_stopped_leader(
     )
 
 
+def test_an_idle_append_stream_is_closed_and_reopened(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A pipe with nothing in flight for connections_max_idle_ms is closed; the next send
+    opens a new one."""
+    topic = "direct-idle-pipe"
+    _create(admin, topic, 1)
+    with tidelog.Producer(
+        gateway.address, direct=True, linger_ms=0, connections_max_idle_ms=300
+    ) as producer:
+        assert producer.send(topic, b"a").result(30).offset == 0
+        assert producer._pipes
+        wait_for(lambda: not producer._pipes, 10, "the idle pipe to close")
+        assert producer.send(topic, b"b").result(30).offset == 1
+        assert producer._pipes
+
+
 def test_a_broker_out_of_append_streams_gets_unary_appends(tmp_path) -> None:
     """A broker that has its --max-append-streams open refuses another; that producer
     appends with unary calls instead (one request per partition in flight) and loses
@@ -355,6 +372,15 @@ def test_a_broker_out_of_append_streams_gets_unary_appends(tmp_path) -> None:
             assert holder._pipes  # the first still has its stream
             assert holder.send("streams-limited", b"h2", partition=0).result(30).offset >= 1
         assert sorted(o for i, o in enumerate(offsets) if i % 2 == 1) == list(range(100))
+        # Closing the holder gives the broker's stream back (once the broker has seen
+        # the stream end: a producer that asks sooner is refused, so each try is new).
+
+        def successor_gets_the_stream() -> bool:
+            with tidelog.Producer(gw.address, direct=True, linger_ms=0) as successor:
+                successor.send("streams-limited", b"s", partition=0).result(30)
+                return bool(successor._pipes)
+
+        wait_for(successor_gets_the_stream, 10, "a new producer to get the append stream")
         with tidelog.Consumer(gw.address, auto_offset_reset="earliest") as c:
             c.assign([("streams-limited", 1)])
             assert [r.value for r in _read(c, 100)] == [f"r{i}".encode() for i in range(1, 200, 2)]

@@ -32,7 +32,9 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
   for the previous one's acknowledgement. A broker that refuses another stream (its
   ``max_append_streams``) gets unary ``Append`` calls instead, one request per partition
   in flight, for ``PIPE_REFUSED_BACKOFF_S``. A pipe whose oldest request goes unanswered
-  past ``request_timeout_ms`` (and ``STREAM_ANSWER_GRACE_S``) is cancelled.
+  past ``request_timeout_ms`` (and ``STREAM_ANSWER_GRACE_S``) is cancelled; one with
+  nothing in flight for ``connections_max_idle_ms`` (Kafka's name and default, 9 min) is
+  closed, so an idle producer does not hold one of the broker's streams.
 
 Ordering and idempotence: a batch is encoded - given its producer id and sequence - only
 when it is first sent, from the head of its partition's queue, so sequences follow send
@@ -417,6 +419,7 @@ class Producer:
         partitioner: Any = None,
         client_id: str = "tidelog-producer",
         direct: bool = False,
+        connections_max_idle_ms: int = 540_000,
     ) -> None:
         acks_key = str(acks).lower()
         if acks_key not in ACKS:
@@ -428,6 +431,7 @@ class Producer:
             ("buffer_bytes", buffer_bytes),
             ("delivery_timeout_ms", delivery_timeout_ms),
             ("request_timeout_ms", request_timeout_ms),
+            ("connections_max_idle_ms", connections_max_idle_ms),
         ):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, not {value}")
@@ -485,6 +489,7 @@ class Producer:
         self._producer_epoch = -1
         self._stream: _Stream | None = None  # gateway mode: the current produce stream
         self._pipes: dict[str, _Pipe] = {}  # direct mode: open pipes by broker address
+        self._pipe_max_idle_s = connections_max_idle_ms / 1000
         self._pipe_refused_until_s: dict[str, float] = {}
         self._request_keys = itertools.count(1)
         self._metrics = ClientMetrics(
@@ -926,6 +931,7 @@ class Producer:
                             pipe.requests.put(_STOP)
                         return
                     wait_s = 0.5
+                    self._close_idle_pipes(time.monotonic())
                     hung = self._hung_stream(time.monotonic())
                     if hung is None:
                         hung = self._hung_pipe(time.monotonic())
@@ -960,6 +966,15 @@ class Producer:
                     stream.requests.put(request)
                     continue
             self._complete_failed(picked, NetworkError("the produce stream ended"))
+
+    def _close_idle_pipes(self, now: float) -> None:
+        """(lock held) End the pipes with nothing in flight for ``connections_max_idle_ms``.
+        Closed here, under the lock, so nothing is queued on one after its end."""
+        for address, pipe in list(self._pipes.items()):
+            if not pipe.pending and now - pipe.heard_s >= self._pipe_max_idle_s:
+                pipe.closed = True
+                del self._pipes[address]
+                pipe.requests.put(_STOP)
 
     def _hung_pipe(self, now: float) -> Any:
         """(lock held) A pipe's call to cancel: its oldest request went unanswered past the
