@@ -1224,7 +1224,9 @@ class Producer:
                 answered += 1
                 with self._lock:
                     if pipe.pending and pipe.pending[0] == response.correlation_id:
-                        pipe.pending.popleft()
+                        pipe.pending.popleft()  # answers come in request order
+                    elif response.correlation_id in pipe.pending:
+                        pipe.pending.remove(response.correlation_id)
                     picked = self._in_flight.pop(response.correlation_id, None)
                     sent_at_s = self._sent_at_s.pop(response.correlation_id, None)
                     pipe.heard_s = time.monotonic()
