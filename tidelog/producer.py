@@ -56,6 +56,10 @@ With several requests of a partition in flight, a failure is handled as Kafka do
   id, since the old id's sequence state is then unknown; later batches that the leader
   refused as out of order (so nothing of them was written) are encoded again under it.
 
+Without idempotence (acks 0 or 1) there are no sequences: as with Kafka, a retried
+request may then land after a later one of its partition that succeeded first, when more
+than one was in flight; ``max_in_flight_requests_per_partition=1`` keeps order there.
+
 ``metrics()`` reports Kafka's producer metrics (``tidelog.metrics``): ``batch-size-avg``
 and ``-max`` (bytes of a record batch when first sent), ``records-per-request-avg`` and
 ``-max``, ``request-latency-avg`` and ``-max`` (ms from a request's queueing on the stream
