@@ -97,6 +97,8 @@ class StorageServicer:
     def AppendStream(self, request_iterator, context):
         """Pipelined appends: many requests in flight on one stream; each response carries the
         request's correlation_id and its own Error, and a failed append does not end the stream.
+        Requests are appended in the order they arrive and answered in that order, so a
+        producer may keep several requests of one partition in flight and keep their order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
