@@ -90,7 +90,11 @@ class TidelogDataSource(DataSource):
 
 
 def _read(options: ReadOptions, partition: InputPartition) -> Iterator[Any]:
-    assert isinstance(partition, RangePartition), partition
+    if not isinstance(partition, RangePartition):
+        # A plan of no ranges (nothing to read) still runs one task: PySpark turns an
+        # empty partition list into [InputPartition(None)].
+        assert partition.value is None, partition
+        return iter(())
     connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
     offset_range = partition.offset_range
     fetcher = (
