@@ -53,8 +53,8 @@ run: sysdeps venv
 	$(BIN)/python -m examples.nginx_pipeline
 
 lint: venv
-	$(BIN)/ruff check tidelog services tests bench examples
-	$(BIN)/ruff format --check tidelog services tests bench examples
+	$(BIN)/ruff check tidelog services tests bench examples pyspark_tidelog
+	$(BIN)/ruff format --check tidelog services tests bench examples pyspark_tidelog
 
 typecheck: venv
 	$(BIN)/mypy

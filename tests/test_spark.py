@@ -355,6 +355,30 @@ def test_the_format_is_found_from_another_thread_once_activated_there(
     assert read.option("subscribe", topic).load().count() == 100
 
 
+def test_reading_an_empty_topic_gives_no_rows(spark: Any, gateway: GatewayProcess) -> None:
+    """A batch read with nothing to read plans no ranges; Spark still runs one task (with
+    a placeholder partition), which must give no rows rather than fail."""
+    topic = "spark-empty"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=2, replication_factor=1)
+    read = spark.read.format("tidelog").option("gateway", gateway.address)
+    assert read.option("subscribe", topic).load().count() == 0
+
+
+def test_the_format_is_found_without_registering(spark: Any, gateway: GatewayProcess) -> None:
+    """Spark 4 registers the ``DefaultSource`` of each top-level ``pyspark_*`` package on
+    its Python path (``pyspark_tidelog``): a session in which nobody called
+    ``tidelog.spark.register`` (a new one) writes and reads the format."""
+    topic = "spark-static"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=1, replication_factor=1)
+    fresh = spark.newSession()
+    df = fresh.range(50).selectExpr("cast(cast(id as string) as binary) as value")
+    df.write.format("tidelog").option("gateway", gateway.address).option("topic", topic).mode(
+        "append"
+    ).save()
+    read = fresh.read.format("tidelog").option("gateway", gateway.address)
+    assert read.option("subscribe", topic).load().count() == 50
+
+
 # --- direct=true: tasks fetch from and append to the partition leaders -----------------------
 
 

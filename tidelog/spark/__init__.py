@@ -32,6 +32,12 @@ def activate(spark: Any) -> None:
     spark._jvm.SparkSession.setActiveSession(spark._jsparkSession)
 
 
+def _use_this_python() -> None:
+    """Spark's Python workers run this interpreter (``PYSPARK_PYTHON``)."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+
+
 def start_jvm(driver_memory: str = "1g") -> None:
     """Launch Spark's JVM now if this process has none yet; a later ``local_session`` (or
     any SparkSession) here uses it.
@@ -43,6 +49,9 @@ def start_jvm(driver_memory: str = "1g") -> None:
     fixed when the JVM starts, so pass what the session will ask for."""
     from pyspark import SparkConf, SparkContext  # noqa: PLC0415  # pyspark is heavy
 
+    # The JVM keeps the environment it starts with: Python it launches itself (the lookup
+    # of installed ``pyspark_*`` data sources) must be this interpreter, as tasks' are.
+    _use_this_python()
     SparkContext._ensure_initialized(conf=SparkConf().set("spark.driver.memory", driver_memory))
 
 
@@ -58,8 +67,7 @@ def local_session(
     benchmarks; on a cluster, build the session as ``spark-submit`` configures it."""
     from pyspark.sql import SparkSession  # noqa: PLC0415  # pyspark is heavy
 
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    _use_this_python()
     spark = (
         SparkSession.builder.master("local[2]")
         .appName(app_name)
