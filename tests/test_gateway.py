@@ -342,6 +342,10 @@ def test_sdk_errors_are_precise(gateway: GatewayProcess, admin: tidelog.Admin) -
             producer.send("errs", b"v", partition=5)
     with pytest.raises(ConfigError, match="acks"):
         tidelog.Producer(gateway.address, acks="2")
+    with pytest.raises(ConfigError, match="must be <= 5 with enable_idempotence"):
+        tidelog.Producer(gateway.address, direct=True, max_in_flight_requests_per_partition=6)
+    with pytest.raises(ConfigError, match="max_in_flight_requests_per_partition must be >= 1"):
+        tidelog.Producer(gateway.address, max_in_flight_requests_per_partition=0)
     with tidelog.Consumer(gateway.address) as consumer, pytest.raises(UnknownTopicOrPartitionError):
         consumer.assign([("errs", 3)])
     admin.delete_topic("errs")

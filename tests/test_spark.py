@@ -357,7 +357,7 @@ def test_the_format_is_found_from_another_thread_once_activated_there(
 
 def test_reading_an_empty_topic_gives_no_rows(spark: Any, gateway: GatewayProcess) -> None:
     """A batch read with nothing to read plans no ranges; Spark still runs one task (with
-    a placeholder partition), which must give no rows rather than fail."""
+    a stand-in partition), which must give no rows rather than fail."""
     topic = "spark-empty"
     tidelog.Admin(gateway.address).create_topic(topic, partitions=2, replication_factor=1)
     read = spark.read.format("tidelog").option("gateway", gateway.address)

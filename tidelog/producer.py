@@ -441,6 +441,15 @@ class Producer:
                 raise ConfigError(f"{name} must be >= 1, not {value}")
         if linger_ms < 0 or retries < 0 or max_block_ms < 0:
             raise ConfigError("linger_ms, retries and max_block_ms must be >= 0")
+        if enable_idempotence and max_in_flight_requests_per_partition > (
+            MAX_BATCHES_IN_FLIGHT_PER_PARTITION
+        ):
+            # Kafka's rule too: the leader dedupes retries against its last five batches.
+            raise ConfigError(
+                f"max_in_flight_requests_per_partition {max_in_flight_requests_per_partition} "
+                f"must be <= {MAX_BATCHES_IN_FLIGHT_PER_PARTITION} with enable_idempotence "
+                "(a leader remembers a producer's last five batches to answer its retries)"
+            )
         if enable_idempotence and ACKS[acks_key] != common_pb2.ALL:
             # Kafka's rule: idempotence needs acks=all, else a lost leader loses sequences.
             raise ConfigError("enable_idempotence needs acks='all'; pass enable_idempotence=False")
@@ -1267,7 +1276,8 @@ class Producer:
                     f"({self._request_timeout_ms} ms)"
                 )
             elif answered == 0 and isinstance(error, BrokerNotAvailableError):
-                # Refused (the broker has max_append_streams open): unary appends for now.
+                # Refused (the broker has max_append_streams open): unary appends until
+                # PIPE_REFUSED_BACKOFF_S has passed.
                 self._pipe_refused_until_s[pipe.address] = time.monotonic() + PIPE_REFUSED_BACKOFF_S
             stranded = []
             for correlation_id in pipe.pending:
