@@ -6,10 +6,17 @@
 - ``disk_write_mb_s``: sequential 1 MiB writes to a file in the benchmark's directory,
   with or without an ``fdatasync`` after every write.
 - ``loopback_tcp_mb_s``: one TCP connection on 127.0.0.1, 1 MiB sends, a reader thread.
+- ``grpc_crossings_ms``: the latency floor of the end-to-end case. Every tick, two calls
+  in a row to a trivial Python gRPC echo service in another process, each carrying a
+  tick's bytes both ways: four process crossings with nothing behind them, as many as a
+  record makes from producer to consumer (producer -> leader -> follower -> leader ->
+  consumer; three of those carry the tick's bytes, the follower's next fetch does not).
+  What the machine's scheduling and Python gRPC alone cost at that cadence.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import threading
@@ -112,3 +119,84 @@ def loopback_tcp_mb_s(total_mib: int = 1024) -> float:
         elapsed = time.perf_counter() - started
     listener.close()
     return received[0] / elapsed / 1e6
+
+
+ECHO_SERVICE = "bench.Echo"
+
+
+def _echo_server(port_out: Any, stop: Any) -> None:
+    """A Python gRPC server answering every call with its request's bytes, until ``stop``
+    is set; runs in a spawned process (``grpc_crossings_ms``)."""
+
+    def echo(request: bytes, context: Any) -> bytes:
+        return request
+
+    handler = grpc.method_handlers_generic_handler(
+        ECHO_SERVICE,
+        {
+            "Echo": grpc.unary_unary_rpc_method_handler(
+                echo, request_deserializer=None, response_serializer=None
+            )
+        },
+    )
+    options = [
+        ("grpc.max_receive_message_length", 64 * CHUNK_BYTES),
+        ("grpc.max_send_message_length", 64 * CHUNK_BYTES),
+    ]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
+    server.add_generic_rpc_handlers((handler,))
+    port_out.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    stop.wait()
+    server.stop(0)
+
+
+def grpc_crossings_ms(
+    payload_bytes: int, *, seconds: float, tick_s: float = 0.005, calls_per_tick: int = 2
+) -> list[float]:
+    """Milliseconds per tick of ``calls_per_tick`` echo calls in a row (two calls: four
+    process crossings), one tick every ``tick_s`` for ``seconds``, each call carrying
+    ``payload_bytes`` to a server in another process and back (module docstring)."""
+    spawn = multiprocessing.get_context("spawn")  # no fork of this process's gRPC state
+    port_out, stop = spawn.Queue(), spawn.Event()
+    server = spawn.Process(target=_echo_server, args=(port_out, stop), daemon=True)
+    server.start()
+    latencies_ms: list[float] = []
+    try:
+        port = port_out.get(timeout=60)
+        options = [
+            ("grpc.max_receive_message_length", 64 * CHUNK_BYTES),
+            ("grpc.max_send_message_length", 64 * CHUNK_BYTES),
+        ]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            call = channel.unary_unary(f"/{ECHO_SERVICE}/Echo")
+            payload = os.urandom(payload_bytes)
+            for _ in range(50):  # connect, warm up both processes
+                call(payload, timeout=10)
+            next_tick = time.perf_counter()
+            for _ in range(max(1, int(seconds / tick_s))):
+                next_tick += tick_s
+                started = time.perf_counter()
+                for _ in range(calls_per_tick):
+                    call(payload, timeout=10)
+                latencies_ms.append((time.perf_counter() - started) * 1000)
+                time.sleep(max(0.0, next_tick - time.perf_counter()))
+    finally:
+        stop.set()
+        server.join(10)
+        if server.is_alive():
+            server.kill()
+    return latencies_ms
+
+
+if __name__ == "__main__":
+    # A look at the floor alone: python -m bench.ceilings [tick bytes] [seconds]
+    import sys
+
+    tick_bytes = int(sys.argv[1]) if len(sys.argv) > 1 else 230_000
+    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 10.0
+    ordered = sorted(grpc_crossings_ms(tick_bytes, seconds=seconds))
+    print(
+        f"four crossings of {tick_bytes:,} B every 5 ms, ms p50 / p99 / p99.9: "
+        + " / ".join(f"{ordered[int(q * (len(ordered) - 1))]:.2f}" for q in (0.5, 0.99, 0.999))
+    )

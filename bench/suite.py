@@ -49,6 +49,8 @@ HALF_RATE_E2E = "end-to-end latency at half the maximum rate"
 SPARK_WRITE = "Spark batch write (connector, acks=all, RF=1)"
 SPARK_READ = "Spark batch read (connector, noop sink)"
 GRPC_CEILING = "gRPC 1 MiB puts (Python)"
+HALF_RATE_TICK_S = 0.005
+"""The half-rate case calls ``send_batch`` this often, as a pipeline's micro-batches."""
 DIRECT_LABEL = " [direct]"
 """Marks the cases run with the SDK in direct mode (to the leaders, not via the gateway)."""
 
@@ -77,14 +79,22 @@ RF1_RECORDS_FACTOR: Final = 3
 
 
 def _kafka_2014(
-    gw: str, n: int, quick: bool, *, direct: bool, ceilings_mb_s: list[float]
+    gw: str,
+    n: int,
+    quick: bool,
+    *,
+    direct: bool,
+    ceilings_mb_s: list[float],
+    floors: dict[str, Result],
 ) -> dict[str, Result]:
     """Kafka's 2014 cases (6 partitions, 100-byte records) and the latency cases, each on a
     topic of its own that is created when it starts and deleted when it ends, as OMB's
     driver does with a workload's topics (every partition a broker hosts costs each
     replication round, BENCHMARKS.md), and each from a settled machine
     (``workloads.settle``). ``direct``: the SDK's direct mode; the one-``send``-
-    per-record latency case and ``poll`` of Python objects run through the gateway only."""
+    per-record latency case and ``poll`` of Python objects run through the gateway only.
+    The half-rate case's latency floor (``ceilings.grpc_crossings_ms``) goes to ``floors``
+    under the mode's label."""
     prefix = "kd" if direct else "k"
     t: dict[str, Result] = {}
 
@@ -184,14 +194,34 @@ def _kafka_2014(
     # reach from Python: the same measurement with send_batch. The maximum with a
     # consumer reading along is the produce + consume case's (acks=all), in the same mode.
     half = max(1_000, int(min(both_p.records_s, both_c.records_s)) // 2)
+    # Its floor first, in the same run: four bare Python gRPC process crossings carrying
+    # one tick's record bytes, at the same cadence (ceilings.grpc_crossings_ms).
+    workloads.settle(gw)
+    seconds = 3 if quick else 10
+    tick_bytes = int(half * HALF_RATE_TICK_S) * 100
+    floors[DIRECT_LABEL if direct else ""] = floor = Result(
+        f"four Python gRPC crossings of {tick_bytes / 1000:,.0f} KB every 5 ms",
+        int(seconds / HALF_RATE_TICK_S),
+        tick_bytes,
+        seconds,
+        latencies_ms=ceilings.grpc_crossings_ms(
+            tick_bytes, seconds=seconds, tick_s=HALF_RATE_TICK_S
+        ),
+    )
+    print(
+        f"  its floor, {floor.name}: p50 {floor.percentile_ms(0.5):.1f} ms, "
+        f"p99 {floor.percentile_ms(0.99):.1f} ms",
+        flush=True,
+    )
     workloads.create_topic(gw, f"{prefix}-e2e-half", 6, 3)
     workloads.settle(gw)
     t[HALF_RATE_E2E] = e2e = workloads.end_to_end_latency_batched(
         gw,
         f"{prefix}-e2e-half",
         rate_per_s=half,
-        seconds=3 if quick else 10,
+        seconds=seconds,
         size=100,
+        tick_s=HALF_RATE_TICK_S,
         direct=direct,
     )
     print(
@@ -227,12 +257,15 @@ def run(quick: bool) -> dict[str, Any]:
             gw = cluster.start_gateway().address
             t = results["tidelog"]
             grpc_runs = results["grpc ceilings"] = [results["ceilings"][GRPC_CEILING]]
-            t.update(_kafka_2014(gw, n, quick, direct=False, ceilings_mb_s=grpc_runs))
+            floors = results["latency floors"] = {}
+            t.update(
+                _kafka_2014(gw, n, quick, direct=False, ceilings_mb_s=grpc_runs, floors=floors)
+            )
             # The same cases with the SDK's direct mode (tidelog.leaders): producers and
             # consumers talk to the partition leaders, the gateway only gives metadata.
             print("tidelog, SDK in direct mode (to the leaders, not through the gateway)")
             results["tidelog direct"] = _kafka_2014(
-                gw, n, quick, direct=True, ceilings_mb_s=grpc_runs
+                gw, n, quick, direct=True, ceilings_mb_s=grpc_runs, floors=floors
             )
             workloads.create_topic(gw, "omb", 100, 3)
             # OMB's workloads warm up before they measure (warmupDurationMinutes): the
@@ -354,7 +387,11 @@ def report(results: dict[str, Any], quick: bool) -> str:
         "cases send for one second before they measure:",
         "one `send` per record at 20,000/s (the most one Python loop of `send` calls keeps",
         "up), and `send_batch` every 5 ms at half the rate of the produce + consume case",
-        "(the maximum with a consumer reading along), the issue's latency target. The",
+        "(the maximum with a consumer reading along), the issue's latency target. Its",
+        "floor is measured in the same run just before it: every 5 ms, two calls in a row",
+        "to a trivial Python gRPC echo service in another process, each carrying one tick's",
+        "record bytes both ways: four process crossings with nothing behind them, as many",
+        "as a record makes from producer to consumer (`bench/ceilings.py`). The",
         "Spark rows are `bench/spark.py` (a `local[2]` session and a cluster of its own, in",
         "a fresh process); batch size is the producer's mean record batch",
         "(`batch-size-avg`) or the consumer's mean fetch answer (`fetch-size-avg`). Rows",
@@ -403,6 +440,16 @@ def report(results: dict[str, Any], quick: bool) -> str:
         if name == GRPC_CEILING and len(grpc_runs) > 1:
             cell = " / ".join(f"{v:,.0f}" for v in grpc_runs) + " (start; after each RF=1 case)"
         lines.append(f"| {name} | {cell} |")
+    floors: dict[str, Result] = results.get("latency floors", {})
+    if floors:
+        lines += [
+            "",
+            "| latency floor of the half-rate case (same run) | ms p50 / p99 / p99.9 |",
+            "|---|---:|",
+        ]
+        for mode, floor in floors.items():
+            cells = " / ".join(f"{floor.percentile_ms(q):.1f}" for q in (0.5, 0.99, 0.999))
+            lines.append(f"| {floor.name}{mode} | {cells} |")
     grpc_mb_s = max(grpc_runs)
     nats = results["peers"].get("NATS JetStream R3 (file), nats-py async publish")
     redis = results["peers"].get("Redis Streams XADD pipelined (1 node, no replication)")
@@ -429,7 +476,9 @@ def report(results: dict[str, Any], quick: bool) -> str:
     def half_rate(r: dict[str, Result]) -> str:
         half = r[HALF_RATE_E2E]
         p99 = half.percentile_ms(0.99) or 0.0
-        return f"p99 {p99:.1f} ms at {half.records_s:,.0f} records/s {met(p99 <= 10)}"
+        floor = floors.get(DIRECT_LABEL if r is results.get("tidelog direct") else "")
+        bare = f" (floor p99 {floor.percentile_ms(0.99):.1f} ms)" if floor else ""
+        return f"p99 {p99:.1f} ms at {half.records_s:,.0f} records/s {met(p99 <= 10)}{bare}"
 
     def rf1_share(r: dict[str, Result]) -> str:
         share = r["produce, no replication"].mb_s / grpc_mb_s
