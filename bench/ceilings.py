@@ -28,6 +28,28 @@ from typing import Any
 import grpc
 
 CHUNK_BYTES = 1024 * 1024
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * CHUNK_BYTES),
+    ("grpc.max_send_message_length", 64 * CHUNK_BYTES),
+]
+
+
+def _bytes_server(service: str, method: str, behaviour: Any) -> tuple[grpc.Server, int]:
+    """A started Python gRPC server on a loopback port whose one unary method takes and
+    gives raw bytes (no protobuf), and the port."""
+    handler = grpc.method_handlers_generic_handler(
+        service,
+        {
+            method: grpc.unary_unary_rpc_method_handler(
+                behaviour, request_deserializer=None, response_serializer=None
+            )
+        },
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
 
 
 def grpc_put_mb_s(total_mib: int = 512, in_flight: int = 8) -> float:
@@ -36,24 +58,9 @@ def grpc_put_mb_s(total_mib: int = 512, in_flight: int = 8) -> float:
     def put(request: bytes, context: Any) -> bytes:
         return len(request).to_bytes(8, "little")
 
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Put",
-        {
-            "Put": grpc.unary_unary_rpc_method_handler(
-                put, request_deserializer=None, response_serializer=None
-            )
-        },
-    )
-    options = [
-        ("grpc.max_receive_message_length", 8 * CHUNK_BYTES),
-        ("grpc.max_send_message_length", 8 * CHUNK_BYTES),
-    ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = _bytes_server("bench.Put", "Put", put)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS) as channel:
             call = channel.unary_unary("/bench.Put/Put")
             payload = os.urandom(CHUNK_BYTES)
             call(payload, timeout=10)  # connect and warm up
@@ -131,22 +138,8 @@ def _echo_server(port_out: Any, stop: Any) -> None:
     def echo(request: bytes, context: Any) -> bytes:
         return request
 
-    handler = grpc.method_handlers_generic_handler(
-        ECHO_SERVICE,
-        {
-            "Echo": grpc.unary_unary_rpc_method_handler(
-                echo, request_deserializer=None, response_serializer=None
-            )
-        },
-    )
-    options = [
-        ("grpc.max_receive_message_length", 64 * CHUNK_BYTES),
-        ("grpc.max_send_message_length", 64 * CHUNK_BYTES),
-    ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=options)
-    server.add_generic_rpc_handlers((handler,))
-    port_out.put(server.add_insecure_port("127.0.0.1:0"))
-    server.start()
+    server, port = _bytes_server(ECHO_SERVICE, "Echo", echo)
+    port_out.put(port)
     stop.wait()
     server.stop(0)
 
@@ -164,11 +157,7 @@ def grpc_crossings_ms(
     latencies_ms: list[float] = []
     try:
         port = port_out.get(timeout=60)
-        options = [
-            ("grpc.max_receive_message_length", 64 * CHUNK_BYTES),
-            ("grpc.max_send_message_length", 64 * CHUNK_BYTES),
-        ]
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=_CHANNEL_OPTIONS) as channel:
             call = channel.unary_unary(f"/{ECHO_SERVICE}/Echo")
             payload = os.urandom(payload_bytes)
             for _ in range(50):  # connect, warm up both processes
