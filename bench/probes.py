@@ -1,11 +1,14 @@
 """Probes behind the hand-written passes of docs/BENCHMARKS.md (sixth pass on): one case at
 a time on the ``tests/support`` cluster (etcd, controller, 3 brokers, gateway), with the CPU
-each server process used over it (``/proc/PID/stat``), in both SDK modes.
+each server process used over it (``/proc/PID/stat``) and how busy the whole machine was
+(``/proc/stat``: the share of both cores not idle, and context switches per second), in
+both SDK modes.
 
 - ``half-rate``: ``bench.workloads.end_to_end_latency_batched`` on a new 6-partition RF=3
-  topic at ``--rate``, e2e and acknowledgement quantiles; ``--dirty`` writes 1.4 GB to a
-  file without syncing first (the state an earlier case leaves), else the case starts
-  after ``sync``.
+  topic at ``--rate``, one ``send_batch`` every ``--tick-ms`` (the suite's 5 ms by
+  default), e2e and acknowledgement quantiles; ``--dirty`` writes 1.4 GB to a file
+  without syncing first (the state an earlier case leaves), else the case starts after
+  ``sync``.
 - ``rf1``: the gRPC ceiling, then ``bench.workloads.produce`` of ``--records`` 100-byte
   records on a new 6-partition RF=1 topic (acks=1); the client's CPU comes from
   ``getrusage``.
@@ -40,6 +43,21 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _machine() -> tuple[float, float, int]:
+    """(busy jiffies, all jiffies, context switches) of the whole machine so far."""
+    busy = total = 0.0
+    switches = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("cpu "):
+                jiffies = [int(v) for v in line.split()[1:]]
+                total = float(sum(jiffies))
+                busy = total - jiffies[3] - jiffies[4]  # idle, iowait
+            elif line.startswith("ctxt "):
+                switches = int(line.split()[1])
+    return busy, total, switches
+
+
 def _own_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -51,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="direct,gateway", help="e.g. direct,gateway,direct")
     parser.add_argument("--rate", type=int, default=430_000, help="half-rate: records/s")
     parser.add_argument("--seconds", type=float, default=10.0, help="half-rate: measured time")
+    parser.add_argument("--tick-ms", type=float, default=5.0, help="half-rate: send_batch every")
     parser.add_argument("--dirty", action="store_true", help="half-rate: 1.4 GB dirty first")
     parser.add_argument("--records", type=int, default=6_000_000, help="rf1 and acks-all: records")
     args = parser.parse_args(argv)
@@ -80,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                         f.write(chunk)
             before = {k: _cpu_s(p) for k, p in pids.items()}
             own_before, started = _own_cpu_s(), time.monotonic()
+            machine_before = _machine()
             if args.probe == "half-rate":
                 acks: list[float] = []
                 result = workloads.end_to_end_latency_batched(
@@ -90,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     size=100,
                     direct=direct,
                     ack_latencies_ms=acks,
+                    tick_s=args.tick_ms / 1000,
                 )
                 quantiles = [result.percentile_ms(q) or 0.0 for q in (0.5, 0.99, 0.999)]
                 line = (
@@ -113,10 +134,17 @@ def main(argv: list[str] | None = None) -> int:
                     f"({result.mb_s / ceiling:.0%})"
                 )
             elapsed = time.monotonic() - started
+            busy_j, total_j, switches = (
+                after - before for after, before in zip(_machine(), machine_before, strict=True)
+            )
             cores = {k: (_cpu_s(p) - before[k]) / elapsed for k, p in pids.items()}
             cores["client"] = (_own_cpu_s() - own_before) / elapsed
             busy = ", ".join(f"{k} {v:.2f}" for k, v in cores.items())
-            print(f"{args.probe} {mode}: {line}; cores: {busy}", flush=True)
+            print(
+                f"{args.probe} {mode}: {line}; cores: {busy}; machine {busy_j / total_j:.0%} "
+                f"busy, {switches / elapsed:,.0f} context switches/s",
+                flush=True,
+            )
             workloads.delete_topic(gw, topic)
             (base / "dirty.bin").unlink(missing_ok=True)
     return 0
