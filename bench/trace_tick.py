@@ -1,15 +1,15 @@
 """One tick of the end-to-end latency case, hop by hop (BENCHMARKS.md, ninth pass, item 41).
 
-Runs ``bench.workloads.end_to_end_latency_batched`` (direct mode, acks=all, a new
-6-partition RF=3 topic, a ``send_batch`` every 5 ms at ``--rate``) on the
-``tests/support`` cluster with ``tidelog.tracing`` on in every process, then follows each
-tick by its partition and base offset through the trace lines: client, leader append,
-the slower follower's fetch answer, append and next fetch, the HW, the acknowledgement,
-the consumer. Prints p50 / p90 / p99 of each hop in milliseconds, and how many ticks found
-their partition's previous request still unanswered (head-of-line blocking) and what that
-cost them.
+Runs ``bench.workloads.end_to_end_latency_batched`` (direct mode, or through the gateway
+with ``--gateway``; acks=all, a new 6-partition RF=3 topic, a ``send_batch`` every 5 ms at
+``--rate``) on the ``tests/support`` cluster with ``tidelog.tracing`` on in every process,
+then follows each tick by its partition and base offset through the trace lines: client,
+(gateway,) leader append, the slower follower's fetch answer, append and next fetch, the
+HW, the acknowledgement, the consumer. Prints p50 / p90 / p99 of each hop in milliseconds,
+and how many ticks found their partition's previous request still unanswered (head-of-line
+blocking) and what that cost them.
 
-Command: ``PYTHONPATH=. .venv/bin/python -m bench.trace_tick --rate 430000``
+Command: ``PYTHONPATH=. .venv/bin/python -m bench.trace_tick --rate 430000 [--gateway]``
 """
 
 from __future__ import annotations
@@ -109,11 +109,33 @@ HOPS = (
 )
 
 
+GATEWAY_HOPS = (
+    "send_batch call -> the request leaves the client",
+    "-> the gateway reads it",
+    "-> the gateway's Append starts",
+    "-> the leader's handler starts",
+    *HOPS[2:9],
+    "-> the gateway has the answer",
+    "-> the gateway queues its answer",
+    "-> the client has the acknowledgement",
+    *HOPS[10:],
+)
+"""Through the gateway (``--gateway``): its own steps around the leader's."""
+
+
 def ticks(trace: Trace) -> tuple[list[dict[str, float]], list[tuple[bool, float]]]:
-    """Each traced tick's hop durations (ms, keyed by ``HOPS``), and for every Append sent
-    (whether its partition's previous request was unanswered at the call, the wait from
-    the call until it left the client)."""
+    """Each traced tick's hop durations (ms, keyed by ``HOPS``, or ``GATEWAY_HOPS`` when
+    the trace went through a gateway), and for every request sent (whether its
+    partition's previous request was unanswered at the call, the wait from the call
+    until it left the client)."""
     ev = trace.events
+    through_gateway = bool(ev["g_in"])
+    gateway_in = {int(f[0]): t for t, _, f in ev["g_in"]}
+    gateway_out = {int(f[0]): t for t, _, f in ev["g_out"]}
+    gateway_call: dict[int, list[float]] = defaultdict(list)
+    for t, _, f in ev["g_ap_in"]:
+        gateway_call[int(f[0])].append(t)
+    gateway_answered = {(int(f[0]), int(f[1])): t for t, _, f in ev["g_ap_out"]}
     calls = [t for t, _, _ in ev["c_call"]]
     sends = {int(f[0]): (t, int(f[1])) for t, _, f in ev["c_send"]}
     acks = {int(f[0]): (t, int(f[1]), int(f[2])) for t, _, f in ev["c_ack"]}
@@ -150,6 +172,14 @@ def ticks(trace: Trace) -> tuple[list[dict[str, float]], list[tuple[bool, float]
             continue
         starts = started[p]
         t_start = starts[bisect.bisect_right(starts, t_appended) - 1]
+        gateway_times: tuple[float, ...] = ()
+        if through_gateway:
+            t_gin, t_gout = gateway_in.get(cid), gateway_out.get(cid)
+            t_gcall = _first_after(gateway_call[p], t_gin) if t_gin is not None else None
+            t_ganswered = gateway_answered.get((p, base))
+            if t_gin is None or t_gout is None or t_gcall is None or t_ganswered is None:
+                continue
+            gateway_times = (t_gin, t_gcall, t_ganswered, t_gout)
         since = t_appended - CLOCK_SLACK_MS
         followers = [r for r in range(FOLLOWERS + 1) if (r, p, base) in fetch_out]
         outs = [_first_after(fetch_out[(r, p, base)], since) for r in followers]
@@ -166,9 +196,20 @@ def ticks(trace: Trace) -> tuple[list[dict[str, float]], list[tuple[bool, float]
             continue
         t_fout = max(t for t in outs if t is not None)
         t_fin = max(t for t in ins if t is not None)
+        if gateway_times:
+            t_gin, t_gcall, t_ganswered, t_gout = gateway_times
+            before_leader: tuple[float, ...] = (t_send - t_call, t_gin - t_send, t_gcall - t_gin)
+            before_leader += (t_start - t_gcall,)
+            after_answer: tuple[float, ...] = (
+                t_ganswered - t_answered,
+                t_gout - t_ganswered,
+                t_ack - t_gout,
+            )
+        else:
+            before_leader = (t_send - t_call, t_start - t_send)
+            after_answer = (t_ack - t_answered,)
         durations = (
-            t_send - t_call,
-            t_start - t_send,
+            *before_leader,
             t_appended - t_start,
             t_fout - t_appended,
             max(recv) - t_fout,
@@ -176,13 +217,13 @@ def ticks(trace: Trace) -> tuple[list[dict[str, float]], list[tuple[bool, float]
             t_fin - max(app),
             t_hw - t_fin,
             t_answered - t_hw,
-            t_ack - t_answered,
+            *after_answer,
             t_ack - t_call,
             t_out_consumer - t_hw,
             t_consumed - t_out_consumer,
             t_consumed - t_call,
         )
-        rows.append(dict(zip(HOPS, durations, strict=True)))
+        rows.append(dict(zip(GATEWAY_HOPS if gateway_times else HOPS, durations, strict=True)))
     return rows, waits
 
 
@@ -196,7 +237,8 @@ def report(trace: Trace) -> str:
     if not rows:
         return "no tick could be followed through the trace"
     lines = [f"{len(rows):,} ticks followed", "", "| hop | ms p50 / p90 / p99 |", "|---|---:|"]
-    lines += [f"| {hop} | {_quantiles([r[hop] for r in rows])} |" for hop in HOPS]
+    hops = GATEWAY_HOPS if GATEWAY_HOPS[1] in rows[0] else HOPS
+    lines += [f"| {hop} | {_quantiles([r[hop] for r in rows])} |" for hop in hops]
     blocked = [w for b, w in waits if b]
     free = [w for b, w in waits if not b]
     lines.append("")
@@ -216,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=int, default=430_000, help="records/s")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured time")
+    parser.add_argument("--gateway", action="store_true", help="through the gateway")
     args = parser.parse_args(argv)
     if not os.environ.get(TRACE_DIR_ENV):
         # Tracing is decided at import time, in this process and in every one it starts:
@@ -233,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         workloads.create_topic(gateway, "trace", 6, 3)
         workloads.settle(gateway)
         result = workloads.end_to_end_latency_batched(
-            gateway, "trace", rate_per_s=args.rate, seconds=args.seconds, size=100, direct=True
+            gateway,
+            "trace",
+            rate_per_s=args.rate,
+            seconds=args.seconds,
+            size=100,
+            direct=not args.gateway,
         )
         time.sleep(3 * tracing.FLUSH_INTERVAL_S)  # written before the cluster's kill -9
     tracing.flush()

@@ -60,3 +60,32 @@ def test_storage_nodes_trace_appends_fetches_and_the_high_watermark(
     assert leader["hw"] >= 3 and leader["f_in"] >= 6 and leader["f_out"] >= 6
     followers = [c for c in by_process.values() if c["fr_app"]]
     assert len(followers) == 2 and all(c["fr_app"] >= 1 and c["fr_recv"] >= 1 for c in followers)
+
+
+def test_a_gateway_traces_each_produce_request_and_its_append(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the gateway: the producer's request out and answer back, the gateway's
+    request in, its Append to the leader and back, and its answer, once per request."""
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    monkeypatch.setenv(TRACE_DIR_ENV, str(traces))
+    with running_cluster(tmp_path / "cluster") as cluster:
+        gateway_process = cluster.start_gateway()
+        gateway = gateway_process.address
+        tidelog.Admin(gateway).create_topic("traced", partitions=1, replication_factor=3)
+        script = (
+            "import sys, tidelog\n"
+            "with tidelog.Producer(sys.argv[1], acks='all') as p:\n"
+            "    for _ in range(3):\n"
+            "        p.send_batch('traced', [b'x' * 100] * 10).result(30)\n"
+        )
+        subprocess.run(
+            [sys.executable, "-c", script, gateway], env=tidelog_env(), cwd=REPO_ROOT, check=True
+        )
+        time.sleep(3 * FLUSH_INTERVAL_S)  # written before the cluster's kill -9
+    by_process = _events(traces)
+    gateway_events = by_process[str(gateway_process.pid)]
+    assert all(gateway_events[e] == 3 for e in ("g_in", "g_ap_in", "g_ap_out", "g_out"))
+    clients = [c for c in by_process.values() if c["c_call"]]
+    assert len(clients) == 1 and clients[0]["c_send"] == clients[0]["c_ack"] == 3

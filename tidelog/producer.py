@@ -976,6 +976,8 @@ class Producer:
                 if self._stream is stream:
                     self._in_flight[correlation_id] = picked
                     self._sent_at_s[correlation_id] = time.monotonic()
+                    if tracing.ENABLED:
+                        tracing.event("c_send", correlation_id, picked[0][1][0].tp[1])
                     stream.requests.put(request)
                     continue
             self._complete_failed(picked, NetworkError("the produce stream ended"))
@@ -1046,6 +1048,11 @@ class Producer:
     def _read_responses(self, responses: Any, stream: _Stream) -> None:
         try:
             for response in responses:
+                if tracing.ENABLED and response.partitions:
+                    first = response.partitions[0]
+                    tracing.event(
+                        "c_ack", response.correlation_id, first.base_offset, first.last_offset
+                    )
                 with self._lock:
                     picked = self._in_flight.pop(response.correlation_id, None)
                     sent_at_s = self._sent_at_s.pop(response.correlation_id, None)

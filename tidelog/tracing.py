@@ -11,8 +11,12 @@ fields (partition numbers and offsets tie them together; ``bench/trace_tick.py``
 them):
 
 - ``c_call``: ``Producer.send_batch`` called (the timestamp its records carry);
-- ``c_send cid partition``: a direct-mode Append handed to gRPC; ``c_ack cid base last``:
-  its answer;
+- ``c_send cid partition``: a direct-mode Append, or a ProduceRequest to the gateway
+  (its first partition), handed to gRPC; ``c_ack cid base last``: its answer (the first
+  partition's offsets);
+- ``g_in cid`` / ``g_out cid``: a gateway read a ProduceRequest from its stream / queued
+  the answer; ``g_ap_in partition`` / ``g_ap_out partition base last``: the gateway's
+  Append to the partition's leader started / was answered;
 - ``ap_in partition`` / ``ap_done partition base last`` / ``ap_out partition base last``:
   a storage node's Append handler started, appended, answered (after acks=all);
 - ``f_in replica p:offset,...`` / ``f_out replica p:offset,... bytes``: a Fetch handler
@@ -20,7 +24,7 @@ them):
 - ``fr_recv p:offset:bytes,...`` / ``fr_app partition offset``: a follower's fetch answer
   arrived / one partition's records appended;
 - ``hw partition offset``: a leader's high watermark moved;
-- ``k_recv p:offset,...``: a direct-mode consumer's fetch answered.
+- ``k_recv p:offset,...``: a consumer's fetch answered.
 
 Lines are buffered and written by a thread every ``FLUSH_INTERVAL_S`` and at exit, so a
 process killed with SIGKILL loses its last half second. Callers check ``ENABLED`` before building

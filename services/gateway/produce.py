@@ -30,6 +30,7 @@ from services.gateway.byte_budget import ByteBudget
 from services.gateway.metadata_cache import Leader
 from services.gateway.router import DEADLINE_MARGIN_S, Router
 from services.status import to_error_proto
+from tidelog import tracing
 from tidelog.errors import (
     InvalidRequestError,
     InvalidRequiredAcksError,
@@ -147,6 +148,8 @@ class ProduceHandler:
             wait_ms = max(1, int((timeout_s - 2 * DEADLINE_MARGIN_S) * 1000))
             del stub  # the request goes out encoded by hand (tidelog.wire)
             append = self._router.channels.storage_append_encoded(leader.broker)
+            if tracing.ENABLED:
+                tracing.event("g_ap_in", data.partition)
             response: storage_pb2.AppendResponse = append(
                 encode_append_request(
                     topic=data.topic,
@@ -158,6 +161,10 @@ class ProduceHandler:
                 ),
                 timeout=timeout_s,
             )
+            if tracing.ENABLED:
+                tracing.event(
+                    "g_ap_out", data.partition, response.base_offset, response.last_offset
+                )
             return response
 
         try:
@@ -345,6 +352,8 @@ class ProduceHandler:
                 # Each result future keeps this callback, which keeps ``results``: a cycle
                 # that only the cyclic GC would free, with the request's records in it.
                 results.clear()
+                if tracing.ENABLED:
+                    tracing.event("g_out", request.correlation_id)
                 out.put(response)
 
             if not results:
@@ -359,6 +368,8 @@ class ProduceHandler:
         def read() -> None:
             try:
                 for request in requests:
+                    if tracing.ENABLED:
+                        tracing.event("g_in", request.correlation_id)
                     with lock:
                         if state["in_flight"] >= max_in_flight:
                             out.put(
