@@ -393,16 +393,11 @@ class ProduceHandler:
     # --- ProduceStream ----------------------------------------------------------------------
 
     def stream(
-        self,
-        requests: Iterator[gateway_pb2.ProduceRequest],
-        max_in_flight: int,
-        on_end: Callable[[Callable[[], None]], object] | None = None,
+        self, requests: Iterator[gateway_pb2.ProduceRequest], max_in_flight: int
     ) -> Iterator[gateway_pb2.ProduceResponse]:
         """Answer a ProduceStream: responses in completion order, matched by
         correlation_id. Raises TidelogError (ending the stream) when the client has more
-        than ``max_in_flight`` requests unanswered. ``on_end`` registers a callback for
-        when the call ends however it ends (``ServicerContext.add_callback``): a client
-        that gives up on its answers cancels the stream's pipes with it."""
+        than ``max_in_flight`` requests unanswered."""
         out: queue.SimpleQueue[gateway_pb2.ProduceResponse | TidelogError | None] = (
             queue.SimpleQueue()
         )
@@ -419,8 +414,6 @@ class ProduceHandler:
         # without waiting for its answer.
         pipes = StreamPipes(self._router.channels, self._refused)
         piped: dict[tuple[str, int], AppendPipe | None] = {}
-        if on_end is not None:
-            on_end(pipes.cancel)
 
         def forget(key: tuple[str, int], tail: Future[gateway_pb2.ProducePartitionResult]) -> None:
             with lock:
