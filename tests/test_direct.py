@@ -14,7 +14,6 @@ import pytest
 import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 from tidelog.errors import MessageTooLargeError, UnknownTopicOrPartitionError
-from tidelog.records import decode_batches
 
 
 def _create(admin: tidelog.Admin, topic: str, partitions: int) -> None:
@@ -218,13 +217,6 @@ def _in_flight(producer: tidelog.Producer, topic: str) -> int:
         return 0 if pq is None else pq.in_flight
 
 
-def _leader_log_records(cluster: TestCluster, admin: tidelog.Admin, topic: str) -> int:
-    """Records in the leader's log files of ``topic``-0, acknowledged or not."""
-    leader = admin.describe_topic(topic).partitions[0].leader
-    files = sorted((cluster.data_dir(leader) / f"{topic}-0").glob("*.log"))
-    return sum(b.record_count for f in files for b in decode_batches(f.read_bytes()))
-
-
 def _stop_followers(cluster: TestCluster, admin: tidelog.Admin, topic: str) -> list:
     partition = admin.describe_topic(topic).partitions[0]
     followers = [cluster.brokers[b] for b in partition.replicas if b != partition.leader]
@@ -233,18 +225,16 @@ def _stop_followers(cluster: TestCluster, admin: tidelog.Admin, topic: str) -> l
     return followers
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["gateway", "direct"])
-def test_a_producer_keeps_several_requests_of_a_partition_in_flight(
-    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+def test_direct_producer_keeps_several_requests_of_a_partition_in_flight(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
     """With the followers stopped, acks=all requests wait at the leader. Each record sent
-    meanwhile goes out as its own request without waiting for the one before (up to
-    max_in_flight_requests_per_partition, 5): down the leader's pipe, or through the
-    gateway, which sends them down its own pipe to the leader. A sixth waits in the
+    meanwhile goes out as its own request down the leader's pipe without waiting for the
+    one before (up to max_in_flight_requests_per_partition, 5); a sixth waits in the
     producer. Once the followers resume, all are acknowledged in send order."""
-    topic = f"pipelined-{'direct' if direct else 'gateway'}"
+    topic = "direct-pipelined"
     _create(admin, topic, 1)
-    with tidelog.Producer(gateway.address, direct=direct, linger_ms=0) as producer:
+    with tidelog.Producer(gateway.address, direct=True, linger_ms=0) as producer:
         producer.send(topic, b"first").result(30)
         followers = _stop_followers(cluster, admin, topic)
         try:
@@ -256,31 +246,27 @@ def test_a_producer_keeps_several_requests_of_a_partition_in_flight(
             time.sleep(0.3)
             assert _in_flight(producer, topic) == 5
             assert not any(f.done() for f in futures)
-            # Sent on to the leader, not held back by the gateway until the one before is
-            # acknowledged: the leader has appended all five (and "first").
-            wait_for(lambda: _leader_log_records(cluster, admin, topic) == 6, 10, "5 appended")
         finally:
             for follower in followers:
                 os.kill(follower.pid, signal.SIGCONT)
         assert [f.result(60).offset for f in futures] == list(range(1, 7))
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["gateway", "direct"])
 def test_a_refused_batch_does_not_fail_the_pipelined_ones_behind_it(
-    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
     """Three requests of one partition in flight: the middle one is refused for good
     (MESSAGE_TOO_LARGE, nothing written), so the leader refuses the third as out of
     sequence. The producer fails only the middle record: it takes a new producer id and
     sends the third again under it, and the log holds the first and the third."""
-    topic = f"pipelined-refusal-{'direct' if direct else 'gateway'}"
+    topic = "direct-pipelined-refusal"
     admin.create_topic(
         topic,
         partitions=1,
         replication_factor=3,
         config={"min.insync.replicas": "2", "max.message.bytes": "4096"},
     )
-    with tidelog.Producer(gateway.address, direct=direct, linger_ms=0) as producer:
+    with tidelog.Producer(gateway.address, direct=True, linger_ms=0) as producer:
         producer.send(topic, b"first").result(30)
         followers = _stop_followers(cluster, admin, topic)
         try:
@@ -303,21 +289,18 @@ def test_a_refused_batch_does_not_fail_the_pipelined_ones_behind_it(
         assert [r.value for r in _read(c, 3)] == [b"first", b"before", b"after"]
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["gateway", "direct"])
-def test_a_producer_leaves_a_stopped_leader(
-    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+def test_direct_producer_leaves_a_stopped_leader(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
-    """SIGSTOP the leader while requests are pipelined to it: the append stream to it
-    (the producer's, or the gateway's for the producer's stream) stays open and silent,
-    so the producer cancels its stream once the oldest request is request_timeout_ms +
-    the grace old (and with it the gateway's pipe), retries everything that was in flight
-    at the new leader in sequence order, and every record is written once, in send
-    order."""
-    topic = f"stopped-leader-{'direct' if direct else 'gateway'}"
+    """SIGSTOP the leader while requests are pipelined to it: its append stream stays
+    open and silent, so the producer cancels it once the oldest request is
+    request_timeout_ms + the grace old, retries everything that was in flight at the new
+    leader in sequence order, and every record is written once, in send order."""
+    topic = "direct-stopped-leader"
     _create(admin, topic, 1)
     with tidelog.Producer(
         gateway.address,
-        direct=direct,
+        direct=True,
         linger_ms=1,
         request_timeout_ms=1_500,
         delivery_timeout_ms=60_000,
@@ -400,30 +383,4 @@ def test_a_broker_out_of_append_streams_gets_unary_appends(tmp_path) -> None:
         wait_for(successor_gets_the_stream, 10, "a new producer to get the append stream")
         with tidelog.Consumer(gw.address, auto_offset_reset="earliest") as c:
             c.assign([("streams-limited", 1)])
-            assert [r.value for r in _read(c, 100)] == [f"r{i}".encode() for i in range(1, 200, 2)]
-
-
-def test_a_gateway_refused_an_append_stream_appends_unary(tmp_path) -> None:
-    """Through the gateway, each producer stream gets its own pipe to a leader. A broker
-    with its --max-append-streams open refuses the gateway a second one; that stream's
-    appends to it then go as unary calls, and its producer loses and reorders nothing."""
-    with TestCluster(tmp_path, storage_args=["--max-append-streams", "1"]) as small:
-        small.start_broker(0)
-        small.start_controller(1)
-        small.wait_brokers([0])
-        gw = small.start_gateway()
-        tidelog.Admin(gw.address).create_topic("gw-streams", partitions=2, replication_factor=1)
-        with (
-            tidelog.Producer(gw.address, linger_ms=0) as holder,
-            tidelog.Producer(gw.address, linger_ms=0) as refused,
-        ):
-            holder.send("gw-streams", b"h", partition=0).result(30)  # holds the stream
-            futures = [
-                refused.send("gw-streams", f"r{i}".encode(), partition=i % 2) for i in range(200)
-            ]
-            offsets = [f.result(60).offset for f in futures]
-            assert holder.send("gw-streams", b"h2", partition=0).result(30).offset >= 1
-        assert [o for i, o in enumerate(offsets) if i % 2 == 1] == list(range(100))
-        with tidelog.Consumer(gw.address, auto_offset_reset="earliest") as c:
-            c.assign([("gw-streams", 1)])
             assert [r.value for r in _read(c, 100)] == [f"r{i}".encode() for i in range(1, 200, 2)]

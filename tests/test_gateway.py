@@ -618,15 +618,12 @@ def test_records_sent_while_a_request_is_in_flight_share_one_batch(
     # Kafka's accumulator: while a partition waits for an answer, later records join one
     # open batch, instead of each wake-up of the sender closing a batch of a record or
     # two that the leader, the followers and every consumer then handle one by one.
-    # A stopped gateway holds the producer's request in flight; with one request per
-    # partition in flight allowed, the partition may not send another meanwhile.
+    # A stopped gateway holds the producer's request in flight.
     topic = "in-flight-batching"
     paused = cluster.start_gateway()
     admin.create_topic(topic, partitions=1, replication_factor=1)
     later_values = [f"later-{i}".encode() for i in range(30)]
-    with tidelog.Producer(
-        paused.address, linger_ms=0, max_in_flight_requests_per_partition=1
-    ) as producer:
+    with tidelog.Producer(paused.address, linger_ms=0) as producer:
         producer.send(topic, b"first").result(30)  # producer id and stream in place
         os.kill(paused.pid, signal.SIGSTOP)
         try:

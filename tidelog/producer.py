@@ -29,12 +29,9 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
   (``_Pipe``), which the leader appends in arrival order and answers in order. That order
   is what lets a partition keep up to ``max_in_flight_requests_per_partition`` requests
   in flight (Kafka's ``max.in.flight.requests.per.connection``, 5): a batch need not wait
-  for the previous one's acknowledgement. Through the gateway the produce stream plays
-  that part: the gateway sends a stream's appends on to each leader down a pipe of its
-  own, in the order the stream brought them (``services/gateway/append_pipes.py``).
-  A broker that refuses another stream (its ``max_append_streams``) gets unary
-  ``Append`` calls instead, one request per partition in flight, for
-  ``PIPE_REFUSED_BACKOFF_S``. A pipe whose oldest request goes unanswered
+  for the previous one's acknowledgement. A broker that refuses another stream (its
+  ``max_append_streams``) gets unary ``Append`` calls instead, one request per partition
+  in flight, for ``PIPE_REFUSED_BACKOFF_S``. A pipe whose oldest request goes unanswered
   past ``request_timeout_ms`` (and ``STREAM_ANSWER_GRACE_S``) is cancelled; one with
   nothing in flight for ``connections_max_idle_ms`` (Kafka's name and default, 9 min) is
   closed, so an idle producer does not hold one of the broker's streams.
@@ -314,14 +311,13 @@ class _Stream:
     cancel), and what the hung-stream check needs. Fields change under the producer's
     lock; the producer's current stream is the one its sender queues on."""
 
-    __slots__ = ("call", "closed", "heard_s", "requests", "timed_out")
+    __slots__ = ("call", "heard_s", "requests", "timed_out")
 
     def __init__(self) -> None:
         self.requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.call: Any = None  # set once gRPC has the call
         self.heard_s = time.monotonic()  # opened, or last answered
         self.timed_out = False  # cancelled by the producer for that
-        self.closed = False  # set once, by its reader, when the stream has ended
 
 
 class _Pipe:
@@ -375,9 +371,7 @@ class _PartitionQueue:
         self.batches: deque[_Batch] = deque()
         self.in_flight = 0  # requests sent and not answered
         self.in_flight_batches = 0
-        # Where its requests in flight went: a pipe (direct), the produce stream
-        # (through the gateway), None (unary appends).
-        self.pipe: _Pipe | _Stream | None = None
+        self.pipe: _Pipe | None = None  # where its requests in flight went (None: unary)
         self.blocked = False  # a request failed: wait for the others before sending more
         self.retry_at_s = 0.0
         self.producer_id = -1
@@ -396,14 +390,6 @@ class _PartitionQueue:
             self.batches.extendleft(reversed(batches))
         else:
             self.batches = deque(sorted([*batches, *self.batches], key=lambda b: b.ordinal))
-
-    def withdraw(self, batches: Sequence[_Batch]) -> None:
-        """A request picked but not sent, since it would not be ordered after the ones in
-        flight: its batches go back, and the partition waits for those (``blocked``)."""
-        self.in_flight -= 1
-        self.in_flight_batches -= len(batches)
-        self.blocked = True
-        self.requeue(batches)
 
     def request_done(self, batches: Sequence[_Batch], *, failed: bool) -> None:
         self.in_flight -= 1
@@ -492,7 +478,7 @@ class Producer:
         # Several requests of a partition in flight need the order a pipe keeps (direct
         # mode). Through the gateway a partition has one: the gateway's answers to a
         # stream's requests come in any order.
-        self._per_partition = max_in_flight_requests_per_partition
+        self._per_partition = max_in_flight_requests_per_partition if direct else 1
         # Batches of a partition in flight, and so of one request (the constant's reason).
         self._max_batches = MAX_BATCHES_IN_FLIGHT_PER_PARTITION if enable_idempotence else 2**31
         self._buffer_bytes = buffer_bytes
@@ -979,9 +965,6 @@ class Producer:
             try:
                 if stream is None:
                     stream = self._open_stream()
-                picked = self._onto(stream, picked)
-                if not picked:
-                    continue
                 correlation_id, request = self._build(picked)
             except TidelogError as exc:
                 self._complete_failed(picked, exc)
@@ -998,23 +981,6 @@ class Producer:
                     stream.requests.put(request)
                     continue
             self._complete_failed(picked, NetworkError("the produce stream ended"))
-
-    def _onto(
-        self, stream: _Stream, picked: list[tuple[_PartitionQueue, list[_Batch]]]
-    ) -> list[tuple[_PartitionQueue, list[_Batch]]]:
-        """The picked batches that may go down ``stream``: a partition with other
-        requests in flight on an earlier stream waits for them (its blocked state), since
-        this one would not be ordered after them; the gateway keeps a stream's order per
-        partition (``services/gateway/append_pipes.py``)."""
-        going = []
-        with self._lock:
-            for pq, batches in picked:
-                if pq.in_flight > 1 and pq.pipe is not stream:
-                    pq.withdraw(batches)
-                    continue
-                pq.pipe = stream
-                going.append((pq, batches))
-        return going
 
     def _close_idle_pipes(self, now: float) -> None:
         """(lock held) End the pipes with nothing in flight for ``connections_max_idle_ms``.
@@ -1101,7 +1067,6 @@ class Producer:
             error = NetworkError("the gateway closed the produce stream")
         # The stream is over: everything in flight on it goes back to its queue.
         with self._lock:
-            stream.closed = True
             if stream.timed_out:
                 error = RequestTimedOutError(
                     f"produce stream to {self._conn.address}: no answer within "
@@ -1190,7 +1155,10 @@ class Producer:
                 if pq.in_flight > 1 and (pipe is None or pipe is not pq.pipe):
                     # Its other requests went another way (the leader moved, or the pipe
                     # ended): this one would not be ordered after them. It waits for them.
-                    pq.withdraw(batches)
+                    pq.in_flight -= 1
+                    pq.in_flight_batches -= len(batches)
+                    pq.blocked = True
+                    pq.requeue(batches)
                     continue
                 pq.pipe = pipe
             routed.append((item, leader, pipe))

@@ -48,9 +48,6 @@ class Channels:
             str, grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse]
         ] = {}
         self._fetches: dict[str, grpc.UnaryUnaryMultiCallable[storage_pb2.FetchRequest, bytes]] = {}
-        self._append_streams: dict[
-            str, grpc.StreamStreamMultiCallable[bytes, storage_pb2.AppendResponse]
-        ] = {}
         self._closed = False
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -86,21 +83,6 @@ class Channels:
             )
         return append
 
-    def storage_append_stream_encoded(
-        self, broker: Broker
-    ) -> grpc.StreamStreamMultiCallable[bytes, storage_pb2.AppendResponse]:
-        """``Storage.AppendStream`` on encoded requests: a pipelined append pipe
-        (``append_pipes``)."""
-        address = broker_address(broker)
-        stream = self._append_streams.get(address)
-        if stream is None:
-            stream = self._append_streams[address] = self._channel(address).stream_stream(
-                "/tidelog.v1.Storage/AppendStream",
-                request_serializer=None,
-                response_deserializer=storage_pb2.AppendResponse.FromString,
-            )
-        return stream
-
     def storage_fetch_encoded(
         self, broker: Broker
     ) -> grpc.UnaryUnaryMultiCallable[storage_pb2.FetchRequest, bytes]:
@@ -124,7 +106,6 @@ class Channels:
             channels, self._channels = list(self._channels.values()), {}
             self._stubs.clear()
             self._appends.clear()
-            self._append_streams.clear()
             self._fetches.clear()
         for channel in channels:
             channel.close()

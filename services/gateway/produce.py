@@ -7,21 +7,14 @@ size, duplicate partitions — and that each partition exists; a request that fa
 checks changes nothing anywhere.
 
 Order: within one ProduceStream, the batches for one partition are appended in the order
-the requests arrived; different partitions proceed concurrently. With acks 1 or all a
-stream's appends go down one ``AppendStream`` per leader (``append_pipes``), in arrival
-order, so a partition's next append need not wait for the previous one's answer: that is
-what lets a producer keep several requests of a partition in flight. Without a pipe (the
-broker has none to spare) each append waits for the previous one of its partition to be
-answered and goes as a unary call, re-routed here when leadership moves; a pipelined
-append's error goes back to the client instead, whose producer retries in sequence order.
-acks=0 answers at once and appends in the background, bounded by
-``max_background_appends`` (a full queue makes the request wait, which is the
-backpressure an acks=0 client gets).
+the requests arrived (each waits for the previous one of its partition to be answered);
+different partitions proceed concurrently. acks=0 answers at once and appends in the
+background, bounded by ``max_background_appends`` (a full queue makes the request wait,
+which is the backpressure an acks=0 client gets).
 """
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -33,7 +26,6 @@ from typing import Final
 
 import structlog
 
-from services.gateway.append_pipes import AppendPipe, RefusedBrokers, StreamPipes
 from services.gateway.byte_budget import ByteBudget
 from services.gateway.metadata_cache import Leader
 from services.gateway.router import DEADLINE_MARGIN_S, Router
@@ -46,7 +38,6 @@ from tidelog.errors import (
     RequestTimedOutError,
     TidelogError,
     UnknownServerError,
-    error_for_code,
 )
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
 from tidelog.wire import encode_append_request
@@ -113,42 +104,6 @@ def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> floa
     return time.monotonic() + timeout_ms / 1000
 
 
-def _append_request(
-    data: gateway_pb2.ProducePartitionData,
-    acks: common_pb2.Acks,
-    leader: Leader,
-    timeout_s: float,
-    correlation_id: int = 0,
-) -> bytes:
-    """The encoded AppendRequest of one partition's batches, unary or pipelined."""
-    # The leader gives up on acks=all waiting a little before our own deadline, so its
-    # precise answer (REQUEST_TIMED_OUT) arrives rather than a bare deadline.
-    wait_ms = max(1, int((timeout_s - 2 * DEADLINE_MARGIN_S) * 1000))
-    return encode_append_request(
-        topic=data.topic,
-        partition=data.partition,
-        batches=(data.records,),
-        acks=acks,
-        timeout_ms=wait_ms,
-        current_leader_epoch=leader.leader_epoch,
-        correlation_id=correlation_id,
-    )
-
-
-def _appended(
-    data: gateway_pb2.ProducePartitionData, response: storage_pb2.AppendResponse
-) -> gateway_pb2.ProducePartitionResult:
-    return gateway_pb2.ProducePartitionResult(
-        topic=data.topic,
-        partition=data.partition,
-        error=to_error_proto(None),
-        base_offset=response.base_offset,
-        last_offset=response.last_offset,
-        log_append_time_ms=response.log_append_time_ms,
-        log_start_offset=response.log_start_offset,
-    )
-
-
 def _failed(
     data: gateway_pb2.ProducePartitionData, error: TidelogError
 ) -> gateway_pb2.ProducePartitionResult:
@@ -173,8 +128,6 @@ class ProduceHandler:
             max_workers=limits.workers, thread_name_prefix="gateway-produce"
         )
         self._background = threading.BoundedSemaphore(limits.max_background_appends)
-        self._refused = RefusedBrokers()  # brokers out of append streams (append_pipes)
-        self._correlation_ids = itertools.count(1)
         self.budget = ByteBudget(limits.queued_max_request_bytes)
 
     def close(self) -> None:
@@ -190,12 +143,23 @@ class ProduceHandler:
         def call(
             stub: storage_pb2_grpc.StorageStub, leader: Leader, timeout_s: float
         ) -> storage_pb2.AppendResponse:
+            # The leader gives up on acks=all waiting a little before our own deadline, so
+            # its precise answer (REQUEST_TIMED_OUT) arrives rather than a bare deadline.
+            wait_ms = max(1, int((timeout_s - 2 * DEADLINE_MARGIN_S) * 1000))
             del stub  # the request goes out encoded by hand (tidelog.wire)
             append = self._router.channels.storage_append_encoded(leader.broker)
             if tracing.ENABLED:
                 tracing.event("g_ap_in", data.partition)
             response: storage_pb2.AppendResponse = append(
-                _append_request(data, acks, leader, timeout_s), timeout=timeout_s
+                encode_append_request(
+                    topic=data.topic,
+                    partition=data.partition,
+                    batches=(data.records,),
+                    acks=acks,
+                    timeout_ms=wait_ms,
+                    current_leader_epoch=leader.leader_epoch,
+                ),
+                timeout=timeout_s,
             )
             if tracing.ENABLED:
                 tracing.event(
@@ -210,61 +174,15 @@ class ProduceHandler:
         except Exception as exc:  # a bug: answer for this partition, keep the rest going
             _log.exception("append_failed", topic=data.topic, partition=data.partition)
             return _failed(data, UnknownServerError(f"{type(exc).__name__}: {exc}"))
-        return _appended(data, response)
-
-    def _pipelined(
-        self,
-        data: gateway_pb2.ProducePartitionData,
-        acks: common_pb2.Acks,
-        deadline: float,
-        pipes: StreamPipes,
-        *,
-        after: Future[gateway_pb2.ProducePartitionResult] | None,
-        last_pipe: AppendPipe | None,
-    ) -> tuple[Submitted, AppendPipe | None] | None:
-        """Send one partition's append down its leader's pipe (``append_pipes``), without
-        waiting for the partition's previous append to be answered when that one went
-        down the same pipe; None when it must take the unary path instead (no pipe to
-        the leader, or the previous append is unfinished elsewhere). Also returns the
-        pipe used."""
-        unknown = self._known(data)
-        if unknown is not None:
-            return Submitted.done(_failed(data, unknown)), None
-        try:
-            leader = self._router.cache.leader(data.topic, data.partition)
-        except TidelogError as exc:
-            return Submitted.done(_failed(data, exc)), None
-        pipe = pipes.pipe(leader.broker)
-        if pipe is None or (after is not None and not after.done() and last_pipe is not pipe):
-            return None
-        correlation_id = next(self._correlation_ids)
-        timeout_s = deadline - time.monotonic()
-        encoded = _append_request(data, acks, leader, timeout_s, correlation_id)
-        if tracing.ENABLED:
-            tracing.event("g_ap_in", data.partition)
-        answer = pipe.send(encoded, correlation_id)
-        if answer is None:
-            return None  # the pipe ended meanwhile: nothing was sent
-        result: Future[gateway_pb2.ProducePartitionResult] = Future()
-
-        def answered(done: Future[storage_pb2.AppendResponse]) -> None:
-            try:
-                response = done.result()
-            except TidelogError as exc:
-                result.set_result(_failed(data, exc))
-                return
-            if tracing.ENABLED:
-                tracing.event(
-                    "g_ap_out", data.partition, response.base_offset, response.last_offset
-                )
-            if response.error.code != common_pb2.NONE:
-                error = error_for_code(int(response.error.code), response.error.message)
-                result.set_result(_failed(data, error))
-            else:
-                result.set_result(_appended(data, response))
-
-        answer.add_done_callback(answered)
-        return Submitted(result=result, tail=result), pipe
+        return gateway_pb2.ProducePartitionResult(
+            topic=data.topic,
+            partition=data.partition,
+            error=to_error_proto(None),
+            base_offset=response.base_offset,
+            last_offset=response.last_offset,
+            log_append_time_ms=response.log_append_time_ms,
+            log_start_offset=response.log_start_offset,
+        )
 
     def _known(self, data: gateway_pb2.ProducePartitionData) -> TidelogError | None:
         try:
@@ -409,11 +327,6 @@ class ProduceHandler:
         # partition's last future held up to 100 requests' records (~350 MiB in the OMB
         # case, BENCHMARKS.md eighth pass).
         tails: dict[tuple[str, int], Future[gateway_pb2.ProducePartitionResult]] = {}
-        # The stream's pipes to the leaders, and the pipe each partition's latest append
-        # went down (append_pipes): a partition's next append follows it on that pipe
-        # without waiting for its answer.
-        pipes = StreamPipes(self._router.channels, self._refused)
-        piped: dict[tuple[str, int], AppendPipe | None] = {}
 
         def forget(key: tuple[str, int], tail: Future[gateway_pb2.ProducePartitionResult]) -> None:
             with lock:
@@ -489,21 +402,7 @@ class ProduceHandler:
                             key = (data.topic, data.partition)
                             with lock:
                                 after = tails.get(key)
-                            sent = None
-                            if request.acks != common_pb2.NONE_ACKS:
-                                sent = self._pipelined(
-                                    data,
-                                    request.acks,
-                                    deadline,
-                                    pipes,
-                                    after=after,
-                                    last_pipe=piped.get(key),
-                                )
-                            if sent is None:
-                                submitted = self.submit(data, request.acks, deadline, after)
-                                piped[key] = None
-                            else:
-                                submitted, piped[key] = sent
+                            submitted = self.submit(data, request.acks, deadline, after)
                             with lock:
                                 tails[key] = submitted.tail
                             submitted.tail.add_done_callback(partial(forget, key))
@@ -514,7 +413,6 @@ class ProduceHandler:
                     answer(request, results, size)
             except Exception as exc:  # the client went away, or sent garbage
                 _log.debug("produce_stream_read_ended", error=str(exc))
-                pipes.cancel()  # what is pending there fails now, and the handler ends
             finally:
                 with lock:
                     state["reading"] = 0
@@ -522,18 +420,15 @@ class ProduceHandler:
 
         reader = threading.Thread(target=read, name="gateway-produce-stream", daemon=True)
         reader.start()
-        try:
-            while True:
-                item = out.get()
-                if isinstance(item, TidelogError):
-                    raise item
-                if item is not None:
-                    yield item
-                with lock:
-                    if not state["reading"] and state["in_flight"] == 0:
-                        return
-        finally:
-            pipes.close()
+        while True:
+            item = out.get()
+            if isinstance(item, TidelogError):
+                raise item
+            if item is not None:
+                yield item
+            with lock:
+                if not state["reading"] and state["in_flight"] == 0:
+                    return
 
 
 @dataclass(frozen=True, slots=True)
