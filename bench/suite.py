@@ -200,7 +200,8 @@ def _kafka_2014(
     seconds = 3 if quick else 10
     tick_bytes = int(half * HALF_RATE_TICK_S) * 100
     floors[DIRECT_LABEL if direct else ""] = floor = Result(
-        f"four Python gRPC crossings of {tick_bytes / 1000:,.0f} KB every 5 ms",
+        f"four Python gRPC crossings of {tick_bytes / 1000:,.0f} KB every "
+        f"{HALF_RATE_TICK_S * 1000:.0f} ms",
         int(seconds / HALF_RATE_TICK_S),
         tick_bytes,
         seconds,

@@ -198,8 +198,12 @@ def ticks(trace: Trace) -> tuple[list[dict[str, float]], list[tuple[bool, float]
         t_fin = max(t for t in ins if t is not None)
         if gateway_times:
             t_gin, t_gcall, t_ganswered, t_gout = gateway_times
-            before_leader: tuple[float, ...] = (t_send - t_call, t_gin - t_send, t_gcall - t_gin)
-            before_leader += (t_start - t_gcall,)
+            before_leader: tuple[float, ...] = (
+                t_send - t_call,
+                t_gin - t_send,
+                t_gcall - t_gin,
+                t_start - t_gcall,
+            )
             after_answer: tuple[float, ...] = (
                 t_ganswered - t_answered,
                 t_gout - t_ganswered,
