@@ -4,11 +4,11 @@ each server process used over it (``/proc/PID/stat``) and how busy the whole mac
 (``/proc/stat``: the share of both cores not idle, and context switches per second), in
 both SDK modes.
 
-- ``half-rate``: ``bench.workloads.end_to_end_latency_batched`` on a new 6-partition RF=3
-  topic at ``--rate``, one ``send_batch`` every ``--tick-ms`` (the suite's 5 ms by
-  default), e2e and acknowledgement quantiles; ``--dirty`` writes 1.4 GB to a file
-  without syncing first (the state an earlier case leaves), else the case starts after
-  ``sync``.
+- ``half-rate``: ``bench.workloads.end_to_end_latency_batched`` on a new 6-partition topic
+  (RF=3, or ``--replication-factor``) at ``--rate``, one ``send_batch`` every
+  ``--tick-ms`` (the suite's 5 ms by default), e2e and acknowledgement quantiles;
+  ``--dirty`` writes 1.4 GB to a file without syncing first (the state an earlier case
+  leaves), else the case starts after ``sync``.
 - ``rf1``: the gRPC ceiling, then ``bench.workloads.produce`` of ``--records`` 100-byte
   records on a new 6-partition RF=1 topic (acks=1); the client's CPU comes from
   ``getrusage``.
@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="half-rate: measured time")
     parser.add_argument("--tick-ms", type=float, default=5.0, help="half-rate: send_batch every")
     parser.add_argument("--dirty", action="store_true", help="half-rate: 1.4 GB dirty first")
+    parser.add_argument(
+        "--replication-factor", type=int, default=3, choices=(1, 2, 3), help="half-rate: RF"
+    )
     parser.add_argument("--records", type=int, default=6_000_000, help="rf1 and acks-all: records")
     args = parser.parse_args(argv)
     # Deleted afterwards: a probe writes gigabytes, and kept runs fill the disk.
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, mode in enumerate(args.modes.split(",")):
             topic = f"probe-{i}"
             direct = mode == "direct"
-            workloads.create_topic(gw, topic, 6, 1 if args.probe == "rf1" else 3)
+            rf = {"rf1": 1, "acks-all": 3}.get(args.probe, args.replication_factor)
+            workloads.create_topic(gw, topic, 6, rf)
             workloads.settle(gw)
             ceiling = 0.0
             if args.probe == "rf1":
