@@ -15,6 +15,9 @@ both SDK modes.
 - ``acks-all``: ``bench.workloads.produce`` of ``--records`` 100-byte records on a new
   6-partition RF=3 topic with acks=all (the suite's RF=3 acks=all case).
 
+``--pin-brokers`` pins every thread of broker N to CPU N modulo the CPU count, and the
+gateway's to CPU 1 (BENCHMARKS item 59), once the cluster is up.
+
 Command: ``PYTHONPATH=. .venv/bin/python -m bench.probes half-rate --rate 430000 --modes
 direct,gateway`` (or ``rf1 --modes gateway,direct``).
 """
@@ -63,6 +66,12 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _pin(pid: int, cpu: int) -> None:
+    """Every thread of ``pid`` to ``cpu``; threads it starts later inherit it."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(task), {cpu})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("probe", choices=("half-rate", "rf1", "acks-all"))
@@ -75,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "--replication-factor", type=int, default=3, choices=(1, 2, 3), help="half-rate: RF"
     )
     parser.add_argument("--records", type=int, default=6_000_000, help="rf1 and acks-all: records")
+    parser.add_argument("--pin-brokers", action="store_true", help="one CPU per broker")
     args = parser.parse_args(argv)
     # Deleted afterwards: a probe writes gigabytes, and kept runs fill the disk.
     with (
@@ -86,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         gw = gateway.address
         pids = {f"broker-{k}": p.pid for k, p in cluster.brokers.items()}
         pids["gateway"] = gateway.pid
+        if args.pin_brokers:
+            cpus = os.cpu_count() or 1
+            for broker_id, process in cluster.brokers.items():
+                _pin(process.pid, broker_id % cpus)
+            _pin(gateway.pid, 1 % cpus)
         for i, mode in enumerate(args.modes.split(",")):
             topic = f"probe-{i}"
             direct = mode == "direct"
