@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -71,6 +71,19 @@ from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 from tidelog.wire import encode_fetch_partition_result, encode_fetch_response
 
 _log = structlog.get_logger("tidelog.storage.server")
+
+
+class _PartitionItem(Protocol):
+    """One partition's entry in a controller request (a PartitionState, a StopReplicaItem)."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def partition(self) -> int: ...
+
+
+_T = TypeVar("_T", bound=_PartitionItem)
 
 # Fetch defaults are Kafka's consumer defaults (fetch.max.wait.ms, fetch.min.bytes,
 # fetch.max.bytes, max.partition.fetch.bytes), as documented in storage.proto.
@@ -292,20 +305,9 @@ class ReplicaManager:
         Per partition: bad names, bad epochs or bad configs fail that partition only, and
         leave it as it was.
         """
-        results: list[TidelogError | None] = []
-        with self._lock:
-            self._check_open()
-            self._check_controller_request(controller_epoch, broker_epoch)
-            for state in states:
-                try:
-                    self._apply_state(state)
-                    results.append(None)
-                except TidelogError as exc:
-                    results.append(exc)
-                except OSError as exc:
-                    _log.exception("leader_and_isr_failed", topic=state.topic)
-                    results.append(StorageError(f"{state.topic}-{state.partition}: {exc}"))
-        return results
+        return self._each_partition(
+            controller_epoch, broker_epoch, states, self._apply_state, "leader_and_isr_failed"
+        )
 
     def _apply_state(self, state: PartitionState) -> None:
         validate_topic_name(state.topic)
@@ -361,18 +363,33 @@ class ReplicaManager:
         Like Kafka, stopping a partition this broker does not host succeeds (and removes a
         leftover log if deletion was asked): a controller retrying must not see errors.
         """
+        return self._each_partition(
+            controller_epoch, broker_epoch, items, self._stop_replica, "stop_replica_failed"
+        )
+
+    def _each_partition(
+        self,
+        controller_epoch: int,
+        broker_epoch: int,
+        items: Sequence[_T],
+        apply: Callable[[_T], None],
+        failed_event: str,
+    ) -> list[TidelogError | None]:
+        """A controller request's per-partition loop: the request as a whole is fenced by
+        the epochs first; then each item fails alone (a TidelogError as it is, a disk
+        error as STORAGE_ERROR) and leaves the others applied."""
         results: list[TidelogError | None] = []
         with self._lock:
             self._check_open()
             self._check_controller_request(controller_epoch, broker_epoch)
             for item in items:
                 try:
-                    self._stop_replica(item)
+                    apply(item)
                     results.append(None)
                 except TidelogError as exc:
                     results.append(exc)
                 except OSError as exc:
-                    _log.exception("stop_replica_failed", topic=item.topic)
+                    _log.exception(failed_event, topic=item.topic)
                     results.append(StorageError(f"{item.topic}-{item.partition}: {exc}"))
         return results
 
