@@ -15,8 +15,8 @@ ours, or one made by gRPC itself such as DEADLINE_EXCEEDED - into a ``TidelogErr
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Final, NoReturn, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Final, NoReturn, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -134,6 +134,28 @@ def to_error_proto(exc: BaseException | None) -> common_pb2.Error:
     return common_pb2.Error(
         code=ErrorCode.UNKNOWN_SERVER_ERROR.name, message=f"{type(exc).__name__}: {exc}"
     )
+
+
+class NamedPartition(Protocol):
+    """An entry of a multi-partition request or its outcome: names one partition."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def partition(self) -> int: ...
+
+
+def partition_results(
+    items: Sequence[NamedPartition], outcomes: Sequence[BaseException | None]
+) -> list[common_pb2.PartitionResult]:
+    """One PartitionResult per item of a multi-partition request, with its outcome."""
+    return [
+        common_pb2.PartitionResult(
+            topic=item.topic, partition=item.partition, error=to_error_proto(outcome)
+        )
+        for item, outcome in zip(items, outcomes, strict=True)
+    ]
 
 
 def error_from_proto(error: common_pb2.Error) -> TidelogError | None:

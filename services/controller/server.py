@@ -32,7 +32,12 @@ from services.controller.controller import (
     StandbyError,
 )
 from services.controller.state import Broker, ElectionType
-from services.status import ERROR_CODE_METADATA_KEY, status_for, to_error_proto
+from services.status import (
+    ERROR_CODE_METADATA_KEY,
+    partition_results,
+    status_for,
+    to_error_proto,
+)
 from tidelog.errors import (
     InvalidRequestError,
     StaleBrokerEpochError,
@@ -302,12 +307,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):  # type: ignor
             timeout_ms=request.timeout_ms,
         )
         return controller_pb2.ElectLeadersResponse(
-            partitions=[
-                common_pb2.PartitionResult(
-                    topic=o.topic, partition=o.partition, error=to_error_proto(o.error)
-                )
-                for o in outcomes
-            ]
+            partitions=partition_results(outcomes, [o.error for o in outcomes])
         )
 
     @_rpc

@@ -27,7 +27,7 @@ from services.gateway.groups import Committed, OffsetStore
 from services.gateway.metadata_cache import MetadataCache, MetadataView
 from services.gateway.produce import ProduceHandler
 from services.process import add_servicer_answering_encoded
-from services.status import abort, to_error_proto, unary_errors
+from services.status import abort, partition_results, to_error_proto, unary_errors
 from tidelog.errors import (
     InvalidRequestError,
     TidelogError,
@@ -342,12 +342,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
             ],
         )
         return gateway_pb2.CommitOffsetsResponse(
-            partitions=[
-                common_pb2.PartitionResult(
-                    topic=o.topic, partition=o.partition, error=to_error_proto(o.error)
-                )
-                for o in outcomes
-            ]
+            partitions=partition_results(outcomes, [o.error for o in outcomes])
         )
 
     @unary_errors

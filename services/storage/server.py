@@ -29,12 +29,18 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, TypeVar
 
 import grpc
 import structlog
 
-from services.status import abort, to_error_proto, unary_errors
+from services.status import (
+    NamedPartition,
+    abort,
+    partition_results,
+    to_error_proto,
+    unary_errors,
+)
 from services.storage.fetcher import AddressResolver, ReplicaFetcherManager
 from services.storage.log import LogConfig
 from services.storage.log_manager import LogManager
@@ -73,17 +79,7 @@ from tidelog.wire import encode_fetch_partition_result, encode_fetch_response
 _log = structlog.get_logger("tidelog.storage.server")
 
 
-class _PartitionItem(Protocol):
-    """One partition's entry in a controller request (a PartitionState, a StopReplicaItem)."""
-
-    @property
-    def topic(self) -> str: ...
-
-    @property
-    def partition(self) -> int: ...
-
-
-_T = TypeVar("_T", bound=_PartitionItem)
+_T = TypeVar("_T", bound=NamedPartition)
 
 # Fetch defaults are Kafka's consumer defaults (fetch.max.wait.ms, fetch.min.bytes,
 # fetch.max.bytes, max.partition.fetch.bytes), as documented in storage.proto.
@@ -607,26 +603,6 @@ def partition_state_from_proto(
         partition_epoch=state.partition_epoch,
         configs=configs or {},
     )
-
-
-class _NamedPartition(Protocol):
-    @property
-    def topic(self) -> str: ...
-
-    @property
-    def partition(self) -> int: ...
-
-
-def partition_results(
-    items: Sequence[_NamedPartition], outcomes: Sequence[TidelogError | None]
-) -> list[common_pb2.PartitionResult]:
-    """One PartitionResult per item of a multi-partition control request."""
-    return [
-        common_pb2.PartitionResult(
-            topic=item.topic, partition=item.partition, error=to_error_proto(outcome)
-        )
-        for item, outcome in zip(items, outcomes, strict=True)
-    ]
 
 
 class _ChangeWatcher:
