@@ -732,11 +732,11 @@ def test_retention_by_bytes(tmp_path: Path) -> None:
     assert log.size_bytes == 10 * size
     # Excess is 5 batches; the oldest segment holds 3: one segment goes, a second would
     # take the log below retention.bytes.
-    assert log.delete_retention_segments() == 1
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
     assert log.segment_base_offsets == [6, 12, 18]
     assert log.log_start_offset == 6
     assert log.size_bytes == 7 * size
-    assert log.delete_retention_segments() == 0
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
     model.drop_below(6)
     assert read_all(log) == model.all_bytes()
     with pytest.raises(OffsetOutOfRangeError):
@@ -761,14 +761,14 @@ def test_retention_bytes_zero_keeps_the_active_segment(tmp_path: Path) -> None:
     for i in range(7):
         model.append(make_batch(2, tag=i))
     assert log.segment_base_offsets == [0, 4, 8, 12]
-    assert log.delete_retention_segments() == 3
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 3
     assert log.segment_base_offsets == [12]
     assert log.remove_deleted_files() == 9
     assert log.log_start_offset == 12
     assert log.recovery_point >= log.log_start_offset
     model.drop_below(12)
     assert read_all(log) == model.all_bytes()
-    assert log.delete_retention_segments() == 0
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
     # Appends continue in the surviving active segment.
     model.append(make_batch(1))
     assert read_all(log) == model.all_bytes()
@@ -788,16 +788,16 @@ def test_retention_by_time(tmp_path: Path) -> None:
         model.append(make_batch(2, ts=[T0 + 1000 * k, T0 + 1000 * k + 1], tag=k))
     assert log.segment_base_offsets == [0, 4, 8, 12, 16]
     clock.advance(10_001)  # now - newest of segment 0 = 10_000: not older than retention
-    assert log.delete_retention_segments() == 0
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
     clock.advance(1)
-    assert log.delete_retention_segments() == 1
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
     assert log.segment_base_offsets == [4, 8, 12, 16]
     clock.advance(2000)  # segments 1 and 2 expire
-    assert log.delete_retention_segments() == 2
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 2
     assert log.log_start_offset == 12
     assert log.recovery_point >= 12
     clock.advance(100_000)  # everything expired; the active segment stays
-    assert log.delete_retention_segments() == 1
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
     assert log.segment_base_offsets == [16]
     model.drop_below(16)
     assert read_all(log) == model.all_bytes()
@@ -809,6 +809,31 @@ def test_retention_by_time(tmp_path: Path) -> None:
     log.close()
 
 
+@pytest.mark.parametrize("by", ["bytes", "time"])
+def test_retention_stops_below_the_high_watermark(tmp_path: Path, by: str) -> None:
+    """A segment goes only once every record of it is below the HW (its end is the next
+    segment's base offset), whichever limit it is past: a record above the HW may exist
+    on no other replica yet. The log start never passes the HW."""
+    clock = ManualClock(start_ms=T0)
+    size = len(make_batch(2, ts=T0))
+    limits = {"retention_bytes": 0} if by == "bytes" else {"retention_ms": 1000}
+    config = LogConfig(segment_bytes=2 * size, file_delete_delay_ms=0, **limits)
+    log = open_log(tmp_path / "p-0", config, clock=clock)
+    for k in range(6):
+        log.append(make_batch(2, ts=T0, tag=k))
+    assert log.segment_base_offsets == [0, 4, 8]
+    clock.advance(5000)  # every segment past retention.ms too
+    assert log.delete_retention_segments(high_watermark=0) == 0
+    assert log.delete_retention_segments(high_watermark=3) == 0  # inside segment 0
+    assert log.segment_base_offsets == [0, 4, 8]
+    assert log.delete_retention_segments(high_watermark=4) == 1  # segment 0 ends at 4
+    assert (log.segment_base_offsets, log.log_start_offset) == ([4, 8], 4)
+    assert log.delete_retention_segments(high_watermark=7) == 0
+    assert log.delete_retention_segments(high_watermark=12) == 1  # the active one stays
+    assert log.segment_base_offsets == [8]
+    log.close()
+
+
 def test_retention_by_time_stops_at_first_unexpired_segment(tmp_path: Path) -> None:
     clock = ManualClock(start_ms=T0)
     size = len(make_batch(1, ts=T0))
@@ -817,7 +842,9 @@ def test_retention_by_time_stops_at_first_unexpired_segment(tmp_path: Path) -> N
     for ts in (T0 - 5000, T0, T0 - 5000, T0 - 5000):
         log.append(make_batch(1, ts=ts))
     assert log.segment_count == 4
-    assert log.delete_retention_segments() == 1  # the second segment is recent
+    assert (
+        log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
+    )  # the second segment is recent
     assert log.segment_base_offsets == [1, 2, 3]
     log.close()
 
@@ -829,7 +856,7 @@ def test_retention_ms_minus_one_keeps_forever(tmp_path: Path) -> None:
     for _ in range(3):
         log.append(make_batch(1, ts=0))
     clock.advance(100 * DAY_MS)
-    assert log.delete_retention_segments() == 0
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
     assert log.segment_count == 3
     log.close()
 
@@ -840,7 +867,7 @@ def test_deleted_files_left_at_close_are_removed_on_open(tmp_path: Path) -> None
     log = open_log(tmp_path / "p-0", config)
     for _ in range(3):
         log.append(make_batch(1))
-    assert log.delete_retention_segments() == 2
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 2
     log.close()  # before file.delete.delay.ms passed
     assert sum(p.name.endswith(".deleted") for p in (tmp_path / "p-0").iterdir()) == 6
     reopened = open_log(tmp_path / "p-0", config)
@@ -958,7 +985,7 @@ def test_truncate_below_log_start_truncates_fully(tmp_path: Path) -> None:
     model = Model(log)
     for i in range(8):
         model.append(make_batch(3, tag=i))
-    log.delete_retention_segments()
+    log.delete_retention_segments(high_watermark=log.log_end_offset)
     log.remove_deleted_files()
     assert log.log_start_offset == 18
     log.truncate_to(10)
@@ -996,7 +1023,7 @@ def test_truncation_then_retention_then_reopen(tmp_path: Path) -> None:
     for i in range(5):
         model.append(make_batch(3, tag=i + 20))
     log.update_config(LogConfig(segment_bytes=config.segment_bytes, retention_bytes=0))
-    log.delete_retention_segments()
+    log.delete_retention_segments(high_watermark=log.log_end_offset)
     model.drop_below(log.log_start_offset)
     check_state(log, model)
     check_reopen(log, model, config)

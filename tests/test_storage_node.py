@@ -277,7 +277,9 @@ def test_append_stream_reports_errors_per_message_and_continues(
     assert values_of(read_all(stub, "stream")) == [b"1", b"2", b"3"]
 
 
-def _lead_with_follower_2(stub: storage_pb2_grpc.StorageStub, topic: str) -> None:
+def _lead_with_follower_2(
+    stub: storage_pb2_grpc.StorageStub, topic: str, configs: dict[str, str] | None = None
+) -> None:
     """Make this broker leader of ``topic``-0 with broker 2 (the test) in the ISR."""
     state = common_pb2.PartitionState(
         topic=topic,
@@ -292,11 +294,71 @@ def _lead_with_follower_2(stub: storage_pb2_grpc.StorageStub, topic: str) -> Non
         storage_pb2.LeaderAndIsrRequest(
             controller_id=0,
             controller_epoch=1,
-            partitions=[storage_pb2.LeaderAndIsrPartition(state=state, is_new=True)],
+            partitions=[
+                storage_pb2.LeaderAndIsrPartition(
+                    state=state,
+                    is_new=True,
+                    configs=[
+                        common_pb2.ConfigEntry(name=k, value=v) for k, v in (configs or {}).items()
+                    ],
+                )
+            ],
         ),
         timeout=RPC_TIMEOUT_S,
     )
     assert [code(r.error) for r in response.partitions] == [ErrorCode.NONE]
+
+
+def test_retention_never_retires_records_above_the_high_watermark(
+    storage_node: StorageProcess,
+) -> None:
+    """Retention (retention.bytes=0 here, checked every 250 ms) deletes only segments wholly
+    below the HW, as Kafka's does: records broker 2 has not fetched stay, so when it comes
+    back it fetches them from offset 0, instead of being sent to a later log start while
+    the HW jumps over records no replica but the leader ever held."""
+    stub = storage_node.stub
+    topic = "retention-above-hw"
+    _lead_with_follower_2(stub, topic, {"segment.bytes": "1500", "retention.bytes": "0"})
+    for i in range(6):  # ~1 KB each: a segment per batch
+        result = append(stub, topic, encode_batch([bytes([65 + i]) * 1000]), acks=common_pb2.LEADER)
+        assert code(result.error) == ErrorCode.NONE
+    described = log_description(stub, topic)
+    assert described is not None and described.log_end_offset == 6
+    time.sleep(1.5)  # six maintenance passes
+    described = log_description(stub, topic)
+    assert described is not None
+    assert (described.log_start_offset, described.high_watermark) == (0, 0)
+
+    def follower_fetch(offset: int) -> storage_pb2.FetchPartitionResult:
+        request = storage_pb2.FetchRequest(
+            replica_id=2,
+            max_wait_ms=0,
+            max_bytes=1 << 20,
+            partitions=[
+                storage_pb2.FetchPartition(
+                    topic=topic, partition=0, fetch_offset=offset, max_bytes=1 << 20
+                )
+            ],
+        )
+        answer: storage_pb2.FetchResponse = stub.Fetch(request, timeout=RPC_TIMEOUT_S)
+        return answer.partitions[0]
+
+    offset, values = 0, []
+    while offset < 6:
+        got = follower_fetch(offset)
+        assert code(got.error) == ErrorCode.NONE, got.error
+        batches = decode_batches(got.records)
+        assert batches
+        values += [r.value for b in batches for r in b.records]
+        offset = batches[-1].last_offset + 1
+    assert values == [bytes([65 + i]) * 1000 for i in range(6)]
+    assert follower_fetch(6).high_watermark == 6
+    # Replicated now, so retention goes ahead: all but the active segment.
+    wait_for(
+        lambda: (d := log_description(stub, topic)) is not None and d.log_start_offset == 5,
+        10,
+        "retention below the HW",
+    )
 
 
 def test_append_stream_appends_each_request_as_it_arrives_and_answers_in_order(

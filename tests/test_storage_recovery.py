@@ -948,15 +948,17 @@ def test_log_manager_maintenance_applies_flush_and_retention(tmp_path: Path) -> 
         log.append(encode_batch([rng.randbytes(200)] * 3, timestamps_ms=[T0] * 3))
     assert log.segment_count > 2
     clock.advance(1000)
-    manager.maintenance()
+    manager.maintenance({("orders", 0): log.log_end_offset})
     assert log.recovery_point == log.log_end_offset  # flush.ms
     assert log.log_start_offset == 0
     clock.advance(60_000)
-    manager.maintenance()  # every record is T0, now T0 + 61s: all but the active go
+    manager.maintenance(
+        {("orders", 0): log.log_end_offset}
+    )  # every record is T0, now T0 + 61s: all but the active go
     assert log.segment_count == 1
     deleted = [p for p in (tmp_path / "orders-0").iterdir() if p.name.endswith(".deleted")]
     assert deleted
     clock.advance(5000)
-    manager.maintenance()
+    manager.maintenance({("orders", 0): log.log_end_offset})
     assert not any(p.name.endswith(".deleted") for p in (tmp_path / "orders-0").iterdir())
     manager.shutdown()

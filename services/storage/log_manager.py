@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
@@ -136,20 +137,25 @@ class LogManager:
     def all_logs(self) -> dict[TopicPartitionKey, Log]:
         return dict(self._logs)
 
-    def maintenance(self) -> None:
-        """Periodic work for every log; see ``maintain_log``."""
-        for (topic, partition), partition_log in list(self._logs.items()):
-            self.maintain_log(topic, partition, partition_log)
+    def maintenance(self, high_watermarks: Mapping[TopicPartitionKey, int]) -> None:
+        """Periodic work for every log; see ``maintain_log``. A log with no entry in
+        ``high_watermarks`` retires nothing (nothing of it is known to be replicated)."""
+        for key, partition_log in list(self._logs.items()):
+            hw = high_watermarks.get(key, partition_log.log_start_offset)
+            self.maintain_log(key[0], key[1], partition_log, high_watermark=hw)
 
     @staticmethod
-    def maintain_log(topic: str, partition: int, partition_log: Log) -> None:
-        """flush.ms flushes, retention, and unlinking of retired segments for one log.
+    def maintain_log(
+        topic: str, partition: int, partition_log: Log, *, high_watermark: int
+    ) -> None:
+        """flush.ms flushes, retention below ``high_watermark``, and unlinking of retired
+        segments for one log.
 
         Separate from ``maintenance`` so a caller that guards each log with its own lock
         can take one lock at a time instead of stopping every partition at once.
         """
         partition_log.flush_if_due()
-        retired = partition_log.delete_retention_segments()
+        retired = partition_log.delete_retention_segments(high_watermark=high_watermark)
         if retired:
             log.info(
                 "retention_deleted_segments",

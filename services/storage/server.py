@@ -426,7 +426,12 @@ class ReplicaManager:
             for (topic, partition_id), partition in sorted(self._partitions.items()):
                 with partition.locked() as current_log:
                     if current_log is not None:  # None: deleted since the snapshot
-                        LogManager.maintain_log(topic, partition_id, current_log)
+                        LogManager.maintain_log(
+                            topic,
+                            partition_id,
+                            current_log,
+                            high_watermark=partition.high_watermark,
+                        )
             if checkpoint:
                 self._log_manager.checkpoint()
                 self._write_high_watermarks()

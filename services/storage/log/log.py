@@ -709,17 +709,20 @@ class Log:
     # --- retention ----------------------------------------------------------------------
 
     @_reports_disk_failure
-    def delete_retention_segments(self) -> int:
+    def delete_retention_segments(self, *, high_watermark: int) -> int:
         """Retire whole oldest segments past retention.ms or retention.bytes.
 
-        The active segment is never deleted. Retired files are renamed ``*.deleted`` and
-        unlinked by ``remove_deleted_files`` after ``file_delete_delay_ms``. Returns the
-        number of segments retired.
+        Only segments wholly below ``high_watermark`` may go (as in Kafka): a record above
+        it may not be on any other replica yet, and retiring it would let the HW later
+        pass offsets no replica holds -- acknowledged acks=all records lost. It also keeps
+        ``log_start_offset <= high_watermark``. The active segment is never deleted.
+        Retired files are renamed ``*.deleted`` and unlinked by ``remove_deleted_files``
+        after ``file_delete_delay_ms``. Returns the number of segments retired.
         """
         now_ms = self._clock.now_ms()
         retired = 0
         if self.config.retention_ms >= 0:
-            while len(self._segments) > 1:
+            while self._first_below(high_watermark):
                 largest = self._segments.first.largest_timestamp_ms
                 if largest < 0 or now_ms - largest <= self.config.retention_ms:
                     break
@@ -727,7 +730,7 @@ class Log:
                 retired += 1
         if self.config.retention_bytes >= 0:
             excess = self.size_bytes - self.config.retention_bytes
-            while len(self._segments) > 1 and excess >= self._segments.first.size_bytes:
+            while self._first_below(high_watermark) and excess >= self._segments.first.size_bytes:
                 excess -= self._segments.first.size_bytes
                 self._retire_first(now_ms)
                 retired += 1
@@ -738,6 +741,11 @@ class Log:
             self._epochs.truncate_from_start(self.log_start_offset)
             self.producer_state.delete_snapshots(below=self.log_start_offset)
         return retired
+
+    def _first_below(self, high_watermark: int) -> bool:
+        """Whether the oldest segment is not the active one and ends at or below the HW
+        (its records end where the next segment begins)."""
+        return len(self._segments) > 1 and self._segments[1].base_offset <= high_watermark
 
     def _retire_first(self, now_ms: int) -> None:
         segment = self._segments.pop_first()
