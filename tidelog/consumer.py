@@ -328,11 +328,13 @@ class Consumer:
         self._needs_position.discard(tp)
         self._drop_buffered({tp})
 
-    def seek_to_beginning(self, partitions: Iterable[TopicPartition] | None = None) -> None:
-        self._seek_to(partitions, common_pb2.EARLIEST)
+    def seek_to_beginning(self, tps: Iterable[TopicPartition] | None = None) -> None:
+        """The next poll of ``tps`` (None: every assigned partition) starts at its log start."""
+        self._seek_to(tps, common_pb2.EARLIEST)
 
-    def seek_to_end(self, partitions: Iterable[TopicPartition] | None = None) -> None:
-        self._seek_to(partitions, common_pb2.LATEST)
+    def seek_to_end(self, tps: Iterable[TopicPartition] | None = None) -> None:
+        """The next poll of ``tps`` (None: every assigned partition) starts at its HW."""
+        self._seek_to(tps, common_pb2.LATEST)
 
     def _seek_to(
         self, partitions: Iterable[TopicPartition] | None, spec: common_pb2.OffsetSpec

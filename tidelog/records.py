@@ -300,16 +300,16 @@ class RecordBatch:
 # --- public functions ------------------------------------------------------------------------
 
 
-def encode_batch(
+def encode_batch(  # noqa: PLR0917 - DESIGN.md §6 fixes this signature
     values: Sequence[bytes | None],
     keys: Sequence[bytes | None] | None = None,
     headers: Sequence[Sequence[Header]] | None = None,
     timestamps_ms: Sequence[int] | None = None,
-    *,
     compression: str = "none",
     producer_id: int = -1,
     producer_epoch: int = -1,
     base_sequence: int = -1,
+    *,
     base_timestamp_ms: int | None = None,
 ) -> bytes:
     """Encode one batch from Python sequences.

@@ -391,7 +391,7 @@ class Log:
     @_reports_disk_failure
     def append(
         self,
-        batches: bytes | bytearray | memoryview,
+        batch: bytes | bytearray | memoryview,
         leader_epoch: int = 0,
         *,
         assign_offsets: bool = True,
@@ -411,7 +411,7 @@ class Log:
         is assigned in the epoch cache at the batch's base offset; a new epoch is
         checkpointed before the data is written.
         """
-        view = memoryview(batches).cast("B")
+        view = memoryview(batch).cast("B")
         spans, headers = self._validate(view)
         data: list[bytes | bytearray | memoryview] = [view]
         state = self.producer_state
