@@ -10,7 +10,11 @@ import pytest
 
 from services.storage.log import Log
 from services.storage.partition import Partition, PartitionState
-from services.storage.replica_rules import fetch_divergence, follower_truncation
+from services.storage.replica_rules import (
+    fetch_divergence,
+    follower_high_watermark,
+    follower_truncation,
+)
 from services.storage.replication import LeaderReplicationState
 from tidelog.records import encode_batch
 
@@ -105,6 +109,19 @@ def test_expansion_needs_hw_and_epoch_start() -> None:
     assert proposal is not None and proposal.new_isr == (1, 2, 3)
     state.on_isr_rejected()
     assert state.pending is None
+
+
+def test_expansion_waits_for_the_epoch_start_above_the_hw() -> None:
+    """A new leader's HW may be below the start of its epoch (its own earlier records
+    were never committed): a joiner must also hold the epoch start, or it could join
+    without the records the new leader's epoch begins with (Kafka's KIP-101 rule)."""
+    state = leader(isr=(1, 2), leo=100, hw=0, epoch_start=80)
+    state.on_follower_fetch(2, 60, now_ms=1)
+    assert state.high_watermark == 60
+    state.on_follower_fetch(3, 70, now_ms=1)  # above the HW, below the epoch start
+    assert state.ready_to_join() == []
+    state.on_follower_fetch(3, 80, now_ms=2)
+    assert state.ready_to_join() == [3]
 
 
 def test_pending_expansion_already_waits_for_the_joiner() -> None:
@@ -322,3 +339,10 @@ def test_an_append_that_commits_at_once_wakes_consumers(tmp_path: Path) -> None:
     leader.watch(consumer_fetch, replica=False)
     leader.append(encode_batch([b"a"]))
     assert leader.high_watermark == 1 and consumer_fetch.is_set()
+
+
+def test_a_follower_hw_is_the_leaders_capped_by_its_leo_and_never_goes_back() -> None:
+    assert follower_high_watermark(10, leader_high_watermark=40, log_end_offset=100) == 40
+    assert follower_high_watermark(10, leader_high_watermark=40, log_end_offset=30) == 30
+    # A new leader reporting a lower HW for a while does not take back what was learned.
+    assert follower_high_watermark(50, leader_high_watermark=40, log_end_offset=100) == 50
