@@ -115,9 +115,10 @@ _ZERO_ONE_TO_ASCII: Final = bytes.maketrans(b"\x00\x01", b"01")
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _CONTINUATION_BYTE: Final = re.compile(rb"[\x80-\xbf]")
 
-# array.array codes for the wire's i32 and i64; the format fixes the sizes.
-assert array.array("i").itemsize == 4
-assert array.array("q").itemsize == 8
+# array.array codes for the wire's i32 and i64; the format fixes the sizes, and a
+# platform where they differ would decode garbage (so not an assert, which -O drops).
+if (array.array("i").itemsize, array.array("q").itemsize) != (4, 8):
+    raise ImportError("tidelog.records needs 4-byte 'i' and 8-byte 'q' array items")
 
 
 # --- records and batches -------------------------------------------------------------------
