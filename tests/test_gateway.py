@@ -117,6 +117,32 @@ def test_groups_commit_and_fetch_through_two_gateways(
         assert sum(consumer.position(("grouped", p)) for p in range(2)) == 100
 
 
+def test_a_recreated_topic_starts_without_the_old_topics_offsets(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Offsets belong to one incarnation of a topic (its topic id), as Kafka deletes a
+    deleted topic's offsets: a group must not resume a re-created topic at the old
+    topic's position and skip the new records below it."""
+    admin.create_topic("reborn", partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch("reborn", [b"old"] * 50).result(30)
+    _consume_all(gateway.address, "reborn", 50, group="rebirth")
+    assert [p.committed_offset for p in admin.describe_group("rebirth")] == [50]
+    admin.delete_topic("reborn")
+    assert admin.describe_group("rebirth") == []  # the topic is gone, and its offsets
+    admin.create_topic("reborn", partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch("reborn", [b"new"] * 10).result(30)
+    assert admin.describe_group("rebirth") == []
+    with tidelog.Consumer(gateway.address, group_id="rebirth") as consumer:
+        consumer.subscribe(["reborn"])
+        assert consumer.committed([("reborn", 0)]) == {("reborn", 0): -1}
+    # auto_offset_reset applies again: every new record is read, none skipped.
+    records = _consume_all(gateway.address, "reborn", 10, group="rebirth")
+    assert [r.value for r in records] == [b"new"] * 10
+    assert [p.committed_offset for p in admin.describe_group("rebirth")] == [10]
+
+
 def test_commit_bad_input_changes_nothing(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic("commits", partitions=1, replication_factor=1)
     stub = gateway.stub

@@ -1,10 +1,17 @@
 """Consumer-group committed offsets, kept in etcd under ``groups/<group>/<topic>/<p>``.
 
 The layout and value format are in ``docs/METADATA.md`` (section 1.7): one key per
-partition, ``{offset, metadata, leader_epoch}``, the group id percent-encoded so any string
-is a safe key. Commits are last-writer-wins per partition, as in Kafka without group
-generations; one commit request is written in as few transactions as etcd allows, so a
-small commit lands whole or not at all.
+partition, ``{offset, metadata, leader_epoch, topic_id}``, the group id percent-encoded so
+any string is a safe key. Commits are last-writer-wins per partition, as in Kafka without
+group generations; one commit request is written in as few transactions as etcd allows, so
+a small commit lands whole or not at all.
+
+An offset belongs to one incarnation of its topic: it carries the ``topic_id`` the topic
+had when it was committed, and a fetch drops offsets of a topic that is gone or was
+deleted and created again (Kafka deletes a deleted topic's offsets). Without that, a
+group reading a re-created topic would resume at an offset of the old one and skip the
+new records below it. Tagging makes this hold without a compare on the topic key: a
+commit racing the deletion writes the old id, which no fetch will return.
 
 Every gateway reads and writes the same keys, so commits through one gateway are seen by
 FetchOffsets through any other.
@@ -75,18 +82,22 @@ def check_group_id(group_id: str) -> None:
         )
 
 
-def _decode(group_id: str, kv: KeyValue) -> Committed | None:
+def _decode(group_id: str, kv: KeyValue) -> tuple[Committed, str | None] | None:
+    """The committed offset and the topic id it was committed for (None: written before
+    offsets carried one), or None for an unreadable value."""
     rest = kv.key.removeprefix(group_prefix(group_id))
     topic, _, partition = rest.rpartition("/")
     try:
         value = json.loads(kv.value)
-        return Committed(
+        committed = Committed(
             topic=topic,
             partition=int(partition),
             offset=int(value["offset"]),
             metadata=str(value.get("metadata", "")),
             leader_epoch=int(value.get("leader_epoch", -1)),
         )
+        topic_id = value.get("topic_id")
+        return committed, None if topic_id is None else str(topic_id)
     except (ValueError, KeyError, TypeError) as exc:
         _log.error("bad_offset_key", key=kv.key, error=str(exc))
         return None
@@ -112,8 +123,9 @@ class OffsetStore:
         def check(view: MetadataView) -> None:
             for item in offsets:
                 error: TidelogError | None = None
+                topic_id = ""
                 try:
-                    view.check_partition(item.topic, item.partition)
+                    topic_id = view.check_partition(item.topic, item.partition).topic_id
                     if item.offset < 0:
                         raise InvalidRequestError(
                             f"offset {item.offset} for {item.topic}-{item.partition} is negative"
@@ -133,6 +145,7 @@ class OffsetStore:
                             "offset": item.offset,
                             "metadata": item.metadata,
                             "leader_epoch": item.leader_epoch,
+                            "topic_id": topic_id,
                         },
                         separators=(",", ":"),
                         sort_keys=True,
@@ -148,11 +161,17 @@ class OffsetStore:
         """Committed offsets; for ``partitions`` given, one entry each (offset -1 when none),
         else everything the group committed."""
         check_group_id(group_id)
-        committed = {
-            (c.topic, c.partition): c
-            for kv in self._store.get_prefix(group_prefix(group_id))
-            if (c := _decode(group_id, kv)) is not None
-        }
+        kvs = self._store.get_prefix(group_prefix(group_id))
+        # Read after the offsets: a topic re-created in between then shows its new id.
+        topic_ids = self._cache.read(lambda view: {n: t.topic_id for n, t in view.topics.items()})
+        committed: dict[tuple[str, int], Committed] = {}
+        for kv in kvs:
+            decoded = _decode(group_id, kv)
+            if decoded is None:
+                continue
+            c, topic_id = decoded
+            if c.topic in topic_ids and topic_id in (None, topic_ids[c.topic]):
+                committed[(c.topic, c.partition)] = c
         if not partitions:
             return sorted(committed.values(), key=lambda c: (c.topic, c.partition))
         return [committed.get((t, p), Committed(t, p, -1)) for t, p in partitions]
