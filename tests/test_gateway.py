@@ -37,8 +37,13 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
 )
 from tidelog.partitioner import partition_for_key
-from tidelog.producer import RECORD_OVERHEAD_BYTES, BatchMetadata
-from tidelog.records import decode_batches, encode_batch
+from tidelog.producer import BatchMetadata
+from tidelog.records import (
+    BATCH_OVERHEAD_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    decode_batches,
+    encode_batch,
+)
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
 
 
@@ -686,7 +691,7 @@ def test_keyless_records_move_on_after_a_batch_worth_even_in_small_batches(
     topic = "sticky-moves"
     admin.create_topic(topic, partitions=6, replication_factor=1)
     value = b"v" * 100
-    batch_bytes = 8 * (len(value) + RECORD_OVERHEAD_BYTES)  # 8 records' worth
+    batch_bytes = 8 * (len(value) + RECORD_OVERHEAD_BYTES) + BATCH_OVERHEAD_BYTES  # 8 records
     with tidelog.Producer(gateway.address, batch_bytes=batch_bytes, linger_ms=0) as producer:
         partitions = [producer.send(topic, value).result(30).partition for _ in range(80)]
     assert _runs(partitions) == [8] * 10, partitions
@@ -721,7 +726,7 @@ def test_small_keyless_send_batches_stay_on_the_sticky_partition_for_a_batch_wor
     topic = "sticky-batches"
     admin.create_topic(topic, partitions=6, replication_factor=1)
     value = b"v" * 100
-    batch_bytes = 8 * (len(value) + RECORD_OVERHEAD_BYTES)  # 8 records' worth
+    batch_bytes = 8 * (len(value) + RECORD_OVERHEAD_BYTES) + BATCH_OVERHEAD_BYTES  # 8 records
     arrow_pair = pa.array([value] * 2, pa.binary())
     with tidelog.Producer(gateway.address, batch_bytes=batch_bytes, linger_ms=0) as producer:
         from_lists = [
@@ -734,6 +739,56 @@ def test_small_keyless_send_batches_stay_on_the_sticky_partition_for_a_batch_wor
     assert _runs(from_lists) == [4] * 10, from_lists
     assert _runs(from_arrow) == [4] * 10, from_arrow
     assert _runs(list(large.partitions)) == [8] * 4, list(large.partitions)
+
+
+def test_default_batches_stay_within_the_default_max_message_bytes(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """With every default (batch_bytes 1 MiB; the topic's max.message.bytes 1 MiB + 12),
+    full batches pass the leader's size check however the records come: keyed records
+    with their own timestamps (the most framing per record), a large record after many
+    small ones (a batch closes before a record would take it past batch_bytes), and an
+    Arrow array whose rows grow large after small ones (cut by the running size, not the
+    average). Each of these used to make a batch the leader refused as MESSAGE_TOO_LARGE."""
+    pa = pytest.importorskip("pyarrow")
+    topic = "full-batches"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    keyed = [(f"k{i:08d}".encode(), bytes([i % 251]) * 100) for i in range(20_000)]
+    small_then_large = [b"s" * 1000] * 1000 + [b"L" * 600_000]
+    skewed = pa.array([b"t" * 10] * 20_000 + [b"W" * 2000] * 2_000, pa.binary())
+    with tidelog.Producer(gateway.address, linger_ms=50) as producer:
+        futures = [
+            producer.send(topic, value, key=key, timestamp_ms=1_700_000_000_000 + i)
+            for i, (key, value) in enumerate(keyed)
+        ]
+        futures += [producer.send(topic, value) for value in small_then_large]
+        arrow = producer.send_batch(topic, skewed)
+        written = [f.result(60) for f in futures]
+        assert len(arrow.result(60)) == len(skewed)
+    assert [m.offset for m in written] == list(range(len(written)))
+    records = _consume_all(gateway.address, topic, len(written) + len(skewed))
+    assert len(records) == len(written) + len(skewed)
+    assert [(r.key, r.value) for r in records[: len(keyed)]] == keyed
+
+
+def test_send_batch_checks_its_items_before_queueing_anything(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A value or key that is not bytes fails the call at once, before anything is queued:
+    found only when the sender encoded, it failed every batch of its request and spent
+    other partitions' sequence numbers (their next batches then failed too)."""
+    topic = "checked-items"
+    admin.create_topic(topic, partitions=2, replication_factor=1)
+    with tidelog.Producer(gateway.address, linger_ms=20) as producer:
+        good = producer.send(topic, b"first", partition=1)
+        with pytest.raises(ConfigError, match="values must hold bytes or None, not str"):
+            producer.send_batch(topic, [b"ok", "text"], partition=0)  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match="keys must hold bytes or None, not int"):
+            producer.send_batch(topic, [b"ok"], keys=[7])  # type: ignore[list-item]
+        assert good.result(30).offset == 0
+        after = producer.send_batch(topic, [b"a", b"b"], partition=1).result(30)
+        assert [m.offset for m in after] == [1, 2]
+        assert producer.send(topic, b"zero", partition=0).result(30).offset == 0
 
 
 def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admin) -> None:

@@ -106,7 +106,16 @@ from tidelog.errors import (
 from tidelog.leaders import Leader, LeaderDirectory, directory_for
 from tidelog.metrics import ClientMetrics
 from tidelog.partitioner import murmur2_partitions, partition_for_key
-from tidelog.records import Header, encode_batch, encode_batch_arrow_parts
+from tidelog.records import (
+    BATCH_OVERHEAD_BYTES,
+    RECORD_OVERHEAD_BYTES,
+    Header,
+    arrow_record_bytes,
+    batch_cuts,
+    encode_batch,
+    encode_batch_arrow_parts,
+    record_bytes,
+)
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 from tidelog.wire import encode_append_request, encode_produce_request
 
@@ -116,8 +125,6 @@ ACKS: Final = {
     "1": common_pb2.LEADER,
     "0": common_pb2.NONE_ACKS,
 }
-RECORD_OVERHEAD_BYTES: Final = 16
-"""Estimated per-record cost in a batch beyond key and value (offsets, timestamp delta)."""
 MAX_REQUEST_BYTES: Final = 8 * 1024 * 1024
 """Record bytes per ProduceRequest: big enough to amortise a round trip, far below the
 gateway's limit."""
@@ -164,6 +171,17 @@ class RecordMetadata:
     partition: int
     offset: int
     timestamp_ms: int
+
+
+_BINARY_ITEM_TYPES: Final = frozenset({bytes, bytearray, memoryview, type(None)})
+
+
+def _check_binary(items: Sequence[Any], name: str) -> None:
+    """Raise ConfigError unless every item is bytes-like or None (C-speed for a list)."""
+    wrong = set(map(type, items)) - _BINARY_ITEM_TYPES
+    if wrong:
+        names = ", ".join(sorted(t.__name__ for t in wrong))
+        raise ConfigError(f"{name} must hold bytes or None, not {names}")
 
 
 def _is_arrow(values: Any) -> bool:
@@ -469,6 +487,9 @@ class Producer:
         self._acks = ACKS[acks_key]
         self._linger_s = linger_ms / 1000
         self._batch_bytes = batch_bytes
+        # What a batch's records may add up to (records.record_bytes) for the encoded batch
+        # to stay within batch_bytes.
+        self._records_budget = max(1, batch_bytes - BATCH_OVERHEAD_BYTES)
         self._compression = compression
         self._idempotent = enable_idempotence
         self._retries = retries
@@ -565,7 +586,7 @@ class Producer:
             return
         went = self._sticky_bytes.get(topic, 0) + size
         self._sticky_bytes[topic] = went
-        if went >= self._batch_bytes:
+        if went >= self._records_budget:
             self._next_sticky(topic, count)
 
     def _next_sticky(self, topic: str, count: int) -> None:
@@ -598,9 +619,7 @@ class Producer:
             partition = self._choose(topic, key)
         else:
             self._check_partition(topic, partition)
-        size = len(value or b"") + len(key or b"") + RECORD_OVERHEAD_BYTES
-        if headers:
-            size += sum(len(n) + len(v or b"") for n, v in headers)
+        size = record_bytes(value, key, headers)
         if size > self._buffer_bytes:
             raise ConfigError(f"a record of {size} bytes exceeds buffer_bytes {self._buffer_bytes}")
         future: Future[RecordMetadata] = Future()
@@ -609,6 +628,12 @@ class Producer:
         with self._lock:
             self._reserve(size)
             batch = self._open.get(tp)
+            if batch is not None and batch.size_bytes + size > self._records_budget:
+                # Close before the record would take the batch past batch_bytes (Kafka's
+                # rule): a batch that overshoots can pass the topic's max.message.bytes.
+                self._close_open(tp)
+                self._lock.notify_all()
+                batch = None
             opened = batch is None
             if batch is None:
                 batch = self._open[tp] = _Batch(tp)
@@ -628,7 +653,7 @@ class Producer:
             batch.record_futures.append((index, future))
             if sticky:
                 self._stick(topic, partition, size, self._counts.get(topic, 1))
-            if batch.size_bytes >= self._batch_bytes:
+            if batch.size_bytes >= self._records_budget:
                 self._close_open(tp)
                 self._lock.notify_all()
             elif opened:
@@ -665,6 +690,11 @@ class Producer:
         n = len(values)
         if keys is not None and len(keys) != n:
             raise ConfigError(f"{len(keys)} keys for {n} values")
+        # Checked here, not when the sender encodes: a bad item found there would fail
+        # every batch of its request and spend sequence numbers of other partitions.
+        _check_binary(values, "values")
+        if keys is not None:
+            _check_binary(keys, "keys")
         ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         # (partition, record indices, bytes) of each batch to make, in order.
         chunks: list[tuple[int, range | list[int], int]] = []
@@ -695,7 +725,7 @@ class Producer:
                 end, size = self._chunk(values, None, range(n), start)
                 target = self._sticky_partition(topic, count)
                 chunks.append((target, range(start, end), size))
-                self._stick(topic, target, size if end == n else self._batch_bytes, count)
+                self._stick(topic, target, size if end == n else self._records_budget, count)
                 start = end
         # Cut each planned partition's records into batches of at most batch_bytes.
         for p, indices in plan:
@@ -737,22 +767,20 @@ class Producer:
         if partition is not None:
             self._check_partition(topic, partition)
         count = self._partition_count(topic)
-        # Rows per batch from the array's average size: slicing is O(1) and the batches
-        # come out near batch_bytes for records of similar size (as logs usually are).
-        average = max(1, (values.nbytes // max(n, 1)) + RECORD_OVERHEAD_BYTES)
-        rows = max(1, self._batch_bytes // average)
-        starts = range(0, n, rows)
-        group = _Group(topic, n, ts, len(starts))
+        # Cut by the running total of the records' sizes (Arrow kernels and a binary
+        # search per batch): slices stay zero-copy, and a run of large records after
+        # small ones cannot make a batch past batch_bytes.
+        cuts = batch_cuts(arrow_record_bytes(values), self._batch_bytes)
+        group = _Group(topic, n, ts, len(cuts))
         if not n:
             group.future.set_result(BatchMetadata(topic, group.partitions, group.offsets, ts))
             return group.future
-        for start in starts:
-            stop = min(n, start + rows)
+        for start, stop, size in cuts:
             target = partition if partition is not None else self._sticky_partition(topic, count)
             batch = _Batch((topic, target))
             batch.arrow_values = values.slice(start, stop - start)
             batch.timestamps = [ts]
-            batch.size_bytes = batch.arrow_values.nbytes + RECORD_OVERHEAD_BYTES * (stop - start)
+            batch.size_bytes = size
             batch.group_slots.append((group, range(start, stop)))
             with self._lock:
                 self._reserve(min(batch.size_bytes, self._buffer_bytes))
@@ -763,7 +791,7 @@ class Producer:
             if partition is None:
                 # A slice cut short of the end is a batch's worth by construction.
                 full = stop < n
-                self._stick(topic, target, self._batch_bytes if full else batch.size_bytes, count)
+                self._stick(topic, target, self._records_budget if full else batch.size_bytes, count)
         return group.future
 
     def _chunk(
@@ -773,14 +801,15 @@ class Producer:
         indices: range | list[int],
         position: int,
     ) -> tuple[int, int]:
-        """(end, bytes) of the run of ``indices`` from ``position`` that fits
+        """(end, bytes) of the run of ``indices`` from ``position`` whose batch fits
         ``batch_bytes`` (at least one record)."""
-        budget = self._batch_bytes
+        budget = self._records_budget
         size = 0
         end = position
         total = len(indices)
         while end < total:
             i = indices[end]
+            # record_bytes inlined: this loop runs once per record of a list.
             record = len(values[i] or b"") + RECORD_OVERHEAD_BYTES
             if keys is not None:
                 record += len(keys[i] or b"")

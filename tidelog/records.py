@@ -298,6 +298,87 @@ class RecordBatch:
         return _body_to_arrow(self.header, self._body)
 
 
+# --- batch sizes, for cutting records into batches -------------------------------------------
+# Upper bounds of what the body layout above costs, so a producer that keeps the sum of
+# its records' estimates within ``batch_bytes - BATCH_OVERHEAD_BYTES`` makes batches of at
+# most ``batch_bytes`` (and a topic's max.message.bytes defaults to 1 MiB + 12, the
+# producers' default batch size + 12).
+
+RECORD_OVERHEAD_BYTES: Final = 17
+"""Most a record costs beyond its key, value and header bytes: an i64 timestamp delta, an
+i32 offset in the key and in the value column, and a validity bit in each (rounded up)."""
+HEADER_OVERHEAD_BYTES: Final = 9
+"""Most one header costs beyond its name's UTF-8 and its value: two i32 offsets and a
+validity bit."""
+HEADER_LIST_OVERHEAD_BYTES: Final = 4
+"""Most a record's header list costs beyond its headers: its i32 list offset."""
+BATCH_OVERHEAD_BYTES: Final = 256
+"""Most a batch costs beyond its records' estimates: the 65-byte header and the 7 zero
+bytes before the body, the closing entry of each offsets array, each section's padding
+to 8 bytes (~165 bytes in all), and room for a compression frame's own overhead."""
+
+
+def record_bytes(
+    value: bytes | bytearray | memoryview | None,
+    key: bytes | bytearray | memoryview | None = None,
+    headers: Sequence[Header] | None = None,
+) -> int:
+    """An upper bound of what one record adds to an uncompressed batch."""
+    size = len(value or b"") + len(key or b"") + RECORD_OVERHEAD_BYTES
+    if headers:
+        size += HEADER_LIST_OVERHEAD_BYTES + sum(
+            HEADER_OVERHEAD_BYTES + len(name.encode()) + len(v or b"") for name, v in headers
+        )
+    return size
+
+
+def arrow_record_bytes(values: Any, keys: Any = None, headers: Any = None) -> Any:
+    """``record_bytes`` of every row of binary-like Arrow arrays, as an int64 array,
+    computed by Arrow kernels. A row's headers are counted at the array's average (the
+    per-row sum would cost a group-by for a rare column)."""
+    pa, pc = _arrow()
+    sizes = pc.add(_binary_lengths(values, pc), RECORD_OVERHEAD_BYTES)
+    if keys is not None:
+        sizes = pc.add(sizes, _binary_lengths(keys, pc))
+    if headers is not None and len(headers):
+        per_row = -(-headers.nbytes // len(headers)) + HEADER_LIST_OVERHEAD_BYTES
+        sizes = pc.add(sizes, per_row)
+    return sizes.cast(pa.int64())
+
+
+def _binary_lengths(array: Any, pc: Any) -> Any:
+    return pc.fill_null(pc.binary_length(array), 0).cast("int64")
+
+
+def batch_cuts(row_bytes: Any, batch_bytes: int) -> list[tuple[int, int, int]]:
+    """Cut rows into consecutive runs of at most ``batch_bytes`` as encoded batches, given
+    each row's ``record_bytes`` (an Arrow integer array); ``(start, stop, bytes)`` each.
+    A row too large for any batch goes alone. O(batches x log rows) Python steps: a
+    binary search over the running total for each cut, not a loop over rows."""
+    _, pc = _arrow()
+    n = len(row_bytes)
+    if not n:
+        return []
+    totals = pc.cumulative_sum(row_bytes.cast("int64"))
+    budget = max(1, batch_bytes - BATCH_OVERHEAD_BYTES)
+    cuts: list[tuple[int, int, int]] = []
+    start, before = 0, 0
+    while start < n:
+        # The largest stop with totals[stop - 1] - before <= budget (at least start + 1).
+        low, high = start + 1, n
+        while low < high:
+            middle = (low + high + 1) // 2
+            if totals[middle - 1].as_py() - before <= budget:
+                low = middle
+            else:
+                high = middle - 1
+        stop = low
+        after = totals[stop - 1].as_py()
+        cuts.append((start, stop, after - before))
+        start, before = stop, after
+    return cuts
+
+
 # --- public functions ------------------------------------------------------------------------
 
 

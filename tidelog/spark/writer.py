@@ -40,10 +40,8 @@ from pyspark.sql.types import BinaryType, IntegerType, StringType, StructType
 
 from tidelog.client import GatewayConnection
 from tidelog.errors import ConfigError, InvalidRequestError, error_for_code
-from tidelog.formats import BATCH_HEADER_SIZE
 from tidelog.partitioner import murmur2_partitions
-from tidelog.producer import RECORD_OVERHEAD_BYTES
-from tidelog.records import encode_batch_arrow
+from tidelog.records import arrow_record_bytes, batch_cuts, encode_batch_arrow
 from tidelog.spark.direct import Appender
 from tidelog.spark.options import WriteOptions, parse_write_options
 from tidelog.v1 import common_pb2
@@ -219,19 +217,12 @@ class _TaskWriter:
         self, topic: str, partition: int, values: Any, keys: Any, headers: Any
     ) -> None:
         n = len(values)
-        # An upper bound of the encoded records: Arrow's buffers (offsets and validity
-        # included) plus each record's framing; headers count too. Counting only value and
-        # key bytes made batches of small rows larger than batchBytes, and past the
-        # topic's max.message.bytes (1 MiB + 12 by default, batchBytes' default + 12).
-        size = values.nbytes + RECORD_OVERHEAD_BYTES * n
-        if keys is not None:
-            size += keys.nbytes
-        if headers is not None:
-            size += headers.nbytes
-        room = max(1, self.options.batch_bytes - BATCH_HEADER_SIZE)
-        rows_per_batch = max(1, n * room // max(size, 1))
-        for start in range(0, n, rows_per_batch):
-            stop = min(n, start + rows_per_batch)
+        # Cut by the running total of each row's upper-bound size (framing and headers
+        # included): counting only value and key bytes, or cutting at the average size,
+        # made batches past batchBytes, and past the topic's max.message.bytes (1 MiB + 12
+        # by default, batchBytes' default + 12).
+        cuts = batch_cuts(arrow_record_bytes(values, keys, headers), self.options.batch_bytes)
+        for start, stop, _ in cuts:
             sequence = -1
             if self.identity is not None:
                 sequence = self.sequences.get((topic, partition), 0)
