@@ -21,13 +21,9 @@ from typing import Any, Final, NoReturn, Protocol, TypeVar
 import grpc
 import structlog
 
+from tidelog.client import bare_status_error
 from tidelog.errors import (
-    BrokerNotAvailableError,
     ErrorCode,
-    InvalidRequestError,
-    NetworkError,
-    RecordListTooLargeError,
-    RequestTimedOutError,
     TidelogError,
     UnknownServerError,
     error_for_code,
@@ -91,18 +87,6 @@ STATUS_FOR_CODE: Final[Mapping[ErrorCode, grpc.StatusCode]] = {
 
 # Every code has a status, so adding an ErrorCode without deciding its status fails at import.
 assert set(STATUS_FOR_CODE) == set(ErrorCode), set(ErrorCode) - set(STATUS_FOR_CODE)
-
-# For statuses that carry no tidelog code: produced by gRPC itself (deadline, connection,
-# message size, concurrency limit) or by a server outside tidelog's conventions.
-_CODE_FOR_BARE_STATUS: Final[Mapping[grpc.StatusCode, type[TidelogError]]] = {
-    _S.DEADLINE_EXCEEDED: RequestTimedOutError,
-    _S.UNAVAILABLE: NetworkError,
-    _S.CANCELLED: NetworkError,
-    _S.INVALID_ARGUMENT: InvalidRequestError,
-    _S.UNIMPLEMENTED: InvalidRequestError,
-    # The server's maximum_concurrent_rpcs limit: busy now, fine later.
-    _S.RESOURCE_EXHAUSTED: BrokerNotAvailableError,
-}
 
 
 def status_for(code: ErrorCode) -> grpc.StatusCode:
@@ -198,11 +182,7 @@ def error_from_rpc_error(exc: grpc.RpcError) -> TidelogError:
     if code is not None:
         return error_for_code(code, details)
     message = f"{status.name}: {details}" if details else status.name
-    # gRPC's own size limit ("Received message larger than max") is a request-size problem.
-    if status == _S.RESOURCE_EXHAUSTED and "larger than max" in details:
-        return RecordListTooLargeError(message)
-    cls = _CODE_FOR_BARE_STATUS.get(status, UnknownServerError)
-    return cls(message)
+    return bare_status_error(status, message, details)
 
 
 _Self = TypeVar("_Self")

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import grpc
 import pytest
 
+from services.process import new_server
+from services.status import error_from_rpc_error
 from tidelog import errors
+from tidelog.client import error_from_rpc
 from tidelog.v1 import common_pb2
 
 
@@ -34,3 +41,49 @@ def test_retriable_flags() -> None:
     assert not errors.InvalidTopicError().retriable
     assert not errors.MessageTooLargeError().retriable
     assert not errors.ConfigError("bad").retriable
+
+
+def test_a_busy_server_and_an_oversized_message_are_told_apart_by_the_sdk() -> None:
+    """A tidelog server at its max_concurrent_rpcs answers a bare RESOURCE_EXHAUSTED: busy
+    now, fine later, so the SDK's error is retriable (it used to say RECORD_LIST_TOO_LARGE,
+    which is not, and a producer failed its records). gRPC's own message size limit says
+    RESOURCE_EXHAUSTED too, and stays RECORD_LIST_TOO_LARGE. Real servers on loopback."""
+    release = threading.Event()
+
+    def slow(request: bytes, context: grpc.ServicerContext) -> bytes:
+        release.wait(10)
+        return b"ok"
+
+    server = new_server(
+        role="gateway", max_workers=4, max_message_bytes=1 << 10, max_concurrent_rpcs=1
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "t.T", {"M": grpc.unary_unary_rpc_method_handler(slow)}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/t.T/M")
+            first = call.future(b"a")
+            time.sleep(0.3)  # the one admitted call is running
+            with pytest.raises(grpc.RpcError) as busy:
+                call(b"b", timeout=5)
+            release.set()
+            first.result(10)
+            with pytest.raises(grpc.RpcError) as too_large:
+                call(b"x" * (4 << 10), timeout=5)
+    finally:
+        release.set()
+        server.stop(0)
+    assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    busy_error = error_from_rpc(busy.value, "produce")
+    assert isinstance(busy_error, errors.BrokerNotAvailableError) and busy_error.retriable
+    assert isinstance(error_from_rpc_error(busy.value), errors.BrokerNotAvailableError)
+    assert too_large.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    size_error = error_from_rpc(too_large.value, "produce")
+    assert isinstance(size_error, errors.RecordListTooLargeError) and not size_error.retriable

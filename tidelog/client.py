@@ -31,7 +31,9 @@ from typing import Any, ClassVar, Final
 import grpc
 
 from tidelog.errors import (
+    BrokerNotAvailableError,
     ErrorCode,
+    InvalidRequestError,
     NetworkError,
     RecordListTooLargeError,
     RequestTimedOutError,
@@ -56,6 +58,30 @@ ERROR_CODE_METADATA_KEY: Final = "tidelog-error-code"
 """Trailing metadata key servers use to carry the tidelog error code of a failed call."""
 
 
+ERROR_FOR_BARE_STATUS: Final[dict[grpc.StatusCode, type[TidelogError]]] = {
+    grpc.StatusCode.DEADLINE_EXCEEDED: RequestTimedOutError,
+    grpc.StatusCode.UNAVAILABLE: NetworkError,
+    # A call reset on the way (a proxy, a load balancer): nothing says it was refused.
+    grpc.StatusCode.CANCELLED: NetworkError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.UNIMPLEMENTED: InvalidRequestError,
+    # A server's maximum_concurrent_rpcs limit: busy now, fine later (retriable); gRPC's
+    # own message size limit also says RESOURCE_EXHAUSTED, see bare_status_error.
+    grpc.StatusCode.RESOURCE_EXHAUSTED: BrokerNotAvailableError,
+}
+"""The error a failed call stands for when it carries no tidelog code: statuses made by
+gRPC itself (deadline, connection, message size, concurrency limit) or by a server
+outside tidelog's conventions. Shared by the SDK and the services' own calls."""
+
+
+def bare_status_error(status: grpc.StatusCode, message: str, details: str) -> TidelogError:
+    """``ERROR_FOR_BARE_STATUS`` applied: the error for ``status`` with ``message``."""
+    # gRPC's own size limit ("Received message larger than max") is a request-size problem.
+    if status == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+        return RecordListTooLargeError(message)
+    return ERROR_FOR_BARE_STATUS.get(status, UnknownServerError)(message)
+
+
 def error_from_rpc(exc: grpc.RpcError, what: str) -> TidelogError:
     """The tidelog error a failed call stands for, with ``what`` for context."""
     status = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
@@ -73,9 +99,7 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> TidelogError:
         return NetworkError(f"{what}: unreachable ({details})")
     if status == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RequestTimedOutError(f"{what}: no answer before the deadline")
-    if status == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return RecordListTooLargeError(f"{what}: {details}")
-    return UnknownServerError(f"{what}: {status.name}: {details}")
+    return bare_status_error(status, f"{what}: {status.name}: {details}", details or "")
 
 
 def leaders_by_topic(response: controller_pb2.MetadataResponse) -> dict[str, list[int]]:

@@ -790,8 +790,8 @@ class Producer:
                 self._lock.notify_all()
             if partition is None:
                 # A slice cut short of the end is a batch's worth by construction.
-                full = stop < n
-                self._stick(topic, target, self._records_budget if full else batch.size_bytes, count)
+                went = self._records_budget if stop < n else batch.size_bytes
+                self._stick(topic, target, went, count)
         return group.future
 
     def _chunk(
