@@ -156,13 +156,15 @@ def test_out_of_order_sequences(tmp_path: Path) -> None:
     log.close()
 
 
-def test_unknown_producer_must_start_at_zero(tmp_path: Path) -> None:
+def test_an_unknown_producer_starts_at_any_sequence(tmp_path: Path) -> None:
+    """KIP-360: a producer this partition does not know (never seen, expired, truncated
+    away) is taken at whatever sequence it is at; from then on the usual rules hold."""
     log = open_log(tmp_path / "p-0")
-    before = dir_state(log.dir)
-    with pytest.raises(OutOfOrderSequenceError, match="sequence 0"):
-        log.append(idem(5, 0, 9))
-    assert dir_state(log.dir) == before
-    assert log.append(idem(5, 3, 0)) == AppendInfo(0, 1)  # any epoch, sequence 0
+    assert log.append(idem(5, 0, 9)) == AppendInfo(0, 1)
+    assert log.append(idem(6, 3, 0)) == AppendInfo(2, 3)  # any epoch, any sequence
+    with pytest.raises(OutOfOrderSequenceError, match="expected sequence 11"):
+        log.append(idem(5, 0, 12))
+    assert log.append(idem(5, 0, 11)) == AppendInfo(4, 5)
     log.close()
 
 
@@ -250,7 +252,7 @@ def test_multi_batch_requests(tmp_path: Path) -> None:
     bad_requests: list[tuple[bytes, type[Exception]]] = [
         (idem(1, 0, 4) + idem(1, 0, 7), OutOfOrderSequenceError),
         (idem(1, 0, 4) + idem(2, 0, 5), OutOfOrderSequenceError),
-        (plain() + idem(2, 0, 2) + idem(1, 0, 4) + idem(3, 0, 1), OutOfOrderSequenceError),
+        (plain() + idem(2, 0, 2) + idem(1, 0, 4) + idem(1, 0, 9), OutOfOrderSequenceError),
         (idem(1, 0, 4) + idem(1, 0, 4), OutOfOrderSequenceError),  # repeated inside
         (idem(1, 1, 0) + idem(1, 0, 6), InvalidProducerEpochError),  # bump, then old epoch
         (idem(2, 0, 2) + idem(2, -1, 4), InvalidRecordError),
@@ -461,9 +463,8 @@ def test_truncate_fully_clears_state_and_snapshots(tmp_path: Path) -> None:
     log.truncate_fully_and_start_at(1000)
     assert len(log.producer_state) == 0
     assert snapshots(log.dir) == []
-    with pytest.raises(OutOfOrderSequenceError):
-        log.append(idem(10, 0, 5))
-    assert log.append(idem(10, 0, 0)) == AppendInfo(1000, 1001)
+    # Forgotten with the log: taken again at whatever sequence it is at (KIP-360).
+    assert log.append(idem(10, 0, 5)) == AppendInfo(1000, 1001)
     log.close()
 
 
@@ -493,11 +494,11 @@ def test_expiry(tmp_path: Path) -> None:
     assert log.remove_expired_producers() == 1
     assert log.producer_state.entry(1) is None
     assert log.producer_state.entry(2) is not None
-    # An expired producer is unknown: it must start again at sequence 0.
-    with pytest.raises(OutOfOrderSequenceError):
-        log.append(idem(1, 0, 2))
-    assert log.append(idem(2, 0, 2)) == AppendInfo(4, 5)
-    assert log.remove_expired_producers(expiration_ms=0) == 1
+    # An expired producer is unknown: its next batch is taken at its sequence (KIP-360),
+    # not refused for not starting at 0, which failed a quiet producer's next send.
+    assert log.append(idem(1, 0, 2)) == AppendInfo(4, 5)
+    assert log.append(idem(2, 0, 2)) == AppendInfo(6, 7)
+    assert log.remove_expired_producers(expiration_ms=0) == 2
     log.close()
 
 
@@ -616,8 +617,7 @@ class ModelState:
             else:
                 cur = None
             if cur is None:
-                if seq != 0:
-                    return OutOfOrderSequenceError
+                pass  # unknown: any sequence (KIP-360)
             elif epoch < cur[0]:
                 return InvalidProducerEpochError
             elif epoch > cur[0]:

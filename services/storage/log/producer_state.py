@@ -11,7 +11,9 @@ their first and last sequences and the offsets they were written at. With that i
 - rejects a batch from an older producer epoch (``InvalidProducerEpochError``: a zombie
   producer instance was fenced by a newer one);
 - rejects a gap or a reordering (``OutOfOrderSequenceError``: the next batch must start at
-  last sequence + 1; a new epoch, or a producer id never seen, must start at 0);
+  last sequence + 1; a new epoch must start at 0). A producer id this partition does not
+  know (never seen, or forgotten by expiry or truncation) starts at any sequence, as in
+  Kafka since KIP-360;
 - refuses a batch of the current epoch whose sequences lie wholly before the remembered
   batches (``DuplicateSequenceError``): it was written long ago, its offsets are
   forgotten. A producer that resends a whole old request (Spark's exactly-once writer
@@ -297,11 +299,11 @@ class ProducerStateManager:
                 known = entry.producer_epoch, entry.last_sequence
             fresh = True
             if known is None:
-                if first != 0:
-                    raise OutOfOrderSequenceError(
-                        f"producer {producer_id} is unknown to this partition (never seen, "
-                        f"or expired); its first batch must have sequence 0, not {first}"
-                    )
+                # Unknown here (never seen, expired, or its batches truncated or deleted):
+                # any sequence starts it, as in Kafka since KIP-360. Requiring 0 failed a
+                # producer's first send after a day's silence, or after a failover to a
+                # replica that started over.
+                pass
             elif epoch < known[0]:
                 raise InvalidProducerEpochError(
                     f"producer {producer_id} epoch {epoch} is older than the current "
