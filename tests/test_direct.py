@@ -14,6 +14,8 @@ import pytest
 import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 from tidelog.errors import MessageTooLargeError, UnknownTopicOrPartitionError
+from tidelog.records import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES, encode_batch
+from tidelog.v1 import common_pb2, gateway_pb2
 
 
 def _create(admin: tidelog.Admin, topic: str, partitions: int) -> None:
@@ -384,3 +386,61 @@ def test_a_broker_out_of_append_streams_gets_unary_appends(tmp_path) -> None:
         with tidelog.Consumer(gw.address, auto_offset_reset="earliest") as c:
             c.assign([("streams-limited", 1)])
             assert [r.value for r in _read(c, 100)] == [f"r{i}".encode() for i in range(1, 200, 2)]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["gateway", "direct"])
+def test_a_request_the_leader_holds_only_in_part_is_resent_batch_by_batch(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """A leader that dies having replicated only the first batches of a multi-batch request
+    (a follower's fetch ends on a batch boundary) leaves a new leader holding those and
+    not the rest. The retry of the whole request then mixes written and new batches,
+    which the leader refuses as DUPLICATE_SEQUENCE, with nothing written. The producer
+    must resend each batch alone: the written one is answered with its offsets, the
+    rest are appended, and no record fails or repeats (it used to fail them all).
+
+    Staged on one leader: the request's first batch is written beforehand with the
+    producer's own id, epoch and sequences, as the new leader would hold it."""
+    topic = f"partly-held-{'direct' if direct else 'gateway'}"
+    _create(admin, topic, 1)
+    values = [bytes([c]) * 600 for c in b"abcd"]
+    # Two records a batch: each is estimated at 617 bytes, plus a batch's overhead.
+    batch_bytes = 2 * (600 + RECORD_OVERHEAD_BYTES) + BATCH_OVERHEAD_BYTES + 100
+    with tidelog.Producer(
+        gateway.address,
+        direct=direct,
+        linger_ms=0,
+        batch_bytes=batch_bytes,
+        max_in_flight_requests_per_partition=1,
+    ) as producer:
+        producer.send(topic, b"first").result(30)  # sequence 0
+        producer_id, epoch = producer._producer_id, producer._producer_epoch
+        followers = _stop_followers(cluster, admin, topic)
+        try:
+            held = producer.send(topic, b"held")  # sequence 1, waits for the followers
+            wait_for(lambda: _in_flight(producer, topic) == 1, 10, "the held request")
+            # Queued behind it, then sent in one request: sequences 2-3 and 4-5.
+            pair = producer.send_batch(topic, values, partition=0)
+            staged = encode_batch(
+                values[:2], producer_id=producer_id, producer_epoch=epoch, base_sequence=2
+            )
+            answer = gateway.stub.Produce(
+                gateway_pb2.ProduceRequest(
+                    acks=common_pb2.LEADER,
+                    timeout_ms=10_000,
+                    partitions=[
+                        gateway_pb2.ProducePartitionData(topic=topic, partition=0, records=staged)
+                    ],
+                ),
+                timeout=15,
+            )
+            assert answer.partitions[0].base_offset == 2, answer
+        finally:
+            for follower in followers:
+                os.kill(follower.pid, signal.SIGCONT)
+        assert held.result(60).offset == 1
+        assert list(pair.result(60).offsets) == [2, 3, 4, 5]
+    with tidelog.Consumer(gateway.address, direct=direct, auto_offset_reset="earliest") as c:
+        c.assign([(topic, 0)])
+        read = [r.value for r in _read(c, 6)]
+    assert read == [b"first", b"held", *values]

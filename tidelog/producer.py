@@ -95,6 +95,7 @@ from tidelog.client import GatewayConnection, error_from_rpc
 from tidelog.errors import (
     BrokerNotAvailableError,
     ConfigError,
+    DuplicateSequenceError,
     LeaderNotAvailableError,
     NetworkError,
     OutOfOrderSequenceError,
@@ -1430,10 +1431,20 @@ class Producer:
                 refused = isinstance(
                     error, OutOfOrderSequenceError
                 ) and self._refused_after_predecessor(pq, batches)
+            # A request of several batches refused as DUPLICATE_SEQUENCE mixes batches the
+            # leader has with ones it has not: a new leader that had replicated only the
+            # first of them (a fetch ends on a batch boundary). Nothing was written, so
+            # each is retried in a request of its own, where a written one is answered
+            # with its offsets and the rest are appended.
+            split = isinstance(error, DuplicateSequenceError) and len(batches) > 1
+            if split:
+                with self._lock:
+                    for batch in batches:
+                        batch.request_key = next(self._request_keys)
             retry = [
                 b
                 for b in batches
-                if (error.retriable or refused)
+                if (error.retriable or refused or split)
                 and b.attempts <= self._retries
                 and now - b.created_s < self._delivery_timeout_s
             ]
