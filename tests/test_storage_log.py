@@ -1044,11 +1044,13 @@ def offset_for_timestamp_model(model: Model, target: int) -> tuple[int, int] | N
 
 
 def max_timestamp_model(model: Model) -> tuple[int, int] | None:
-    best: Stored | None = None
+    """The first record with the largest timestamp: its timestamp and its own offset."""
+    best: tuple[int, int] | None = None
     for batch in model.batches:
-        if best is None or batch.max_timestamp > best.max_timestamp:
-            best = batch
-    return None if best is None else (best.max_timestamp, best.last_offset)
+        for i, ts in enumerate(batch.timestamps):
+            if best is None or ts > best[0]:
+                best = ts, batch.base_offset + i
+    return best
 
 
 def test_offset_for_timestamp_and_max_timestamp_monotonic(tmp_path: Path) -> None:
@@ -1069,7 +1071,8 @@ def test_offset_for_timestamp_and_max_timestamp_monotonic(tmp_path: Path) -> Non
     assert log.offset_for_timestamp(T0 + 591) is None
     assert log.offset_for_timestamp(T0 + 300, max_offset=30) is None
     assert log.offset_for_timestamp(T0 + 300, max_offset=31) == (30, T0 + 300)
-    assert log.max_timestamp() == (T0 + 590, 59)
+    assert log.max_timestamp() == (T0 + 590, 59)  # the last record of the last batch
+    assert log.max_timestamp() == max_timestamp_model(model)
     for target in range(T0 - 5, T0 + 600, 7):
         assert log.offset_for_timestamp(target) == offset_for_timestamp_model(model, target)
     log.close()
@@ -1111,10 +1114,10 @@ def test_max_timestamp_after_truncation(tmp_path: Path) -> None:
     model = Model(log)
     for ts in (T0 + 5, T0 + 50, T0 + 7, T0 + 60, T0 + 1):
         model.append(make_batch(2, ts=ts))
-    assert log.max_timestamp() == (T0 + 60, 7)
+    assert log.max_timestamp() == (T0 + 60, 6)  # the batch's first record has it
     log.truncate_to(6)
     model.truncate(6)
-    assert log.max_timestamp() == (T0 + 50, 3)
+    assert log.max_timestamp() == (T0 + 50, 2)
     assert log.offset_for_timestamp(T0 + 51) is None
     log.truncate_to(0)
     assert log.max_timestamp() is None

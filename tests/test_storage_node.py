@@ -753,9 +753,12 @@ def test_list_offsets(storage_node: StorageProcess) -> None:
         3006: (-1, -1),
     }
     newest = list_offset(stub, "times", common_pb2.MAX_TIMESTAMP)
-    assert newest.timestamp_ms == 3005
-    assert newest.offset in (3, 4)  # the batch (or record) holding the largest timestamp
+    assert (newest.offset, newest.timestamp_ms) == (4, 3005)
     assert code(newest.error) == ErrorCode.NONE
+    # The record's own offset, not its batch's last one (KIP-734, KAFKA-16310).
+    append(stub, "times", encode_batch([b"f", b"g"], timestamps_ms=[4000, 3500]))  # 5, 6
+    newest = list_offset(stub, "times", common_pb2.MAX_TIMESTAMP)
+    assert (newest.offset, newest.timestamp_ms) == (5, 4000)
 
     bad_spec = list_offset(stub, "times", common_pb2.OFFSET_SPEC_UNSPECIFIED)
     assert code(bad_spec.error) == ErrorCode.INVALID_REQUEST

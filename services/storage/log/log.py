@@ -604,12 +604,16 @@ class Log:
         return None
 
     def max_timestamp(self) -> tuple[int, int] | None:
-        """``(timestamp, offset)`` of the batch with the largest timestamp; None if empty."""
-        best: tuple[int, int] | None = None
-        for segment in self._segments:
-            if segment.size_bytes and (best is None or segment.largest_timestamp_ms > best[0]):
-                best = segment.largest_timestamp_ms, segment.offset_of_largest_timestamp
-        return best
+        """``(timestamp, offset)`` of the first record with the largest timestamp; None if
+        empty. The record's own offset, not its batch's last one (KIP-734, as Kafka since
+        KAFKA-16310): the segments say which timestamp is largest, and the one batch that
+        holds it is decoded by ``offset_for_timestamp``."""
+        stamps = [s.largest_timestamp_ms for s in self._segments if s.size_bytes]
+        if not stamps:
+            return None
+        largest = max(stamps)
+        found = self.offset_for_timestamp(largest)
+        return None if found is None else (largest, found[0])
 
     # --- durability ---------------------------------------------------------------------
 

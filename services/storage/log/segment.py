@@ -296,11 +296,6 @@ class LogSegment:
         self._load_tail()
         return self._max_timestamp_ms
 
-    @property
-    def offset_of_largest_timestamp(self) -> int:
-        self._load_tail()
-        return self._offset_of_max_timestamp
-
     # --- writing --------------------------------------------------------------------------
 
     def should_roll(self, incoming_bytes: int, last_offset: int, now_ms: int) -> bool:
