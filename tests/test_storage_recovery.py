@@ -783,6 +783,33 @@ def new_manager(data_dir: Path, clock: ManualClock | None = None) -> LogManager:
     return LogManager(data_dir, manager_config(), clock or ManualClock(), random.Random(0))
 
 
+def test_a_truncation_below_the_recovery_point_checkpoints_it_at_once(tmp_path: Path) -> None:
+    """As Kafka's truncateTo: the lowered recovery point is on disk before anything new is
+    appended. Left to the next periodic checkpoint, a power loss in between would leave
+    the old, higher one, and the data written after the truncation below it would be
+    trusted on restart without being verified."""
+    manager = new_manager(tmp_path)
+    manager.startup()
+    log = fill(manager, "orders", 0, 30, 0)
+    other = fill(manager, "orders", 1, 10, 1)
+    log.flush()
+    other.flush()
+    manager.checkpoint()
+    checkpoint = OffsetCheckpointFile(tmp_path / RECOVERY_POINT_CHECKPOINT)
+    end = log.log_end_offset
+    assert checkpoint.read()[("orders", 0)] == end
+    log.truncate_to(end)  # nothing goes: the recovery point stays, no write needed
+    assert checkpoint.read()[("orders", 0)] == end
+    cut = decode_batches(log.read(end // 2, 1))[0].base_offset
+    log.truncate_to(cut)
+    assert log.recovery_point == cut
+    assert checkpoint.read() == {
+        ("orders", 0): cut,
+        ("orders", 1): other.log_end_offset,
+    }
+    manager.shutdown()
+
+
 def test_log_manager_shutdown_checkpoints_at_log_end(tmp_path: Path) -> None:
     manager = new_manager(tmp_path)
     manager.startup()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -55,6 +56,7 @@ class LogManager:
         self._clock = clock or SYSTEM_CLOCK
         self._rng = rng or random.Random()
         self._logs: dict[TopicPartitionKey, Log] = {}
+        self._checkpoint_lock = threading.Lock()
         self._recovery_checkpoint = OffsetCheckpointFile(self.data_dir / RECOVERY_POINT_CHECKPOINT)
         self._replication_checkpoint = OffsetCheckpointFile(
             self.data_dir / REPLICATION_OFFSET_CHECKPOINT
@@ -87,6 +89,7 @@ class LogManager:
                 rng=self._rng,
             )
             opened.on_disk_failure = self.on_disk_failure
+            opened.on_recovery_point_lowered = self.checkpoint
             self._logs[key] = opened
             if opened.truncated_on_recovery_bytes:
                 log.warning(
@@ -118,6 +121,7 @@ class LogManager:
             rng=self._rng,
         )
         created.on_disk_failure = self.on_disk_failure
+        created.on_recovery_point_lowered = self.checkpoint
         self._logs[key] = created
         return created
 
@@ -170,10 +174,19 @@ class LogManager:
         partition_log.remove_expired_producers()
 
     def checkpoint(self) -> None:
-        """Write every log's recovery point atomically."""
-        self._recovery_checkpoint.write(
-            {key: partition_log.recovery_point for key, partition_log in self._logs.items()}
-        )
+        """Write every log's recovery point atomically.
+
+        Called by the maintenance pass and by a log whose truncation lowered its recovery
+        point (on a fetcher thread, holding only that partition's lock): the lock keeps
+        two writers off the one temporary file. Recovery points are plain ints, read
+        without their logs' locks."""
+        with self._checkpoint_lock:
+            self._recovery_checkpoint.write(
+                {
+                    key: partition_log.recovery_point
+                    for key, partition_log in list(self._logs.items())
+                }
+            )
 
     def read_high_watermarks(self) -> dict[TopicPartitionKey, int]:
         """The last replication-offset-checkpoint (HW per partition); {} if none/unreadable."""

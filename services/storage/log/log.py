@@ -141,6 +141,11 @@ class Log:
         self.truncated_on_recovery_bytes = 0
         self.last_flush_ms = clock.now_ms()
         self.on_disk_failure: DiskFailureHandler | None = None
+        # Called when a truncation lowered the recovery point, before anything can be
+        # appended above it: whoever checkpoints recovery points must write the lower
+        # one now (Kafka's truncateTo does), or after a power loss the new data between
+        # it and the stale checkpointed one would be trusted without being verified.
+        self.on_recovery_point_lowered: Callable[[], None] | None = None
 
     # --- opening and recovery -----------------------------------------------------------
 
@@ -677,6 +682,7 @@ class Log:
         active.truncate_to(offset)
         active.make_active()
         self._log_end_offset = active.next_offset
+        lowered = self._recovery_point > self._log_end_offset
         self._recovery_point = min(self._recovery_point, self._log_end_offset)
         self._epochs.truncate_from_end(self._log_end_offset)
         state = self.producer_state
@@ -685,6 +691,8 @@ class Log:
             fsync_dir(self.dir)
         if state.end_offset != self._log_end_offset:
             self._rebuild_producer_state()
+        if lowered and self.on_recovery_point_lowered is not None:
+            self.on_recovery_point_lowered()
 
     @_reports_disk_failure
     def truncate_fully_and_start_at(self, offset: int) -> None:
