@@ -747,6 +747,10 @@ class Log:
                 self._retire_first(now_ms)
                 retired += 1
         if retired:
+            # The renames are durable before the raised recovery point can be checkpointed:
+            # a retired segment that a power loss brought back would otherwise lie below
+            # it and be trusted without being verified.
+            fsync_dir(self.dir)
             # The epochs of removed offsets go; the producer state stays (as in Kafka since
             # KIP-360, a producer is forgotten only by expiry), but snapshots below the new
             # log start can no longer be replayed from.
