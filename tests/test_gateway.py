@@ -148,6 +148,61 @@ def test_a_recreated_topic_starts_without_the_old_topics_offsets(
     assert [p.committed_offset for p in admin.describe_group("rebirth")] == [10]
 
 
+def test_a_partition_twice_in_one_commit_keeps_the_last_offset(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """etcd refuses a transaction writing one key twice, which used to come back as a
+    retriable BROKER_NOT_AVAILABLE for the whole commit (a raw client retried forever):
+    a partition named twice is committed once, at the last offset given for it."""
+    admin.create_topic("commit-twice", partitions=2, replication_factor=1)
+    response = gateway.stub.CommitOffsets(
+        gateway_pb2.CommitOffsetsRequest(
+            group_id="twice",
+            offsets=[
+                gateway_pb2.CommitOffset(topic="commit-twice", partition=1, offset=0),
+                gateway_pb2.CommitOffset(topic="commit-twice", partition=0, offset=1),
+                gateway_pb2.CommitOffset(topic="commit-twice", partition=0, offset=2),
+            ],
+        ),
+        timeout=10,
+    )
+    assert [p.error.code for p in response.partitions] == [common_pb2.NONE] * 3
+    committed = {p.partition: p.committed_offset for p in admin.describe_group("twice")}
+    assert committed == {0: 2, 1: 0}
+
+
+def test_consumer_settings_out_of_range_fail_at_construction_and_long_waits_are_clamped(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Values a fetch cannot carry (int32 fields) are refused when the consumer is made,
+    not by every poll; a max_wait_ms past the gateway's 30 s limit is clamped, as the
+    storage nodes and Kafka do, instead of failing every poll."""
+    for setting in ("fetch_max_bytes", "max_partition_fetch_bytes", "fetch_max_wait_ms"):
+        with pytest.raises(ConfigError, match=setting):
+            tidelog.Consumer(gateway.address, **{setting: 2**31})
+    with pytest.raises(ConfigError, match="fetch_min_bytes"):
+        tidelog.Consumer(gateway.address, fetch_min_bytes=-1)
+    admin.create_topic("long-waits", partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send("long-waits", b"x").result(30)
+    answer = gateway.stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=60_000,
+            partitions=[storage_pb2.FetchPartition(topic="long-waits", partition=0)],
+        ),
+        timeout=10,
+    )
+    assert [p.error.code for p in answer.partitions] == [common_pb2.NONE]
+    records = _consume_all(gateway.address, "long-waits", 1)
+    assert [r.value for r in records] == [b"x"]
+    with tidelog.Consumer(
+        gateway.address, fetch_max_wait_ms=60_000, auto_offset_reset="earliest"
+    ) as consumer:
+        consumer.assign([("long-waits", 0)])
+        assert [r.value for r in consumer.poll(timeout_ms=10_000)] == [b"x"]
+
+
 def test_commit_bad_input_changes_nothing(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic("commits", partitions=1, replication_factor=1)
     stub = gateway.stub

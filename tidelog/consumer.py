@@ -76,6 +76,7 @@ METADATA_REFRESH_S: Final = 30.0
 metadata.max.age.ms is 5 minutes; topics here grow rarely but users expect it sooner)."""
 RETRY_BACKOFF_S: Final = 0.1
 MAX_FETCHES_IN_FLIGHT: Final = 16
+MAX_INT32: Final = (1 << 31) - 1
 """Fetches in flight at once, one per leader group: beyond that many leaders, leaders
 share a group (by broker id modulo this)."""
 
@@ -202,6 +203,15 @@ class Consumer:
         ):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, not {value}")
+        for name, value in (
+            ("fetch_min_bytes", fetch_min_bytes),
+            ("fetch_max_wait_ms", fetch_max_wait_ms),
+            ("fetch_max_bytes", fetch_max_bytes),
+            ("max_partition_fetch_bytes", max_partition_fetch_bytes),
+        ):
+            # Sent as int32 fields: a larger value would fail every poll, not here.
+            if not 0 <= value <= MAX_INT32:
+                raise ConfigError(f"{name} {value} is outside 0..{MAX_INT32}")
         self._conn = GatewayConnection.get(gateway, request_timeout_ms)
         # Direct mode (module docstring): fetches go to the leaders, found through here.
         self._directory: LeaderDirectory | None = directory_for(self._conn) if direct else None
@@ -215,6 +225,7 @@ class Consumer:
         self._partition_max_bytes = max_partition_fetch_bytes
         self._max_poll_records = max_poll_records
         self._assignment: list[TopicPartition] = []
+        self._rotation = 0  # where _send_fetches starts in the assignment (it rotates)
         self._subscription: list[str] = []
         self._positions: dict[TopicPartition, int] = {}
         self._needs_position: set[TopicPartition] = set()
@@ -530,7 +541,14 @@ class Consumer:
         busy = {tp for fetch in self._fetches.values() for tp in fetch.offsets}
         groups: dict[int, dict[TopicPartition, int]] = {}
         leaderless = False
-        for tp in self._assignment:
+        # Start one partition further each time (Kafka rotates too): with more leaders
+        # than fetches in flight, a free place would otherwise always go to the leaders
+        # first in the assignment and the last ones would never be read; and within a
+        # fetch, partitions late in the list would get only what the early ones leave of
+        # max_bytes.
+        start = self._rotation % len(self._assignment) if self._assignment else 0
+        self._rotation += 1
+        for tp in self._assignment[start:] + self._assignment[:start]:
             leader = self._leaders.get(tp, -1)
             if self._directory is None:
                 group = leader % MAX_FETCHES_IN_FLIGHT  # the gateway routes within a group
@@ -604,8 +622,10 @@ class Consumer:
             return
         except grpc.RpcError as exc:
             error = error_from_rpc(exc, "fetch")
-            if self._directory is not None and error.retriable:
-                self._retry_later()  # direct: the leader died or moved (module docstring)
+            if error.retriable:
+                # The leader (direct) or the gateway is down, moved or busy: positions are
+                # unchanged, so ask again after a pause, as Kafka's consumer does.
+                self._retry_later()
                 return
             raise error from None
         retry = False

@@ -50,6 +50,9 @@ from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 
 DEFAULT_MAX_WAIT_MS: Final = 500
 MAX_WAIT_MS_LIMIT: Final = 30_000
+"""Longest wait a fetch is given; a longer max_wait_ms is clamped to it."""
+MIN_SUBSCRIBE_POLL_MS: Final = 100
+"""Shortest long poll of a Subscribe step (see ``subscribe``)."""
 MAX_PARTITIONS_PER_FETCH: Final = 10_000
 DEFAULT_PARTITION_MAX_BYTES: Final = 1024 * 1024
 EMPTY_RESULT_BYTES: Final = 80
@@ -134,10 +137,8 @@ class FetchHandler:
             )
         if request.HasField("max_bytes") and request.max_bytes <= 0:
             raise InvalidFetchSizeError(f"max_bytes {request.max_bytes} must be positive")
-        if request.HasField("max_wait_ms") and not 0 <= request.max_wait_ms <= MAX_WAIT_MS_LIMIT:
-            raise InvalidRequestError(
-                f"max_wait_ms {request.max_wait_ms} is outside 0..{MAX_WAIT_MS_LIMIT}"
-            )
+        if request.HasField("max_wait_ms") and request.max_wait_ms < 0:
+            raise InvalidRequestError(f"max_wait_ms {request.max_wait_ms} is negative")
         if request.HasField("min_bytes") and request.min_bytes < 0:
             raise InvalidRequestError(f"min_bytes {request.min_bytes} is negative")
         seen: set[tuple[str, int]] = set()
@@ -174,6 +175,9 @@ class FetchHandler:
         """
         self._validate(request)
         wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
+        # A longer wait is clamped, not refused, as the storage nodes (and Kafka) do: a
+        # client cannot know every gateway's limit.
+        wait_ms = min(wait_ms, MAX_WAIT_MS_LIMIT)
         if time_remaining_s is not None:
             wait_ms = max(0, min(wait_ms, int((time_remaining_s - DEADLINE_MARGIN_S) * 1000)))
         # Like Kafka's broker-side fetch.max.bytes, the gateway's limit caps what a client
@@ -344,14 +348,17 @@ class FetchHandler:
                 f"max_bytes {max_bytes} must be between 1 and {self.limits.max_fetch_bytes}"
             )
         wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
-        if not 0 <= wait_ms <= MAX_WAIT_MS_LIMIT:
-            raise InvalidRequestError(f"max_wait_ms {wait_ms} is outside 0..{MAX_WAIT_MS_LIMIT}")
+        if wait_ms < 0:
+            raise InvalidRequestError(f"max_wait_ms {wait_ms} is negative")
         self._router.cache.read(lambda view: view.check_partition(request.topic, request.partition))
         offset = self._start_offset(request)
         # Each long poll to the leader lasts at most SUBSCRIBE_POLL_SLICE_MS, so a
         # subscription whose client went away gives back its thread (and its place under
         # the gateway's max_concurrent_rpcs) within that, not after a whole max_wait_ms.
-        poll_ms = min(wait_ms, SUBSCRIBE_POLL_SLICE_MS)
+        # At least MIN_SUBSCRIBE_POLL_MS: a stream has nothing to return to, so a step that
+        # did not wait (max_wait_ms 0) would only send the leader the next call at once,
+        # spinning a gateway thread for as long as the subscription lasts.
+        poll_ms = max(MIN_SUBSCRIBE_POLL_MS, min(wait_ms, SUBSCRIBE_POLL_SLICE_MS))
         while context.is_active():
             # Each step's answer draws on the fetch budget like a Fetch's, until gRPC has
             # taken it (the generator resumes after the yield).

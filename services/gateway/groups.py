@@ -118,7 +118,10 @@ class OffsetStore:
                 f"{len(offsets)} partitions in one commit; the limit is {MAX_PARTITIONS_PER_COMMIT}"
             )
         outcomes: list[CommitOutcome] = []
-        puts: list[PutOp] = []
+        # By key: a partition named twice is written once, with its last valid offset (etcd
+        # refuses a transaction that writes a key twice, and that refusal looked like a
+        # retriable outage).
+        puts: dict[str, PutOp] = {}
 
         def check(view: MetadataView) -> None:
             for item in offsets:
@@ -150,11 +153,14 @@ class OffsetStore:
                         separators=(",", ":"),
                         sort_keys=True,
                     ).encode()
-                    puts.append(PutOp(offset_key(group_id, item.topic, item.partition), value))
+                    key = offset_key(group_id, item.topic, item.partition)
+                    puts.pop(key, None)  # the last one goes last, in order
+                    puts[key] = PutOp(key, value)
 
         self._cache.read(check)
-        for start in range(0, len(puts), OPS_PER_TXN):
-            self._store.txn([], puts[start : start + OPS_PER_TXN])
+        writes = list(puts.values())
+        for start in range(0, len(writes), OPS_PER_TXN):
+            self._store.txn([], writes[start : start + OPS_PER_TXN])
         return outcomes
 
     def fetch(self, group_id: str, partitions: Sequence[tuple[str, int]]) -> list[Committed]:
