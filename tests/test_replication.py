@@ -483,11 +483,13 @@ KILLS = 5  # leader kill -9s in the durability test (the issue asks for at least
 
 
 @contextmanager
-def running_cluster(base: Path, session_ttl_s: int = CLUSTER_TTL_S) -> Iterator[TestCluster]:
+def running_cluster(
+    base: Path, session_ttl_s: int = CLUSTER_TTL_S, lag_ms: int = LAG_MS
+) -> Iterator[TestCluster]:
     started = TestCluster(
         base,
         session_ttl_s=session_ttl_s,
-        storage_args=["--replica-lag-time-max-ms", str(LAG_MS)],
+        storage_args=["--replica-lag-time-max-ms", str(lag_ms)],
     )
     try:
         for broker_id in (1, 2, 3):
@@ -940,6 +942,35 @@ def test_paused_follower_leaves_the_isr_through_alter_partition_and_rejoins(
             process.proc.send_signal(signal.SIGCONT)
         wait_for(lambda: follower in state_of(cluster, "lag").isr, 10, "ISR to expand again")
         wait_replicas_identical(cluster, "lag", [1, 2, 3])
+
+
+def test_a_dead_follower_evicted_by_the_controller_does_not_freeze_the_hw(
+    tmp_path: Path,
+) -> None:
+    """kill -9 of a follower of an idle partition: the controller takes it out of the ISR
+    when its lease ends (2 s, before the leader's 30 s lag limit would). Its log end is
+    still at the HW, so the leader proposed it back, and the controller refused ("not
+    live"). That refusal used to count the dead follower toward the HW like a lost
+    reply, so no acks=all record was acknowledged until it returned."""
+    with running_cluster(tmp_path, lag_ms=30_000) as cluster:
+        _dead_follower_does_not_freeze_the_hw(cluster)
+
+
+def _dead_follower_does_not_freeze_the_hw(cluster: TestCluster) -> None:
+    cluster.create_topic("evicted", 1, 3)
+    wait_for(lambda: len(state_of(cluster, "evicted").isr) == 3, 10, "ISR of three")
+    err, _ = cluster_append(cluster, "evicted", [b"before"] * 10)
+    assert err == ErrorCode.NONE
+    before = state_of(cluster, "evicted")
+    follower = [b for b in before.replicas if b != before.leader][-1]
+    time.sleep(0.5)  # idle: every follower has fetched up to the HW
+    cluster.kill(cluster.brokers[follower])
+    wait_for(lambda: follower not in state_of(cluster, "evicted").isr, 20, "the eviction")
+    time.sleep(1.0)  # idle again: the leader proposes the follower back and is refused
+    err, response = cluster_append(cluster, "evicted", [b"after"], timeout_ms=10_000)
+    assert err == ErrorCode.NONE and response is not None
+    assert response.base_offset == 10
+    assert describe_log(cluster, before.leader, "evicted").high_watermark == 11
 
 
 def test_leader_paused_past_its_lease_acknowledges_nothing_after_resuming(

@@ -346,3 +346,37 @@ def test_a_follower_hw_is_the_leaders_capped_by_its_leo_and_never_goes_back() ->
     assert follower_high_watermark(10, leader_high_watermark=40, log_end_offset=30) == 30
     # A new leader reporting a lower HW for a while does not take back what was learned.
     assert follower_high_watermark(50, leader_high_watermark=40, log_end_offset=100) == 50
+
+
+def test_a_refused_expansion_does_not_hold_the_hw_but_a_lost_reply_does() -> None:
+    """An error answer means the controller applied nothing: the proposed member does not
+    count. No answer may hide an applied expansion: the member counts until the
+    controller's next committed state (KIP-497's reasoning)."""
+    for refused in (True, False):
+        state = leader(isr=(1, 2), leo=10, hw=0)
+        state.on_follower_fetch(2, 10, now_ms=1)
+        state.on_follower_fetch(3, 10, now_ms=1)
+        proposal = state.propose_isr_change(now_ms=1, replica_lag_time_max_ms=LAG_MS)
+        assert proposal is not None and proposal.new_isr == (1, 2, 3)
+        if refused:
+            state.on_isr_refused()
+        else:
+            state.on_isr_rejected()
+        assert state.pending is None
+        state.on_leader_append(20)
+        state.on_follower_fetch(2, 20, now_ms=2)
+        assert state.high_watermark == (20 if refused else 10)
+
+
+def test_a_follower_that_left_the_isr_is_not_proposed_again_until_it_fetches() -> None:
+    """A dead follower's frozen log end (at or above the HW) used to make it "ready to
+    join" on every pass; its progress starts over when it leaves the ISR."""
+    state = leader(isr=(1, 2, 3), leo=10, hw=0)
+    state.on_follower_fetch(2, 10, now_ms=1)
+    state.on_follower_fetch(3, 10, now_ms=1)
+    assert state.high_watermark == 10
+    state.on_isr_committed((1, 2), partition_epoch=10)  # the controller evicted broker 3
+    assert state.ready_to_join() == []
+    assert state.propose_isr_change(now_ms=2, replica_lag_time_max_ms=LAG_MS) is None
+    state.on_follower_fetch(3, 10, now_ms=3)  # it is back
+    assert state.ready_to_join() == [3]

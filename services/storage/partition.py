@@ -443,14 +443,23 @@ class Partition:
             return self._replication.propose_isr_change(self._clock.now_ms(), lag_ms)
 
     def on_isr_result(
-        self, proposal: IsrProposal, isr: tuple[int, ...] | None, partition_epoch: int
+        self,
+        proposal: IsrProposal,
+        isr: tuple[int, ...] | None,
+        partition_epoch: int,
+        *,
+        refused: bool = False,
     ) -> None:
-        """The controller's answer to ``proposal``: the ISR in force, or None if rejected."""
+        """The controller's answer to ``proposal``: the ISR in force; or None, ``refused``
+        when the controller answered with an error (nothing applied), else when no answer
+        came (the outcome is unknown)."""
         with self._lock:
             state = self._replication
             if state is None or state.pending is not proposal:
                 return  # leadership changed meanwhile; LeaderAndIsr carries the truth
-            if isr is None:
+            if isr is None and refused:
+                state.on_isr_refused()
+            elif isr is None:
                 state.on_isr_rejected()
             else:
                 state.on_isr_committed(isr, partition_epoch)

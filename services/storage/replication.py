@@ -22,6 +22,7 @@ Rules (Kafka's ``Partition`` / ``Replica``, seeds 000 and 004):
   until the controller's next committed state: the failure may be a lost reply to an
   expansion the controller applied (an unreachable controller, a timeout), and
   acknowledging records a new ISR member lacks would let it be elected without them.
+  A proposal the controller answered with an error was not applied and does not count.
 - A follower may join the ISR only once its LEO reaches the HW *and* the start of the
   leader's current epoch, so a new member holds everything committed (KIP-101).
 
@@ -173,15 +174,23 @@ class LeaderReplicationState:
         return self.pending
 
     def on_isr_committed(self, isr: Iterable[int], partition_epoch: int) -> bool:
-        """The controller accepted (or reported) the ISR in force; returns True if HW moved."""
-        self.isr = tuple(isr)
+        """The controller accepted (or reported) the ISR in force; returns True if HW moved.
+
+        A follower that left the ISR starts over as unknown: its progress was that of a
+        member, and a dead one's frozen log end would otherwise keep it "ready to join",
+        proposed again every pass. It is ready again after its next fetch."""
+        new_isr = tuple(isr)
+        for broker_id in set(self.isr) - set(new_isr):
+            if broker_id in self.followers:
+                self.followers[broker_id] = FollowerProgress(broker_id)
+        self.isr = new_isr
         self.partition_epoch = partition_epoch
         self.pending = None
         self.unresolved = frozenset()  # the controller's word on who is in the ISR
         return self._advance_high_watermark()
 
     def on_isr_rejected(self) -> None:
-        """The proposal failed (stale epoch, unreachable controller): retry later.
+        """No answer to the proposal (an unreachable controller, a timeout): retry later.
 
         Its joining members keep counting toward the HW (``unresolved``) until the next
         committed state: a lost reply looks like a failure, yet the controller may have
@@ -189,4 +198,11 @@ class LeaderReplicationState:
         """
         if self.pending is not None:
             self.unresolved |= set(self.pending.new_isr) - set(self.isr)
+        self.pending = None
+
+    def on_isr_refused(self) -> None:
+        """The controller answered the proposal with an error (a member not live, a stale
+        epoch): it applied nothing, so the proposal is dropped without counting its
+        members (as Kafka on INELIGIBLE_REPLICA). Counting them, as after a lost reply,
+        froze the HW at a dead follower's log end until the controller spoke again."""
         self.pending = None

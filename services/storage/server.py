@@ -468,7 +468,7 @@ class ReplicaManager:
             if error is None and isr is not None:
                 partition.on_isr_result(proposal, isr, partition_epoch)
             else:
-                partition.on_isr_result(proposal, None, -1)
+                partition.on_isr_result(proposal, None, -1, refused=error is not None)
             _log.info(
                 "isr_change",
                 topic=partition.topic,
