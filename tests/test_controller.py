@@ -16,6 +16,7 @@ ISR only through AlterPartition; the tests send it as the partition's leader wou
 from __future__ import annotations
 
 import itertools
+import shutil
 import signal
 import threading
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+import tidelog
 from services.cluster_metadata import (
     CONTROLLER_KEY,
     PRODUCER_IDS_KEY,
@@ -987,3 +989,57 @@ def test_producer_id_blocks_stay_disjoint_across_controller_failover(
     assert cluster.active_controller() is not second
     assert_disjoint_and_increasing([*before, *after, last])
     cluster.start_controller(112)  # leave a standby behind
+
+
+def test_a_broker_back_with_an_empty_disk_while_no_controller_ran_is_not_elected(
+    tmp_path: Path,
+) -> None:
+    """The controller dies; a follower is killed and comes back with an empty disk (it
+    registers again, unseen); the leader dies. The next controller must take the
+    follower out of the ISR it was in before restarting, not keep it there and elect
+    it when the leader's lease ends: every acknowledged record would be gone, and the
+    old leader, back, would truncate to the empty log. The partition waits offline for
+    the only replica that has the data, as Kafka's would."""
+    cluster = TestCluster(tmp_path)
+    try:
+        for broker_id in (1, 2, 3):
+            cluster.start_broker(broker_id)
+        cluster.start_controller(1)
+        cluster.wait_brokers([1, 2, 3])
+        gateway = cluster.start_gateway()
+        cluster.create_topic("t", 1, 2)
+        (state,) = cluster.partitions("t")
+        leader = state.leader
+        (follower,) = [b for b in state.replicas if b != leader]
+        with tidelog.Producer(gateway.address, acks="all") as producer:
+            producer.send_batch("t", [f"v{i}".encode() for i in range(100)], partition=0)
+            producer.flush()
+
+        def registration() -> int | None:
+            found = cluster.store.get(f"brokers/{follower}")  # no controller to ask
+            return None if found is None else found.create_revision
+
+        old_epoch = registration()
+        cluster.kill(cluster.controllers[1])
+        cluster.kill(cluster.brokers[follower])
+        shutil.rmtree(cluster.data_dir(follower))
+        cluster.start_broker(follower)  # registers once its old lease has expired
+        wait_for(lambda: registration() not in (None, old_epoch), 20, "the re-registration")
+        cluster.kill(cluster.brokers[leader])  # its lease lives on for a moment
+        cluster.start_controller(2)
+        cluster.active_controller()
+        (state,) = cluster.partitions("t")
+        assert follower not in state.isr, state
+        wait_for(lambda: cluster.partitions("t")[0].leader == -1, 20, "the partition offline")
+        assert cluster.partitions("t")[0].isr == [leader]
+        cluster.start_broker(leader)
+        wait_for(lambda: cluster.partitions("t")[0].leader == leader, 20, "the old leader back")
+        with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+            consumer.assign([("t", 0)])
+            records: list = []
+            deadline = time.monotonic() + 30
+            while len(records) < 100 and time.monotonic() < deadline:
+                records.extend(consumer.poll(timeout_ms=500))
+        assert [r.value for r in records] == [f"v{i}".encode() for i in range(100)]
+    finally:
+        cluster.close()

@@ -71,6 +71,32 @@ def test_leader_death_elects_first_live_isr_member_with_higher_epoch() -> None:
     assert by_key[("t", 1)].partition_epoch == 1
 
 
+def test_a_replica_that_registered_again_after_its_isr_was_decided_leaves_it() -> None:
+    """A broker that died and came back while no controller was active (a registration
+    epoch newer than the partition's last write) is taken out of that partition's ISR,
+    and out of its leadership, by the controller taking office: it may have returned
+    with an empty disk. An ISR whose members all restarted stays as it is."""
+    state = cluster()  # brokers' epochs 100-102; t-0 led by 0, t-1 by 1, t-2 by 2
+    state.on_broker_up(Broker(1, "127.0.0.1", 9001, epoch=500))  # 1 restarted unseen
+    decided = {("t", 0): 300, ("t", 1): 300, ("t", 2): 600}  # t-2 written after it
+    changes = {c.key: c.new for c in step(state, state.evict_restarted(decided))}
+    assert set(changes) == {("t", 0), ("t", 1)}
+    assert changes[("t", 0)].leader == 0 and changes[("t", 0)].isr == (0, 2)
+    assert changes[("t", 1)].leader == 2 and 1 not in changes[("t", 1)].isr  # re-elected
+    assert changes[("t", 1)].leader_epoch == 1
+    # Written now (revisions past its registration): nothing more to do.
+    assert state.evict_restarted({("t", 0): 700, ("t", 1): 700, ("t", 2): 600}) == []
+    everyone = ClusterState()
+    for b in range(3):
+        everyone.on_broker_up(Broker(b, "h", 9000 + b, epoch=100 + b))
+    topic = Topic("u", "id-u", ((0, 1, 2),), {})
+    everyone.add_topic(topic)
+    everyone.apply(everyone.new_topic_partitions(topic))
+    for b in range(3):
+        everyone.on_broker_up(Broker(b, "h", 9000 + b, epoch=900 + b))
+    assert everyone.evict_restarted({("u", 0): 300}) == []
+
+
 def test_last_isr_member_death_takes_partition_offline_and_keeps_it_in_isr() -> None:
     state = cluster()
     step(state, state.on_broker_down(1))

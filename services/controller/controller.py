@@ -735,8 +735,24 @@ class Controller:
             start_revision=revision + 1,
         )
         term.channel.set_brokers(brokers.values())
-        # Reconcile: brokers that died unseen leave leaderships and ISRs, one persisted
-        # decision per broker; then offline partitions with an eligible replica get one.
+        # Reconcile. First, brokers that died and registered again unseen leave the ISRs
+        # decided before they restarted (before any other write here moves those
+        # partitions' revisions past their registration, and before an election could
+        # pick them); then brokers that died unseen leave leaderships and ISRs, one
+        # persisted decision per broker; then offline partitions with an eligible
+        # replica get one.
+        self._decide_and_commit(
+            term,
+            lambda: _Plan(
+                state.evict_restarted(
+                    {
+                        key: revision
+                        for key in state.partitions
+                        if (revision := term.revisions.get(partition_key(*key))) is not None
+                    }
+                )
+            ),
+        )
         for broker_id in state.dead_replicas():
 
             def evict(dead: int = broker_id) -> _Plan:

@@ -253,6 +253,37 @@ class ClusterState:
                 changes.append(PartitionChange(name, p, old, new))
         return changes
 
+    def evict_restarted(self, decided_at: Mapping[TopicPartition, int]) -> list[PartitionChange]:
+        """Take replicas registered after their partition's state was last written
+        (``decided_at``: the partition key's etcd mod revision) out of its ISR and
+        leadership: they restarted while no controller was active, so nobody ran
+        ``on_broker_down`` for the old incarnation, and the new one may have come back
+        with less (an empty disk). Kafka's controller fences a re-registered incarnation
+        the same way. They rejoin through their leader once caught up. An ISR whose
+        members all restarted is left as it is: nothing says which one holds more."""
+        changes = []
+        for (name, p), old in sorted(self.partitions.items()):
+            revision = decided_at.get((name, p))
+            topic = self.topics.get(name)
+            if revision is None or topic is None:
+                continue
+            restarted = {
+                b
+                for b in (*old.isr, old.leader)
+                if b in self.brokers and self.brokers[b].epoch > revision
+            }
+            remaining = [b for b in old.isr if b not in restarted]
+            if not restarted or not remaining:
+                continue
+            if old.leader in restarted:
+                leader, isr = self._elect(
+                    topic, p, remaining, allow_unclean=topic.unclean_leader_election
+                )
+            else:
+                leader, isr = old.leader, tuple(remaining)
+            changes.append(PartitionChange(name, p, old, _next(old, leader, isr)))
+        return changes
+
     def on_broker_up(self, broker: Broker) -> list[PartitionChange]:
         """A broker (re)registered: elect it where a partition waits for exactly it.
 
