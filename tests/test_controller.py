@@ -1043,3 +1043,38 @@ def test_a_broker_back_with_an_empty_disk_while_no_controller_ran_is_not_elected
         assert [r.value for r in records] == [f"v{i}".encode() for i in range(100)]
     finally:
         cluster.close()
+
+
+def test_a_leader_and_isr_the_broker_failed_with_a_storage_error_is_sent_again(
+    tmp_path: Path,
+) -> None:
+    """A partition whose LeaderAndIsr failed on the broker with STORAGE_ERROR (here a
+    stray file where its log directory goes; in production a full disk or too many open
+    files) used to be dropped by the controller: once the cause was gone, the broker
+    still did not host it, and its leader served nothing. It is sent again, with
+    backoff, until the broker takes the role."""
+    cluster = TestCluster(tmp_path)
+    try:
+        cluster.start_broker(1)
+        cluster.start_controller(1)
+        cluster.wait_brokers([1])
+        gateway = cluster.start_gateway()
+        stray = cluster.data_dir(1) / "t-0"
+        stray.write_text("not a directory")
+        cluster.create_topic("t", 1, 1)
+        time.sleep(1.0)  # a few refusals
+        stray.unlink()
+
+        def hosted() -> bool:
+            answer = cluster.brokers[1].stub.DescribeLogDirs(
+                storage_pb2.DescribeLogDirsRequest(), timeout=RPC_TIMEOUT_S
+            )
+            return ("t", 0) in {
+                (p.topic, p.partition) for d in answer.log_dirs for p in d.partitions
+            }
+
+        wait_for(hosted, 30, "the broker to host t-0")
+        with tidelog.Producer(gateway.address) as producer:
+            assert producer.send("t", b"x", partition=0).result(30).offset == 0
+    finally:
+        cluster.close()

@@ -40,6 +40,7 @@ from services.controller.state import Broker, PartitionRecord, TopicPartition
 from services.status import error_from_proto, error_from_rpc_error
 from tidelog.errors import (
     BrokerNotAvailableError,
+    ErrorCode,
     StaleBrokerEpochError,
     StaleControllerEpochError,
     TidelogError,
@@ -605,8 +606,13 @@ class _BrokerSender:
             if error is None:
                 acked.append(key)
                 _resolve_all(entry.completions)
-            elif kind == "stop_replica" and error.retriable:
-                retry[key] = entry  # e.g. a storage error while deleting: try again
+            elif error.retriable and (
+                kind == "stop_replica" or error.code is ErrorCode.STORAGE_ERROR
+            ):
+                # A storage error (a full disk, too many open files, a stray file where
+                # the log goes) may clear: until the broker takes the role, a leader it
+                # was told to be serves nothing while the controller believes it does.
+                retry[key] = entry
             else:
                 # A partition the broker refused (bad config, fenced epoch): resending the
                 # same entry cannot help; the next decision for it will be sent anew.
@@ -622,7 +628,7 @@ class _BrokerSender:
             manager._stop_acked(self.broker.broker_id, acked)
         if retry:
             raise _RetryError(
-                BrokerNotAvailableError(f"{len(retry)} partitions failed to stop; retrying"),
+                BrokerNotAvailableError(f"{len(retry)} partitions failed ({kind}); retrying"),
                 requeue=retry,
             )
 
