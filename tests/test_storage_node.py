@@ -278,17 +278,20 @@ def test_append_stream_reports_errors_per_message_and_continues(
 
 
 def _lead_with_follower_2(
-    stub: storage_pb2_grpc.StorageStub, topic: str, configs: dict[str, str] | None = None
+    stub: storage_pb2_grpc.StorageStub,
+    topic: str,
+    configs: dict[str, str] | None = None,
+    epoch: int = 0,
 ) -> None:
     """Make this broker leader of ``topic``-0 with broker 2 (the test) in the ISR."""
     state = common_pb2.PartitionState(
         topic=topic,
         partition=0,
         leader=BROKER_ID,
-        leader_epoch=0,
+        leader_epoch=epoch,
         isr=[BROKER_ID, 2],
         replicas=[BROKER_ID, 2],
-        partition_epoch=0,
+        partition_epoch=epoch,
     )
     response = stub.LeaderAndIsr(
         storage_pb2.LeaderAndIsrRequest(
@@ -307,6 +310,36 @@ def _lead_with_follower_2(
         timeout=RPC_TIMEOUT_S,
     )
     assert [code(r.error) for r in response.partitions] == [ErrorCode.NONE]
+
+
+def test_a_new_leader_answers_offsets_only_once_its_hw_reaches_its_epoch(
+    storage_node: StorageProcess,
+) -> None:
+    """KIP-207: a leader's HW can lag what the previous leader had told consumers until
+    its followers fetch in its epoch. Until the HW reaches the epoch's start, consumer
+    ListOffsets (but EARLIEST) answer the retriable OFFSET_NOT_AVAILABLE rather than an
+    end below the one consumers saw."""
+    stub = storage_node.stub
+    topic = "kip-207"
+    _lead_with_follower_2(stub, topic)
+    for value in (b"a", b"b", b"c"):
+        result = append(stub, topic, encode_batch([value]), acks=common_pb2.LEADER)
+        assert code(result.error) == ErrorCode.NONE
+    _lead_with_follower_2(stub, topic, epoch=1)  # a new epoch starting at offset 3
+    latest = list_offset(stub, topic, common_pb2.LATEST)
+    assert code(latest.error) == ErrorCode.OFFSET_NOT_AVAILABLE, latest
+    assert error_from_proto(latest.error).retriable  # type: ignore[union-attr]
+    assert code(list_offset(stub, topic, common_pb2.EARLIEST).error) == ErrorCode.NONE
+    stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=2,
+            max_wait_ms=0,
+            partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=3)],
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    latest = list_offset(stub, topic, common_pb2.LATEST)
+    assert (code(latest.error), latest.offset) == (ErrorCode.NONE, 3)
 
 
 def test_retention_never_retires_records_above_the_high_watermark(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
@@ -44,6 +45,8 @@ from tidelog.errors import (
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, gateway_pb2_grpc, storage_pb2
 
 MAX_MESSAGE_BYTES: Final = 128 * 1024 * 1024
+LIST_OFFSETS_RETRY_S: Final = 0.05
+"""Pause before asking again for offsets answered with a retriable error."""
 """gRPC message cap both ways; the gateway's own limits are below it."""
 DEFAULT_GATEWAY: Final = "127.0.0.1:9094"
 GATEWAY_ENV: Final = "TIDELOG_GATEWAY"
@@ -267,14 +270,31 @@ class GatewayConnection:
         )
         if not request.partitions:
             return {}
-        response: storage_pb2.ListOffsetsResponse = self.call(
-            self.stub.ListOffsets, request, "list offsets"
-        )
+        # Partitions answered with a retriable error (a new leader not ready to answer,
+        # a leader moving) are asked again after a pause, within the request timeout.
+        deadline = time.monotonic() + self.timeout_s
         result: dict[tuple[str, int], tuple[int, int]] = {}
-        for item in response.partitions:
-            raise_for(item.error, f"offsets of {item.topic}-{item.partition}")
-            result[(item.topic, item.partition)] = (item.offset, item.timestamp_ms)
-        return result
+        while True:
+            response: storage_pb2.ListOffsetsResponse = self.call(
+                self.stub.ListOffsets, request, "list offsets"
+            )
+            again = []
+            for item in response.partitions:
+                error = error_for_code(int(item.error.code), item.error.message)
+                if item.error.code != common_pb2.NONE and not (
+                    error.retriable and time.monotonic() < deadline
+                ):
+                    raise_for(item.error, f"offsets of {item.topic}-{item.partition}")
+                if item.error.code != common_pb2.NONE:
+                    again.append(item)
+                    continue
+                result[(item.topic, item.partition)] = (item.offset, item.timestamp_ms)
+            if not again:
+                return result
+            asked = {(p.topic, p.partition): p for p in request.partitions}
+            del request.partitions[:]
+            request.partitions.extend(asked[(item.topic, item.partition)] for item in again)
+            time.sleep(LIST_OFFSETS_RETRY_S)
 
     def bounds(
         self, partitions: Sequence[tuple[str, int]]

@@ -44,6 +44,7 @@ from tidelog.errors import (
     NotEnoughReplicasAfterAppendError,
     NotEnoughReplicasError,
     NotLeaderOrFollowerError,
+    OffsetNotAvailableError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
     StorageError,
@@ -613,6 +614,20 @@ class Partition:
             visible_end = self._high_watermark if replica_id < 0 else self._log.log_end_offset
             if spec is OffsetSpec.EARLIEST:
                 return OffsetAndTimestamp(self._log.log_start_offset, -1)
+            replication = self._replication
+            if (
+                replica_id < 0
+                and replication is not None
+                and self._high_watermark < replication.leader_epoch_start_offset
+            ):
+                # A new leader's HW can lag the old leader's until its followers fetch in
+                # the new epoch: answering now could give a consumer an end below what it
+                # was already told (Kafka's KIP-207). Retriable: ask again shortly.
+                raise OffsetNotAvailableError(
+                    f"{self.topic}-{self.partition}: the new leader's high watermark "
+                    f"{self._high_watermark} is below its epoch's start "
+                    f"{replication.leader_epoch_start_offset}; retry"
+                )
             if spec is OffsetSpec.LATEST:
                 return OffsetAndTimestamp(visible_end, -1)
             if spec is OffsetSpec.BY_TIMESTAMP:
