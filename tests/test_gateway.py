@@ -240,6 +240,50 @@ def test_commit_bad_input_changes_nothing(gateway: GatewayProcess, admin: tidelo
         tidelog.Consumer(gateway.address, group_id="x" * 300).committed([("commits", 0)])
 
 
+@pytest.mark.parametrize("min_bytes", [1, 300])
+def test_a_fetch_across_leaders_answers_once_it_has_min_bytes(
+    gateway: GatewayProcess, admin: tidelog.Admin, min_bytes: int
+) -> None:
+    """A raw client's fetch over partitions of several leaders long-polls them all; it
+    answers as soon as the records found add up to min_bytes, counted over every leader.
+    It used to wait out max_wait_ms when the only record was small (an answer that small
+    was taken for one without records), or when min_bytes was only reached by two
+    leaders' answers together (each leader was asked for all of it)."""
+    topic = f"across-leaders-{min_bytes}"
+    admin.create_topic(topic, partitions=3, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+    assert len(set(leaders.values())) == 3
+    value = b"x" if min_bytes == 1 else b"y" * 200
+
+    def produce_later() -> None:
+        time.sleep(0.5)
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send(topic, value, partition=0).result(30)
+            if min_bytes > 1:
+                producer.send(topic, value, partition=1).result(30)
+
+    writer = threading.Thread(target=produce_later)
+    started = time.monotonic()
+    writer.start()
+    answer = gateway.stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=25_000,
+            min_bytes=min_bytes,
+            partitions=[
+                storage_pb2.FetchPartition(topic=topic, partition=p, fetch_offset=0)
+                for p in range(3)
+            ],
+        ),
+        timeout=40,
+    )
+    writer.join()
+    # Not the whole max_wait_ms (25 s): answered once the records were there.
+    assert time.monotonic() - started < 15
+    got = [r.value for p in answer.partitions for b in decode_batches(p.records) for r in b.records]
+    assert value in got
+
+
 def test_produce_and_fetch_bad_input(cluster: TestCluster, admin: tidelog.Admin) -> None:
     small = cluster.start_gateway(["--max-request-bytes", "2000", "--max-fetch-bytes", "100000"])
     admin.create_topic("bad-input", partitions=1, replication_factor=1)

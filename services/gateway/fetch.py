@@ -263,7 +263,18 @@ class FetchHandler:
         else:
             found, failed = run(self._round(by_leader, wait_ms=0, answers=answers, **limits))
             if found < min_bytes and not failed:
-                run(self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits))
+                # min_bytes is for the whole answer: each leader answers as soon as it has
+                # anything, and the round ends once their answers add up to min_bytes.
+                run(
+                    self._round(
+                        by_leader,
+                        wait_ms=wait_ms,
+                        answers=answers,
+                        max_bytes=max_bytes,
+                        min_bytes=1,
+                        enough_bytes=min_bytes,
+                    )
+                )
         encoded = storage_pb2.FetchResponse(partitions=local_errors).SerializeToString()
         return encoded + b"".join(answers.values())
 
@@ -295,12 +306,14 @@ class FetchHandler:
         min_bytes: int,
         wait_ms: int,
         answers: dict[int, bytes],
+        enough_bytes: int | None = None,
     ) -> tuple[int, bool]:
         """One fetch to every leader, run on the ``LeaderCalls`` loop; each leader's
         encoded answer goes into ``answers``. Returns (record bytes found, whether some
         partition failed).
 
-        With ``wait_ms`` > 0 it returns once any leader answered with data (or all did);
+        With ``wait_ms`` > 0 it returns once the leaders' answers hold ``enough_bytes``
+        of records (default ``min_bytes``), or all answered;
         the calls still running are cancelled and their leaders keep the answer
         ``answers`` already held, or get a "not answered" one (no records, offsets -1).
         """
@@ -323,7 +336,7 @@ class FetchHandler:
                     answers[broker_id] = encoded
                     found += data
                     failed = failed or error
-                if wait_ms > 0 and found >= min_bytes:
+                if wait_ms > 0 and found >= (min_bytes if enough_bytes is None else enough_bytes):
                     break
         finally:
             for call_pending in pending:
@@ -629,9 +642,12 @@ def _leader_answer(
         encoded = call.result()
     except grpc.RpcError as exc:
         return _failed_answer(exc, partitions), 0, True
-    # Results without records are small: only then parse, to see errors.
+    # Results without records are small: only then parse, to see errors and to count a
+    # few bytes of records exactly (taking them for none made a fetch across leaders
+    # wait out max_wait_ms with a small record in hand).
     overhead = sum(EMPTY_RESULT_BYTES + 8 + len(fp.topic) for fp in partitions)
     if len(encoded) > overhead:
         return encoded, len(encoded) - overhead, False
     response = storage_pb2.FetchResponse.FromString(encoded)
-    return encoded, 0, _has_error(response.partitions)
+    records = sum(len(result.records) for result in response.partitions)
+    return encoded, records, _has_error(response.partitions)
