@@ -176,13 +176,15 @@ class LeaderReplicationState:
     def on_isr_committed(self, isr: Iterable[int], partition_epoch: int) -> bool:
         """The controller accepted (or reported) the ISR in force; returns True if HW moved.
 
-        A follower that left the ISR starts over as unknown: its progress was that of a
-        member, and a dead one's frozen log end would otherwise keep it "ready to join",
-        proposed again every pass. It is ready again after its next fetch."""
+        A follower that left the ISR has its log end forgotten: a dead one's frozen log
+        end would otherwise keep it "ready to join", proposed again every pass, and a
+        restarted one's would speak for a log it may no longer have (KIP-903). It is
+        ready again once a fetch reports where its log ends. (Its caught-up time stays:
+        it only matters once it is a member again, and a fetching follower renews it.)"""
         new_isr = tuple(isr)
         for broker_id in set(self.isr) - set(new_isr):
             if broker_id in self.followers:
-                self.followers[broker_id] = FollowerProgress(broker_id)
+                self.followers[broker_id].log_end_offset = -1
         self.isr = new_isr
         self.partition_epoch = partition_epoch
         self.pending = None
