@@ -1393,6 +1393,14 @@ class Producer:
         picked: list[tuple[_PartitionQueue, list[_Batch]]],
         results: Sequence[gateway_pb2.ProducePartitionResult | storage_pb2.AppendResponse],
     ) -> None:
+        if len(results) < len(picked):
+            # An answer without a result for some partitions (no server sends one): treat
+            # those as unanswered - retried like a lost reply - rather than leave their
+            # futures, and flush(), waiting forever.
+            self._complete_failed(
+                picked[len(results) :],
+                NetworkError(f"{len(results)} results answered {len(picked)} partitions"),
+            )
         for (pq, batches), result in zip(picked, results, strict=False):
             if result.error.code == common_pb2.NONE:
                 offset = result.base_offset
