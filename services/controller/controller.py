@@ -571,6 +571,14 @@ class Controller:
             raise _ConflictError()
         self._apply(term, plan, result.revision)
 
+    def _confirm_office(self, term: _Term) -> None:
+        """Raise the standby error (deposing ``term``) unless etcd's controller key is still
+        this term's: what a guarded write checks, for a push that follows no write."""
+        holder = self._store.get(CONTROLLER_KEY)
+        if holder is None or holder.create_revision != term.epoch:
+            self._deposed(term, "the controller key changed before a push")
+            raise self._standby_error(decode_controller(holder) if holder else None)
+
     def _apply(self, term: _Term, plan: _Plan, revision: int) -> None:
         state = term.state
         for topic in plan.put_topics:
@@ -900,6 +908,11 @@ class Controller:
             "broker_up", broker_id=broker.broker_id, broker_epoch=broker.epoch, epoch=term.epoch
         )
         plan = self._decide_and_commit(term, lambda: _Plan(state.on_broker_up(broker)))
+        if plan.empty():
+            # Nothing was written, so no guard was checked: make sure this controller still
+            # holds office before a fresh broker (which takes any controller epoch) gets
+            # its whole state from it.
+            self._confirm_office(term)
         term.channel.add_broker(broker)
         # A (re)registered broker has no roles yet: it gets every partition it hosts.
         self._push(term, plan.changes, full_to=[broker.broker_id])
