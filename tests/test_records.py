@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import struct
 from collections.abc import Sequence
 from typing import Any
@@ -18,11 +19,14 @@ from tidelog.batch import check_batch, crc32c, stamp
 from tidelog.errors import ConfigError, CorruptBatchError
 from tidelog.records import (
     Record,
+    arrow_record_bytes,
     arrow_schema,
+    batch_cuts,
     batches_to_arrow,
     decode_batches,
     encode_batch,
     encode_batch_arrow,
+    record_bytes,
 )
 
 CODECS = ["none", "zstd", "lz4"]
@@ -566,3 +570,44 @@ def test_hostile_bodies_never_escape_as_other_errors(
     except CorruptBatchError:
         return
     assert batch.to_arrow().to_pylist() == as_rows(batch.records)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batches_cut_by_record_bytes_stay_within_the_batch_size(seed: int) -> None:
+    """``record_bytes`` / ``arrow_record_bytes`` are upper bounds of what a record adds to
+    a batch, so runs cut by ``batch_cuts`` encode to at most the batch size whatever the
+    skew of values, keys and headers (one large header among small rows used to be
+    counted at the column's average, and the batch passed max.message.bytes)."""
+    rng = random.Random(seed)
+    n = 400
+    sizes = [rng.choice([0, 3, 50, 2_000, 20_000]) for _ in range(n)]
+    values = pa.array([None if s == 0 else rng.randbytes(s) for s in sizes], pa.binary())
+    keys = pa.array([rng.choice([None, b"k", rng.randbytes(300)]) for _ in range(n)], pa.binary())
+    headers = pa.array(
+        [
+            None
+            if rng.random() < 0.3
+            else [
+                (
+                    "h" * rng.randrange(1, 20),
+                    rng.choice([None, rng.randbytes(rng.choice([1, 5_000]))]),
+                )
+                for _ in range(rng.randrange(0, 4))
+            ]
+            for _ in range(n)
+        ],
+        HEADERS_TYPE,
+    )
+    start, stop = rng.randrange(0, 50), n - rng.randrange(0, 50)
+    values, keys, headers = (a.slice(start, stop - start) for a in (values, keys, headers))
+    per_row = arrow_record_bytes(values, keys, headers).to_pylist()
+    for i in range(len(values)):  # the Arrow sizes bound the per-record rule
+        listed = [(h["key"], h["value"]) for h in headers[i].as_py() or ()]
+        assert per_row[i] >= record_bytes(values[i].as_py(), keys[i].as_py(), listed or None)
+    batch_bytes = 64 * 1024
+    for first, end, _ in batch_cuts(arrow_record_bytes(values, keys, headers), batch_bytes):
+        count = end - first
+        encoded = encode_batch_arrow(
+            values.slice(first, count), keys.slice(first, count), headers.slice(first, count)
+        )
+        assert count == 1 or len(encoded) <= batch_bytes, (first, end, len(encoded))

@@ -286,6 +286,13 @@ def test_batch_read_by_assign_timestamps_ending_offsets_and_min_partitions(
     rows = window.select("partition", "offset").collect()
     assert sorted(r["offset"] for r in rows) == list(range(50, 150))
     assert {r["partition"] for r in rows} == {1}
+    # Every partition read needs an end, assign mode too: one left out used to end at
+    # earliest and be read not at all. An end past the latest offset fails at once
+    # (it used to wait 120 s for records that were not there).
+    with pytest.raises(Exception, match="missing: spark-ts-0"):
+        read(assign='{"spark-ts": [0, 1]}', endingOffsets='{"spark-ts": {"1": 150}}').count()
+    with pytest.raises(Exception, match="ending offset 250 is past the latest offset 200"):
+        read(assign='{"spark-ts": [1]}', endingOffsets='{"spark-ts": {"1": 250}}').count()
     # Per-partition timestamps: partition 0 from its start, partition 1 from "new".
     mixed = read(
         subscribe="spark-ts",

@@ -138,10 +138,18 @@ class TidelogBatchReader(DataSourceReader):
         starts = planning.check_start_offsets(
             starts, bounds, fail_on_data_loss=options.fail_on_data_loss
         )
+        # Every partition read needs an end (Spark's rule, assign mode too): one left out
+        # would end at earliest and be read not at all.
         ends = planning.resolve_offsets(
-            options.ending, bounds, option="endingOffsets", require_all=require_all
+            options.ending, bounds, option="endingOffsets", require_all=True
         )
         for tp, end in ends.items():
+            if end > bounds[tp].latest:
+                # Not there yet: the read would wait for it and time out.
+                raise ConfigError(
+                    f"{tp[0]}-{tp[1]}: the ending offset {end} is past the latest offset "
+                    f"{bounds[tp].latest}"
+                )
             if end < starts[tp]:
                 raise ConfigError(
                     f"{tp[0]}-{tp[1]}: the ending offset {end} is before the starting offset "
