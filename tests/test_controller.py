@@ -1063,6 +1063,9 @@ def test_a_leader_and_isr_the_broker_failed_with_a_storage_error_is_sent_again(
         stray.write_text("not a directory")
         cluster.create_topic("t", 1, 1)
         time.sleep(1.0)  # a few refusals
+        # The retried partition does not hold back the broker's metadata, which admin
+        # calls wait for: another topic is created as usual meanwhile.
+        cluster.create_topic("unblocked", 1, 1)
         stray.unlink()
 
         def hosted() -> bool:

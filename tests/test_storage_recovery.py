@@ -810,6 +810,24 @@ def test_a_truncation_below_the_recovery_point_checkpoints_it_at_once(tmp_path: 
     manager.shutdown()
 
 
+def test_deleting_the_log_of_a_topic_with_the_longest_name_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """A 249-character topic (Kafka's limit) makes a directory name of 251: the rename to
+    ``*.<id>-delete`` used to pass the file system's 255 bytes and fail after the log was
+    already forgotten, so its data stayed for a topic created again with that name."""
+    manager = new_manager(tmp_path)
+    manager.startup()
+    topic = "t" * 249
+    log = fill(manager, topic, 0, 5, 0)
+    assert log.log_end_offset > 0
+    manager.delete_log(topic, 0)
+    assert not any(p.name.startswith("ttt") for p in tmp_path.iterdir())
+    again = manager.get_or_create_log(topic, 0)
+    assert (again.log_start_offset, again.log_end_offset) == (0, 0)
+    manager.shutdown()
+
+
 def test_log_manager_shutdown_checkpoints_at_log_end(tmp_path: Path) -> None:
     manager = new_manager(tmp_path)
     manager.startup()

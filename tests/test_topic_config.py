@@ -57,6 +57,9 @@ def test_pairs_are_accepted_and_empty_is_fine() -> None:
         ({"retention.ms": "1_000"}, 1, "not an integer"),
         ({"retention.ms": "-2"}, 1, "retention.ms"),
         ({"segment.bytes": "0"}, 1, "segment.bytes"),
+        # Each index file is preallocated to it: 10^12 made terabyte files, 2^63-2 none.
+        ({"segment.index.bytes": "1000000000000"}, 1, "segment.index.bytes"),
+        ({"segment.index.bytes": "9223372036854775806"}, 1, "between 48 and 2147483647"),
         ({"max.message.bytes": "1"}, 1, "max.message.bytes"),
         ({"page.cache.window.bytes": "-1"}, 1, "page.cache.window.bytes=-1: must be >= 0"),
         ({"retention.ms": "99999999999999999999"}, 1, "larger than"),

@@ -350,6 +350,7 @@ class _BrokerSender:
         self._closed = False
         self._retry_at = 0.0
         self._backoff_s = INITIAL_BACKOFF_S
+        self._metadata_turn = False  # after a failed partitions batch: UpdateMetadata next
         self._channel = grpc.insecure_channel(f"{broker.host}:{broker.port}", _CHANNEL_OPTIONS)
         self._stub = storage_pb2_grpc.StorageStub(self._channel)
         self._thread = threading.Thread(
@@ -450,11 +451,13 @@ class _BrokerSender:
                     break
                 self._cond.wait(None if not has_work else self._retry_at - now)
             limit = self._manager.max_partitions_per_request
+            metadata_first = self._metadata_turn and self._update_metadata is not None
+            self._metadata_turn = False
             for kind, mailbox in (
                 ("leader_and_isr", self._leader_and_isr),
                 ("stop_replica", self._stop_replica),
             ):
-                if mailbox:
+                if mailbox and not metadata_first:
                     keys = sorted(mailbox)[:limit]
                     return kind, {key: mailbox.pop(key) for key in keys}
             assert self._update_metadata is not None
@@ -519,6 +522,9 @@ class _BrokerSender:
                 with self._cond:
                     self._retry_at = time.monotonic() + self._backoff_s
                     self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
+                    # Partitions a broker keeps failing must not hold back its metadata
+                    # (admin calls wait for it): a pending UpdateMetadata goes next.
+                    self._metadata_turn = kind != "update_metadata"
                 self._requeue(kind, batch if retry.requeue is None else retry.requeue)
             except _DeposedError as deposed:
                 _resolve_all(_waiters_of(batch), deposed.error)

@@ -20,6 +20,7 @@ import threading
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Final
 
 import structlog
 
@@ -36,6 +37,8 @@ DELETE_DIR_SUFFIX = "-delete"
 log = structlog.get_logger("tidelog.storage.log_manager")
 
 TopicPartitionKey = tuple[str, int]
+MAX_FILE_NAME_BYTES: Final = 255
+"""The longest file name ext4, xfs and most file systems take (topic names are ASCII)."""
 
 
 class LogManager:
@@ -127,14 +130,21 @@ class LogManager:
 
     def delete_log(self, topic: str, partition: int) -> None:
         """Remove a partition's log from disk (topic deletion, replica moved away)."""
-        removed = self._logs.pop((topic, partition), None)
+        removed = self._logs.get((topic, partition))
         if removed is None:
             return
         removed.close()
         # Rename first so a crash mid-delete leaves a directory start-up recognizes and
-        # finishes deleting, never a half-deleted log that looks live.
-        doomed = removed.dir.with_name(f"{removed.dir.name}.{uuid.uuid4().hex}{DELETE_DIR_SUFFIX}")
+        # finishes deleting, never a half-deleted log that looks live. The new name must
+        # fit a file name (255 bytes) when the topic's takes 249 of them: the topic part
+        # is cut, as Kafka does (start-up removes any name ending in the suffix).
+        # Forgotten only once renamed: a failed rename is retried by the controller,
+        # where an already-forgotten log would leave its data for a re-created topic.
+        suffix = f".{uuid.uuid4().hex}{DELETE_DIR_SUFFIX}"
+        kept = removed.dir.name[: MAX_FILE_NAME_BYTES - len(suffix)]
+        doomed = removed.dir.with_name(kept + suffix)
         removed.dir.rename(doomed)
+        self._logs.pop((topic, partition), None)
         shutil.rmtree(doomed, ignore_errors=True)
         self.checkpoint()
 

@@ -11,6 +11,9 @@ from tidelog import formats
 from tidelog.errors import InvalidConfigError
 
 DAY_MS: Final = 24 * 60 * 60 * 1000
+MAX_INDEX_BYTES: Final = (1 << 31) - 1
+"""Largest segment.index.bytes (Kafka's bound too): each index file is preallocated to it,
+and a larger one made terabyte files, or failed to be created at all."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +65,10 @@ class LogConfig:
             f"must be between 14 and {formats.MAX_SEGMENT_POSITION}",
         )
         require(
-            self.segment_index_bytes >= 4 * formats.TIME_INDEX_ENTRY_SIZE,
+            4 * formats.TIME_INDEX_ENTRY_SIZE <= self.segment_index_bytes <= MAX_INDEX_BYTES,
             "segment.index.bytes",
             self.segment_index_bytes,
-            f"must be at least {4 * formats.TIME_INDEX_ENTRY_SIZE}",
+            f"must be between {4 * formats.TIME_INDEX_ENTRY_SIZE} and {MAX_INDEX_BYTES}",
         )
         require(
             self.index_interval_bytes >= 0,
