@@ -136,6 +136,9 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
         (("consume", "events", "--partition", "9"), "partition 9 does not exist"),
         (("produce", "events", "--partition", "7"), "partition 7 does not exist"),
         (("groups", "describe", "nobody"), "no committed offsets"),
+        (("topics", "create", "x", "--partitions", "2147483648"), "must be <= 2147483647"),
+        (("produce", "events", "--key-separator", ""), "must not be empty"),
+        (("topics", "describe", "\udcff"), "UnicodeEncodeError"),  # a non-UTF-8 argument
     ],
 )
 def test_errors_are_one_line_without_traceback(
@@ -146,6 +149,27 @@ def test_errors_are_one_line_without_traceback(
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_consume_with_a_group_commits_only_what_it_printed(dev: DevProcess) -> None:
+    """--max-messages stopping in the middle of a poll used to commit the whole poll: the
+    group's next consumer skipped records nobody had printed."""
+    g = dev.gateway
+    tidelog("topics", "create", "counted", gateway=g)
+    tidelog("produce", "counted", gateway=g, stdin="".join(f"m{i}\n" for i in range(5)))
+    first = tidelog(
+        "consume",
+        "counted",
+        "--group",
+        "counter",
+        "--from-beginning",
+        "--max-messages",
+        "2",
+        gateway=g,
+    )
+    assert first.stdout.split() == ["m0", "m1"]
+    rest = tidelog("consume", "counted", "--group", "counter", gateway=g)
+    assert rest.stdout.split() == ["m2", "m3", "m4"]
 
 
 def test_unreachable_gateway_is_one_line() -> None:

@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+INT32_MAX = (1 << 31) - 1
+
 _HOST_PORT = re.compile(r"^(?:\[(?P<ipv6>[0-9a-fA-F:.]+)\]|(?P<host>[^:\[\]]+)):(?P<port>\d{1,5})$")
 
 
@@ -188,18 +190,30 @@ def _controller_id(text: str) -> int:
     return value
 
 
-def _int_at_least(text: str, minimum: int) -> int:
+def _int_at_least(text: str, minimum: int, maximum: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
     if value < minimum:
         raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise argparse.ArgumentTypeError(f"{value} must be <= {maximum}")
     return value
 
 
 def _positive_int(text: str) -> int:
     return _int_at_least(text, 1)
+
+
+def _positive_int32(text: str) -> int:
+    """A count the protocol carries as int32 (partitions, replication factor)."""
+    return _int_at_least(text, 1, INT32_MAX)
+
+
+def _non_negative_int32(text: str) -> int:
+    """A partition index (int32 on the wire)."""
+    return _int_at_least(text, 0, INT32_MAX)
 
 
 def _positive_float(text: str) -> float:
@@ -357,8 +371,8 @@ def _add_topics(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     )
     create = actions.add_parser("create", help="create a topic")
     create.add_argument("name", metavar="NAME")
-    create.add_argument("--partitions", type=_positive_int, default=1, metavar="P")
-    create.add_argument("--replication-factor", type=_positive_int, default=1, metavar="R")
+    create.add_argument("--partitions", type=_positive_int32, default=1, metavar="P")
+    create.add_argument("--replication-factor", type=_positive_int32, default=1, metavar="R")
     create.add_argument(
         "--config",
         action="append",
@@ -390,7 +404,7 @@ def _add_produce(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         default=None,
         help="split each line at the first SEP into key and value",
     )
-    parser.add_argument("--partition", type=_non_negative_int, default=None, metavar="P")
+    parser.add_argument("--partition", type=_non_negative_int32, default=None, metavar="P")
     parser.add_argument(
         "--direct",
         action="store_true",
@@ -408,7 +422,7 @@ def _add_consume(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser.add_argument("topic", metavar="TOPIC")
     parser.add_argument("--from-beginning", action="store_true", help="start at the oldest record")
     parser.add_argument("--offset", type=_non_negative_int, default=None, metavar="N")
-    parser.add_argument("--partition", type=_non_negative_int, default=None, metavar="P")
+    parser.add_argument("--partition", type=_non_negative_int32, default=None, metavar="P")
     parser.add_argument("--group", default=None, metavar="G", help="consumer group to commit to")
     parser.add_argument("--max-messages", type=_positive_int, default=None, metavar="N")
     parser.add_argument(

@@ -41,6 +41,11 @@ def run(name: str, fn: Callable[[argparse.Namespace], int], args: argparse.Names
         return 1
     except BrokenPipeError:  # `tidelog consume ... | head`
         return 0
+    except (UnicodeError, ValueError, OSError) as exc:
+        # Input no request can carry (an argument that is not UTF-8, a number out of the
+        # protocol's range) or output that cannot be written (a full disk): one line.
+        print(f"tidelog {name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 def _ids(values: Sequence[int]) -> str:
@@ -157,6 +162,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
             direct=args.direct,
         ) as producer:
             futures = []
+            if args.key_separator == "":
+                raise ConfigError("--key-separator must not be empty")
             for raw in sys.stdin.buffer:
                 line = raw.rstrip(b"\r\n")
                 key: bytes | None = None
@@ -191,10 +198,14 @@ def cmd_consume(args: argparse.Namespace) -> int:
             raise ConfigError("--from-beginning and --offset exclude each other")
         if args.offset is not None and args.partition is None:
             raise ConfigError("--offset needs --partition")
+        # The group's offsets are committed here, after each poll's records are printed:
+        # auto-commit (on close too) would commit records fetched but not printed when
+        # --max-messages stops in a poll's middle or Ctrl-C interrupts one.
         consumer = Consumer(
             args.gateway,
             group_id=args.group,
             auto_offset_reset="earliest" if args.from_beginning else "latest",
+            enable_auto_commit=False,
             direct=args.direct,
         )
         with consumer:
@@ -223,7 +234,9 @@ def cmd_consume(args: argparse.Namespace) -> int:
                     consumer.position(tp) >= end for tp, end in ends.items()
                 ):
                     break
-                for record in consumer.poll(timeout_ms=500):
+                left = None if args.max_messages is None else args.max_messages - shown
+                records = consumer.poll(max_records=left, timeout_ms=500)
+                for record in records:
                     if args.output == "json":
                         print(
                             json.dumps(
@@ -243,11 +256,9 @@ def cmd_consume(args: argparse.Namespace) -> int:
                     else:
                         print(_text(record.value) or "")
                     shown += 1
-                    if args.max_messages is not None and shown >= args.max_messages:
-                        break
                 sys.stdout.flush()
-            if args.group is not None:
-                consumer.commit()
+                if records and args.group is not None:
+                    consumer.commit()  # what was printed (positions follow poll's records)
         return 0
 
     return run("consume", body, args)
