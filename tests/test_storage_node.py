@@ -1105,6 +1105,43 @@ def test_cli_reports_a_port_in_use(start_storage: StartStorage, tmp_path: Path) 
     assert "cannot listen" in done.stderr
 
 
+def test_a_second_storage_node_on_a_data_directory_in_use_refuses_to_start(
+    start_storage: StartStorage, tmp_path: Path
+) -> None:
+    """As Kafka's ``.lock``: a second process on the same directory would recover, trim
+    and write the logs the running node is writing (it used to start, and trimmed the
+    running node's indexes when it stopped)."""
+    node = start_storage()
+    make_leader(node.stub, "locked")
+    append(node.stub, "locked", encode_batch([b"kept"]))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tidelog",
+            "storage",
+            "--broker-id",
+            "2",
+            "--data-dir",
+            str(node.data_dir),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=tidelog_env(),
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "is in use by another storage node" in done.stderr
+    assert values_of(read_all(node.stub, "locked")) == [b"kept"]
+    node.kill()  # kill -9: the kernel releases the lock
+    start_storage(node.data_dir)
+
+
 # --- the shared pieces under the service: status table, topic names ------------------------
 
 

@@ -22,6 +22,7 @@ replicas when the registration lease expires, and the restart recovers from the 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import socket
 import sys
@@ -30,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import IO, Final
 
 import grpc
 import structlog
@@ -54,7 +55,7 @@ from services.storage.server import (
 )
 from tidelog import logging as tidelog_logging
 from tidelog.clock import SYSTEM_CLOCK, Clock
-from tidelog.errors import BrokerNotAvailableError, TidelogError
+from tidelog.errors import BrokerNotAvailableError, StorageError, TidelogError
 from tidelog.v1 import controller_pb2, controller_pb2_grpc, storage_pb2, storage_pb2_grpc
 
 _log = structlog.get_logger("tidelog.storage.node")
@@ -68,6 +69,8 @@ STORAGE_SERVICE_NAME: Final[str] = storage_pb2.DESCRIPTOR.services_by_name["Stor
 # explicitly so a Fetch answer (ServerLimits.max_fetch_response_bytes) always fits.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 ALTER_PARTITION_TIMEOUT_S: Final = 2.0
+DATA_DIR_LOCK: Final = ".lock"
+"""The file a running storage node holds an exclusive flock on, in its data directory."""
 
 
 def _host_port(host: str, port: int) -> str:
@@ -159,6 +162,7 @@ class StorageNode:
         self._store: MetaStore | None = None
         self._registration: BrokerRegistration | None = None
         self._stopped = False
+        self._dir_lock: IO[str] | None = None
 
     @property
     def port(self) -> int:
@@ -177,8 +181,10 @@ class StorageNode:
         return self._replicas
 
     def start(self) -> None:
-        """Recover the logs, bind, serve, report SERVING. Raises OSError if it cannot bind."""
+        """Recover the logs, bind, serve, report SERVING. Raises OSError if it cannot bind,
+        StorageError if another storage node holds the data directory."""
         config = self.config
+        self._lock_data_dir()
         log_manager = LogManager(
             config.data_dir, config.log_config, clock=self._clock, on_disk_failure=_halt
         )
@@ -347,7 +353,27 @@ class StorageNode:
             self._maintenance_thread.join()
         if self._replicas is not None:
             self._replicas.shutdown()
+        if self._dir_lock is not None:
+            self._dir_lock.close()  # releases the flock
+            self._dir_lock = None
         _log.info("stopped")
+
+    def _lock_data_dir(self) -> None:
+        """Hold ``<data_dir>/.lock`` (flock, exclusive) while running, as Kafka's
+        ``.lock``: a second node on the same directory would recover, trim and append to
+        the logs the first is writing. The kernel drops the lock when the process dies,
+        kill -9 included."""
+        data_dir = self.config.data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(data_dir / DATA_DIR_LOCK, "a")  # noqa: SIM115 - held until stop()
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise StorageError(
+                f"data directory {data_dir} is in use by another storage node"
+            ) from None
+        self._dir_lock = lock
 
     def _maintenance_loop(self) -> None:
         config = self.config
