@@ -1050,6 +1050,19 @@ def test_kill_9_with_pages_dropped_behind_a_small_window_loses_no_acknowledged_b
 # --- the command line ---------------------------------------------------------------------
 
 
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m tidelog *argv`` from the checkout, to its end (30 s at most)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tidelog", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=tidelog_env(),
+        timeout=30,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -1063,15 +1076,7 @@ def test_kill_9_with_pages_dropped_behind_a_small_window_loses_no_acknowledged_b
 )
 def test_cli_rejects_bad_input_in_one_line(tmp_path: Path, args: list[str]) -> None:
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    done = subprocess.run(
-        [sys.executable, "-m", "tidelog", *argv],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=tidelog_env(),
-        timeout=30,
-        check=False,
-    )
+    done = run_cli(*argv)
     assert done.returncode == 2
     assert done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -1080,25 +1085,14 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path: Path, args: list[str]) -> N
 
 def test_cli_reports_a_port_in_use(start_storage: StartStorage, tmp_path: Path) -> None:
     node = start_storage()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tidelog",
-            "storage",
-            "--broker-id",
-            "2",
-            "--data-dir",
-            str(tmp_path / "other"),
-            "--listen",
-            node.address,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=tidelog_env(),
-        timeout=30,
-        check=False,
+    done = run_cli(
+        "storage",
+        "--broker-id",
+        "2",
+        "--data-dir",
+        str(tmp_path / "other"),
+        "--listen",
+        node.address,
     )
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
@@ -1114,25 +1108,8 @@ def test_a_second_storage_node_on_a_data_directory_in_use_refuses_to_start(
     node = start_storage()
     make_leader(node.stub, "locked")
     append(node.stub, "locked", encode_batch([b"kept"]))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tidelog",
-            "storage",
-            "--broker-id",
-            "2",
-            "--data-dir",
-            str(node.data_dir),
-            "--listen",
-            "127.0.0.1:0",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=tidelog_env(),
-        timeout=30,
-        check=False,
+    done = run_cli(
+        "storage", "--broker-id", "2", "--data-dir", str(node.data_dir), "--listen", "127.0.0.1:0"
     )
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
