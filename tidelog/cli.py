@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -559,7 +560,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Commands get flat, typed fields rather than tuples.
     if isinstance(getattr(args, "listen", None), tuple):
         args.listen_host, args.listen_port = args.listen
-    handler = _load_handler(args.handler)
+    try:
+        handler = _load_handler(args.handler)
+    except ImportError as exc:
+        # `bench` lives in the repository checkout, not in the installed package.
+        print(
+            f"tidelog: error: {exc.name or exc}: this command needs the repository checkout "
+            "(run it from there)",
+            file=sys.stderr,
+        )
+        return 1
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -107,7 +107,11 @@ def main(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir).resolve()
     brokers = int(args.brokers)
     log_dir = data_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"tidelog dev: error: cannot use --data-dir {data_dir}: {exc}", file=sys.stderr)
+        return 1
     _python_path_env()
     stop = threading.Event()
 
