@@ -176,15 +176,7 @@ def test_consume_with_a_group_commits_only_what_it_printed(dev: DevProcess) -> N
 def test_dev_with_a_file_for_its_data_directory_is_one_line(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "afile"
     not_a_dir.write_text("")
-    result = subprocess.run(
-        [sys.executable, "-m", "tidelog", "dev", "--data-dir", str(not_a_dir)],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        env=tidelog_env(),
-        timeout=60,
-        check=False,
-    )
+    result = tidelog("dev", "--data-dir", str(not_a_dir), gateway="", check=False)
     assert result.returncode == 1
     assert "cannot use --data-dir" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
