@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-INT32_MAX = (1 << 31) - 1
+from tidelog.formats import INT32_MAX
 
 _HOST_PORT = re.compile(r"^(?:\[(?P<ipv6>[0-9a-fA-F:.]+)\]|(?P<host>[^:\[\]]+)):(?P<port>\d{1,5})$")
 

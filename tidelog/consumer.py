@@ -63,6 +63,7 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
     error_for_code,
 )
+from tidelog.formats import INT32_MAX
 from tidelog.leaders import LeaderDirectory, directory_for
 from tidelog.metrics import ClientMetrics
 from tidelog.records import Header, RecordBatch, arrow_schema, decode_batches
@@ -76,7 +77,6 @@ METADATA_REFRESH_S: Final = 30.0
 metadata.max.age.ms is 5 minutes; topics here grow rarely but users expect it sooner)."""
 RETRY_BACKOFF_S: Final = 0.1
 MAX_FETCHES_IN_FLIGHT: Final = 16
-MAX_INT32: Final = (1 << 31) - 1
 """Fetches in flight at once, one per leader group: beyond that many leaders, leaders
 share a group (by broker id modulo this)."""
 
@@ -210,8 +210,8 @@ class Consumer:
             ("max_partition_fetch_bytes", max_partition_fetch_bytes),
         ):
             # Sent as int32 fields: a larger value would fail every poll, not here.
-            if not 0 <= value <= MAX_INT32:
-                raise ConfigError(f"{name} {value} is outside 0..{MAX_INT32}")
+            if not 0 <= value <= INT32_MAX:
+                raise ConfigError(f"{name} {value} is outside 0..{INT32_MAX}")
         self._conn = GatewayConnection.get(gateway, request_timeout_ms)
         # Direct mode (module docstring): fetches go to the leaders, found through here.
         self._directory: LeaderDirectory | None = directory_for(self._conn) if direct else None

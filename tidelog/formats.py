@@ -92,7 +92,9 @@ ATTR_HAS_KEYS: Final = 0x20  # key column present (else every key is null)
 ATTR_HAS_HEADERS: Final = 0x40  # header lists present
 ATTR_KNOWN_BITS: Final = 0x7F
 
-MAX_BATCH_BYTES: Final = (1 << 31) - 1
+INT32_MAX: Final = (1 << 31) - 1
+"""The largest value of an int32 field (protobuf or batch header)."""
+MAX_BATCH_BYTES: Final = INT32_MAX
 """Hard ceiling from the i32 length field; configured limits are far lower."""
 
 # --- offset and time indexes -----------------------------------------------------------

@@ -108,7 +108,6 @@ ZSTD_LEVEL: Final = 3
 
 _ZEROS: Final = bytes(ALIGNMENT)
 _I32_ZERO: Final = bytes(4)
-_INT32_MAX: Final = (1 << 31) - 1
 _INT64_MIN: Final = -(1 << 63)
 _INT64_MAX: Final = (1 << 63) - 1
 _ZERO_ONE_TO_ASCII: Final = bytes.maketrans(b"\x00\x01", b"01")
@@ -656,7 +655,7 @@ def _compress(codec: int, plain: bytes) -> bytes:
 def _check_record_count(n: int) -> None:
     if n == 0:
         raise ConfigError("a batch needs at least one record")
-    if n > _INT32_MAX:
+    if n > f.INT32_MAX:
         raise ConfigError(f"a batch holds fewer than 2**31 records, got {n}")
 
 

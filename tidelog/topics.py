@@ -16,9 +16,10 @@ import re
 from typing import Final
 
 from tidelog.errors import InvalidRequestError, InvalidTopicError
+from tidelog.formats import INT32_MAX
 
 MAX_TOPIC_NAME_LENGTH: Final = 249
-MAX_PARTITION: Final = (1 << 31) - 1
+MAX_PARTITION: Final = INT32_MAX
 """Partition ids travel as int32 on the wire."""
 
 _LEGAL_TOPIC_NAME: Final = re.compile(r"[a-zA-Z0-9._-]+")
