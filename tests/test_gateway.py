@@ -263,7 +263,6 @@ def test_a_fetch_across_leaders_answers_once_it_has_min_bytes(
                 producer.send(topic, value, partition=1).result(30)
 
     writer = threading.Thread(target=produce_later)
-    started = time.monotonic()
     writer.start()
     answer = gateway.stub.Fetch(
         storage_pb2.FetchRequest(
@@ -275,11 +274,10 @@ def test_a_fetch_across_leaders_answers_once_it_has_min_bytes(
                 for p in range(3)
             ],
         ),
-        timeout=40,
+        # Well before max_wait_ms (25 s): a fetch waiting it out fails on this deadline.
+        timeout=15,
     )
     writer.join()
-    # Not the whole max_wait_ms (25 s): answered once the records were there.
-    assert time.monotonic() - started < 15
     got = [r.value for p in answer.partitions for b in decode_batches(p.records) for r in b.records]
     assert value in got
 

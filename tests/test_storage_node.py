@@ -312,6 +312,24 @@ def _lead_with_follower_2(
     assert [code(r.error) for r in response.partitions] == [ErrorCode.NONE]
 
 
+def fetch_as_follower_2(
+    stub: storage_pb2_grpc.StorageStub, topic: str, offset: int, max_bytes: int = 1 << 20
+) -> storage_pb2.FetchPartitionResult:
+    """A fetch in the name of broker 2 (the test plays the follower), answered at once."""
+    request = storage_pb2.FetchRequest(
+        replica_id=2,
+        max_wait_ms=0,
+        max_bytes=max_bytes,
+        partitions=[
+            storage_pb2.FetchPartition(
+                topic=topic, partition=0, fetch_offset=offset, max_bytes=max_bytes
+            )
+        ],
+    )
+    answer: storage_pb2.FetchResponse = stub.Fetch(request, timeout=RPC_TIMEOUT_S)
+    return answer.partitions[0]
+
+
 def test_a_new_leader_answers_offsets_only_once_its_hw_reaches_its_epoch(
     storage_node: StorageProcess,
 ) -> None:
@@ -330,14 +348,7 @@ def test_a_new_leader_answers_offsets_only_once_its_hw_reaches_its_epoch(
     assert code(latest.error) == ErrorCode.OFFSET_NOT_AVAILABLE, latest
     assert error_from_proto(latest.error).retriable  # type: ignore[union-attr]
     assert code(list_offset(stub, topic, common_pb2.EARLIEST).error) == ErrorCode.NONE
-    stub.Fetch(
-        storage_pb2.FetchRequest(
-            replica_id=2,
-            max_wait_ms=0,
-            partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=3)],
-        ),
-        timeout=RPC_TIMEOUT_S,
-    )
+    fetch_as_follower_2(stub, topic, 3)
     latest = list_offset(stub, topic, common_pb2.LATEST)
     assert (code(latest.error), latest.offset) == (ErrorCode.NONE, 3)
 
@@ -362,30 +373,16 @@ def test_retention_never_retires_records_above_the_high_watermark(
     assert described is not None
     assert (described.log_start_offset, described.high_watermark) == (0, 0)
 
-    def follower_fetch(offset: int) -> storage_pb2.FetchPartitionResult:
-        request = storage_pb2.FetchRequest(
-            replica_id=2,
-            max_wait_ms=0,
-            max_bytes=1 << 20,
-            partitions=[
-                storage_pb2.FetchPartition(
-                    topic=topic, partition=0, fetch_offset=offset, max_bytes=1 << 20
-                )
-            ],
-        )
-        answer: storage_pb2.FetchResponse = stub.Fetch(request, timeout=RPC_TIMEOUT_S)
-        return answer.partitions[0]
-
     offset, values = 0, []
     while offset < 6:
-        got = follower_fetch(offset)
+        got = fetch_as_follower_2(stub, topic, offset)
         assert code(got.error) == ErrorCode.NONE, got.error
         batches = decode_batches(got.records)
         assert batches
         values += [r.value for b in batches for r in b.records]
         offset = batches[-1].last_offset + 1
     assert values == [bytes([65 + i]) * 1000 for i in range(6)]
-    assert follower_fetch(6).high_watermark == 6
+    assert fetch_as_follower_2(stub, topic, 6).high_watermark == 6
     # Replicated now, so retention goes ahead: all but the active segment.
     wait_for(
         lambda: (d := log_description(stub, topic)) is not None and d.log_start_offset == 5,
