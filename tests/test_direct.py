@@ -219,6 +219,24 @@ def _in_flight(producer: tidelog.Producer, topic: str) -> int:
         return 0 if pq is None else pq.in_flight
 
 
+def _produce_staged(
+    gateway: GatewayProcess, topic: str, records: bytes
+) -> gateway_pb2.ProducePartitionResult:
+    """Write ``records`` (batches staged with a producer's id and sequences) to
+    ``topic``-0 with acks=1, past the SDK."""
+    answer = gateway.stub.Produce(
+        gateway_pb2.ProduceRequest(
+            acks=common_pb2.LEADER,
+            timeout_ms=10_000,
+            partitions=[
+                gateway_pb2.ProducePartitionData(topic=topic, partition=0, records=records)
+            ],
+        ),
+        timeout=15,
+    )
+    return answer.partitions[0]
+
+
 def _stop_followers(cluster: TestCluster, admin: tidelog.Admin, topic: str) -> list:
     partition = admin.describe_topic(topic).partitions[0]
     followers = [cluster.brokers[b] for b in partition.replicas if b != partition.leader]
@@ -389,6 +407,54 @@ def test_a_broker_out_of_append_streams_gets_unary_appends(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["gateway", "direct"])
+def test_a_retry_older_than_the_remembered_batches_succeeds_once_replicated(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """A leader remembers a producer's last five batches. A retry of an older batch (it
+    timed out while five newer ones went in) was written, but its offsets are forgotten.
+    Kafka's producer then reports success at an unknown offset; here the leader answers
+    so, and only once the HW covers it: with acks=all the record is not acknowledged
+    while the followers are stopped, and is once they resume (it used to fail with
+    DUPLICATE_SEQUENCE). The newer batches are staged with the producer's own id, epoch
+    and sequences, as its later requests would have been."""
+    topic = f"old-retry-{'direct' if direct else 'gateway'}"
+    _create(admin, topic, 1)
+    with tidelog.Producer(
+        gateway.address,
+        direct=direct,
+        linger_ms=0,
+        request_timeout_ms=1_500,
+        max_in_flight_requests_per_partition=1,
+    ) as producer:
+        producer.send(topic, b"first").result(30)  # sequence 0
+        producer_id, epoch = producer._producer_id, producer._producer_epoch
+        followers = _stop_followers(cluster, admin, topic)
+        try:
+            held = producer.send(topic, b"held")  # sequence 1, waits for the followers
+            wait_for(lambda: _in_flight(producer, topic) == 1, 10, "the held request")
+            for sequence in range(2, 7):  # five newer batches push sequence 1 out
+                staged = encode_batch(
+                    [f"newer-{sequence}".encode()],
+                    producer_id=producer_id,
+                    producer_epoch=epoch,
+                    base_sequence=sequence,
+                )
+                assert _produce_staged(gateway, topic, staged).error.code == common_pb2.NONE
+            # The held request times out and is retried, at least once, meanwhile.
+            time.sleep(4)
+            assert not held.done(), "acknowledged before the followers had it"
+        finally:
+            for follower in followers:
+                os.kill(follower.pid, signal.SIGCONT)
+        metadata = held.result(60)
+        assert (metadata.topic, metadata.partition, metadata.offset) == (topic, 0, -1)
+    with tidelog.Consumer(gateway.address, direct=direct, auto_offset_reset="earliest") as c:
+        c.assign([(topic, 0)])
+        read = [r.value for r in _read(c, 7)]
+    assert read == [b"first", b"held", *[f"newer-{s}".encode() for s in range(2, 7)]]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["gateway", "direct"])
 def test_a_request_the_leader_holds_only_in_part_is_resent_batch_by_batch(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
 ) -> None:
@@ -424,17 +490,7 @@ def test_a_request_the_leader_holds_only_in_part_is_resent_batch_by_batch(
             staged = encode_batch(
                 values[:2], producer_id=producer_id, producer_epoch=epoch, base_sequence=2
             )
-            answer = gateway.stub.Produce(
-                gateway_pb2.ProduceRequest(
-                    acks=common_pb2.LEADER,
-                    timeout_ms=10_000,
-                    partitions=[
-                        gateway_pb2.ProducePartitionData(topic=topic, partition=0, records=staged)
-                    ],
-                ),
-                timeout=15,
-            )
-            assert answer.partitions[0].base_offset == 2, answer
+            assert _produce_staged(gateway, topic, staged).base_offset == 2
         finally:
             for follower in followers:
                 os.kill(follower.pid, signal.SIGCONT)

@@ -131,9 +131,9 @@ def test_duplicates_return_the_original_offsets_and_write_nothing(tmp_path: Path
         assert retry.duplicate
     assert dir_state(log.dir) == before
     assert log.log_end_offset == end
-    # The sixth-newest was forgotten: refused as a duplicate without offsets, not written.
-    with pytest.raises(DuplicateSequenceError):
-        log.append(idem(7, 2, 0, n=3))
+    # The sixth-newest was forgotten: a duplicate at unknown offsets below the oldest
+    # remembered batch, not written.
+    assert log.append(idem(7, 2, 0, n=3)) == AppendInfo(-1, originals[1].first_offset - 1, True)
     # A retry as the leader of a later epoch is still a duplicate (the partition's epoch
     # has nothing to do with the producer's).
     assert log.append(idem(7, 2, 15, n=3, tag=5), leader_epoch=9).duplicate
@@ -608,7 +608,9 @@ class ModelState:
                     seq <= last < oldest <= window[-1].last_sequence
                     and (oldest - last) % (MAX_SEQ + 1) <= (MAX_SEQ + 1) // 2
                 ):
-                    return DuplicateSequenceError
+                    # Written long ago: a duplicate whose offsets are forgotten.
+                    dups.append(BatchMetadata(seq, last, -1, window[0].first_offset - 1))
+                    continue
             fresh += 1
             if pid in pending:
                 cur = pending[pid]
@@ -629,6 +631,8 @@ class ModelState:
         if dups and fresh:
             return DuplicateSequenceError
         if dups:
+            if any(d.first_offset < 0 for d in dups):
+                return AppendInfo(-1, max(d.last_offset for d in dups), True)
             return AppendInfo(dups[0].first_offset, dups[-1].last_offset, True)
         total = sum(count for *_, count in request)
         return AppendInfo(self.end, self.end + total - 1)
@@ -741,14 +745,21 @@ def test_model(tmp_path: Path, ops: list[tuple[str, object]], segment_bytes: int
         log.close()
 
 
-def test_a_batch_older_than_the_window_is_a_duplicate(tmp_path: Path) -> None:
+def test_a_batch_older_than_the_window_is_a_duplicate_at_unknown_offsets(tmp_path: Path) -> None:
     log = open_log(tmp_path / "p-0")
     for i in range(8):  # sequences 0..15 in 8 batches of 2; the last 5 are remembered
         log.append(idem(1, 0, 2 * i, n=2))
     before = dir_state(log.dir)
-    # A resend of batch 0 (sequences 0-1): written, but its offsets are forgotten.
-    with pytest.raises(DuplicateSequenceError, match="before the batches this partition remembers"):
-        log.append(idem(1, 0, 0, n=2))
+    # A resend of batch 0 (sequences 0-1): written, but its offsets are forgotten. It is
+    # answered as a duplicate below the oldest remembered batch (offsets 6-7), so an
+    # acks=all producer waits for the HW to pass offset 5 before it is told.
+    assert log.append(idem(1, 0, 0, n=2)) == AppendInfo(-1, 5, duplicate=True)
+    # So are several old batches, and old ones with remembered ones after them.
+    assert log.append(idem(1, 0, 0, n=2) + idem(1, 0, 2, n=2)) == AppendInfo(-1, 5, True)
+    assert log.append(idem(1, 0, 4, n=2) + idem(1, 0, 6, n=2)) == AppendInfo(-1, 7, True)
+    # Mixed with a new batch, nothing can answer the request: refused, nothing written.
+    with pytest.raises(DuplicateSequenceError, match="mixes batches already written"):
+        log.append(idem(1, 0, 0, n=2) + idem(1, 0, 16, n=1))
     # Inside the window but not a remembered batch: still out of order, as in Kafka.
     with pytest.raises(OutOfOrderSequenceError):
         log.append(idem(1, 0, 7, n=2))

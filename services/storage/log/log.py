@@ -109,7 +109,10 @@ class AppendInfo(NamedTuple):
     """Offsets of an append (inclusive).
 
     ``duplicate`` is True when the request repeated idempotent batches already in the log
-    (a producer retry): nothing was written and the offsets are the original ones.
+    (a producer retry): nothing was written and the offsets are the original ones, or
+    ``first_offset`` is -1 when they are forgotten (a batch older than the five a
+    producer's state remembers) and ``last_offset`` is an offset at or above the batch's
+    last one, below which it is known to lie.
     """
 
     first_offset: int

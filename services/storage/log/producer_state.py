@@ -14,10 +14,15 @@ their first and last sequences and the offsets they were written at. With that i
   last sequence + 1; a new epoch must start at 0). A producer id this partition does not
   know (never seen, or forgotten by expiry or truncation) starts at any sequence, as in
   Kafka since KIP-360;
-- refuses a batch of the current epoch whose sequences lie wholly before the remembered
-  batches (``DuplicateSequenceError``): it was written long ago, its offsets are
-  forgotten. A producer that resends a whole old request (Spark's exactly-once writer
-  replaying a micro-batch) learns that its batch is already in the log.
+- answers a batch of the current epoch whose sequences lie wholly before the remembered
+  batches as a duplicate at unknown offsets (first offset -1, last offset just below
+  the oldest remembered batch, so acks=all waits until the HW covers it): it was
+  written long ago and its offsets are forgotten. A producer that resends a whole old
+  request (Spark's exactly-once writer replaying a micro-batch, a retry after more than
+  five newer batches) learns that its batch is already in the log;
+- refuses a request that mixes such retried batches with new ones
+  (``DuplicateSequenceError``): one offset range cannot answer it, and nothing is
+  written, so the producer resends the batches one by one.
 
 Everything comes from batch header fields, O(1) per batch; records are never decoded.
 Followers apply the leader's batches without validation (the leader validated them), so a
@@ -257,7 +262,8 @@ class ProducerStateManager:
 
         Returns None when every batch may be written, or ``(first_offset, last_offset)``
         of the original when the whole request repeats batches already written (a retry:
-        the caller writes nothing and answers with those offsets). Raises
+        the caller writes nothing and answers with those offsets; ``first_offset`` is -1
+        when a batch's offsets are forgotten, and ``last_offset`` then bounds them). Raises
         InvalidProducerEpochError, OutOfOrderSequenceError, InvalidRecordError (an
         idempotent batch without epoch or sequence), or DuplicateSequenceError when a
         request mixes retried and new batches (a producer resends whole requests, so that
@@ -289,13 +295,15 @@ class ProducerStateManager:
                         continue
                     if entry.precedes_window(first, last):
                         # Sequences are never reused within an epoch, so a batch wholly
-                        # before the remembered ones was written earlier; its offsets are
-                        # forgotten, so it is refused as a duplicate rather than answered.
-                        raise DuplicateSequenceError(
-                            f"producer {producer_id} epoch {epoch} sequences {first}-{last} "
-                            "were written before the batches this partition remembers; "
-                            "nothing was written"
-                        )
+                        # before the remembered ones was written earlier, below the
+                        # oldest remembered batch. Its offsets are forgotten: answered as
+                        # a duplicate at unknown offsets, committed once the HW passes
+                        # that batch (Kafka's producer takes DUPLICATE_SEQUENCE_NUMBER as
+                        # success at unknown offsets; answering it here lets acks=all
+                        # wait for the HW first, which an error answer cannot).
+                        oldest = entry.batches[0].first_offset
+                        duplicates.append(BatchMetadata(first, last, -1, oldest - 1))
+                        continue
                 known = entry.producer_epoch, entry.last_sequence
             fresh = True
             if known is None:
@@ -327,6 +335,9 @@ class ProducerStateManager:
                 "resend retried batches in their original requests"
             )
         if duplicates:
+            if any(d.first_offset < 0 for d in duplicates):
+                # Offsets counted from a known first batch would be wrong for the others.
+                return -1, max(d.last_offset for d in duplicates)
             return duplicates[0].first_offset, duplicates[-1].last_offset
         return None
 
