@@ -15,7 +15,7 @@ import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 from tidelog.errors import MessageTooLargeError, UnknownTopicOrPartitionError
 from tidelog.records import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES, encode_batch
-from tidelog.v1 import common_pb2, gateway_pb2
+from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 
 
 def _create(admin: tidelog.Admin, topic: str, partitions: int) -> None:
@@ -210,6 +210,47 @@ def test_a_retry_resends_its_batches_without_new_ones(
     assert values == [b"first"] + [f"held-{i}".encode() for i in range(5)] + [
         f"later-{i}".encode() for i in range(20)
     ]
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["gateway", "direct"])
+def test_a_consumer_waits_out_a_throttle_instead_of_spinning(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """A leader holds at most 24 consumer long polls (32 waiting fetches, a quarter kept
+    for followers). With 24 others waiting on it, a consumer's fetch is answered at once,
+    with a throttle_time_ms of its max_wait (500 ms). The consumer must not fetch again
+    before then: it used to ask again at once, hundreds of times a second. Once data
+    comes, the waiting fetches and the consumer get it."""
+    topic = f"throttled-{'direct' if direct else 'gateway'}"
+    _create(admin, topic, 1)
+    leader = cluster.brokers[admin.describe_topic(topic).partitions[0].leader]
+    held = [
+        leader.stub.Fetch.future(
+            storage_pb2.FetchRequest(
+                replica_id=-1,
+                max_wait_ms=20_000,
+                partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=0)],
+            ),
+            timeout=30,
+        )
+        for _ in range(24)
+    ]
+    try:
+        time.sleep(0.5)  # they are waiting
+        with tidelog.Consumer(gateway.address, direct=direct, auto_offset_reset="earliest") as c:
+            c.assign([(topic, 0)])
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                assert c.poll(timeout_ms=200) == []
+            # 2 s of polling at one fetch per 500 ms throttle; hundreds when it spun.
+            assert c.metrics()["fetch-total"] <= 8, c.metrics()
+            with tidelog.Producer(gateway.address, direct=direct) as producer:
+                producer.send(topic, b"data").result(30)
+            assert [r.value for r in _read(c, 1)] == [b"data"]
+        assert all(f.result(30).partitions[0].records for f in held)
+    finally:
+        for future in held:
+            future.cancel()
 
 
 def _in_flight(producer: tidelog.Producer, topic: str) -> int:

@@ -1226,3 +1226,54 @@ def test_a_pipelined_follower_fetch_counts_only_what_the_follower_has_written(
     assert pipelined.high_watermark == 1  # written 1, not 3
     # The next fetch reports the write: now the HW reaches 3.
     assert follower_fetch(max_wait_ms=0, fetch_offset=3).high_watermark == 3
+
+
+def test_fetches_beyond_the_waiting_places_are_throttled_and_followers_keep_theirs(
+    start_storage: StartStorage,
+) -> None:
+    """Each waiting fetch holds a server thread, so only --max-waiting-fetches may wait
+    (4 here, one of them kept for followers). A consumer's fetch beyond the others' three
+    is answered at once and used to carry nothing else, so its client asked again at
+    once, spinning; now it carries a throttle_time_ms of its max_wait. A follower's fetch
+    still gets the reserved place and waits for data, and the waiting fetches are
+    answered when it comes."""
+    node = start_storage(extra_args=["--max-waiting-fetches", "4"])
+    stub = node.stub
+    topic = "throttled"
+    _lead_with_follower_2(stub, topic)
+
+    def long_poll(replica_id: int) -> Any:
+        return stub.Fetch.future(
+            storage_pb2.FetchRequest(
+                replica_id=replica_id,
+                max_wait_ms=20_000,
+                partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=0)],
+            ),
+            timeout=RPC_TIMEOUT_S + 20,
+        )
+
+    waiting = [long_poll(-1) for _ in range(3)]
+    time.sleep(0.5)  # the three are waiting
+    assert not any(f.done() for f in waiting)
+    extra = stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=5_000,
+            partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=0)],
+        ),
+        timeout=RPC_TIMEOUT_S + 5,
+    )
+    assert extra.throttle_time_ms == 5_000, extra
+    assert code(extra.partitions[0].error) == ErrorCode.NONE and not extra.partitions[0].records
+    follower = long_poll(2)
+    time.sleep(0.5)
+    assert not follower.done(), "the follower's fetch was answered instead of waiting"
+    assert code(append(stub, topic, encode_batch([b"x"]), acks=common_pb2.LEADER).error) == (
+        ErrorCode.NONE
+    )
+    answer = follower.result(RPC_TIMEOUT_S)
+    assert answer.throttle_time_ms == 0 and answer.partitions[0].records
+    fetch_as_follower_2(stub, topic, 1)  # the follower has it: the HW moves to 1
+    for future in waiting:
+        answer = future.result(RPC_TIMEOUT_S)
+        assert answer.throttle_time_ms == 0 and answer.partitions[0].records, answer

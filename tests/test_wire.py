@@ -113,9 +113,10 @@ RESULT = st.fixed_dictionaries(
 
 
 @settings(max_examples=300, deadline=None)
-@given(results=st.lists(RESULT, max_size=4))
-def test_fetch_response(results: list[dict[str, object]]) -> None:
+@given(results=st.lists(RESULT, max_size=4), throttle_time_ms=EDGY_INT32)
+def test_fetch_response(results: list[dict[str, object]], throttle_time_ms: int) -> None:
     expected = storage_pb2.FetchResponse(
+        throttle_time_ms=throttle_time_ms,
         partitions=[
             storage_pb2.FetchPartitionResult(
                 error=common_pb2.Error(
@@ -125,10 +126,11 @@ def test_fetch_response(results: list[dict[str, object]]) -> None:
                 **{k: v for k, v in r.items() if not k.startswith("error")},  # type: ignore[arg-type]
             )
             for r in results
-        ]
+        ],
     )
     encoded = wire.encode_fetch_response(
-        [wire.encode_fetch_partition_result(**r) for r in results]  # type: ignore[arg-type]
+        [wire.encode_fetch_partition_result(**r) for r in results],  # type: ignore[arg-type]
+        throttle_time_ms,
     )
     assert encoded == expected.SerializeToString()
     # An empty error is still present, as the servers always set one.

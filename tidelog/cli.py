@@ -175,6 +175,15 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="AppendStream calls open at once (a direct-mode producer keeps one per broker); "
         "beyond that a producer is refused and uses unary appends (default: 16)",
     )
+    parser.add_argument(
+        "--max-waiting-fetches",
+        type=_positive_int,
+        default=32,
+        metavar="N",
+        help="long-poll fetches that may wait for data at once, each holding a thread; a "
+        "quarter is kept for followers, and a consumer's fetch beyond the rest is answered "
+        "at once with a throttle time (default: 32)",
+    )
     _add_max_concurrent_rpcs(parser)
     _add_advertised_host(parser)
     _add_logging(parser)

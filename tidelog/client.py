@@ -319,6 +319,10 @@ class GatewayConnection:
         )
         (result,) = response.partitions
         raise_for(result.error, f"fetch {topic}-{partition} at offset {offset}")
+        if not result.records and response.throttle_time_ms > 0:
+            # Answered at once because the server could not hold the long poll: wait here
+            # instead, or a caller's fetch loop would spin.
+            time.sleep(min(response.throttle_time_ms, max_wait_ms) / 1000)
         return result
 
     def produce(

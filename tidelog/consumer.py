@@ -243,6 +243,9 @@ class Consumer:
         self._next_fetch: dict[TopicPartition, int] = {}
         self._buffered_bytes = 0
         self._backoff_until = 0.0
+        # Groups whose last answer carried a throttle_time_ms: not fetched again before
+        # then (the server had no place to hold the long poll, so it answered at once).
+        self._throttled_until: dict[int, float] = {}
         self._closed = False
         self._metrics = ClientMetrics(
             counters=("fetch-total", "records-consumed-total", "bytes-consumed-total"),
@@ -460,16 +463,22 @@ class Consumer:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 return
+            throttle_ends = min(self._throttled_until.values(), default=None)
             if not self._fetches:
-                # Backing off after a retriable error: nothing is in flight to wait for.
-                time.sleep(min(remaining_s, max(0.0, self._backoff_until - time.monotonic())))
+                # Backing off after a retriable error, or throttled: nothing is in flight
+                # to wait for.
+                next_s = max(self._backoff_until, throttle_ends or 0.0)
+                time.sleep(min(remaining_s, max(0.0, next_s - time.monotonic())))
                 if self._leaders_stale:
                     self._refresh_leaders()
                 continue
+            if throttle_ends is not None:
+                # A throttled group's next fetch is due then, whatever the others answer.
+                remaining_s = min(remaining_s, max(0.0, throttle_ends - time.monotonic()))
             try:
                 fetch = self._answered.get(timeout=remaining_s)
             except queue.Empty:
-                return
+                continue  # the deadline (checked above) or a throttle's end
             self._decode(fetch)
 
     def _take(self, limit: int) -> list[ConsumerRecord]:
@@ -539,6 +548,10 @@ class Consumer:
         if self._buffered_bytes >= self._max_bytes or time.monotonic() < self._backoff_until:
             return
         busy = {tp for fetch in self._fetches.values() for tp in fetch.offsets}
+        now = time.monotonic()
+        throttled = {g for g, until in self._throttled_until.items() if until > now}
+        if len(throttled) < len(self._throttled_until):
+            self._throttled_until = {g: self._throttled_until[g] for g in throttled}
         groups: dict[int, dict[TopicPartition, int]] = {}
         leaderless = False
         # Start one partition further each time (Kafka rotates too): with more leaders
@@ -558,7 +571,7 @@ class Consumer:
                 leaderless = True
                 continue
             position = self._positions.get(tp)
-            if group in self._fetches or position is None or tp in busy:
+            if group in self._fetches or group in throttled or position is None or tp in busy:
                 continue  # it joins its group's next fetch
             if group not in groups and len(self._fetches) + len(groups) >= MAX_FETCHES_IN_FLIGHT:
                 continue  # more leaders than fetches allowed: it waits for a free place
@@ -628,6 +641,8 @@ class Consumer:
                 self._retry_later()
                 return
             raise error from None
+        if response.throttle_time_ms > 0:
+            self._throttled_until[fetch.group] = time.monotonic() + response.throttle_time_ms / 1000
         retry = False
         reset: list[TopicPartition] = []
         fetched_bytes = fetched_records = 0

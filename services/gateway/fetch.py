@@ -435,7 +435,13 @@ class FetchHandler:
         deadline = time.monotonic() + 30.0
         result = self._router.call_leader(request.topic, request.partition, deadline, call)
         answer: storage_pb2.FetchPartitionResult = result.partitions[0]
-        return answer if answer.records else None
+        if answer.records:
+            return answer
+        if result.throttle_time_ms > 0:
+            # The leader could not hold the poll waiting: wait here what it would have,
+            # or the next step would ask it again at once, spinning this thread.
+            time.sleep(min(result.throttle_time_ms, poll_ms) / 1000)
+        return None
 
     def _start_offset(self, request: gateway_pb2.SubscribeRequest) -> int:
         spec = request.start_spec

@@ -202,7 +202,11 @@ class ReplicaFetcherThread(threading.Thread):
                         self._truncate(stub, truncating)
                     ready = [s for s in states if not s.truncating]
                     if ready:
-                        self._fetch(stub, ready)
+                        throttle_s = self._fetch(stub, ready)
+                        if throttle_s > 0:
+                            # The leader had no place to hold the fetch waiting: asking
+                            # again at once would spin until one frees.
+                            self._changed.wait(throttle_s)
                 except TidelogError as exc:
                     # The leader is unreachable or refused the whole request: back off, and
                     # re-resolve its address (it may have moved after a restart).
@@ -350,8 +354,9 @@ class ReplicaFetcherThread(threading.Thread):
 
     # --- fetching -------------------------------------------------------------------------
 
-    def _fetch(self, stub: storage_pb2_grpc.StorageStub, states: list[_FetchState]) -> None:
-        """Fetch and append, pipelined while every partition's answer is clean.
+    def _fetch(self, stub: storage_pb2_grpc.StorageStub, states: list[_FetchState]) -> float:
+        """Fetch and append, pipelined while every partition's answer is clean. Returns
+        how long the leader asked not to be fetched from (its last answer's throttle).
 
         A response whose batches are all valid and start at the log end (checked here,
         before anything is written) tells exactly what the log end and latest epoch will
@@ -373,7 +378,7 @@ class ReplicaFetcherThread(threading.Thread):
             items.append(_Fetched(state, leo, epoch))
             parts.append(self._fetch_partition(state, leo, epoch))
         if not items:
-            return
+            return 0.0
         # The first round is a blocking call: grpc's ``future()`` starts a thread per
         # call whenever none of the channel's calls is in flight, which at moderate rates
         # is every call; only a pipelined round needs a call running in the background.
@@ -413,7 +418,7 @@ class ReplicaFetcherThread(threading.Thread):
                     if tracing.ENABLED and data:
                         tracing.event("fr_app", item.state.partition.partition, item.offset)
                 if following is None or future is None:
-                    return
+                    return response.throttle_time_ms / 1000
                 items, pipelined = following, True
                 response = self._receive(future)
                 future = None

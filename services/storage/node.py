@@ -400,7 +400,14 @@ def main(args: argparse.Namespace) -> int:
     """
     tidelog_logging.configure("storage", level=args.log_level, broker_id=args.broker_id)
     try:
-        limits = ServerLimits(max_append_streams=getattr(args, "max_append_streams", 16))
+        max_waiting_fetches = getattr(args, "max_waiting_fetches", 32)
+        limits = ServerLimits(
+            max_append_streams=getattr(args, "max_append_streams", 16),
+            max_waiting_fetches=max_waiting_fetches,
+            # A quarter kept for followers: 8 of the default 32, enough for a follower
+            # fetcher per other broker in most clusters.
+            replica_fetch_reserve=max_waiting_fetches // 4,
+        )
         config = StorageNodeConfig(
             broker_id=args.broker_id,
             data_dir=Path(args.data_dir),

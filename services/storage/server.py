@@ -102,8 +102,12 @@ class ServerLimits:
     # Record bytes in one Fetch response; below the gRPC send limit so the response fits.
     max_fetch_response_bytes: int = 60 * 1024 * 1024
     # Fetches that may wait at once (each holds a pool thread while it waits); beyond
-    # this a fetch answers at once with what there is.
+    # this a fetch answers at once with what there is, and a throttle_time_ms of its
+    # max_wait so that the client does not ask again at once (it would spin).
     max_waiting_fetches: int = 32
+    # Of those, places only followers' fetches may take: consumers' long polls, however
+    # many, never make replication poll (and acks=all wait) behind them.
+    replica_fetch_reserve: int = 8
     # Open AppendStream calls (each holds a pool thread, and a reader thread, for its
     # lifetime).
     max_append_streams: int = 16
@@ -122,6 +126,11 @@ class ServerLimits:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 0 <= self.replica_fetch_reserve < self.max_waiting_fetches:
+            raise ValueError(
+                f"replica_fetch_reserve {self.replica_fetch_reserve} must be >= 0 and below "
+                f"max_waiting_fetches {self.max_waiting_fetches}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -642,6 +651,10 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         self._limits = limits or ServerLimits()
         self._clock = clock
         self._waiting_fetch_slots = threading.BoundedSemaphore(self._limits.max_waiting_fetches)
+        # A consumer's fetch takes one of these as well as a waiting slot.
+        self._consumer_fetch_slots = threading.BoundedSemaphore(
+            self._limits.max_waiting_fetches - self._limits.replica_fetch_reserve
+        )
         self._append_stream_slots = threading.BoundedSemaphore(self._limits.max_append_streams)
         # Events of the fetches waiting right now, so shutdown can end their waits.
         self._waiters_lock = threading.Lock()
@@ -799,10 +812,13 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         reads = self._read_all(request, partitions, params)
         if not self._should_wait(reads, params):
             return self._fetch_response(request, reads)
-        if not self._waiting_fetch_slots.acquire(blocking=False):
+        if not self._take_waiting_slot(params.replica_id >= 0):
             # Too many fetches already hold threads waiting; answer now rather than starve
-            # appends of threads. The client simply polls again.
-            return self._fetch_response(request, reads)
+            # appends of threads, and tell the client to wait what it would have waited
+            # here before it asks again: answered at once, it would poll in a loop.
+            return self._fetch_response(
+                request, reads, throttle_time_ms=max(1, int(params.max_wait_s * 1000))
+            )
         deadline = time.monotonic() + params.max_wait_s
         waiter = threading.Event()
         changed: set[int] = set()  # places in the request of partitions that changed
@@ -846,7 +862,21 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             with self._waiters_lock:
                 self._waiters.discard(waiter)
             self._waiting_fetch_slots.release()
+            if params.replica_id < 0:
+                self._consumer_fetch_slots.release()
         return self._fetch_response(request, reads)
+
+    def _take_waiting_slot(self, replica: bool) -> bool:
+        """A place for a fetch to wait in, if one is free; a consumer's must leave the
+        followers' reserve."""
+        if replica:
+            return self._waiting_fetch_slots.acquire(blocking=False)
+        if not self._consumer_fetch_slots.acquire(blocking=False):
+            return False
+        if self._waiting_fetch_slots.acquire(blocking=False):
+            return True
+        self._consumer_fetch_slots.release()
+        return False
 
     def _check_follower_broker_epoch(self, replica_id: int, broker_epoch: int) -> None:
         # A fetch from an earlier incarnation of a follower must not count as its progress
@@ -1031,7 +1061,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
 
     @staticmethod
     def _fetch_response(
-        request: storage_pb2.FetchRequest, reads: Sequence[_PartitionRead]
+        request: storage_pb2.FetchRequest,
+        reads: Sequence[_PartitionRead],
+        throttle_time_ms: int = 0,
     ) -> bytes:
         results = []
         for fp, read in zip(request.partitions, reads, strict=True):
@@ -1068,7 +1100,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     diverging_end_offset=read.diverging_end_offset,
                 )
             )
-        return encode_fetch_response(results)
+        return encode_fetch_response(results, throttle_time_ms)
 
     # --- ListOffsets --------------------------------------------------------------------
 
