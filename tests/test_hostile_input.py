@@ -447,6 +447,21 @@ def _name_requests(name: str) -> list[tuple[str, str, str, pb_message.Message]]:
             ),
         ),
         (
+            "gateway",
+            "Gateway",
+            "FetchOffsets",
+            gateway_pb2.FetchOffsetsRequest(
+                group_id=GROUP, partitions=[common_pb2.TopicPartition(**tp)]
+            ),
+        ),
+        ("gateway", "Gateway", "Metadata", controller_pb2.MetadataRequest(topics=[name])),
+        (
+            "gateway",
+            "Gateway",
+            "DescribeTopics",
+            gateway_pb2.DescribeTopicsRequest(names=[name]),
+        ),
+        (
             "storage-0",
             "Storage",
             "Append",

@@ -31,10 +31,12 @@ from services.metastore import KeyValue, MetaStore, PutOp
 from tidelog.errors import (
     InvalidGroupIdError,
     InvalidRequestError,
+    InvalidTopicError,
     OffsetMetadataTooLargeError,
     TidelogError,
 )
 from tidelog.logging import get_logger
+from tidelog.topics import validate_topic_name
 
 _log = get_logger(component="gateway.groups")
 
@@ -56,6 +58,7 @@ class Committed:
     offset: int
     metadata: str = ""
     leader_epoch: int = -1
+    error: TidelogError | None = None  # why this partition has no answer (a bad name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,16 @@ def _decode(group_id: str, kv: KeyValue) -> tuple[Committed, str | None] | None:
     except (ValueError, KeyError, TypeError) as exc:
         _log.error("bad_offset_key", key=kv.key, error=str(exc))
         return None
+
+
+def _nothing_committed(topic: str, partition: int) -> Committed:
+    """Offset -1 for a partition without a commit; INVALID_TOPIC for a name no topic can
+    have, as every other call naming a topic answers (rather than "nothing committed")."""
+    try:
+        validate_topic_name(topic)
+    except InvalidTopicError as exc:
+        return Committed(topic, partition, -1, error=exc)
+    return Committed(topic, partition, -1)
 
 
 class OffsetStore:
@@ -180,7 +193,7 @@ class OffsetStore:
                 committed[(c.topic, c.partition)] = c
         if not partitions:
             return sorted(committed.values(), key=lambda c: (c.topic, c.partition))
-        return [committed.get((t, p), Committed(t, p, -1)) for t, p in partitions]
+        return [committed.get((t, p)) or _nothing_committed(t, p) for t, p in partitions]
 
     def list_groups(self) -> list[str]:
         groups: set[str] = set()

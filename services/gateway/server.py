@@ -32,7 +32,6 @@ from tidelog.errors import (
     InvalidRequestError,
     TidelogError,
     UnknownServerError,
-    UnknownTopicOrPartitionError,
 )
 from tidelog.logging import get_logger
 from tidelog.v1 import (
@@ -61,12 +60,10 @@ def _broker_proto(broker: Broker) -> common_pb2.BrokerInfo:
 
 
 def _topic_metadata(view: MetadataView, name: str) -> common_pb2.TopicMetadata:
-    topic = view.topics.get(name)
-    if topic is None:
-        return common_pb2.TopicMetadata(
-            name=name,
-            error=to_error_proto(UnknownTopicOrPartitionError(f"topic {name!r} does not exist")),
-        )
+    try:
+        topic = view.topic(name)  # INVALID_TOPIC for a name no topic can have
+    except TidelogError as exc:
+        return common_pb2.TopicMetadata(name=name, error=to_error_proto(exc))
     partitions = []
     for index, replicas in enumerate(topic.assignment):
         record = view.partitions.get((name, index))
@@ -357,7 +354,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
                 gateway_pb2.CommittedOffset(
                     topic=c.topic,
                     partition=c.partition,
-                    error=to_error_proto(None),
+                    error=to_error_proto(c.error),
                     offset=c.offset,
                     metadata=c.metadata,
                     leader_epoch=c.leader_epoch,
