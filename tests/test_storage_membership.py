@@ -227,3 +227,68 @@ def test_duplicate_broker_id_is_refused(
         assert "broker id 1 is registered" in second.log_tail(200)
     finally:
         first.terminate()
+
+
+def test_a_late_update_metadata_does_not_undo_a_newer_view(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """The controller gives up on an UpdateMetadata after its deadline and sends the next
+    view; the first can still reach the broker afterwards. Its older broker epochs must not
+    replace the newer ones: here a follower that registered again (epoch 20, after 10)
+    would have its fetches refused as an earlier incarnation until the next view."""
+    node = start_member(tmp_path, etcd, store)
+    try:
+        kv = store.get(broker_key(1))
+        assert kv is not None
+        epoch = kv.create_revision
+
+        def view(version: int, follower_epoch: int) -> storage_pb2.UpdateMetadataRequest:
+            return storage_pb2.UpdateMetadataRequest(
+                controller_id=1,
+                controller_epoch=6,
+                broker_epoch=epoch,
+                metadata_version=version,
+                brokers=[
+                    common_pb2.BrokerInfo(
+                        broker_id=1, host="127.0.0.1", port=port_of(node), broker_epoch=epoch
+                    ),
+                    common_pb2.BrokerInfo(
+                        broker_id=2, host="127.0.0.1", port=1, broker_epoch=follower_epoch
+                    ),
+                ],
+            )
+
+        def fetch_as_2(broker_epoch: int) -> str | None:
+            try:
+                node.stub.Fetch(
+                    storage_pb2.FetchRequest(
+                        replica_id=2,
+                        broker_epoch=broker_epoch,
+                        max_wait_ms=0,
+                        partitions=[storage_pb2.FetchPartition(topic="members", fetch_offset=0)],
+                    ),
+                    timeout=10,
+                )
+            except grpc.RpcError as exc:
+                return error_code(exc)
+            return None
+
+        assert leader_and_isr(node, controller_epoch=6, broker_epoch=epoch).partitions[0]
+        assert node.stub.UpdateMetadata(view(2, 20), timeout=10).error.code == common_pb2.NONE
+        assert fetch_as_2(10) == "STALE_BROKER_EPOCH"
+        # The late one is acknowledged (the controller stopped waiting for it anyway) and
+        # changes nothing.
+        assert node.stub.UpdateMetadata(view(1, 10), timeout=10).error.code == common_pb2.NONE
+        assert fetch_as_2(20) is None
+        assert fetch_as_2(10) == "STALE_BROKER_EPOCH"
+        # A newer view, and a new controller's first, apply as before.
+        assert node.stub.UpdateMetadata(view(3, 30), timeout=10).error.code == common_pb2.NONE
+        assert fetch_as_2(30) is None
+        newer_controller = view(1, 40)
+        newer_controller.controller_epoch = 7
+        assert node.stub.UpdateMetadata(newer_controller, timeout=10).error.code == (
+            common_pb2.NONE
+        )
+        assert fetch_as_2(40) is None
+    finally:
+        node.terminate()

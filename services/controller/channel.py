@@ -185,6 +185,9 @@ class ControllerChannelManager:
         self._lock = threading.Lock()
         self._senders: dict[int, _BrokerSender] = {}
         self._closed = False
+        # Stamped on each UpdateMetadata view, so a broker can tell a late request from
+        # the newer view it already holds.
+        self._metadata_version = 0
 
     # --- membership ---------------------------------------------------------------------
 
@@ -303,6 +306,8 @@ class ControllerChannelManager:
             partitions=[state.state_proto() for state in partitions],
         )
         with self._lock:
+            self._metadata_version += 1
+            template.metadata_version = self._metadata_version
             senders = list(self._senders.values())
         for sender in senders:
             sender.enqueue_update_metadata(template, completion)
@@ -430,6 +435,12 @@ class _BrokerSender:
             if completion is not None:
                 completion._add()
                 waiters.append(completion)
+            if (
+                self._update_metadata is not None
+                and self._update_metadata[0].metadata_version > template.metadata_version
+            ):
+                # Two threads' views crossed on the way here: the newer one stays.
+                template = self._update_metadata[0]
             self._update_metadata = (template, waiters)
             self._cond.notify_all()
 

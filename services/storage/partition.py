@@ -211,9 +211,9 @@ class Partition:
         self._role = Role.NONE
         self._leader = -1
         self._leader_epoch = NO_EPOCH
-        self._partition_epoch = -1
-        self._isr: tuple[int, ...] = ()
-        self._replicas: tuple[int, ...] = ()
+        # No ISR or replica list here: only a leader acts on them, and its
+        # LeaderReplicationState holds them, guarded by the partition epoch (a follower's
+        # copy would only be overwritten by a late LeaderAndIsr and never read).
         self._high_watermark = log.log_start_offset
         self._closed_error: TidelogError | None = None
         # Long-polling fetches: followers' (woken by new data) and consumers' (by the HW).
@@ -285,9 +285,6 @@ class Partition:
             self._role = role
             self._leader = state.leader
             self._leader_epoch = state.leader_epoch
-            self._partition_epoch = state.partition_epoch
-            self._isr = tuple(state.isr)
-            self._replicas = tuple(state.replicas)
             self._configs = dict(state.configs)
             if role is Role.LEADER:
                 if changed or self._replication is None:
@@ -464,8 +461,6 @@ class Partition:
                 state.on_isr_rejected()
             else:
                 state.on_isr_committed(isr, partition_epoch)
-                self._isr = tuple(isr)
-                self._partition_epoch = partition_epoch
             self._check_min_isr_for_waiters()
             self._advance_high_watermark()
             self._wake_watchers()

@@ -162,6 +162,7 @@ class ClusterMetadata:
     brokers: dict[int, BrokerAddress] = field(default_factory=dict)
     partitions: dict[tuple[str, int], PartitionState] = field(default_factory=dict)
     controller_epoch: int = -1
+    metadata_version: int = 0  # the controller's count of views it sent; 0 = unversioned
 
 
 IsrOutcomeView = tuple[TidelogError | None, tuple[int, ...] | None, int]
@@ -294,10 +295,24 @@ class ReplicaManager:
     def update_metadata(
         self, controller_epoch: int, broker_epoch: int, metadata: ClusterMetadata
     ) -> None:
-        """Replace the metadata cache (UpdateMetadata). Fenced like LeaderAndIsr."""
+        """Replace the metadata cache (UpdateMetadata). Fenced like LeaderAndIsr, and
+        kept when the same controller sent a newer view already: a request that reached
+        this broker late (the controller gave up on it and sent the next one) would bring
+        back broker epochs and addresses the controller has since replaced."""
         with self._lock:
             self._check_open()
             self._check_controller_request(controller_epoch, broker_epoch)
+            known = self._metadata
+            if (
+                metadata.controller_epoch == known.controller_epoch
+                and 0 < metadata.metadata_version <= known.metadata_version
+            ):
+                _log.info(
+                    "stale_metadata_ignored",
+                    version=metadata.metadata_version,
+                    known_version=known.metadata_version,
+                )
+                return
             self._metadata = metadata
 
     def apply_leader_and_isr(
@@ -1182,6 +1197,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 (p.topic, p.partition): partition_state_from_proto(p) for p in request.partitions
             },
             controller_epoch=request.controller_epoch,
+            metadata_version=request.metadata_version,
         )
         self._replicas.update_metadata(request.controller_epoch, request.broker_epoch, metadata)
         return storage_pb2.UpdateMetadataResponse(error=to_error_proto(None))

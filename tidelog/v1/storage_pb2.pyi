@@ -230,18 +230,20 @@ class LeaderAndIsrResponse(_message.Message):
     def __init__(self, error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[_common_pb2.PartitionResult, _Mapping]]] = ...) -> None: ...
 
 class UpdateMetadataRequest(_message.Message):
-    __slots__ = ("controller_id", "controller_epoch", "broker_epoch", "brokers", "partitions")
+    __slots__ = ("controller_id", "controller_epoch", "broker_epoch", "brokers", "partitions", "metadata_version")
     CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BROKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BROKERS_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_VERSION_FIELD_NUMBER: _ClassVar[int]
     controller_id: int
     controller_epoch: int
     broker_epoch: int
     brokers: _containers.RepeatedCompositeFieldContainer[_common_pb2.BrokerInfo]
     partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.PartitionState]
-    def __init__(self, controller_id: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., brokers: _Optional[_Iterable[_Union[_common_pb2.BrokerInfo, _Mapping]]] = ..., partitions: _Optional[_Iterable[_Union[_common_pb2.PartitionState, _Mapping]]] = ...) -> None: ...
+    metadata_version: int
+    def __init__(self, controller_id: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., brokers: _Optional[_Iterable[_Union[_common_pb2.BrokerInfo, _Mapping]]] = ..., partitions: _Optional[_Iterable[_Union[_common_pb2.PartitionState, _Mapping]]] = ..., metadata_version: _Optional[int] = ...) -> None: ...
 
 class UpdateMetadataResponse(_message.Message):
     __slots__ = ("error",)
