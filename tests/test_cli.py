@@ -17,17 +17,23 @@ from tidelog.dev import DevProcess
 
 
 def tidelog(
-    *args: str, gateway: str, stdin: str = "", check: bool = True
+    *args: str, gateway: str, stdin: str | bytes = "", check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
+    """Run the CLI; ``stdin`` as bytes for input that is not UTF-8."""
+    ran = subprocess.run(
         [sys.executable, "-m", "tidelog", *args],
-        input=stdin,
+        input=stdin.encode() if isinstance(stdin, str) else stdin,
         capture_output=True,
-        text=True,
         cwd=REPO_ROOT,
         env={**tidelog_env(), "TIDELOG_GATEWAY": gateway},
         timeout=60,
         check=False,
+    )
+    result = subprocess.CompletedProcess(
+        ran.args,
+        ran.returncode,
+        ran.stdout.decode(errors="replace"),
+        ran.stderr.decode(errors="replace"),
     )
     if check:
         assert result.returncode == 0, result.stderr
@@ -139,7 +145,7 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
         (("groups", "describe", "nobody"), "no committed offsets"),
         (("topics", "create", "x", "--partitions", "2147483648"), "must be <= 2147483647"),
         (("produce", "events", "--key-separator", ""), "must not be empty"),
-        (("topics", "describe", "\udcff"), "UnicodeEncodeError"),  # a non-UTF-8 argument
+        (("topics", "describe", "\udcff"), "is not UTF-8"),  # a non-UTF-8 argument
     ],
 )
 def test_errors_are_one_line_without_traceback(
@@ -150,6 +156,82 @@ def test_errors_are_one_line_without_traceback(
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _values(topic: str, gateway: str) -> list[str]:
+    out = tidelog("consume", topic, "--from-beginning", "--output", "json", gateway=gateway)
+    return [json.loads(line)["value"] for line in out.stdout.splitlines()]
+
+
+def _one_line_failure(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr[:2000]
+    return result.stderr.strip()
+
+
+def test_produce_stopped_by_a_bad_line_says_how_many_lines_before_it_were_written(
+    dev: DevProcess,
+) -> None:
+    """The lines before a bad one are sent first: the error used to name the bad line but
+    not say that those were written, so whoever ran it again could not know where to
+    start. Bytes that are not UTF-8 are no bad line: values are bytes."""
+    g = dev.gateway
+    tidelog("topics", "create", "midway", gateway=g)
+    lines = b"k1:v1\nk2:\xff\xfe not UTF-8\nno separator\nk4:v4\n"
+    result = tidelog(
+        "produce", "midway", "--key-separator", ":", gateway=g, stdin=lines, check=False
+    )
+    line = _one_line_failure(result)
+    assert "line 3: no key separator ':'" in line, line
+    assert line.endswith("; 2 records before it were written"), line
+    assert _values("midway", g) == ["v1", "\ufffd\ufffd not UTF-8"]
+
+
+def test_produce_names_the_line_too_large_for_the_topic_and_writes_the_lines_before_it(
+    dev: DevProcess,
+) -> None:
+    """A line over max.message.bytes (1 MiB + 12) used to go out with the lines before it
+    and fail them too, and the error named no line."""
+    g = dev.gateway
+    tidelog("topics", "create", "bigline", gateway=g)
+    lines = b"a\nb\n" + b"x" * 2_000_000 + b"\nd\n"
+    line = _one_line_failure(tidelog("produce", "bigline", gateway=g, stdin=lines, check=False))
+    assert "MESSAGE_TOO_LARGE: line 3:" in line, line
+    assert line.endswith("; 2 records before it were written"), line
+    assert _values("bigline", g) == ["a", "b"]
+
+
+LONG = "n" * 100_000
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("topics", "create", LONG),  # the server's answer, with the SDK's context
+        ("topics", "describe", LONG),
+        ("topics", "delete", LONG),
+        ("produce", LONG),
+        ("consume", LONG),
+        ("groups", "describe", LONG),
+        ("groups", "describe", "a group " * 12_500),  # spaces inside
+        ("topics", "create", "x", "--config", LONG),  # the CLI's own message
+        ("consume", "events", "--offset", LONG),  # an argument type's message
+        ("topics", LONG),  # argparse's own messages
+        ("produce", "events", "--acks", LONG),
+        ("topics", "list", "--gateway", LONG),  # gRPC's message
+    ],
+    ids=lambda args: " ".join(a[:12] for a in args),
+)
+def test_errors_cut_the_long_values_they_echo(dev: DevProcess, args: tuple[str, ...]) -> None:
+    """A 100,000-character name used to be repeated in full, even twice, in the error."""
+    result = tidelog(*args, gateway=dev.gateway, stdin="v\n", check=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1, line[:2000]
+    assert len(line) <= 1_100, line[:2000]
+    assert "... (100000 chars)" in line, line
 
 
 def test_consume_with_a_group_commits_only_what_it_printed(dev: DevProcess) -> None:

@@ -2,19 +2,37 @@
 
 Every method is one or two gateway calls with a deadline; failures raise the
 ``tidelog.errors`` exception of their code (``TopicAlreadyExistsError``,
-``UnknownTopicOrPartitionError``, ``InvalidReplicationFactorError`` ...). Create and delete
-return once the gateway's metadata shows the change, so the next call sees it.
+``UnknownTopicOrPartitionError``, ``InvalidReplicationFactorError`` ...). Arguments of the
+wrong type raise ``ConfigError`` before anything is sent. Create and delete return once the
+gateway's metadata shows the change, so the next call sees it; a create, delete or
+create-partitions that times out (``RequestTimedOutError``) may have been made all the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any, Final, SupportsIndex
 
 from tidelog.client import GatewayConnection, raise_for
-from tidelog.errors import TidelogError
+from tidelog.errors import (
+    ConfigError,
+    InvalidPartitionsError,
+    InvalidReplicationFactorError,
+    RequestTimedOutError,
+    TidelogError,
+)
+from tidelog.formats import INT32_MAX
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2
+
+CHANGE_DEADLINE_MARGIN_S: Final = 5.0
+"""How much longer than the ``timeout_ms`` it sends the SDK waits for a create, delete or
+create-partitions answer. The gateway spends up to ``timeout_ms`` on the change (its call to
+the controller, then the wait for its own metadata to show it) and answers after that: a
+deadline no longer than that would cut off answers on their way and call a change that was
+made a timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +115,62 @@ class GroupPartitionOffset:
         return max(self.high_watermark - self.committed_offset, 0)
 
 
+def _text(what: str, value: object) -> str:
+    """``value`` if it is a str the wire can carry (UTF-8), else ConfigError."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{what} must be a str, not {type(value).__name__}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"{what} is not UTF-8 text ({exc.reason} at character {exc.start})"
+        ) from None
+    return value
+
+
+def _integer(what: str, value: object) -> int:
+    """``value`` as an int if it is one (a numpy integer too), else ConfigError: a float,
+    a numeric str or a bool is a caller's bug, not a number to round or parse."""
+    # bool is an int to Python, but True partitions is a bug, not a count of 1.
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise ConfigError(f"{what} must be an int, not {type(value).__name__}")
+    return operator.index(value)
+
+
+def _int32(what: str, value: object, out_of_range: type[TidelogError]) -> int:
+    """``value`` if it is an int the wire's int32 can carry (else ConfigError, as
+    ``_integer``); outside int32: ``out_of_range``, the error the server gives for a count
+    it refuses, so callers catch one error for a bad count."""
+    number = _integer(what, value)
+    if not -INT32_MAX - 1 <= number <= INT32_MAX:
+        raise out_of_range(f"{what} {number} is out of the int32 range the protocol carries")
+    return number
+
+
+def _topic_names(values: object) -> list[str]:
+    # A str is a sequence of one-character strs: "orders" would ask for "o", "r", ...
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise ConfigError(f"names must be a list of topic names, not {type(values).__name__}")
+    return [_text("topic name", value) for value in values]
+
+
+def _configs(config: object) -> list[common_pb2.ConfigEntry]:
+    if config is None:
+        return []
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"config must be a mapping of names to values, not {type(config).__name__}"
+        )
+    entries = []
+    for key, value in config.items():
+        name = _text("a config name", key)
+        # Integers are welcome (retention.ms=3600000) and sent as text; a bool would be
+        # sent as "True", which no topic setting accepts.
+        text = value if isinstance(value, str) else str(_integer(f"config {name!r}", value))
+        entries.append(common_pb2.ConfigEntry(name=name, value=_text(f"config {name!r}", text)))
+    return entries
+
+
 def _describe(topic: gateway_pb2.DescribedTopic) -> TopicDescription:
     return TopicDescription(
         name=topic.name,
@@ -120,11 +194,23 @@ def _describe(topic: gateway_pb2.DescribedTopic) -> TopicDescription:
     )
 
 
+def change_deadline_s(timeout_ms: int) -> float:
+    """The SDK's deadline for an admin change it sends with ``timeout_ms``."""
+    return timeout_ms / 1000 + CHANGE_DEADLINE_MARGIN_S
+
+
 class Admin:
     """Administrative calls through one gateway. Thread-safe; ``close()`` is a no-op kept
     for symmetry (the connection is shared per process)."""
 
     def __init__(self, gateway: str | None = None, *, timeout_ms: int = 30_000) -> None:
+        if gateway is not None:
+            _text("gateway", gateway)
+        # Sent as int32 with admin changes; 0 would mean "no time at all" to gRPC here but
+        # "the server's default" to the gateway.
+        timeout_ms = _integer("timeout_ms", timeout_ms)
+        if not 1 <= timeout_ms <= INT32_MAX:
+            raise ConfigError(f"timeout_ms must be between 1 and {INT32_MAX}, not {timeout_ms}")
         self._conn = GatewayConnection.get(gateway, timeout_ms)
         self._timeout_ms = timeout_ms
 
@@ -134,6 +220,26 @@ class Admin:
 
     # --- topics ---------------------------------------------------------------------------
 
+    def _change(self, method: Any, request: Any, what: str) -> None:
+        """Send an admin change (``timeout_ms`` is the gateway's budget for it) and raise
+        the error of its first topic that failed.
+
+        A timeout, of the gateway's call to the controller or of our own deadline, does not
+        mean nothing happened: the controller may have made the change and still been
+        waiting for the replicas, or its answer may have been on its way. Kafka says the
+        same ("the operation may have been completed on the broker").
+        """
+        try:
+            response = self._conn.call(
+                method, request, what, timeout_s=change_deadline_s(self._timeout_ms)
+            )
+            for result in response.topics:
+                raise_for(result.error, what)
+        except RequestTimedOutError as exc:
+            raise RequestTimedOutError(
+                f"{exc.message}; the change may still have been made: check before retrying"
+            ) from None
+
     def create_topic(
         self,
         name: str,
@@ -141,51 +247,39 @@ class Admin:
         replication_factor: int = 1,
         config: Mapping[str, str] | None = None,
     ) -> None:
-        response: controller_pb2.CreateTopicsResponse = self._conn.call(
-            self._conn.stub.CreateTopics,
-            controller_pb2.CreateTopicsRequest(
-                topics=[
-                    controller_pb2.CreatableTopic(
-                        name=name,
-                        num_partitions=partitions,
-                        replication_factor=replication_factor,
-                        configs=[
-                            common_pb2.ConfigEntry(name=k, value=str(v))
-                            for k, v in (config or {}).items()
-                        ],
-                    )
-                ],
-                timeout_ms=self._timeout_ms,
+        topic = controller_pb2.CreatableTopic(
+            name=_text("topic name", name),
+            num_partitions=_int32("partitions", partitions, InvalidPartitionsError),
+            replication_factor=_int32(
+                "replication_factor", replication_factor, InvalidReplicationFactorError
             ),
-            f"create topic {name!r}",
-            timeout_s=self._timeout_ms / 1000 + 5,
+            configs=_configs(config),
         )
-        for result in response.topics:
-            raise_for(result.error, f"create topic {name!r}")
+        self._change(
+            self._conn.stub.CreateTopics,
+            controller_pb2.CreateTopicsRequest(topics=[topic], timeout_ms=self._timeout_ms),
+            f"create topic {name!r}",
+        )
 
     def delete_topic(self, name: str) -> None:
-        response: controller_pb2.DeleteTopicsResponse = self._conn.call(
+        self._change(
             self._conn.stub.DeleteTopics,
-            controller_pb2.DeleteTopicsRequest(names=[name], timeout_ms=self._timeout_ms),
+            controller_pb2.DeleteTopicsRequest(
+                names=[_text("topic name", name)], timeout_ms=self._timeout_ms
+            ),
             f"delete topic {name!r}",
-            timeout_s=self._timeout_ms / 1000 + 5,
         )
-        for result in response.topics:
-            raise_for(result.error, f"delete topic {name!r}")
 
     def create_partitions(self, name: str, count: int) -> None:
         """Grow ``name`` to ``count`` partitions in total."""
-        response: controller_pb2.CreatePartitionsResponse = self._conn.call(
-            self._conn.stub.CreatePartitions,
-            controller_pb2.CreatePartitionsRequest(
-                topics=[controller_pb2.PartitionIncrease(name=name, count=count)],
-                timeout_ms=self._timeout_ms,
-            ),
-            f"create partitions of {name!r}",
-            timeout_s=self._timeout_ms / 1000 + 5,
+        increase = controller_pb2.PartitionIncrease(
+            name=_text("topic name", name), count=_int32("count", count, InvalidPartitionsError)
         )
-        for result in response.topics:
-            raise_for(result.error, f"create partitions of {name!r}")
+        self._change(
+            self._conn.stub.CreatePartitions,
+            controller_pb2.CreatePartitionsRequest(topics=[increase], timeout_ms=self._timeout_ms),
+            f"create partitions of {name!r}",
+        )
 
     def list_topics(self) -> list[str]:
         return sorted(self._conn.partition_counts())
@@ -194,7 +288,7 @@ class Admin:
         """``names`` (all topics when empty), with offsets from each partition's leader."""
         response: gateway_pb2.DescribeTopicsResponse = self._conn.call(
             self._conn.stub.DescribeTopics,
-            gateway_pb2.DescribeTopicsRequest(names=list(names)),
+            gateway_pb2.DescribeTopicsRequest(names=_topic_names(names)),
             "describe topics",
         )
         for topic in response.topics:
@@ -202,7 +296,7 @@ class Admin:
         return [_describe(t) for t in response.topics]
 
     def describe_topic(self, name: str) -> TopicDescription:
-        (topic,) = self.describe_topics([name])
+        (topic,) = self.describe_topics([_text("topic name", name)])
         return topic
 
     def describe_cluster(self) -> ClusterDescription:
@@ -234,7 +328,7 @@ class Admin:
         """Committed offset and lag of every partition the group committed."""
         response: gateway_pb2.FetchOffsetsResponse = self._conn.call(
             self._conn.stub.FetchOffsets,
-            gateway_pb2.FetchOffsetsRequest(group_id=group_id),
+            gateway_pb2.FetchOffsetsRequest(group_id=_text("group_id", group_id)),
             f"offsets of group {group_id!r}",
         )
         committed = list(response.offsets)

@@ -18,26 +18,67 @@ import argparse
 import importlib
 import re
 import sys
-from collections.abc import Callable, Sequence
-from typing import NoReturn
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final, NoReturn
 
 from tidelog.formats import INT32_MAX
 
 _HOST_PORT = re.compile(r"^(?:\[(?P<ipv6>[0-9a-fA-F:.]+)\]|(?P<host>[^:\[\]]+)):(?P<port>\d{1,5})$")
+
+ECHO_MAX_CHARS: Final = 80
+"""How much of a value the user gave (a topic or group name, an argument) an error line
+repeats: a 100,000-character name would fill the terminal and make the line no clearer.
+A longer value shows its start, "..." and its length."""
+MAX_ERROR_CHARS: Final = 1_000
+"""Cap on one error line, for long text ``cut_echoes`` cannot tell is the user's (a long
+value with spaces inside a message it was not given the value for)."""
+# A run this long without a space or a quote is an echoed value, not words: cut it even
+# when the value was not named to cut_echoes (argparse's own messages). Quotes end it so
+# that the length told is the value's. Well above ECHO_MAX_CHARS, so that values already
+# cut, and ordinary addresses or paths, are left alone.
+_LONG_RUN = re.compile(r"[^\s'\"]{201,}")
+
+
+def shorten(text: str, limit: int = ECHO_MAX_CHARS) -> str:
+    """``text`` when at most ``limit`` characters, else its start, "..." and its length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"
+
+
+def echo(value: str) -> str:
+    """``value`` quoted (its repr) for an error message, cut like ``shorten``."""
+    if len(value) <= ECHO_MAX_CHARS:
+        return repr(value)
+    return f"{value[:ECHO_MAX_CHARS]!r}... ({len(value)} chars)"
+
+
+def cut_echoes(message: str, values: Iterable[str] = ()) -> str:
+    """``message`` made fit for one line of stderr: each long value of ``values`` cut where it
+    appears (quoted as ``echo`` does, or bare as ``shorten`` does), any other long run
+    without spaces cut too, line breaks made spaces, and the whole capped at
+    ``MAX_ERROR_CHARS``. Messages from the SDK and the servers repeat names in full."""
+    # Longest first: a long value may contain a shorter one.
+    for value in sorted({v for v in values if len(v) > ECHO_MAX_CHARS}, key=len, reverse=True):
+        message = message.replace(repr(value), echo(value)).replace(value, shorten(value))
+    message = _LONG_RUN.sub(lambda match: shorten(match[0]), message)
+    return shorten(" ".join(message.splitlines()), MAX_ERROR_CHARS)
 
 
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr (no usage dump)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        # argparse's own messages repeat a bad value in full (invalid choice, unrecognized
+        # arguments): cut_echoes keeps the line short.
+        self.exit(2, f"{self.prog}: error: {cut_echoes(message)} (see --help)\n")
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
     """``"127.0.0.1:9092"`` -> ``("127.0.0.1", 9092)``; ``"[::1]:0"`` -> ``("::1", 0)``."""
     match = _HOST_PORT.match(text)
     if match is None:
-        raise ValueError(f"{text!r} is not HOST:PORT")
+        raise ValueError(f"{echo(text)} is not HOST:PORT")
     port = int(match["port"])
     if port > 65535:
         raise ValueError(f"port {port} is out of range 0..65535")
@@ -55,7 +96,7 @@ def _broker_id(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not an integer") from None
     if not 0 <= value < 2**31:
         raise argparse.ArgumentTypeError(f"broker id {value} must be between 0 and 2^31-1")
     return value
@@ -194,7 +235,7 @@ def _controller_id(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not an integer") from None
     if not 1 <= value < 2**31:
         raise argparse.ArgumentTypeError(f"controller id {value} must be between 1 and 2^31-1")
     return value
@@ -204,7 +245,7 @@ def _int_at_least(text: str, minimum: int, maximum: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not an integer") from None
     if value < minimum:
         raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
     if maximum is not None and value > maximum:
@@ -230,7 +271,7 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a number") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value} must be > 0")
     return value

@@ -12,13 +12,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, Final
 
 from tidelog.admin import Admin, TopicDescription
+from tidelog.cli import cut_echoes, echo
 from tidelog.consumer import Consumer
-from tidelog.errors import ConfigError, OffsetOutOfRangeError, TidelogError
-from tidelog.producer import Producer
+from tidelog.errors import (
+    ConfigError,
+    OffsetOutOfRangeError,
+    TidelogError,
+    UnknownServerError,
+    UnknownTopicOrPartitionError,
+)
+from tidelog.producer import Producer, RecordMetadata
 
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -33,18 +41,29 @@ def _json(value: Any) -> None:
     print(json.dumps(value, indent=2, sort_keys=True))
 
 
+def _given(args: argparse.Namespace) -> Iterator[str]:
+    """Every text the user gave on the command line (names, addresses, --config items)."""
+    for value in vars(args).values():
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, list):
+            yield from (item for item in value if isinstance(item, str))
+
+
 def run(name: str, fn: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     try:
         return fn(args)
     except TidelogError as exc:
-        print(f"tidelog {name}: error: {exc}", file=sys.stderr)
+        # SDK and server messages repeat names in full; a huge one is cut, not printed.
+        print(f"tidelog {name}: error: {cut_echoes(str(exc), _given(args))}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `tidelog consume ... | head`
         return 0
     except (UnicodeError, ValueError, OSError) as exc:
         # Input no request can carry (an argument that is not UTF-8, a number out of the
         # protocol's range) or output that cannot be written (a full disk): one line.
-        print(f"tidelog {name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        message = cut_echoes(f"{type(exc).__name__}: {exc}", _given(args))
+        print(f"tidelog {name}: error: {message}", file=sys.stderr)
         return 1
 
 
@@ -60,7 +79,7 @@ def _parse_configs(items: Sequence[str]) -> dict[str, str]:
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise ConfigError(f"--config {item!r} is not NAME=VALUE")
+            raise ConfigError(f"--config {echo(item)} is not NAME=VALUE")
         configs[name] = value
     return configs
 
@@ -150,10 +169,133 @@ def cmd_topics(args: argparse.Namespace) -> int:
 # --- produce / consume ------------------------------------------------------------------------
 
 
+# A line this long is sent alone, once every line before it is acknowledged: it is the kind
+# of record a topic's max.message.bytes (1 MiB + 12 by default) refuses, and a refused
+# request fails every batch of its partition in it, so sent along with others it would fail
+# good lines too and the error could not say which line was at fault.
+ALONE_LINE_BYTES: Final = 1024 * 1024
+# Lines sent before produce waits for their acknowledgements: bounds the futures it holds.
+SETTLE_EVERY_LINES: Final = 10_000
+# How often produce looks whether a line it sent has failed, to stop reading early.
+FAILURE_CHECK_EVERY_LINES: Final = 256
+
+
+class _Delivery:
+    """What became of the lines ``produce`` sent: how many were acknowledged, and the first
+    that failed, told as the line it was.
+
+    Lines are settled in order: ``written`` counts every line before the ones ``pending``
+    holds, all of them acknowledged (a failure stops the input there).
+    """
+
+    def __init__(self, producer: Producer, acks: str) -> None:
+        self._producer = producer
+        # acks=0: the gateway answers at once, so a record counted was sent, not written.
+        self._verb = "sent" if acks == "0" else "written"
+        self.written = 0
+        self._pending: list[tuple[int, Future[RecordMetadata]]] = []
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def failed(self) -> bool:
+        """Whether a line sent has failed already (its answer came back meanwhile). Asks
+        the producer's count of failed records rather than every future: a callback on
+        each future made produce a third slower."""
+        return self._producer.metrics()["record-error-total"] > 0
+
+    def track(self, line_no: int, future: Future[RecordMetadata]) -> None:
+        self._pending.append((line_no, future))
+
+    def settle(self) -> None:
+        """Wait for every line sent; raise the first one's failure as ``at_line`` tells it."""
+        self._producer.flush()
+        if not self.failed():  # all acknowledged: no need to ask each future
+            self.written += len(self._pending)
+            self._pending.clear()
+            return
+        outcomes = [(line_no, _failure(future)) for line_no, future in self._pending]
+        bad = next(((n, exc) for n, exc in outcomes if exc is not None), None)
+        if bad is not None:
+            # Lines after the bad one were on their way too; some may have been written.
+            after = sum(1 for n, exc in outcomes if n > bad[0] and exc is None)
+            raise self.at_line(bad[0], bad[1], after)
+        self.written += len(self._pending)
+        self._pending.clear()
+
+    def at_line(self, line_no: int, exc: BaseException, after: int = 0) -> TidelogError:
+        """``exc`` as the failure of input line ``line_no``, with how many lines before it
+        were written: they went out first, so a failure in the middle is not all or
+        nothing, and whoever runs produce again needs to know where to start."""
+        if not isinstance(exc, TidelogError):
+            exc = UnknownServerError(f"{type(exc).__name__}: {exc}")
+        before = self.written + sum(
+            1 for n, f in self._pending if n < line_no and _failure(f) is None
+        )
+        told = f"line {line_no}: {exc.message}; {_records(before)} before it were {self._verb}"
+        if after:
+            told += f", and {after} after it"
+        return type(exc)(told)
+
+
+def _failure(future: Future[RecordMetadata]) -> BaseException | None:
+    if future.cancelled():
+        return UnknownServerError("the send was cancelled")
+    return future.exception()
+
+
+def _records(count: int) -> str:
+    return "1 record" if count == 1 else f"{count} records"
+
+
+def _produce_lines(producer: Producer, args: argparse.Namespace, lines: Iterable[bytes]) -> int:
+    """Send each input line as a record; the number written. A line that cannot be written
+    stops the input: the error names it and says how many lines before it were written."""
+    delivery = _Delivery(producer, args.acks)
+    # The topic and --partition are the arguments' fault, not the first line's: checked
+    # before any line is read.
+    count = len(producer.partitions_for(args.topic))
+    if args.partition is not None and args.partition >= count:
+        raise UnknownTopicOrPartitionError(
+            f"topic {echo(args.topic)} has {count} partitions; "
+            f"partition {args.partition} does not exist"
+        )
+    sep: bytes | None = None if args.key_separator is None else args.key_separator.encode()
+    for line_no, raw in enumerate(lines, start=1):
+        # A line already sent failed: stop sending. Checked now and then, as it is cheap
+        # but not free; lines sent meanwhile and written are told as "after it".
+        if line_no % FAILURE_CHECK_EVERY_LINES == 0 and delivery.failed():
+            break
+        value = raw.rstrip(b"\r\n")
+        key: bytes | None = None
+        if sep is not None:
+            if sep not in value:
+                delivery.settle()
+                raise delivery.at_line(
+                    line_no, ConfigError(f"no key separator {echo(args.key_separator)} in it")
+                )
+            key, value = value.split(sep, 1)
+        alone = len(value) + len(key or b"") >= ALONE_LINE_BYTES
+        if alone:
+            delivery.settle()
+        try:
+            future = producer.send(args.topic, value, key=key, partition=args.partition)
+        except TidelogError as exc:  # e.g. a record larger than the producer's buffer
+            delivery.settle()
+            raise delivery.at_line(line_no, exc) from None
+        delivery.track(line_no, future)
+        if alone or delivery.pending >= SETTLE_EVERY_LINES:
+            delivery.settle()
+    delivery.settle()
+    return delivery.written
+
+
 def cmd_produce(args: argparse.Namespace) -> int:
     def body(args: argparse.Namespace) -> int:
+        if args.key_separator == "":
+            raise ConfigError("--key-separator must not be empty")
         acks = args.acks
-        count = 0
         with Producer(
             args.gateway,
             acks=acks,
@@ -161,28 +303,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
             linger_ms=5,
             direct=args.direct,
         ) as producer:
-            futures = []
-            if args.key_separator == "":
-                raise ConfigError("--key-separator must not be empty")
-            for raw in sys.stdin.buffer:
-                line = raw.rstrip(b"\r\n")
-                key: bytes | None = None
-                if args.key_separator is not None:
-                    sep = args.key_separator.encode()
-                    if sep not in line:
-                        raise ConfigError(
-                            f"line {count + 1} has no key separator {args.key_separator!r}"
-                        )
-                    key, line = line.split(sep, 1)
-                futures.append(producer.send(args.topic, line, key=key, partition=args.partition))
-                count += 1
-                if len(futures) >= 10_000:
-                    for future in futures:
-                        future.result()
-                    futures.clear()
-            producer.flush()
-            for future in futures:
-                future.result()
+            count = _produce_lines(producer, args, sys.stdin.buffer)
         if args.output == "json":
             _json({"topic": args.topic, "records": count})
         else:
@@ -284,7 +405,7 @@ def cmd_groups(args: argparse.Namespace) -> int:
             return 0
         offsets = admin.describe_group(args.group)
         if not offsets:
-            raise ConfigError(f"group {args.group!r} has no committed offsets")
+            raise ConfigError(f"group {echo(args.group)} has no committed offsets")
         if args.output == "json":
             _json(
                 [

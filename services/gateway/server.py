@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Final
+from typing import Final, TypeVar
 
 import grpc
 
@@ -47,6 +47,9 @@ _log = get_logger(component="gateway.server")
 ADMIN_TIMEOUT_S: Final = 30.0
 """Default budget of an admin call, including the wait for the metadata to show it."""
 MAX_TOPICS_PER_REQUEST: Final = 1_000
+CONTROLLER_ANSWER_MARGIN_S: Final = 1.0
+"""Time (at most a quarter of the budget) left between the controller's wait and an admin
+call's deadline, for its answer to get back through the gateway."""
 
 
 def _broker_proto(broker: Broker) -> common_pb2.BrokerInfo:
@@ -92,6 +95,26 @@ def _timeout_s(timeout_ms: int) -> float:
     if timeout_ms < 0:
         raise InvalidRequestError(f"timeout_ms {timeout_ms} is negative")
     return timeout_ms / 1000 if timeout_ms else ADMIN_TIMEOUT_S
+
+
+AdminRequest = TypeVar(
+    "AdminRequest",
+    controller_pb2.CreateTopicsRequest,
+    controller_pb2.DeleteTopicsRequest,
+    controller_pb2.CreatePartitionsRequest,
+)
+
+
+def _for_controller(request: AdminRequest, remaining_s: float) -> AdminRequest:
+    """``request`` with the controller's wait for its replicas cut short of this call's
+    own deadline. The controller makes the change, then waits up to ``timeout_ms`` for the
+    replicas to take it; given this call's whole budget, it answered after the deadline,
+    and a change that was made came back as REQUEST_TIMED_OUT."""
+    margin_s = min(CONTROLLER_ANSWER_MARGIN_S, remaining_s / 4)
+    forwarded = type(request)()
+    forwarded.CopyFrom(request)
+    forwarded.timeout_ms = max(1, int((remaining_s - margin_s) * 1000))  # 0 means "default"
+    return forwarded
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
@@ -266,7 +289,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         timeout_s = _timeout_s(request.timeout_ms)
         deadline = time.monotonic() + timeout_s
         response: controller_pb2.CreateTopicsResponse = self._controller.call(
-            timeout_s, lambda stub, t: stub.CreateTopics(request, timeout=t)
+            timeout_s, lambda stub, t: stub.CreateTopics(_for_controller(request, t), timeout=t)
         )
         if not request.validate_only:
             created = [r.name for r in response.topics if r.error.code == common_pb2.NONE]
@@ -280,7 +303,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         timeout_s = _timeout_s(request.timeout_ms)
         deadline = time.monotonic() + timeout_s
         response: controller_pb2.DeleteTopicsResponse = self._controller.call(
-            timeout_s, lambda stub, t: stub.DeleteTopics(request, timeout=t)
+            timeout_s, lambda stub, t: stub.DeleteTopics(_for_controller(request, t), timeout=t)
         )
         deleted = [r.name for r in response.topics if r.error.code == common_pb2.NONE]
         self._await(deadline, lambda view: not any(name in view.topics for name in deleted))
@@ -293,7 +316,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         timeout_s = _timeout_s(request.timeout_ms)
         deadline = time.monotonic() + timeout_s
         response: controller_pb2.CreatePartitionsResponse = self._controller.call(
-            timeout_s, lambda stub, t: stub.CreatePartitions(request, timeout=t)
+            timeout_s, lambda stub, t: stub.CreatePartitions(_for_controller(request, t), timeout=t)
         )
         if not request.validate_only:
             grown = {
