@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.storage.log import EpochEntry, LeaderEpochCache, Log, LogConfig
-from services.storage.log.checkpoint import CheckpointCorruptError
+from services.storage.log.errors import CheckpointCorruptError
 from tidelog import formats as f
 from tidelog.clock import ManualClock
 from tidelog.errors import InvalidRequestError

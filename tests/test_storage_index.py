@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.storage.log.index import IndexCorruptError, OffsetIndex, TimeIndex
+from services.storage.log.errors import IndexCorruptError
+from services.storage.log.index import OffsetIndex, TimeIndex
 from tidelog import formats
 
 OFFSET_ENTRY = formats.OFFSET_INDEX_ENTRY_SIZE

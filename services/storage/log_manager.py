@@ -25,7 +25,8 @@ from typing import Final
 import structlog
 
 from services.storage.log import Log, LogConfig
-from services.storage.log.checkpoint import CheckpointCorruptError, OffsetCheckpointFile
+from services.storage.log.checkpoint import OffsetCheckpointFile
+from services.storage.log.errors import CheckpointCorruptError
 from services.storage.log.log import DiskFailureHandler
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.topics import parse_partition_dir_name, partition_dir_name

@@ -3,7 +3,7 @@
 Pure library code (no RPC, no threads, no sleeps), layered like Kafka's storage:
 ``index`` -> ``segment`` -> ``segments`` -> ``log``; ``checkpoint`` for the offset files;
 ``leader_epoch`` (the leader epoch cache) and ``producer_state`` (idempotent producers),
-both owned and kept consistent by ``log``.
+both owned and kept consistent by ``log``; ``errors`` for the damaged files it finds.
 """
 
 from .config import LogConfig

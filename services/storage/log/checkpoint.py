@@ -19,11 +19,9 @@ from pathlib import Path
 
 from tidelog import formats
 
+from .errors import CheckpointCorruptError
+
 VERSION = 0
-
-
-class CheckpointCorruptError(Exception):
-    """The checkpoint file exists but cannot be parsed."""
 
 
 def fsync_dir(directory: Path) -> None:

@@ -30,9 +30,7 @@ from pathlib import Path
 
 from tidelog import formats
 
-
-class IndexCorruptError(Exception):
-    """The index file is not a valid index of its segment; rebuild it from the log."""
+from .errors import IndexCorruptError
 
 
 class _MappedIndex:

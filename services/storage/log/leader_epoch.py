@@ -33,7 +33,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Final, NamedTuple
 
-from .checkpoint import VERSION, CheckpointCorruptError, write_atomically
+from .checkpoint import VERSION, write_atomically
+from .errors import CheckpointCorruptError
 
 UNDEFINED_EPOCH: Final = -1
 UNDEFINED_EPOCH_OFFSET: Final = -1

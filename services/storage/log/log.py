@@ -66,8 +66,9 @@ from tidelog.errors import (
 )
 from tidelog.records import decode_batches
 
-from .checkpoint import CheckpointCorruptError, fsync_dir
+from .checkpoint import fsync_dir
 from .config import LogConfig
+from .errors import CheckpointCorruptError
 from .leader_epoch import LeaderEpochCache
 from .producer_state import DEFAULT_PRODUCER_ID_EXPIRATION_MS, ProducerStateManager
 from .segment import BatchSpan, LogSegment

@@ -65,6 +65,7 @@ from tidelog.errors import (
 )
 
 from .checkpoint import write_bytes_atomically
+from .errors import ProducerSnapshotCorruptError
 
 DEFAULT_PRODUCER_ID_EXPIRATION_MS: Final = 24 * 60 * 60 * 1000
 """producer.id.expiration.ms (Kafka's default, 1 day). A broker-level setting in Kafka,
@@ -132,10 +133,6 @@ class ProducerStateEntry:
             if batch.first_sequence == first_sequence and batch.last_sequence == last_seq:
                 return batch
         return None
-
-
-class ProducerSnapshotCorruptError(Exception):
-    """A snapshot file is torn, damaged or not for the offset its name says."""
 
 
 def snapshot_path(directory: Path, offset: int) -> Path:

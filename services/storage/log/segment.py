@@ -27,7 +27,8 @@ from tidelog.batch import BatchHeader, check_batch, check_header
 from tidelog.errors import CorruptBatchError, StorageError
 
 from .config import LogConfig
-from .index import IndexCorruptError, OffsetIndex, TimeIndex
+from .errors import IndexCorruptError
+from .index import OffsetIndex, TimeIndex
 from .page_cache import CacheWindow
 
 RECOVERY_CHUNK_BYTES = 8 << 20
