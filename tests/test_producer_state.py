@@ -517,20 +517,21 @@ def test_old_record_timestamps_do_not_expire_a_producer(tmp_path: Path) -> None:
 
 
 def sample_entries() -> list[ProducerStateEntry]:
-    first = ProducerStateEntry(5, 2, T0)
+    first = ProducerStateEntry(5, 2, T0, 0)
     first.batches.extend([BatchMetadata(0, 2, 10, 12), BatchMetadata(3, 3, 20, 20)])
-    second = ProducerStateEntry(1, 0, T0 + 7)
+    second = ProducerStateEntry(1, 0, T0 + 7, MAX_SEQ)
     second.batches.append(BatchMetadata(MAX_SEQ, 1, 30, 32))
     return [first, second]
 
 
 def test_snapshot_round_trip() -> None:
     data = encode_snapshot(40, sample_entries())
-    assert len(data) == 18 + 2 * 20 + 3 * 24
+    assert len(data) == 18 + 2 * 24 + 3 * 24
     decoded = decode_snapshot(data, 40)
     assert sorted(decoded) == [1, 5]
     assert list(decoded[5].batches) == list(sample_entries()[0].batches)
     assert (decoded[1].producer_epoch, decoded[1].last_update_ms) == (0, T0 + 7)
+    assert (decoded[5].start_sequence, decoded[1].start_sequence) == (0, MAX_SEQ)
     assert decode_snapshot(encode_snapshot(0, []), 0) == {}
 
 
@@ -585,9 +586,19 @@ class ModelState:
             out[w.pid] = (epoch, [*batches, meta][-5:])
         return out
 
+    def start_sequences(self) -> dict[int, int]:
+        """Per producer, the first sequence of its current epoch's first written batch:
+        below it nothing is known to be written (a producer starts anywhere, KIP-360)."""
+        out: dict[int, tuple[int, int]] = {}
+        for w in self.written:
+            if w.pid not in out or out[w.pid][0] != w.epoch:
+                out[w.pid] = (w.epoch, w.first_seq)
+        return {pid: start for pid, (_, start) in out.items()}
+
     def outcome(self, request: list[tuple[int, int, int, int]]) -> object:
         """AppendInfo for success/duplicate, or the exception class."""
         state = self.state()
+        starts = self.start_sequences()
         pending: dict[int, tuple[int, int]] = {}
         dups: list[BatchMetadata] = []
         fresh = 0
@@ -605,7 +616,7 @@ class ModelState:
                 window = state[pid][1]
                 oldest = window[0].first_sequence
                 if (
-                    seq <= last < oldest <= window[-1].last_sequence
+                    starts[pid] <= seq <= last < oldest <= window[-1].last_sequence
                     and (oldest - last) % (MAX_SEQ + 1) <= (MAX_SEQ + 1) // 2
                 ):
                     # Written long ago: a duplicate whose offsets are forgotten.
@@ -658,7 +669,7 @@ def operations(draw: st.DrawFn) -> list[tuple[str, object]]:
                 pid = draw(st.integers(1, 3))
                 how = draw(
                     st.sampled_from(
-                        ["next"] * 4 + ["retry", "retry", "gap", "epoch", "bump", "old"]
+                        ["next"] * 4 + ["retry", "retry", "gap", "epoch", "bump", "old", "ancient"]
                     )
                 )
                 batches.append((pid, how, draw(st.integers(1, 3)), draw(st.integers(0, 9))))
@@ -686,6 +697,12 @@ def concretize(
             request.append(
                 (pid, state[pid][0], meta.first_sequence, meta.last_offset - meta.first_offset + 1)
             )
+            continue
+        if how == "ancient" and pid in state:
+            # A resend of something before the remembered batches: written (at or after
+            # the producer's first sequence here) or never (before it).
+            seq = max(0, state[pid][1][0].first_sequence - 1 - pick)
+            request.append((pid, state[pid][0], seq, 1))
             continue
         if how == "gap":
             seq = (last + 1 + 1 + pick) % (MAX_SEQ + 1)
@@ -766,4 +783,29 @@ def test_a_batch_older_than_the_window_is_a_duplicate_at_unknown_offsets(tmp_pat
     # An older epoch is fenced, whatever its sequences.
     assert dir_state(log.dir) == before
     assert log.append(idem(1, 0, 16, n=1)) == AppendInfo(16, 16)
+    log.close()
+
+
+def test_a_batch_before_a_producers_first_sequence_here_is_not_taken_for_written(
+    tmp_path: Path,
+) -> None:
+    """A producer this partition did not know starts at any sequence (KIP-360): here at 3,
+    because its batch at 0 was refused up front (NOT_ENOUGH_REPLICAS) while the next one,
+    pipelined, got in. The retry of sequence 0 lies before every remembered batch but was
+    never written: it must be refused as out of order, not answered as written. What the
+    partition knows survives a reopen (the snapshot keeps the start sequence)."""
+    log = open_log(tmp_path / "p-0")
+    for i in range(7):  # sequences 3..9, one batch each; 5..9 are remembered
+        log.append(idem(1, 0, 3 + i, n=1))
+    before = dir_state(log.dir)
+    with pytest.raises(OutOfOrderSequenceError):
+        log.append(idem(1, 0, 0, n=1))
+    # Sequence 3, at the start, was written: a duplicate at unknown offsets.
+    assert log.append(idem(1, 0, 3, n=1)) == AppendInfo(-1, 1, duplicate=True)
+    assert dir_state(log.dir) == before
+    log.close()
+    log = open_log(tmp_path / "p-0")
+    with pytest.raises(OutOfOrderSequenceError):
+        log.append(idem(1, 0, 0, n=1))
+    assert log.append(idem(1, 0, 4, n=1)) == AppendInfo(-1, 1, duplicate=True)
     log.close()

@@ -117,13 +117,14 @@ MAX_SEGMENT_POSITION: Final = (1 << 31) - 1
 # header, then per producer an entry followed by its cached batches (up to
 # PRODUCER_BATCHES_RETAINED). Written by services/storage/log/producer_state.py.
 
-PRODUCER_SNAPSHOT_VERSION: Final = 1
+PRODUCER_SNAPSHOT_VERSION: Final = 2
 
 PRODUCER_SNAPSHOT_HEADER = struct.Struct("<hIqi")
 """version, crc (CRC32C of every byte after this field), snapshot offset, producer count."""
 
-PRODUCER_SNAPSHOT_ENTRY = struct.Struct("<qhqh")
-"""producer id, producer epoch, last update time (ms), number of cached batches."""
+PRODUCER_SNAPSHOT_ENTRY = struct.Struct("<qhqih")
+"""producer id, producer epoch, last update time (ms), start sequence, number of cached
+batches."""
 
 PRODUCER_SNAPSHOT_BATCH = struct.Struct("<iiqq")
 """first sequence, last sequence, first offset, last offset of one cached batch."""
@@ -177,5 +178,5 @@ assert OFFSET_INDEX_ENTRY_SIZE == 8
 assert TIME_INDEX_ENTRY_SIZE == 12
 assert PRODUCER_SNAPSHOT_HEADER.size == 18
 assert struct.calcsize("<hI") == PRODUCER_SNAPSHOT_CRC_START
-assert PRODUCER_SNAPSHOT_ENTRY.size == 20
+assert PRODUCER_SNAPSHOT_ENTRY.size == 24
 assert PRODUCER_SNAPSHOT_BATCH.size == 24

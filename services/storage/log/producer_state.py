@@ -15,11 +15,14 @@ their first and last sequences and the offsets they were written at. With that i
   know (never seen, or forgotten by expiry or truncation) starts at any sequence, as in
   Kafka since KIP-360;
 - answers a batch of the current epoch whose sequences lie wholly before the remembered
-  batches as a duplicate at unknown offsets (first offset -1, last offset just below
-  the oldest remembered batch, so acks=all waits until the HW covers it): it was
-  written long ago and its offsets are forgotten. A producer that resends a whole old
-  request (Spark's exactly-once writer replaying a micro-batch, a retry after more than
-  five newer batches) learns that its batch is already in the log;
+  batches, and at or after the first sequence this partition saw of that epoch
+  (``start_sequence``), as a duplicate at unknown offsets (first offset -1, last offset
+  just below the oldest remembered batch, so acks=all waits until the HW covers it): it
+  was written long ago and its offsets are forgotten. Below ``start_sequence`` it may
+  never have been written (the producer started here past it), so it is out of order.
+  A producer that resends a whole old request (Spark's exactly-once writer replaying a
+  micro-batch, a retry after more than five newer batches) learns that its batch is
+  already in the log;
 - refuses a request that mixes such retried batches with new ones
   (``DuplicateSequenceError``): one offset range cannot answer it, and nothing is
   written, so the producer resends the batches one by one.
@@ -98,11 +101,17 @@ class ProducerStateEntry:
 
     Invariant: ``batches`` holds 1 to ``PRODUCER_BATCHES_RETAINED`` batches of
     ``producer_epoch``, oldest first, each continuing the previous one's sequence.
+    ``start_sequence`` is the first sequence of the earliest batch of this epoch the
+    partition applied: every sequence from it to ``last_sequence`` is in the log (or was,
+    before retention). Below it nothing is known - a producer this partition did not know
+    starts at any sequence (KIP-360), so batches before that one may never have been
+    written.
     """
 
     producer_id: int
     producer_epoch: int
     last_update_ms: int
+    start_sequence: int
     batches: deque[BatchMetadata] = field(
         default_factory=lambda: deque(maxlen=formats.PRODUCER_BATCHES_RETAINED)
     )
@@ -116,13 +125,16 @@ class ProducerStateEntry:
         return self.batches[-1].last_offset
 
     def precedes_window(self, first_sequence: int, last_seq: int) -> bool:
-        """Whether sequences ``first..last`` lie wholly before the oldest remembered batch.
+        """Whether sequences ``first..last`` lie wholly before the oldest remembered batch,
+        and at or after ``start_sequence``: written, at offsets now forgotten.
 
         Decided only away from the wrap at 2^31: the batch must precede the window both
         as plain numbers and modulo 2^31 by less than half the sequence space (else it
         may as well be ahead of the window, a gap ``validate_append`` reports as out of
         order).
         """
+        if first_sequence < self.start_sequence:
+            return False
         oldest = self.batches[0].first_sequence
         if not first_sequence <= last_seq < oldest <= self.batches[-1].last_sequence:
             return False
@@ -146,7 +158,11 @@ def encode_snapshot(offset: int, producers: Iterable[ProducerStateEntry]) -> byt
     for entry in entries:
         parts.append(
             formats.PRODUCER_SNAPSHOT_ENTRY.pack(
-                entry.producer_id, entry.producer_epoch, entry.last_update_ms, len(entry.batches)
+                entry.producer_id,
+                entry.producer_epoch,
+                entry.last_update_ms,
+                entry.start_sequence,
+                len(entry.batches),
             )
         )
         parts.extend(formats.PRODUCER_SNAPSHOT_BATCH.pack(*batch) for batch in entry.batches)
@@ -177,18 +193,19 @@ def decode_snapshot(data: bytes, expected_offset: int) -> dict[int, ProducerStat
     entry_struct, batch_struct = formats.PRODUCER_SNAPSHOT_ENTRY, formats.PRODUCER_SNAPSHOT_BATCH
     try:
         for _ in range(count):
-            producer_id, epoch, last_update_ms, batch_count = entry_struct.unpack_from(
-                data, position
+            producer_id, epoch, last_update_ms, start_sequence, batch_count = (
+                entry_struct.unpack_from(data, position)
             )
             position += entry_struct.size
             if (
                 producer_id < 0
                 or epoch < 0
+                or not 0 <= start_sequence <= formats.MAX_SEQUENCE
                 or not 1 <= batch_count <= formats.PRODUCER_BATCHES_RETAINED
                 or producer_id in producers
             ):
                 raise ProducerSnapshotCorruptError(f"invalid entry for producer {producer_id}")
-            entry = ProducerStateEntry(producer_id, epoch, last_update_ms)
+            entry = ProducerStateEntry(producer_id, epoch, last_update_ms, start_sequence)
             for _ in range(batch_count):
                 batch = BatchMetadata(*batch_struct.unpack_from(data, position))
                 position += batch_struct.size
@@ -292,12 +309,13 @@ class ProducerStateManager:
                         continue
                     if entry.precedes_window(first, last):
                         # Sequences are never reused within an epoch, so a batch wholly
-                        # before the remembered ones was written earlier, below the
-                        # oldest remembered batch. Its offsets are forgotten: answered as
-                        # a duplicate at unknown offsets, committed once the HW passes
-                        # that batch (Kafka's producer takes DUPLICATE_SEQUENCE_NUMBER as
-                        # success at unknown offsets; answering it here lets acks=all
-                        # wait for the HW first, which an error answer cannot).
+                        # before the remembered ones, and not before the epoch's first
+                        # batch here, was written earlier, below the oldest remembered.
+                        # Its offsets are forgotten: answered as a duplicate at unknown
+                        # offsets, committed once the HW passes that batch (Kafka's
+                        # producer takes DUPLICATE_SEQUENCE_NUMBER as success at unknown
+                        # offsets; answering it here lets acks=all wait for the HW
+                        # first, which an error answer cannot).
                         oldest = entry.batches[0].first_offset
                         duplicates.append(BatchMetadata(first, last, -1, oldest - 1))
                         continue
@@ -357,10 +375,13 @@ class ProducerStateManager:
         )
         entry = self._producers.get(producer_id)
         if entry is None:
-            entry = ProducerStateEntry(producer_id, header.producer_epoch, now_ms)
+            entry = ProducerStateEntry(
+                producer_id, header.producer_epoch, now_ms, header.base_sequence
+            )
             self._producers[producer_id] = entry
         elif entry.producer_epoch != header.producer_epoch:
             entry.producer_epoch = header.producer_epoch
+            entry.start_sequence = header.base_sequence
             entry.batches.clear()
         entry.batches.append(batch)
         entry.last_update_ms = now_ms
