@@ -195,11 +195,14 @@ def test_produce_names_the_line_too_large_for_the_topic_and_writes_the_lines_bef
     and fail them too, and the error named no line."""
     g = dev.gateway
     tidelog("topics", "create", "bigline", gateway=g)
-    lines = b"a\nb\n" + b"x" * 2_000_000 + b"\nd\n"
-    line = _one_line_failure(tidelog("produce", "bigline", gateway=g, stdin=lines, check=False))
-    assert "MESSAGE_TOO_LARGE: line 3:" in line, line
-    assert line.endswith("; 2 records before it were written"), line
-    assert _values("bigline", g) == ["a", "b"]
+    # 2 MB, and a value just under 1 MiB whose batch's framing takes it over the limit.
+    for size in (2_000_000, 1_048_560):
+        lines = b"a\nb\n" + b"x" * size + b"\nd\n"
+        result = tidelog("produce", "bigline", gateway=g, stdin=lines, check=False)
+        line = _one_line_failure(result)
+        assert "MESSAGE_TOO_LARGE: line 3:" in line, line
+        assert line.endswith("; 2 records before it were written"), line
+    assert _values("bigline", g) == ["a", "b", "a", "b"]
 
 
 LONG = "n" * 100_000

@@ -164,9 +164,12 @@ def _configs(config: object) -> list[common_pb2.ConfigEntry]:
     entries = []
     for key, value in config.items():
         name = _text("a config name", key)
-        # Integers are welcome (retention.ms=3600000) and sent as text; a bool would be
-        # sent as "True", which no topic setting accepts.
-        text = value if isinstance(value, str) else str(_integer(f"config {name!r}", value))
+        # Integers (retention.ms=3600000) and bools (unclean.leader.election.enable=True)
+        # are welcome and sent as text, a bool as Kafka writes it: "true" / "false".
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = value if isinstance(value, str) else str(_integer(f"config {name!r}", value))
         entries.append(common_pb2.ConfigEntry(name=name, value=_text(f"config {name!r}", text)))
     return entries
 

@@ -27,6 +27,7 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
 )
 from tidelog.producer import Producer, RecordMetadata
+from tidelog.records import BATCH_OVERHEAD_BYTES, record_bytes
 
 
 def _print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
@@ -276,7 +277,9 @@ def _produce_lines(producer: Producer, args: argparse.Namespace, lines: Iterable
                     line_no, ConfigError(f"no key separator {echo(args.key_separator)} in it")
                 )
             key, value = value.split(sep, 1)
-        alone = len(value) + len(key or b"") >= ALONE_LINE_BYTES
+        # Its batch's size, framing included: a value a little under 1 MiB already
+        # makes a batch over the default max.message.bytes.
+        alone = record_bytes(value, key) + BATCH_OVERHEAD_BYTES >= ALONE_LINE_BYTES
         if alone:
             delivery.settle()
         try:

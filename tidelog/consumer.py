@@ -463,18 +463,21 @@ class Consumer:
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 return
-            throttle_ends = min(self._throttled_until.values(), default=None)
+            now = time.monotonic()
+            # When a throttled group may be fetched again (not before a backoff ends);
+            # entries already past are dropped by the next _send_fetches.
+            throttle_ends = min((t for t in self._throttled_until.values() if t > now), default=0.0)
+            next_fetch_s = max(throttle_ends, self._backoff_until)
             if not self._fetches:
                 # Backing off after a retriable error, or throttled: nothing is in flight
                 # to wait for.
-                next_s = max(self._backoff_until, throttle_ends or 0.0)
-                time.sleep(min(remaining_s, max(0.0, next_s - time.monotonic())))
+                time.sleep(min(remaining_s, max(0.0, next_fetch_s - now)))
                 if self._leaders_stale:
                     self._refresh_leaders()
                 continue
-            if throttle_ends is not None:
+            if throttle_ends > now:
                 # A throttled group's next fetch is due then, whatever the others answer.
-                remaining_s = min(remaining_s, max(0.0, throttle_ends - time.monotonic()))
+                remaining_s = min(remaining_s, next_fetch_s - now)
             try:
                 fetch = self._answered.get(timeout=remaining_s)
             except queue.Empty:
@@ -641,8 +644,6 @@ class Consumer:
                 self._retry_later()
                 return
             raise error from None
-        if response.throttle_time_ms > 0:
-            self._throttled_until[fetch.group] = time.monotonic() + response.throttle_time_ms / 1000
         retry = False
         reset: list[TopicPartition] = []
         fetched_bytes = fetched_records = 0
@@ -673,6 +674,10 @@ class Consumer:
                     fetched_records += batch.record_count - skip
                     fetch_from = batch.next_offset
             self._next_fetch[tp] = fetch_from
+        if response.throttle_time_ms > 0 and not fetched_bytes:
+            # An answer with records was worth having, whatever throttle another leader's
+            # part of it (a gateway's fan-out) carried.
+            self._throttled_until[fetch.group] = time.monotonic() + response.throttle_time_ms / 1000
         self._metrics.add("fetch-total")
         self._metrics.record("fetch-size", fetched_bytes)
         self._metrics.record("records-per-request", fetched_records)
