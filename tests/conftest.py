@@ -27,7 +27,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if wants_spark and importlib.util.find_spec("pyspark") is not None:
         from tidelog.spark import start_jvm
 
-        start_jvm()
+        start_jvm(driver_memory="2g")  # as tests/test_spark.py's session asks
 
 
 @pytest.fixture

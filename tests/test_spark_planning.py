@@ -13,18 +13,22 @@ from tidelog.errors import ConfigError, OffsetOutOfRangeError
 from tidelog.spark.options import (
     EARLIEST,
     LATEST,
+    READ_OPTIONS,
+    WRITE_OPTIONS,
     OffsetSpec,
     parse_read_options,
     parse_write_options,
 )
 from tidelog.spark.planning import (
     Bounds,
+    DataLoss,
     OffsetRange,
     check_start_offsets,
     from_json_offsets,
     ranges_between,
     rate_limit,
     resolve_offsets,
+    resume_offsets,
     split_ranges,
     to_json_offsets,
 )
@@ -98,6 +102,59 @@ def test_direct_option_is_a_case_insensitive_boolean(streaming: bool) -> None:
                 parse({**base, "direct": bad}, streaming=streaming)
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (
+            "startingOffset",
+            r"unknown option 'startingOffset' for a tidelog read; did you mean "
+            r"'startingOffsets'\?$",
+        ),
+        ("failondataloss ", r"did you mean 'failOnDataLoss'\?$"),
+        ("maxOffsetPerTrigger", r"did you mean 'maxOffsetsPerTrigger'\?$"),
+        ("SUBSCRIBEPATERN", r"did you mean 'subscribePattern'\?$"),
+        ("topic", r"option 'topic' is for writes, not reads$"),
+        ("kafka.bootstrap.servers", r"no 'kafka\.' options \(the address goes in .*'gateway'\)$"),
+        ("zzz", r"unknown option 'zzz' for a tidelog read; the read options are gateway, "),
+    ],
+)
+def test_unknown_read_option_names_are_refused_with_the_close_match(
+    option: str, message: str
+) -> None:
+    """A misspelt option used to be ignored: the read went on from the default offsets."""
+    for streaming in (False, True):
+        with pytest.raises(ConfigError, match=message):
+            parse_read_options({**GW, "subscribe": "a", option: "1"}, streaming=streaming)
+
+
+def test_unknown_write_option_names_are_refused_and_sparks_own_pass() -> None:
+    with pytest.raises(ConfigError, match=r"unknown option 'batchByte' .*'batchBytes'\?$"):
+        parse_write_options({**GW, "topic": "t", "batchByte": "1"}, streaming=False)
+    with pytest.raises(ConfigError, match=r"option 'subscribe' is for reads, not writes$"):
+        parse_write_options({**GW, "topic": "t", "subscribe": "t"}, streaming=True)
+    # What Spark itself puts in the options (load(path), save(path), writeStream's
+    # checkpointLocation and queryName; keys as Spark passes them, lower-cased).
+    spark_own = {
+        "path": "/p",
+        "paths": '["/a"]',
+        "checkpointlocation": "/c",
+        "queryname": "q",
+    }
+    parse_write_options({**GW, "topic": "t", **spark_own}, streaming=True)
+    parse_read_options({**GW, "subscribe": "t", **spark_own}, streaming=True)
+    # Every option of either kind is known, in any case (a value of "x" may be refused).
+    for parse, base, names in (
+        (parse_read_options, {"subscribe": "a"}, READ_OPTIONS),
+        (parse_write_options, {"topic": "a"}, WRITE_OPTIONS),
+    ):
+        for name in names:
+            for spelt in (name, name.upper()):
+                try:
+                    parse({**GW, **base, spelt: "x"}, streaming=True)
+                except ConfigError as exc:
+                    assert not exc.message.startswith(("unknown option", "option ")), exc
+
+
 def test_streaming_only_and_batch_only_options() -> None:
     with pytest.raises(ConfigError, match="batch queries only"):
         parse_read_options({**GW, "subscribe": "a", "endingOffsets": "latest"}, streaming=True)
@@ -164,11 +221,99 @@ def test_resolve_offsets_rules() -> None:
         resolve_offsets(OffsetSpec("json", {("b", 0): 1}), BOUNDS, option="s", require_all=False)
 
 
-def test_data_loss_check() -> None:
-    with pytest.raises(OffsetOutOfRangeError, match=r"\[3, 10\) were removed"):
+def test_start_offsets_below_earliest_are_data_loss() -> None:
+    with pytest.raises(
+        OffsetOutOfRangeError,
+        match=r"a-0: some data may have been lost: offsets \[3, 10\) were deleted "
+        r"\(retention\) before they were read; set the option failOnDataLoss=false",
+    ):
         check_start_offsets({("a", 0): 3}, BOUNDS, fail_on_data_loss=True)
-    assert check_start_offsets({("a", 0): 3}, BOUNDS, fail_on_data_loss=False) == {("a", 0): 10}
-    assert check_start_offsets({("a", 0): 500}, BOUNDS, fail_on_data_loss=True) == {("a", 0): 100}
+    starts, losses = check_start_offsets({("a", 0): 3}, BOUNDS, fail_on_data_loss=False)
+    assert starts == {("a", 0): 10}
+    assert [(x.topic, x.partition, x.resume_at) for x in losses] == [("a", 0, 10)]
+    assert (
+        losses[0]
+        .message(fail_on_data_loss=False)
+        .endswith("failOnDataLoss=false: reading goes on from offset 10")
+    )
+
+
+@pytest.mark.parametrize("fail_on_data_loss", [True, False])
+def test_start_offsets_past_latest_are_refused(fail_on_data_loss: bool) -> None:
+    """They used to be moved down to the latest offset, so the query read records it had
+    asked to skip; refused as an ending offset past the latest is (not data loss, so
+    failOnDataLoss does not matter)."""
+    with pytest.raises(
+        ConfigError, match=r"a-0: the starting offset 500 is past the latest offset 100$"
+    ):
+        check_start_offsets(
+            {("a", 0): 500, ("a", 1): 0}, BOUNDS, fail_on_data_loss=fail_on_data_loss
+        )
+    assert check_start_offsets({("a", 0): 100}, BOUNDS, fail_on_data_loss=True) == (
+        {("a", 0): 100},
+        [],
+    )
+
+
+def test_resume_offsets_without_loss() -> None:
+    """Where the checkpoint is within the bounds, reading resumes there; a partition new
+    since the checkpoint resumes at 0."""
+    starts, losses = resume_offsets({("a", 0): 10, ("a", 1): 5}, BOUNDS, fail_on_data_loss=True)
+    assert (starts, losses) == ({("a", 0): 10, ("a", 1): 5}, [])
+    starts, losses = resume_offsets({("a", 0): 50}, BOUNDS, fail_on_data_loss=True)
+    assert (starts, losses) == ({("a", 0): 50, ("a", 1): 0}, [])
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "message", "resumed"),
+    [
+        # The latest offset fell below the checkpoint (topic deleted and re-created, log
+        # truncated): the query used to wait, silently, until the new log passed it.
+        (
+            {("a", 0): 500, ("a", 1): 5},
+            r"a-0: some data may have been lost: its latest offset 100 is below the offset "
+            r"500 already reached \(topic deleted and re-created, or log truncated\?\)",
+            {("a", 0): 100, ("a", 1): 5},
+        ),
+        # Retention deleted records before they were read.
+        (
+            {("a", 0): 4, ("a", 1): 5},
+            r"a-0: some data may have been lost: offsets \[4, 10\) were deleted",
+            {("a", 0): 10, ("a", 1): 5},
+        ),
+        # A new partition's first records were deleted before the query saw it.
+        (
+            {("a", 1): 5},
+            r"a-0: some data may have been lost: offsets \[0, 10\) were deleted",
+            {("a", 0): 10, ("a", 1): 5},
+        ),
+        # A partition of the checkpoint is gone.
+        (
+            {("a", 0): 10, ("a", 1): 5, ("b", 0): 7},
+            r"b-0: some data may have been lost: the partition no longer exists",
+            {("a", 0): 10, ("a", 1): 5},
+        ),
+    ],
+    ids=["latest-below-checkpoint", "retention", "new-partition-retention", "gone"],
+)
+def test_resume_offsets_report_data_loss(
+    checkpoint: dict[tuple[str, int], int], message: str, resumed: dict[tuple[str, int], int]
+) -> None:
+    with pytest.raises(
+        OffsetOutOfRangeError, match=f"{message}.*; set the option failOnDataLoss=false"
+    ):
+        resume_offsets(checkpoint, BOUNDS, fail_on_data_loss=True)
+    starts, losses = resume_offsets(checkpoint, BOUNDS, fail_on_data_loss=False)
+    assert starts == resumed
+    assert len(losses) == 1
+    assert losses[0].message(fail_on_data_loss=False).startswith(message.replace("\\", ""))
+
+
+def test_several_losses_fail_in_one_line() -> None:
+    with pytest.raises(OffsetOutOfRangeError, match=r"a-0: .*\(and 1 more partitions\)$"):
+        resume_offsets({("a", 0): 500, ("a", 1): 9}, BOUNDS, fail_on_data_loss=True)
+    gone = DataLoss("b", 0, "the partition no longer exists (topic deleted?)", None)
+    assert gone.message(fail_on_data_loss=False).endswith("reading goes on without this partition")
 
 
 def test_rate_limit_shares_by_backlog_and_never_starves() -> None:

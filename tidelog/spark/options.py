@@ -8,12 +8,17 @@ keys are already lower-cased (``normalize`` does it) and raises ``ConfigError`` 
 message naming the option for anything malformed. Nothing here talks to the cluster:
 whether a topic exists is checked later, by the reader, against the gateway's metadata.
 
+Unlike Spark's Kafka source, an option name this source does not know is refused (with
+the closest known name): a misspelt ``startingOffset`` would otherwise silently read from
+the default position. The names Spark itself puts in the map (``SPARK_OPTIONS``) pass.
+
 Offsets in JSON follow Kafka's conventions: ``{"topicA": {"0": 23, "1": -2}}`` where
 -2 means earliest and -1 latest.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from collections.abc import Mapping
@@ -36,6 +41,44 @@ MAX_OFFSETS_PER_TRIGGER_LIMIT: Final = 2**62
 
 MAX_MIN_PARTITIONS: Final = 100_000
 """Upper bound for ``minPartitions``: more splits than this only costs scheduling."""
+
+READ_OPTIONS: Final = (
+    "gateway",
+    "subscribe",
+    "subscribePattern",
+    "assign",
+    "startingOffsets",
+    "endingOffsets",
+    "startingTimestamp",
+    "startingOffsetsByTimestamp",
+    "startingOffsetsByTimestampStrategy",
+    "maxOffsetsPerTrigger",
+    "minPartitions",
+    "failOnDataLoss",
+    "includeHeaders",
+    "groupId",
+    "fetchMaxBytes",
+    "requestTimeoutMs",
+    "direct",
+)
+"""Every option a read takes (``parse_read_options``), as documented in docs/SPARK.md."""
+
+WRITE_OPTIONS: Final = (
+    "gateway",
+    "topic",
+    "acks",
+    "batchBytes",
+    "compression",
+    "deliveryGuarantee",
+    "requestTimeoutMs",
+    "direct",
+)
+"""Every option a write takes (``parse_write_options``)."""
+
+SPARK_OPTIONS: Final = frozenset({"path", "paths", "checkpointlocation", "queryname"})
+"""Names Spark adds to a data source's options itself, lower-cased: ``path`` / ``paths``
+from ``load(path)`` and ``save(path)``, ``checkpointLocation`` and ``queryName`` from
+``writeStream`` (measured on Spark 4). They mean nothing to tidelog and are ignored."""
 
 Selector = Literal["subscribe", "subscribePattern", "assign"]
 
@@ -128,6 +171,7 @@ def parse_read_options(
     options: Mapping[str, str], *, streaming: bool, env_gateway: str | None = None
 ) -> ReadOptions:
     """Check the options of a read; ``streaming`` changes the defaults as Spark's does."""
+    _check_names(options, READ_OPTIONS, WRITE_OPTIONS, "read")
     opts = normalize(options)
     selectors = [name for name in ("subscribe", "subscribepattern", "assign") if name in opts]
     if len(selectors) != 1:
@@ -209,6 +253,7 @@ def parse_write_options(
     options: Mapping[str, str], *, streaming: bool, env_gateway: str | None = None
 ) -> WriteOptions:
     """Check the options of a write."""
+    _check_names(options, WRITE_OPTIONS, READ_OPTIONS, "write")
     opts = normalize(options)
     topic = opts.get("topic")
     if topic is not None:
@@ -248,6 +293,35 @@ def parse_write_options(
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
+
+def _check_names(
+    options: Mapping[str, str], known: tuple[str, ...], other: tuple[str, ...], kind: str
+) -> None:
+    """ConfigError for the first option name that is neither ``known`` nor Spark's own,
+    with the known name closest to it (option names are case-insensitive)."""
+    names = {name.lower(): name for name in known}
+    for given in options:
+        key = given.lower()
+        if key in names or key in SPARK_OPTIONS:
+            continue
+        if key in {name.lower() for name in other}:
+            opposite = "writes" if kind == "read" else "reads"
+            raise ConfigError(f"option {given!r} is for {opposite}, not {kind}s")
+        if key.startswith("kafka."):
+            # Kafka's source passes kafka.* to its consumer; tidelog has no such layer, and
+            # a job moved from Kafka most likely still carries kafka.bootstrap.servers.
+            raise ConfigError(
+                f"unknown option {given!r}: tidelog takes no 'kafka.' options (the address "
+                "goes in the option 'gateway')"
+            )
+        close = difflib.get_close_matches(key, list(names), n=1)
+        hint = (
+            f"did you mean {names[close[0]]!r}?"
+            if close
+            else f"the {kind} options are {', '.join(known)}"
+        )
+        raise ConfigError(f"unknown option {given!r} for a tidelog {kind}; {hint}")
 
 
 def _gateway(opts: Mapping[str, str], env_gateway: str | None) -> str:

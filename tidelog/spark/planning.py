@@ -6,8 +6,15 @@ reads. The rules are those of Spark's Kafka source so results match users' exper
 
 - ``resolve_offsets`` turns an ``OffsetSpec`` into one offset per partition (-2 earliest,
   -1 latest); a JSON spec must name every partition for ``subscribe`` / pattern reads.
-- ``check_start_offsets`` applies ``failOnDataLoss`` when retention already removed the
-  start of a range.
+- ``check_start_offsets`` checks the offsets a query was asked to start at: past the
+  latest offset is an error, below the earliest (removed by retention) is data loss.
+- ``resume_offsets`` checks where a streaming query resumes (its checkpoint) against what
+  the partitions hold now: offsets deleted by retention, a latest offset below the
+  checkpoint (topic re-created, log truncated) or a partition gone are data loss.
+- Data loss (``DataLoss``) follows Spark's Kafka source: with ``failOnDataLoss`` (the
+  default) the query fails with a message saying data may have been lost; without, the
+  losses are returned for the caller to log and reading goes on from the earliest
+  (retention) or latest (log shorter than the checkpoint) offset still there.
 - ``rate_limit`` splits ``maxOffsetsPerTrigger`` across partitions in proportion to
   their backlog (Kafka source's ``rateLimit``), always letting every lagging partition
   progress by at least one offset.
@@ -84,29 +91,116 @@ def resolve_offsets(
     return result
 
 
+@dataclass(frozen=True, slots=True)
+class DataLoss:
+    """Records a read should have had that are gone: ``what`` happened to the partition,
+    and the offset reading goes on from (None: the partition itself is gone)."""
+
+    topic: str
+    partition: int
+    what: str
+    resume_at: int | None
+
+    def message(self, *, fail_on_data_loss: bool) -> str:
+        """One line for the error (``fail_on_data_loss``) or for the warning."""
+        head = f"{self.topic}-{self.partition}: some data may have been lost: {self.what}"
+        if fail_on_data_loss:
+            return f"{head}; set the option failOnDataLoss=false to go on without it"
+        if self.resume_at is None:
+            return f"{head}; failOnDataLoss=false: reading goes on without this partition"
+        return f"{head}; failOnDataLoss=false: reading goes on from offset {self.resume_at}"
+
+
+def raise_for_data_loss(losses: Sequence[DataLoss], *, fail_on_data_loss: bool) -> None:
+    """OffsetOutOfRangeError naming the first loss when ``fail_on_data_loss``."""
+    if losses and fail_on_data_loss:
+        more = f" (and {len(losses) - 1} more partitions)" if len(losses) > 1 else ""
+        raise OffsetOutOfRangeError(losses[0].message(fail_on_data_loss=True) + more)
+
+
+def deleted_before_read(topic: str, partition: int, start: int, earliest: int) -> DataLoss:
+    """Retention removed [start, earliest) before the query read it."""
+    return DataLoss(
+        topic,
+        partition,
+        f"offsets [{start}, {earliest}) were deleted (retention) before they were read",
+        earliest,
+    )
+
+
 def check_start_offsets(
     starts: Mapping[TopicPartition, int],
     bounds: Mapping[TopicPartition, Bounds],
     *,
     fail_on_data_loss: bool,
-) -> dict[TopicPartition, int]:
-    """Starts checked against what still exists.
+) -> tuple[dict[TopicPartition, int], list[DataLoss]]:
+    """The offsets a query was asked to start at, checked against what exists.
 
-    A start below ``earliest`` means retention removed records the query should have
-    read: an error with ``fail_on_data_loss`` (Spark's default), else the range starts at
-    ``earliest``. A start beyond ``latest`` is clamped to ``latest`` (nothing to read yet;
-    the data may also have been truncated by an unclean leader change).
+    A start beyond ``latest`` is a ConfigError, as an ending offset past it is: those
+    offsets do not exist yet, and moving the start down to ``latest`` would read records
+    the query asked to skip. A start below ``earliest`` means retention removed records
+    the query should have read: data loss (raised with ``fail_on_data_loss``, Spark's
+    default; else the start moves up to ``earliest`` and the loss is returned).
     """
     result: dict[TopicPartition, int] = {}
-    for tp, wanted in starts.items():
+    losses: list[DataLoss] = []
+    for tp, wanted in sorted(starts.items()):
         b = bounds[tp]
-        if wanted < b.earliest and fail_on_data_loss:
-            raise OffsetOutOfRangeError(
-                f"{tp[0]}-{tp[1]}: offsets [{wanted}, {b.earliest}) were removed by "
-                "retention before they were read; set failOnDataLoss=false to skip them"
+        if wanted > b.latest:
+            raise ConfigError(
+                f"{tp[0]}-{tp[1]}: the starting offset {wanted} is past the latest offset "
+                f"{b.latest}"
             )
-        result[tp] = min(max(wanted, b.earliest), b.latest)
-    return result
+        if wanted < b.earliest:
+            losses.append(deleted_before_read(tp[0], tp[1], wanted, b.earliest))
+        result[tp] = max(wanted, b.earliest)
+    raise_for_data_loss(losses, fail_on_data_loss=fail_on_data_loss)
+    return result, losses
+
+
+def resume_offsets(
+    starts: Mapping[TopicPartition, int],
+    bounds: Mapping[TopicPartition, Bounds],
+    *,
+    fail_on_data_loss: bool,
+) -> tuple[dict[TopicPartition, int], list[DataLoss]]:
+    """Where a streaming query goes on reading each partition in ``bounds``, from the
+    offsets it reached (``starts``, its checkpoint), and the data lost on the way.
+
+    A partition missing from ``starts`` is new and starts at 0 (Kafka's source reads new
+    partitions from their beginning). Losses, as Kafka's source reports them: the start
+    is below ``earliest`` (retention deleted unread records: resume at ``earliest``);
+    ``latest`` is below the start (the topic was deleted and re-created or its log
+    truncated, so the offsets no longer name the records read: resume at ``latest``, as
+    Kafka's source does); a partition of ``starts`` is no longer there (dropped). With
+    ``fail_on_data_loss`` any loss raises OffsetOutOfRangeError instead.
+    """
+    result: dict[TopicPartition, int] = {}
+    losses: list[DataLoss] = []
+    for tp in sorted(set(starts) - set(bounds)):
+        losses.append(
+            DataLoss(tp[0], tp[1], "the partition no longer exists (topic deleted?)", None)
+        )
+    for tp, b in sorted(bounds.items()):
+        start = starts.get(tp, 0)
+        if start > b.latest:
+            losses.append(
+                DataLoss(
+                    tp[0],
+                    tp[1],
+                    f"its latest offset {b.latest} is below the offset {start} already "
+                    "reached (topic deleted and re-created, or log truncated?)",
+                    b.latest,
+                )
+            )
+            start = b.latest
+        elif start < b.earliest:
+            losses.append(deleted_before_read(tp[0], tp[1], start, b.earliest))
+            start = b.earliest
+        result[tp] = start
+    losses.sort(key=lambda loss: (loss.topic, loss.partition))
+    raise_for_data_loss(losses, fail_on_data_loss=fail_on_data_loss)
+    return result, losses
 
 
 def ranges_between(

@@ -26,9 +26,17 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
 )
 from tidelog.formats import ATTR_TIMESTAMP_LOG_APPEND
+from tidelog.logging import get_logger
 from tidelog.records import decode_batches
 from tidelog.spark.options import ReadOptions
-from tidelog.spark.planning import Bounds, OffsetRange, TopicPartition
+from tidelog.spark.planning import (
+    Bounds,
+    DataLoss,
+    OffsetRange,
+    TopicPartition,
+    deleted_before_read,
+    raise_for_data_loss,
+)
 from tidelog.v1 import storage_pb2
 
 SCHEMA_DDL: Final = (
@@ -40,6 +48,15 @@ HEADERS_DDL: Final = ", headers array<struct<key: string, value: binary>>"
 READ_STALL_TIMEOUT_S: Final = 120.0
 """How long a task waits for offsets it was promised (below the planned end) to become
 readable, e.g. while a new leader's high watermark catches up, before failing."""
+
+
+def warn_data_loss(losses: Sequence[DataLoss]) -> None:
+    """Log what failOnDataLoss=false let a read skip, one warning per partition (Spark's
+    Kafka source logs these too): the only trace of records the query will never see."""
+    for loss in losses:
+        get_logger(topic=loss.topic, partition=loss.partition).warning(
+            "spark_data_loss", detail=loss.message(fail_on_data_loss=False)
+        )
 
 
 def schema_ddl(include_headers: bool) -> str:
@@ -156,18 +173,20 @@ def read_range(
 
     stalled_since: float | None = None
     while position < end:
+        loss: DataLoss | None = None
         try:
             result = fetch(position, fetch_max_bytes)
         except OffsetOutOfRangeError:
-            earliest = connection.bounds([(topic, partition)])[(topic, partition)].earliest
-            if position >= earliest:
+            loss = _lost_range(connection, topic, partition, position, end)
+            if loss is None:
                 raise
-            if fail_on_data_loss:
-                raise OffsetOutOfRangeError(
-                    f"{topic}-{partition}: offsets [{position}, {earliest}) were removed by "
-                    "retention before they were read; set failOnDataLoss=false to skip them"
-                ) from None
-            position = earliest
+        # Handled outside the except block: the loss explains the out-of-range answer, so
+        # a failure shows one line, not that answer's traceback too.
+        if loss is not None:
+            raise_for_data_loss([loss], fail_on_data_loss=fail_on_data_loss)
+            warn_data_loss([loss])
+            assert loss.resume_at is not None
+            position = loss.resume_at
             continue
         batches = decode_batches(result.records)
         if not batches:
@@ -203,6 +222,28 @@ def read_range(
                 include_headers=include_headers,
             )
             position += count
+
+
+def _lost_range(
+    connection: GatewayConnection, topic: str, partition: int, position: int, end: int
+) -> DataLoss | None:
+    """What an out-of-range answer at ``position`` means, None if not data loss.
+
+    The task's range was planned against bounds that no longer hold: retention deleted its
+    start since, or the log is now shorter than the range (topic re-created, log
+    truncated); the rest of such a range is skipped."""
+    bounds = connection.bounds([(topic, partition)])[(topic, partition)]
+    if position < bounds.earliest:
+        return deleted_before_read(topic, partition, position, bounds.earliest)
+    if position > bounds.latest:
+        return DataLoss(
+            topic,
+            partition,
+            f"the log now ends at offset {bounds.latest}, below the offsets [{position}, "
+            f"{end}) planned for this task (topic deleted and re-created, or log truncated?)",
+            end,
+        )
+    return None
 
 
 def _to_source_schema(

@@ -135,9 +135,10 @@ class TidelogBatchReader(DataSourceReader):
             starts = planning.resolve_offsets(
                 options.starting, bounds, option="startingOffsets", require_all=require_all
             )
-        starts = planning.check_start_offsets(
+        starts, losses = planning.check_start_offsets(
             starts, bounds, fail_on_data_loss=options.fail_on_data_loss
         )
+        reader.warn_data_loss(losses)
         # Every partition read needs an end (Spark's rule, assign mode too): one left out
         # would end at earliest and be read not at all.
         ends = planning.resolve_offsets(
@@ -171,21 +172,32 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     ``latestOffset(start, limit)`` shares it among partitions by backlog. With
     ``Trigger.AvailableNow`` the high watermarks seen when the query starts are the
     target: no micro-batch goes past them. New partitions of subscribed topics are
-    picked up at each micro-batch and read from their beginning.
+    picked up at each micro-batch and read from their beginning. Each micro-batch's plan
+    checks the checkpointed offsets against the partitions' bounds (``failOnDataLoss``,
+    ``planning.resume_offsets``).
     """
 
     def __init__(self, options: ReadOptions) -> None:
         self.options = options
         self._target: dict[TopicPartition, int] | None = None
         self._committed: dict[TopicPartition, int] = {}
+        # Spark may plan from the same start more than once: each loss is logged once.
+        self._reported: set[planning.DataLoss] = set()
+        # Partitions whose checkpointed offset (first) retention deleted, and where the
+        # last plan resumed them (second) with failOnDataLoss=false.
+        self._skipped: dict[TopicPartition, tuple[int, int]] = {}
 
     def _connection(self) -> GatewayConnection:
         return GatewayConnection.get(self.options.gateway, self.options.request_timeout_ms)
 
-    def _latest(self) -> dict[TopicPartition, int]:
+    def _bounds(self) -> dict[TopicPartition, planning.Bounds]:
         connection = self._connection()
-        tps = reader.resolve_partitions(connection, self.options)
-        return {tp: b.latest for tp, b in reader.resolve_bounds(connection, tps).items()}
+        return reader.resolve_bounds(
+            connection, reader.resolve_partitions(connection, self.options)
+        )
+
+    def _latest(self) -> dict[TopicPartition, int]:
+        return {tp: b.latest for tp, b in self._bounds().items()}
 
     def initialOffset(self) -> dict[str, dict[str, int]]:
         options = self.options
@@ -201,9 +213,10 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 option="startingOffsets",
                 require_all=options.selector != "assign",
             )
-        starts = planning.check_start_offsets(
+        starts, losses = planning.check_start_offsets(
             starts, bounds, fail_on_data_loss=options.fail_on_data_loss
         )
+        reader.warn_data_loss(losses)
         return planning.to_json_offsets(starts)
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -215,27 +228,52 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target = self._latest()
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, dict[str, int]]:
-        starts = planning.from_json_offsets(start)
+        bounds = self._bounds()
+        # ``start`` is where the checkpoint says the query got to; what was lost since
+        # (retention, a re-created topic) fails the query here, before any task runs, or
+        # with failOnDataLoss=false moves the start to what is still there.
+        checkpointed = planning.from_json_offsets(start)
+        starts, losses = planning.resume_offsets(
+            checkpointed, bounds, fail_on_data_loss=self.options.fail_on_data_loss
+        )
+        reader.warn_data_loss([loss for loss in losses if loss not in self._reported])
+        self._reported.update(losses)
+        self._skipped = {
+            tp: (checkpointed.get(tp, 0), offset)
+            for tp, offset in starts.items()
+            if offset > checkpointed.get(tp, 0)
+        }
         # Spark plans the next micro-batch only after the previous one completed, so
         # ``start`` is processed data: the group sees it now rather than when Spark gets
         # round to commit() (a batch later, and never for the last AvailableNow batch).
         self._commit_group(starts)
-        latest = self._target if self._target is not None else self._latest()
-        # Never move backwards (a partition whose HW dropped after an unclean election).
-        latest = {tp: max(end, starts.get(tp, 0)) for tp, end in latest.items()}
-        for tp, offset in starts.items():
-            latest.setdefault(tp, offset)
+        latest = {tp: b.latest for tp, b in bounds.items()}
+        if self._target is not None:
+            # AvailableNow: no further than the high watermarks seen when the query
+            # started; partitions that appeared since wait for the next query.
+            latest = {
+                tp: min(end, self._target[tp]) for tp, end in latest.items() if tp in self._target
+            }
+        # No end below where a partition resumes. Where that is below ``start`` (its log
+        # is now shorter than the checkpoint, failOnDataLoss=false) the micro-batch reads
+        # nothing of it and ends there, so the next one starts there, as Kafka's does.
+        ends = {tp: max(latest.get(tp, offset), offset) for tp, offset in starts.items()}
         if isinstance(limit, ReadMaxRows):
-            latest = planning.rate_limit(starts, latest, limit.max_rows)
-        return planning.to_json_offsets(latest)
+            ends = planning.rate_limit(starts, ends, limit.max_rows)
+        return planning.to_json_offsets(ends)
 
     def reportLatestOffset(self) -> dict[str, dict[str, int]] | None:
         return planning.to_json_offsets(self._latest())
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        ranges = planning.ranges_between(
-            planning.from_json_offsets(start), planning.from_json_offsets(end)
-        )
+        starts = planning.from_json_offsets(start)
+        # Where the plan of this micro-batch skipped deleted offsets, its tasks start at
+        # what is left rather than fetch the deleted ones (out of range) first. A replay
+        # after a restart has no such plan: its tasks find the deletion themselves.
+        for tp, (checkpointed, resumed) in self._skipped.items():
+            if starts.get(tp, 0) == checkpointed:
+                starts[tp] = resumed
+        ranges = planning.ranges_between(starts, planning.from_json_offsets(end))
         return _range_partitions(
             self._connection(),
             self.options,

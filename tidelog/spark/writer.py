@@ -228,8 +228,9 @@ class _TaskWriter:
                 sequence = self.sequences.get((topic, partition), 0)
                 self.sequences[(topic, partition)] = sequence + (stop - start)
                 if any(t == topic and p == partition for t, p, _ in self.pending):
-                    # One batch per partition per request: a DUPLICATE_SEQUENCE answer
-                    # then speaks for exactly that batch.
+                    # One batch per partition per request: a replay's batch is then
+                    # answered as a duplicate on its own, never refused for being
+                    # mixed with batches the earlier attempt did not write.
                     self._send()
             records = encode_batch_arrow(
                 values.slice(start, stop - start),
@@ -284,8 +285,6 @@ class _TaskWriter:
 
     def _check(self, results: list[Any]) -> None:
         for result in results:
-            if self.identity is not None and result.error.code == common_pb2.DUPLICATE_SEQUENCE:
-                continue  # written by an earlier attempt of this micro-batch
             if result.error.code != common_pb2.NONE:
                 raise error_for_code(
                     int(result.error.code),
