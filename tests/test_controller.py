@@ -151,6 +151,12 @@ def _expand_isr_once(
                         leader_epoch=p.leader_epoch,
                         new_isr=[*p.isr, broker_id],
                         partition_epoch=p.partition_epoch,
+                        # The incarnation that caught up (KIP-841): the one registered.
+                        joining=[
+                            controller_pb2.IsrMember(
+                                broker_id=broker_id, broker_epoch=cluster.broker_epoch(broker_id)
+                            )
+                        ],
                     )
                 ],
             ),

@@ -173,6 +173,7 @@ def test_alter_partition_expand_then_preferred_election() -> None:
         leader_epoch=old.leader_epoch,
         new_isr=[1, 2, 0],
         partition_epoch=old.partition_epoch,
+        joining={0: 200},
     )
     assert change.new.isr == (0, 1, 2)  # canonical order: assignment order
     assert change.new.leader_epoch == old.leader_epoch
@@ -233,6 +234,34 @@ def test_alter_partition_cannot_add_a_dead_broker() -> None:
             new_isr=[0, 1, 2],
             partition_epoch=old.partition_epoch,
         )
+
+
+def test_alter_partition_admits_only_the_incarnation_that_caught_up() -> None:
+    """KIP-841: broker 0 caught up as epoch 200, then restarted (perhaps with an empty
+    disk) as epoch 300 before the leader's proposal reached the controller. Letting it in
+    on its old self's progress would make it electable without the ISR's records."""
+    state = cluster()
+    step(state, state.on_broker_down(0))
+    state.on_broker_up(Broker(0, "h", 1, epoch=200))
+    step(state, state.on_broker_down(0))
+    state.on_broker_up(Broker(0, "h", 1, epoch=300))
+    old = state.partitions[("t", 0)]
+    before = dict(state.partitions)
+    args: dict[str, object] = {
+        "broker_id": 1,
+        "broker_epoch": 101,
+        "topic": "t",
+        "partition": 0,
+        "leader_epoch": old.leader_epoch,
+        "new_isr": [0, 1, 2],
+        "partition_epoch": old.partition_epoch,
+    }
+    for joining in ({0: 200}, {}, {0: -1}):
+        with pytest.raises(InvalidRequestError, match="incarnation"):
+            state.alter_partition(**args, joining=joining)  # type: ignore[arg-type]
+    assert state.partitions == before
+    change = state.alter_partition(**args, joining={0: 300})  # type: ignore[arg-type]
+    assert change.new.isr == (0, 1, 2)
 
 
 def test_controlled_shutdown_moves_leaders_and_reports_stuck_partitions() -> None:
@@ -313,6 +342,7 @@ def test_random_event_sequences_keep_invariants(seed: int) -> None:
                             leader_epoch=record.leader_epoch,
                             new_isr=proposal,
                             partition_epoch=record.partition_epoch,
+                            joining={b: state.brokers[b].epoch for b in proposal},
                         )
                     ]
                 except InvalidRequestError:

@@ -380,3 +380,22 @@ def test_a_follower_that_left_the_isr_is_not_proposed_again_until_it_fetches() -
     assert state.propose_isr_change(now_ms=2, replica_lag_time_max_ms=LAG_MS) is None
     state.on_follower_fetch(3, 10, now_ms=3)  # it is back
     assert state.ready_to_join() == [3]
+
+
+def test_an_isr_join_names_the_incarnation_that_caught_up_and_a_refusal_forgets_it() -> None:
+    """KIP-841: the proposal carries the broker epoch each joiner's fetches carried, so the
+    controller can refuse a join by a later incarnation (restarted, perhaps empty). A
+    refused joiner's log end is forgotten until it fetches again: kept, it was proposed
+    again every pass on the old incarnation's progress."""
+    state = leader(isr=(1, 2), leo=10, hw=10)
+    state.on_follower_fetch(2, 10, now_ms=1, broker_epoch=70)
+    state.on_follower_fetch(3, 10, now_ms=1, broker_epoch=80)
+    proposal = state.propose_isr_change(now_ms=1, replica_lag_time_max_ms=LAG_MS)
+    assert proposal is not None and proposal.new_isr == (1, 2, 3)
+    assert proposal.joining == ((3, 80),)
+    state.on_isr_refused()  # broker 3 registered again meanwhile (epoch 90)
+    assert state.ready_to_join() == []
+    assert state.propose_isr_change(now_ms=2, replica_lag_time_max_ms=LAG_MS) is None
+    state.on_follower_fetch(3, 10, now_ms=3, broker_epoch=90)  # the new incarnation
+    proposal = state.propose_isr_change(now_ms=3, replica_lag_time_max_ms=LAG_MS)
+    assert proposal is not None and proposal.joining == ((3, 90),)

@@ -261,6 +261,8 @@ class IsrProposal:
     leader_epoch: int
     new_isr: tuple[int, ...]
     partition_epoch: int
+    # (broker id, broker epoch) of each joining member, as the leader saw it fetch.
+    joining: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -1344,6 +1346,7 @@ class Controller:
                                 leader_epoch=item.leader_epoch,
                                 new_isr=item.new_isr,
                                 partition_epoch=item.partition_epoch,
+                                joining=dict(item.joining),
                             )
                         )
                     except TidelogError as exc:

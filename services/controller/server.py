@@ -263,6 +263,7 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):  # type: ignor
                 leader_epoch=item.leader_epoch,
                 new_isr=tuple(item.new_isr),
                 partition_epoch=item.partition_epoch,
+                joining=tuple((m.broker_id, m.broker_epoch) for m in item.joining),
             )
             for item in request.partitions
         ]

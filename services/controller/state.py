@@ -385,12 +385,17 @@ class ClusterState:
         leader_epoch: int,
         new_isr: Sequence[int],
         partition_epoch: int,
+        joining: Mapping[int, int] | None = None,
     ) -> PartitionChange:
         """Validate a leader's ISR proposal (Kafka's AlterPartition) and decide it.
 
         Fenced by the leader epoch (an older leader), the partition epoch (a proposal
         based on a state that has since changed) and the broker epoch (an older
-        incarnation of the broker). New members must be live, assigned replicas.
+        incarnation of the broker). New members must be live, assigned replicas, and the
+        incarnation the leader saw catch up: ``joining`` maps each to the broker epoch of
+        its fetches (KIP-841). A member that restarted since - perhaps with an empty
+        disk - has a new epoch, and letting it in on its old self's progress would make
+        it electable without the records the ISR is trusted to hold.
         """
         old = self.record(topic, partition)
         broker = self.brokers.get(broker_id)
@@ -423,11 +428,21 @@ class ClusterState:
                 f"{topic}-{partition}: proposed ISR {list(new_isr)} must contain the leader "
                 f"and only replicas {list(replicas)}, each once"
             )
+        joining = joining or {}
         for member in isr:
-            if member not in old.isr and not self._eligible(member):
+            if member in old.isr:
+                continue
+            if not self._eligible(member):
                 raise InvalidRequestError(
                     f"{topic}-{partition}: broker {member} cannot join the ISR: it is not "
                     "live (or is shutting down)"
+                )
+            seen_epoch = joining.get(member, -1)
+            if self.brokers[member].epoch != seen_epoch:
+                raise InvalidRequestError(
+                    f"{topic}-{partition}: broker {member} cannot join the ISR: the leader "
+                    f"saw incarnation {seen_epoch} catch up, and {self.brokers[member].epoch} "
+                    "is registered"
                 )
         return PartitionChange(topic, partition, old, _next(old, old.leader, isr))
 

@@ -288,6 +288,10 @@ class StorageNode:
                     leader_epoch=proposal.leader_epoch,
                     new_isr=list(proposal.new_isr),
                     partition_epoch=proposal.partition_epoch,
+                    joining=[
+                        controller_pb2.IsrMember(broker_id=b, broker_epoch=e)
+                        for b, e in proposal.joining
+                    ],
                 )
                 for topic, partition, proposal in items
             ],

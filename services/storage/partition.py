@@ -533,8 +533,10 @@ class Partition:
         current_leader_epoch: int = NO_EPOCH,
         last_fetched_epoch: int = NO_EPOCH,
         written_offset: int | None = None,
+        broker_epoch: int = -1,
     ) -> ReadResult:
         """Whole batches from ``fetch_offset``, at most about ``max_bytes`` (at least one).
+        ``broker_epoch``: the registration epoch a follower's fetch carries.
 
         A follower that names its ``last_fetched_epoch`` learns of a divergence (KIP-320):
         when that epoch ends here before ``fetch_offset`` (or is not in this log), the
@@ -571,7 +573,7 @@ class Partition:
                 # A pipelining follower has written only up to ``written_offset``: count
                 # that, so the HW (and an acks=all answer) never runs ahead of its log.
                 written = fetch_offset if written_offset is None else written_offset
-                self._on_follower_fetch(replica_id, min(fetch_offset, written))
+                self._on_follower_fetch(replica_id, min(fetch_offset, written), broker_epoch)
             max_offset = self._high_watermark if replica_id < 0 else None
             if max_bytes == 0:
                 if not self._log.log_start_offset <= fetch_offset <= self._log.log_end_offset:
@@ -706,7 +708,7 @@ class Partition:
             for waiter in self._high_watermark_watchers:
                 waiter.set()
 
-    def _on_follower_fetch(self, replica_id: int, fetch_offset: int) -> None:
+    def _on_follower_fetch(self, replica_id: int, fetch_offset: int, broker_epoch: int) -> None:
         state = self._replication
         if state is None or replica_id not in state.followers:
             raise NotLeaderOrFollowerError(
@@ -714,7 +716,7 @@ class Partition:
             )
         if not self._log.log_start_offset <= fetch_offset <= self._log.log_end_offset:
             return  # the read below raises OFFSET_OUT_OF_RANGE; not a valid LEO report
-        if state.on_follower_fetch(replica_id, fetch_offset, self._clock.now_ms()):
+        if state.on_follower_fetch(replica_id, fetch_offset, self._clock.now_ms(), broker_epoch):
             self._advance_high_watermark()
             self._wake_watchers(log_end_moved=False)
 

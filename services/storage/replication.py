@@ -42,6 +42,9 @@ class FollowerProgress:
 
     broker_id: int
     log_end_offset: int = -1  # unknown until its first fetch
+    # The registration epoch its fetches carry (-1: not known). ``log_end_offset`` speaks
+    # for that incarnation only; an ISR join names it (KIP-841).
+    broker_epoch: int = -1
     last_caught_up_ms: int = -1
     last_fetch_ms: int = -1
     leader_end_offset_at_last_fetch: int = -1
@@ -54,6 +57,8 @@ class IsrProposal:
     new_isr: tuple[int, ...]
     leader_epoch: int
     partition_epoch: int
+    # (broker id, broker epoch) of each member joining: the incarnation that caught up.
+    joining: tuple[tuple[int, int], ...] = ()
 
 
 class LeaderReplicationState:
@@ -111,11 +116,15 @@ class LeaderReplicationState:
         self._leader_end_offset = log_end_offset
         return self._advance_high_watermark()
 
-    def on_follower_fetch(self, broker_id: int, fetch_offset: int, now_ms: int) -> bool:
-        """A follower asked for ``fetch_offset``: its LEO. Returns True if the HW moved."""
+    def on_follower_fetch(
+        self, broker_id: int, fetch_offset: int, now_ms: int, broker_epoch: int = -1
+    ) -> bool:
+        """A follower asked for ``fetch_offset``: its LEO, as of the incarnation
+        ``broker_epoch``. Returns True if the HW moved."""
         progress = self.followers.get(broker_id)
         if progress is None:
             raise KeyError(f"broker {broker_id} is not a replica")
+        progress.broker_epoch = broker_epoch
         if fetch_offset >= self._leader_end_offset:
             progress.last_caught_up_ms = now_ms
         elif fetch_offset >= progress.leader_end_offset_at_last_fetch >= 0:
@@ -170,7 +179,8 @@ class LeaderReplicationState:
             return None
         members = (set(self.isr) - shrink) if shrink else (set(self.isr) | grow)
         new_isr = tuple(b for b in self.replicas if b in members)
-        self.pending = IsrProposal(new_isr, self.leader_epoch, self.partition_epoch)
+        joining = tuple((b, self.followers[b].broker_epoch) for b in new_isr if b not in self.isr)
+        self.pending = IsrProposal(new_isr, self.leader_epoch, self.partition_epoch, joining)
         return self.pending
 
     def on_isr_committed(self, isr: Iterable[int], partition_epoch: int) -> bool:
@@ -206,5 +216,13 @@ class LeaderReplicationState:
         """The controller answered the proposal with an error (a member not live, a stale
         epoch): it applied nothing, so the proposal is dropped without counting its
         members (as Kafka on INELIGIBLE_REPLICA). Counting them, as after a lost reply,
-        froze the HW at a dead follower's log end until the controller spoke again."""
+        froze the HW at a dead follower's log end until the controller spoke again.
+
+        A refused joiner's log end is forgotten until it fetches again: the refusal may
+        say it is down, or came back as another incarnation (KIP-841), and its old log
+        end would have it proposed again every pass meanwhile."""
+        if self.pending is not None:
+            for broker_id, _ in self.pending.joining:
+                if broker_id in self.followers:
+                    self.followers[broker_id].log_end_offset = -1
         self.pending = None

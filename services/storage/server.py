@@ -562,6 +562,7 @@ class _FetchParams:
     max_wait_s: float
     min_bytes: int
     max_bytes: int
+    broker_epoch: int = -1  # a follower's registration epoch (its fetches carry it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -982,6 +983,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             wait_s = max(0.0, min(wait_s, time_remaining_s - 0.05))
         return _FetchParams(
             replica_id=request.replica_id,
+            broker_epoch=request.broker_epoch if request.replica_id >= 0 else -1,
             max_wait_s=wait_s,
             min_bytes=min_bytes,
             max_bytes=min(max_bytes, self._limits.max_fetch_response_bytes),
@@ -1054,6 +1056,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     fp.last_fetched_epoch if fp.HasField("last_fetched_epoch") else NO_EPOCH
                 ),
                 written_offset=fp.written_offset if fp.HasField("written_offset") else None,
+                broker_epoch=params.broker_epoch,
             )
         except TidelogError as exc:
             return exc

@@ -271,6 +271,7 @@ class FetchRequest(NamedTuple):
     current_leader_epoch: int  # fencing: refused unless it is the leader's epoch
     fetch_offset: int  # the follower's LEO: what on_follower_fetch records
     last_fetched_epoch: int  # KIP-320; -1 when not sent
+    broker_epoch: int  # the follower's registration (KIP-841: an ISR join names it)
 
 
 class FetchReply(NamedTuple):
@@ -459,7 +460,7 @@ class BrokerProcess:
 
     def on_fetch(self, src: int, request: FetchRequest) -> None:
         """``Partition.read`` for a follower, answered at once (no long poll)."""
-        req_id, p, current_leader_epoch, fetch_offset, last_fetched_epoch = request
+        req_id, p, current_leader_epoch, fetch_offset, last_fetched_epoch, broker_epoch = request
         rep = self.replicas[p]
         error = self._leader_error(rep, current_leader_epoch)
         state = rep.replication
@@ -480,7 +481,7 @@ class BrokerProcess:
                 error = Err.OFFSET_OUT_OF_RANGE
             else:
                 rep.power_seen[src] = self.sim.power_losses[src]
-                if state.on_follower_fetch(src, fetch_offset, self.sim.now):
+                if state.on_follower_fetch(src, fetch_offset, self.sim.now, broker_epoch):
                     self._advance_high_watermark(rep)
         if error is not None:
             self.sim.send(
@@ -565,7 +566,9 @@ class BrokerProcess:
                     continue
             last_epoch = rep.log.latest_epoch if sim.config.truncation == "epoch" else -1
             fs.offset = rep.log.leo
-            request = FetchRequest(req_id, p, fs.leader_epoch, rep.log.leo, last_epoch)
+            request = FetchRequest(
+                req_id, p, fs.leader_epoch, rep.log.leo, last_epoch, self.broker_epoch
+            )
             sim.send(self.broker_id, fs.leader, "fetch", request)
 
     def _answer_for(self, p: int, req_id: int) -> tuple[Replica, FetchState] | None:
@@ -696,6 +699,7 @@ class Controller:
                 leader_epoch=proposal.leader_epoch,
                 new_isr=proposal.new_isr,
                 partition_epoch=proposal.partition_epoch,
+                joining=dict(proposal.joining),
             )
         except TidelogError:
             self.sim.stats["isr_rejected"] += 1

@@ -166,18 +166,28 @@ class AlterPartitionRequest(_message.Message):
     def __init__(self, broker_id: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[AlterPartitionItem, _Mapping]]] = ...) -> None: ...
 
 class AlterPartitionItem(_message.Message):
-    __slots__ = ("topic", "partition", "leader_epoch", "new_isr", "partition_epoch")
+    __slots__ = ("topic", "partition", "leader_epoch", "new_isr", "partition_epoch", "joining")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEW_ISR_FIELD_NUMBER: _ClassVar[int]
     PARTITION_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     leader_epoch: int
     new_isr: _containers.RepeatedScalarFieldContainer[int]
     partition_epoch: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., new_isr: _Optional[_Iterable[int]] = ..., partition_epoch: _Optional[int] = ...) -> None: ...
+    joining: _containers.RepeatedCompositeFieldContainer[IsrMember]
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., leader_epoch: _Optional[int] = ..., new_isr: _Optional[_Iterable[int]] = ..., partition_epoch: _Optional[int] = ..., joining: _Optional[_Iterable[_Union[IsrMember, _Mapping]]] = ...) -> None: ...
+
+class IsrMember(_message.Message):
+    __slots__ = ("broker_id", "broker_epoch")
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BROKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    broker_id: int
+    broker_epoch: int
+    def __init__(self, broker_id: _Optional[int] = ..., broker_epoch: _Optional[int] = ...) -> None: ...
 
 class AlterPartitionResponse(_message.Message):
     __slots__ = ("partitions",)
