@@ -945,7 +945,12 @@ class _Watch:
             create.start_revision = self.start_revision
         self._requests.put(etcdrpc.WatchRequest(create_request=create))
         try:
-            call = etcdrpc.WatchStub(channel).Watch(self._request_iter())
+            # "hasleader" (clientv3's WithRequireLeader): a member cut off from its
+            # cluster's leader cancels the watch rather than keep it open and silent
+            # while the others go on (deleting an expired broker's key, say).
+            call = etcdrpc.WatchStub(channel).Watch(
+                self._request_iter(), metadata=[("hasleader", "true")]
+            )
         except grpc.RpcError as exc:  # pragma: no cover - stream calls fail lazily
             raise self.store._translate(f"watch {self.prefix}", exc) from exc
         with self._state_lock:

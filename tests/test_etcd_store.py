@@ -6,8 +6,11 @@ each other's keys); tests that kill or restart etcd start a private one.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -546,3 +549,65 @@ def test_failover_to_a_live_endpoint(private_etcd: EtcdProcess) -> None:
     assert "ok" in outcomes
     assert meta.get("k") is not None
     meta.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_watch_on_a_member_without_a_leader_fails_instead_of_going_silent(
+    tmp_path: Path,
+) -> None:
+    """In a 3-member etcd, the member a watch is on loses the other two (stopped here; a
+    network partition does the same while they keep a quorum and delete expired keys).
+    Without etcd's "hasleader" metadata the watch stayed open and told nothing, so a
+    controller never heard of brokers dying; now it is cancelled and on_error runs (the
+    owners re-read and watch again)."""
+    ports = [(_free_port(), _free_port()) for _ in range(3)]
+    members = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    binary = find_etcd_binary()
+    processes = []
+    try:
+        for i, (client, peer) in enumerate(ports):
+            log = (tmp_path / f"m{i}.log").open("wb")
+            processes.append(
+                subprocess.Popen(
+                    [
+                        binary,
+                        f"--name=m{i}",
+                        f"--data-dir={tmp_path / f'm{i}'}",
+                        f"--listen-client-urls=http://127.0.0.1:{client}",
+                        f"--advertise-client-urls=http://127.0.0.1:{client}",
+                        f"--listen-peer-urls=http://127.0.0.1:{peer}",
+                        f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
+                        f"--initial-cluster={members}",
+                        "--initial-cluster-state=new",
+                        "--heartbeat-interval=20",
+                        "--election-timeout=200",
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        with MetaStore(f"127.0.0.1:{ports[0][0]}", cluster="leaderless", timeout_s=3.0) as meta:
+
+            def answers() -> bool:
+                try:
+                    meta.current_revision()
+                except Exception:
+                    return False
+                return True
+
+            wait_until(answers, 30, "the 3-member etcd to answer")
+            errors: list[Exception] = []
+            meta.watch_prefix("brokers/", lambda event: None, on_error=errors.append)
+            for process in processes[1:]:
+                os.kill(process.pid, signal.SIGSTOP)
+            wait_until(lambda: bool(errors), 30, "the watch to fail on a member without leader")
+    finally:
+        for process in processes:
+            os.kill(process.pid, signal.SIGCONT)
+            process.kill()
+            process.wait()
