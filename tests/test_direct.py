@@ -13,18 +13,29 @@ import pytest
 
 import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, wait_for
-from tidelog.errors import MessageTooLargeError, UnknownTopicOrPartitionError
+from tidelog.errors import (
+    InvalidReplicationFactorError,
+    MessageTooLargeError,
+    UnknownTopicOrPartitionError,
+)
 from tidelog.records import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES, encode_batch
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 
 
 def _create(admin: tidelog.Admin, topic: str, partitions: int) -> None:
-    admin.create_topic(
-        topic,
-        partitions=partitions,
-        replication_factor=3,
-        config={"min.insync.replicas": "2"},
-    )
+    def create() -> bool | None:
+        try:
+            admin.create_topic(
+                topic,
+                partitions=partitions,
+                replication_factor=3,
+                config={"min.insync.replicas": "2"},
+            )
+        except InvalidReplicationFactorError:
+            return None  # a broker the last test stopped is still registering again
+        return True
+
+    wait_for(create, 30, f"three live brokers to create {topic}")
 
 
 def _read(consumer: tidelog.Consumer, expected: int, timeout_s: float = 60) -> list:
