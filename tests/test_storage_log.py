@@ -716,6 +716,22 @@ def test_flush_covers_rolled_segments(tmp_path: Path) -> None:
     reopened.close()
 
 
+
+def test_rolled_segments_are_flushed_without_a_flush_policy(tmp_path: Path) -> None:
+    """As Kafka flushes after each roll: the recovery point reaches the active segment's
+    base offset at the next maintenance pass, so a restart after a crash re-checks only
+    the active segment. It used to stay at 0 until a clean shutdown."""
+    size = len(make_batch(2))
+    log = open_log(tmp_path / "p-0", LogConfig(segment_bytes=2 * size))
+    for i in range(7):
+        log.append(make_batch(2, tag=i))
+    assert log.segment_count == 4 and log.recovery_point == 0
+    assert log.flush_if_due()
+    assert log.recovery_point == 12  # the active segment's base offset
+    assert not log.flush_if_due()  # nothing rolled since
+    log.close()
+
+
 # --- retention --------------------------------------------------------------------------------
 
 

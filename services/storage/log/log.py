@@ -191,7 +191,10 @@ class Log:
             self._segments.append(self._new_segment(base, active=i == len(bases) - 1))
         if not self._segments:
             self._segments.append(self._new_segment(0, active=True))
-            self._dir_dirty = True
+        # Segments an earlier run created may never have had their directory entries
+        # fsynced (it was killed before a flush): the first flush here does it, before
+        # the recovery point it checkpoints can speak for them.
+        self._dir_dirty = True
         self._recover_segments(recovery_point)
         for segment in list(self._segments)[:-1]:
             if segment.offset_index.writable:  # rebuilt: trim like a rolled segment
@@ -642,7 +645,11 @@ class Log:
 
     @_reports_disk_failure
     def flush_if_due(self) -> bool:
-        """Apply ``flush_ms``: flush when the oldest unflushed append is old enough."""
+        """Apply ``flush_ms``: flush when the oldest unflushed append is old enough.
+        Otherwise flush the segments rolled since the last flush, up to the active one,
+        as Kafka does after each roll: without it the recovery point moved only at a
+        clean shutdown, and a restart after a crash re-checked every segment written
+        since (out of the ISR all that time), not just the active one."""
         if (
             self.config.flush_ms is not None
             and self._first_unflushed_ms is not None
@@ -650,7 +657,17 @@ class Log:
         ):
             self.flush()
             return True
-        return False
+        active_base = self._segments.last.base_offset
+        if self._recovery_point >= active_base:
+            return False
+        for i in range(self._segments.floor_index(self._recovery_point), len(self._segments) - 1):
+            self._segments[i].flush()
+        self.producer_state.flush()
+        if self._dir_dirty:
+            fsync_dir(self.dir)
+            self._dir_dirty = False
+        self._recovery_point = active_base
+        return True
 
     # --- truncation (replication) ---------------------------------------------------------
 
@@ -684,6 +701,10 @@ class Log:
             removed_files = True
         active = self._segments.last
         active.truncate_to(offset)
+        # Made durable now: a later segment may be rolled at the new end, and flush()
+        # fsyncs only from the recovery point's segment on, so a power loss could bring
+        # this tail back under the new segment's offsets, served as if committed.
+        active.flush()
         active.make_active()
         self._log_end_offset = active.next_offset
         lowered = self._recovery_point > self._log_end_offset
@@ -708,12 +729,16 @@ class Log:
         self._cooling = None
         self._segments.append(self._new_segment(offset, active=True))
         self._dir_dirty = True
-        self._log_end_offset = self._recovery_point = offset
+        self._log_end_offset = offset
         self._epochs.clear()
         state = self.producer_state
         state.delete_all_snapshots()
         state.clear(offset)
         fsync_dir(self.dir)
+        # Only now (a checkpoint may be written from another thread at any time): with
+        # the deletions not yet durable, a power loss could bring old segments back
+        # below a recovery point that vouches for them.
+        self._recovery_point = offset
 
     @staticmethod
     def _delete_now(segments: list[LogSegment]) -> None:
@@ -751,10 +776,12 @@ class Log:
                 self._retire_first(now_ms)
                 retired += 1
         if retired:
-            # The renames are durable before the raised recovery point can be checkpointed:
-            # a retired segment that a power loss brought back would otherwise lie below
-            # it and be trusted without being verified.
+            # The renames are durable before the recovery point is raised to the new log
+            # start (a checkpoint may be written from another thread at any time): a
+            # retired segment that a power loss brought back would otherwise lie below it
+            # and be trusted without being verified.
             fsync_dir(self.dir)
+            self._recovery_point = max(self._recovery_point, self.log_start_offset)
             # The epochs of removed offsets go; the producer state stays (as in Kafka since
             # KIP-360, a producer is forgotten only by expiry), but snapshots below the new
             # log start can no longer be replayed from.
@@ -772,7 +799,6 @@ class Log:
         self._pending_deletes.append(
             (now_ms + self.config.file_delete_delay_ms, segment.rename_to_deleted())
         )
-        self._recovery_point = max(self._recovery_point, self.log_start_offset)
 
     @_reports_disk_failure
     def remove_deleted_files(self) -> int:
