@@ -75,7 +75,9 @@ def test_a_replica_that_registered_again_after_its_isr_was_decided_leaves_it() -
     """A broker that died and came back while no controller was active (a registration
     epoch newer than the partition's last write) is taken out of that partition's ISR,
     and out of its leadership, by the controller taking office: it may have returned
-    with an empty disk. An ISR whose members all restarted stays as it is."""
+    with an empty disk. An ISR whose members all restarted keeps its members, and its
+    restarted leader leads a new epoch (a follower ahead at the old one must see the
+    divergence)."""
     state = cluster()  # brokers' epochs 100-102; t-0 led by 0, t-1 by 1, t-2 by 2
     state.on_broker_up(Broker(1, "127.0.0.1", 9001, epoch=500))  # 1 restarted unseen
     decided = {("t", 0): 300, ("t", 1): 300, ("t", 2): 600}  # t-2 written after it
@@ -94,7 +96,11 @@ def test_a_replica_that_registered_again_after_its_isr_was_decided_leaves_it() -
     everyone.apply(everyone.new_topic_partitions(topic))
     for b in range(3):
         everyone.on_broker_up(Broker(b, "h", 9000 + b, epoch=900 + b))
-    assert everyone.evict_restarted({("u", 0): 300}) == []
+    before = everyone.partitions[("u", 0)]
+    (bumped,) = step(everyone, everyone.evict_restarted({("u", 0): 300}))
+    assert bumped.new.leader == before.leader and bumped.new.isr == before.isr
+    assert bumped.new.leader_epoch == before.leader_epoch + 1
+    assert everyone.evict_restarted({("u", 0): 1000}) == []  # written since: done
 
 
 def test_last_isr_member_death_takes_partition_offline_and_keeps_it_in_isr() -> None:
@@ -371,3 +377,17 @@ def test_random_event_sequences_keep_invariants(seed: int) -> None:
                 # Without unclean election, a new leader was in the previous ISR.
                 if after.leader not in (NO_LEADER, before.leader):
                     assert after.leader in before.isr, f"{key}: unclean election"
+
+
+def test_a_broker_that_registered_again_unseen_is_no_longer_shutting_down() -> None:
+    """Re-read registrations after a watch outage: broker 0, in controlled shutdown as
+    epoch 100, stopped and registered again as 300 meanwhile. The new incarnation must be
+    eligible again; broker 1, still shutting down as the same incarnation, stays so."""
+    state = cluster()
+    state.controlled_shutdown(0, 100)
+    state.controlled_shutdown(1, 101)
+    assert state.shutting_down == {0, 1}
+    state.replace_brokers(
+        {0: Broker(0, "h", 1, epoch=300), 1: state.brokers[1], 2: state.brokers[2]}
+    )
+    assert state.shutting_down == {1}

@@ -716,7 +716,6 @@ def test_flush_covers_rolled_segments(tmp_path: Path) -> None:
     reopened.close()
 
 
-
 def test_rolled_segments_are_flushed_without_a_flush_policy(tmp_path: Path) -> None:
     """As Kafka flushes after each roll: the recovery point reaches the active segment's
     base offset at the next maintenance pass, so a restart after a crash re-checks only

@@ -735,8 +735,7 @@ class Controller:
         if not term.cluster_id:
             self._load_cluster_id(term)
         state = term.state
-        state.brokers = brokers
-        state.shutting_down &= set(brokers)
+        state.replace_brokers(brokers)
         generation = term.watch_generation
         term.cancel_watch = self._store.watch_prefix(
             BROKERS_PREFIX,

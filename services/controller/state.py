@@ -225,6 +225,19 @@ class ClusterState:
 
     # --- broker membership --------------------------------------------------------------
 
+    def replace_brokers(self, brokers: dict[int, Broker]) -> None:
+        """The registrations as re-read after a watch outage. A broker in controlled
+        shutdown stays so only as the same incarnation: one that stopped and registered
+        again unseen is a new broker, which would otherwise never lead or rejoin an ISR
+        for the rest of this controller's term."""
+        old = self.brokers
+        self.shutting_down = {
+            b
+            for b in self.shutting_down
+            if b in brokers and b in old and brokers[b].epoch == old[b].epoch
+        }
+        self.brokers = brokers
+
     def on_broker_down(self, broker_id: int) -> list[PartitionChange]:
         """The broker's lease expired: move its leaderships, drop it from every ISR."""
         self.shutting_down.discard(broker_id)
@@ -260,7 +273,11 @@ class ClusterState:
         ``on_broker_down`` for the old incarnation, and the new one may have come back
         with less (an empty disk). Kafka's controller fences a re-registered incarnation
         the same way. They rejoin through their leader once caught up. An ISR whose
-        members all restarted is left as it is: nothing says which one holds more."""
+        members all restarted keeps its members (nothing says which one holds more), but
+        a restarted leader leads a new epoch: its new incarnation may hold less than it
+        did, and a follower ahead of it at the old epoch must find that divergence
+        (KIP-320) rather than keep records the leader then writes over at the same
+        offsets."""
         changes = []
         for (name, p), old in sorted(self.partitions.items()):
             revision = decided_at.get((name, p))
@@ -273,7 +290,17 @@ class ClusterState:
                 if b in self.brokers and self.brokers[b].epoch > revision
             }
             remaining = [b for b in old.isr if b not in restarted]
-            if not restarted or not remaining:
+            if not restarted:
+                continue
+            if not remaining:
+                if old.leader in restarted:
+                    bumped = PartitionRecord(
+                        leader=old.leader,
+                        leader_epoch=old.leader_epoch + 1,
+                        isr=old.isr,
+                        partition_epoch=old.partition_epoch + 1,
+                    )
+                    changes.append(PartitionChange(name, p, old, bumped))
                 continue
             if old.leader in restarted:
                 leader, isr = self._elect(
