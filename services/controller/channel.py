@@ -155,6 +155,26 @@ def _resolve_all(completions: Iterable[Completion], error: TidelogError | None =
         completion._resolve(error)
 
 
+MAX_WAITERS_PER_ENTRY: Final = 64
+"""Completions one mailbox entry carries. Each newer entry for a partition (and each
+UpdateMetadata) carries on the waiters of the one it replaces, so while a registered broker
+cannot be reached the list grew with every change; the oldest beyond this are given up
+(their callers stopped waiting long before)."""
+
+
+def _capped(waiters: list[Completion]) -> list[Completion]:
+    """``waiters`` without its oldest beyond MAX_WAITERS_PER_ENTRY, which are resolved
+    as failed."""
+    excess = len(waiters) - MAX_WAITERS_PER_ENTRY
+    if excess <= 0:
+        return waiters
+    _resolve_all(
+        waiters[:excess],
+        BrokerNotAvailableError("the broker has not answered through many newer changes"),
+    )
+    return waiters[excess:]
+
+
 # --- the manager ---------------------------------------------------------------------------------
 
 
@@ -418,10 +438,10 @@ class _BrokerSender:
                         # The newer entry supersedes the older: the broker ends in the
                         # newer state either way. Waiters of the same kind wait on.
                         if mailbox is target:
-                            waiters.extend(old.completions)
+                            waiters = [*old.completions, *waiters]
                         else:
                             superseded.extend(old.completions)
-                target[key] = _Entry(message, waiters)
+                target[key] = _Entry(message, _capped(waiters))
             self._cond.notify_all()
         _resolve_all(superseded)
 
@@ -441,7 +461,7 @@ class _BrokerSender:
             ):
                 # Two threads' views crossed on the way here: the newer one stays.
                 template = self._update_metadata[0]
-            self._update_metadata = (template, waiters)
+            self._update_metadata = (template, _capped(waiters))
             self._cond.notify_all()
 
     def _take(
