@@ -46,8 +46,12 @@ def dev(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevProcess]:
     try:
         yield cluster
     finally:
-        if cluster.proc.poll() is None:
-            cluster.proc.kill()
+        # SIGTERM: `tidelog dev` stops its children (each in a session of its own). A
+        # SIGKILL, as here before, left a whole cluster running after every run.
+        try:
+            cluster.stop(timeout_s=60)
+        except subprocess.TimeoutExpired:
+            cluster.kill()
 
 
 def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
