@@ -694,6 +694,14 @@ class Log:
         if offset < self.log_start_offset:
             self.truncate_fully_and_start_at(offset)
             return
+        if self._recovery_point > offset:
+            # Lowered, and checkpointed, before any file changes: a power loss part-way
+            # (the removed segments back, the one holding ``offset`` already shrunk)
+            # then recovers from here rather than trusting the shrunk segment below the
+            # returned ones, whose offsets in between would be a hole.
+            self._recovery_point = offset
+            if self.on_recovery_point_lowered is not None:
+                self.on_recovery_point_lowered()
         removed_files = False
         self._cooling = None  # it may be the active segment again below
         while len(self._segments) > 1 and self._segments.last.base_offset >= offset:
