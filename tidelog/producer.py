@@ -1229,6 +1229,12 @@ class Producer:
                         pipe.pending.append(correlation_id)
                         pipe.requests.put(request)
             if closed:
+                # The pipe ended before this request was queued on it: on a channel already
+                # failing (the broker died) a new pipe ends at once, so this is how every
+                # retry to a dead leader ends. The directory is asked again, as when a pipe
+                # strands its requests; otherwise nothing would tell it the leader moved
+                # and the retries would go to the dead broker until the delivery timeout.
+                leaders.invalidate()
                 ended = NetworkError(f"the append stream to {leader.address} ended")
                 self._complete_failed([item], ended)
                 continue
@@ -1456,6 +1462,14 @@ class Producer:
                 and b.attempts <= self._retries
                 and now - b.created_s < self._delivery_timeout_s
             ]
+            if tracing.ENABLED:
+                tracing.event(
+                    "c_fail",
+                    batches[0].tp[1],
+                    type(error).__name__,
+                    "retry" if retry and len(retry) == len(batches) else "fail",
+                    str(error)[:200].replace("\n", " "),
+                )
             if retry and len(retry) == len(batches):
                 self._metrics.add("record-retry-total", sum(len(b) for b in batches))
                 with self._lock:

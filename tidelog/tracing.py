@@ -13,7 +13,8 @@ them):
 - ``c_call``: ``Producer.send_batch`` called (the timestamp its records carry);
 - ``c_send cid partition``: a direct-mode Append, or a ProduceRequest to the gateway
   (its first partition), handed to gRPC; ``c_ack cid base last``: its answer (the first
-  partition's offsets);
+  partition's offsets); ``c_fail partition error retry|fail message``: a request
+  for the partition failed, and whether its batches go back to be retried;
 - ``g_in cid`` / ``g_out cid``: a gateway read a ProduceRequest from its stream / queued
   the answer; ``g_ap_in partition`` / ``g_ap_out partition base last``: the gateway's
   Append to the partition's leader started / was answered;
