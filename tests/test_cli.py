@@ -4,6 +4,8 @@ stop with SIGTERM, restart on the same data directory with the data kept."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cluster import wait_for
 from tests.support.process import REPO_ROOT, tidelog_env
 from tidelog.dev import DevProcess
 
@@ -299,3 +302,44 @@ def test_dev_stops_cleanly_and_restarts_with_data_kept(dev: DevProcess) -> None:
         assert sorted(out.split()) == sorted(f"r{i}" for i in range(50))
     finally:
         assert again.stop() == 0
+
+
+def _children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended while we looked
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_dev_killed_outright_leaves_no_child_running(tmp_path: Path) -> None:
+    """SIGKILL gives `tidelog dev` no chance to stop its children (each runs in a session
+    of its own); the kernel sends them SIGTERM (PR_SET_PDEATHSIG) and every one ends,
+    etcd included, instead of holding its ports and data directory."""
+    dev = DevProcess(tmp_path / "data", env=tidelog_env())
+    children = _children_of(dev.proc.pid)
+    assert len(children) == 6, children  # etcd, a controller, three brokers, a gateway
+    dev.kill()
+    try:
+        wait_for(
+            lambda: not any(_running(pid) for pid in children),
+            60,
+            "every child of the killed `tidelog dev` to end",
+        )
+    finally:
+        for pid in filter(_running, children):  # a failed run leaves no cluster behind
+            os.kill(pid, signal.SIGKILL)

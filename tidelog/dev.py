@@ -14,7 +14,9 @@ Layout of the data directory (``./.tidelog`` by default)::
 Running ``tidelog dev`` again on the same directory keeps every topic and record: etcd and
 the brokers recover from their data. Children run in their own session, so a Ctrl-C at the
 terminal reaches only this supervisor, which then stops them in a safe order (gateway,
-brokers, controller, etcd) rather than all at once.
+brokers, controller, etcd) rather than all at once. A supervisor killed outright (SIGKILL,
+the OOM killer) cannot do that; the kernel then sends every child SIGTERM
+(``tidelog.child_process``), so none outlives it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import IO, Final
 import grpc
 
 from tidelog.admin import Admin
+from tidelog.child_process import end_with_parent
 from tidelog.errors import TidelogError
 from tidelog.etcd_launcher import EtcdLaunchError, EtcdProcess
 from tidelog.v1 import controller_pb2, controller_pb2_grpc
@@ -61,6 +64,9 @@ class _Child:
             env=env,
             text=True,
             start_new_session=True,
+            # A SIGKILLed supervisor cannot stop its children: the kernel then sends them
+            # SIGTERM (every child is started from the main thread, which lives as long).
+            preexec_fn=end_with_parent(),  # noqa: PLW1509 - only a prctl runs (its docstring)
         )
         self.address: str | None = None
         self._ready = threading.Event()
@@ -126,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
     children: list[_Child] = []
     try:
         try:
-            etcd = EtcdProcess(data_dir / "etcd").start()
+            etcd = EtcdProcess(data_dir / "etcd", end_with_parent=True).start()
         except EtcdLaunchError as exc:
             print(f"tidelog dev: error: {exc}", file=sys.stderr)
             return 1

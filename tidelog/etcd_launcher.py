@@ -43,6 +43,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from tidelog import child_process
+
 ETCD_BIN_ENV = "TIDELOG_ETCD_BIN"
 DEFAULT_ETCD_PATH = "/usr/bin/etcd"
 NOT_FOUND_MESSAGE = (
@@ -145,8 +147,12 @@ class EtcdProcess:
         binary: str | None = None,
         extra_args: Sequence[str] = (),
         host: str = _LOOPBACK,
+        end_with_parent: bool = False,
     ) -> None:
         self.data_dir = Path(data_dir)
+        # SIGTERM to etcd when the thread that starts it ends (tidelog.child_process):
+        # for a supervisor whose SIGKILL must not leave etcd running.
+        self.end_with_parent = end_with_parent
         # The address etcd listens on; another than loopback lets processes in other
         # network namespaces reach it (tests/chaos puts storage nodes in their own).
         self.host = host
@@ -335,6 +341,8 @@ class EtcdProcess:
             # Own session: a Ctrl-C aimed at `tidelog dev` reaches only the supervisor,
             # which then stops etcd last, after the services that depend on it.
             start_new_session=True,
+            # Only a prctl runs between fork and exec (see child_process).
+            preexec_fn=child_process.end_with_parent() if self.end_with_parent else None,  # noqa: PLW1509
         )
         return offset
 
