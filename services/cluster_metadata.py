@@ -28,6 +28,21 @@ CLUSTER_ID_KEY: Final = "cluster_id"
 PRODUCER_IDS_KEY: Final = "producer_ids"
 
 
+def committed_offset_owner(kv: KeyValue) -> tuple[str, str | None] | None:
+    """The topic name and topic id (None: written before offsets carried one) of a
+    ``groups/<group>/<topic>/<p>`` key; None when the key or value is not one.
+    The value format is the gateway's (``services/gateway/groups.py``); the controller
+    reads this much of it to delete a deleted topic's offsets."""
+    parts = kv.key.removeprefix(GROUPS_PREFIX).split("/")
+    if not kv.key.startswith(GROUPS_PREFIX) or len(parts) != 3:
+        return None
+    try:
+        topic_id = json.loads(kv.value).get("topic_id")
+    except (ValueError, AttributeError):
+        return None
+    return parts[1], None if topic_id is None else str(topic_id)
+
+
 def broker_key(broker_id: int) -> str:
     return f"{BROKERS_PREFIX}{broker_id}"
 

@@ -17,6 +17,8 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tidelog
+from services.cluster_metadata import GROUPS_PREFIX, deletion_key
+from services.gateway.groups import offset_key
 from services.gateway.leader_calls import LeaderCalls
 from tests.support.cluster import (
     GatewayProcess,
@@ -146,6 +148,34 @@ def test_a_recreated_topic_starts_without_the_old_topics_offsets(
     records = _consume_all(gateway.address, "reborn", 10, group="rebirth")
     assert [r.value for r in records] == [b"new"] * 10
     assert [p.committed_offset for p in admin.describe_group("rebirth")] == [10]
+
+
+def test_a_deleted_topics_offsets_are_deleted_with_it(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka deletes a deleted topic's committed offsets; they used to stay in etcd for
+    ever, and a group that had only them stayed listed. Offsets of other topics stay, and
+    so does one tagged with another incarnation's topic id (a commit for a topic created
+    since under the same name must never be lost to the clean-up)."""
+    admin.create_topic("doomed", partitions=2, replication_factor=3)
+    admin.create_topic("spared", partitions=1, replication_factor=3)
+    for group, topics in (("both", ("doomed", "spared")), ("only-doomed", ("doomed",))):
+        with tidelog.Consumer(gateway.address, group_id=group) as consumer:
+            consumer.commit({(t, p): 7 for t in topics for p in range(2 if t == "doomed" else 1)})
+    other_incarnation = offset_key("stranger", "doomed", 0)
+    cluster.store.put(other_incarnation, b'{"offset": 3, "topic_id": "another-topic-id"}')
+    assert {"both", "only-doomed"} <= set(admin.list_groups())
+    admin.delete_topic("doomed")
+    wait_for(
+        lambda: cluster.store.get(deletion_key("doomed")) is None,
+        60,
+        "the deletion to complete",
+    )
+    left = [kv.key for kv in cluster.store.get_prefix(GROUPS_PREFIX)]
+    assert [k for k in left if "/doomed/" in k] == [other_incarnation]
+    assert "only-doomed" not in admin.list_groups()
+    assert [(p.topic, p.committed_offset) for p in admin.describe_group("both")] == [("spared", 7)]
+    cluster.store.delete(other_incarnation)
 
 
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(

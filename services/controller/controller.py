@@ -50,11 +50,13 @@ from services.cluster_metadata import (
     CLUSTER_ID_KEY,
     CONTROLLER_KEY,
     DELETIONS_PREFIX,
+    GROUPS_PREFIX,
     PARTITIONS_PREFIX,
     PRODUCER_IDS_KEY,
     TOPICS_PREFIX,
     ControllerInfo,
     PendingDeletion,
+    committed_offset_owner,
     decode_broker,
     decode_cluster_id,
     decode_controller,
@@ -959,11 +961,40 @@ class Controller:
         with self._lock:
             if self._term is not term or term.deposed:
                 return
-            done = sorted(name for name, pending in term.deletion_pending.items() if not pending)
-            if not done:
+            done = [
+                term.deletions[name]
+                for name, pending in sorted(term.deletion_pending.items())
+                if not pending and name in term.deletions
+            ]
+        if not done:
+            return
+        # The deleted topics' committed offsets go first, outside the lock (a scan of every
+        # group's offsets must not hold up broker failures); the deletion record goes only
+        # after, so a controller that dies in between leaves the next one to do it again.
+        self._delete_group_offsets(done)
+        names = [deletion.topic for deletion in done]
+        with self._lock:
+            if self._term is not term or term.deposed:
                 return
-            self._decide_and_commit(term, lambda: _Plan(removed_deletions=done))
-            self._log.info("topic_deletion_completed", topics=done, epoch=term.epoch)
+            self._decide_and_commit(term, lambda: _Plan(removed_deletions=names))
+            self._log.info("topic_deletion_completed", topics=names, epoch=term.epoch)
+
+    def _delete_group_offsets(self, deletions: Sequence[PendingDeletion]) -> None:
+        """Delete the consumer groups' committed offsets of deleted topics, as Kafka does:
+        otherwise they stay in etcd for ever and their groups stay listed. Only offsets
+        committed for the deleted incarnation (its topic id, or none recorded) go, each
+        with a compare on its revision, so a commit for a topic created since under the
+        same name is never lost."""
+        ids = {deletion.topic: deletion.topic_id for deletion in deletions}
+        deleted = 0
+        for kv in self._store.get_prefix(GROUPS_PREFIX):
+            owner = committed_offset_owner(kv)
+            if owner is None or owner[0] not in ids or owner[1] not in (None, ids[owner[0]]):
+                continue
+            if self._store.compare_and_delete(kv.key, kv.mod_revision):
+                deleted += 1
+        if deleted:
+            self._log.info("group_offsets_deleted", topics=sorted(ids), offsets=deleted)
 
     def _auto_rebalance(self, term: _Term) -> None:
         """Kafka's auto.leader.rebalance: preferred elections where a broker is imbalanced."""
