@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pyarrow as pa
@@ -141,6 +142,39 @@ def test_direct_produce_rides_through_a_leader_kill(
         60,
         "the restarted broker to rejoin the ISR",
     )
+
+
+def test_direct_consumer_finds_a_new_leader_within_one_long_poll(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A leader dies during a direct consumer's poll() while its fetches to the other
+    leaders are in flight: the same poll regroups (after the back-off) and returns what
+    the new leader has. It used to look leaders up again only when no fetch was in
+    flight, so the poll sent the moved partition's fetches to the dead broker until the
+    poll's own timeout, and returned nothing."""
+    _create(admin, "direct-long-poll", 3)
+    partitions = admin.describe_topic("direct-long-poll").partitions
+    victim = partitions[0].leader
+    assert victim not in (partitions[1].leader, partitions[2].leader), partitions
+    with tidelog.Consumer(gateway.address, direct=True, auto_offset_reset="earliest") as consumer:
+        consumer.assign([("direct-long-poll", p) for p in range(3)])
+        assert consumer.poll(timeout_ms=300) == []  # positions known, long polls going
+        polled: list = []
+        # One poll, long enough for the old code's to end empty at its timeout.
+        poll = threading.Thread(
+            target=lambda: polled.extend(consumer.poll(max_records=100, timeout_ms=60_000))
+        )
+        poll.start()
+        try:
+            wait_for(lambda: len(consumer._fetches) == 3 or None, 10, "a fetch at every leader")
+            cluster.kill(cluster.brokers[victim])
+            with tidelog.Producer(gateway.address, linger_ms=1) as producer:
+                producer.send("direct-long-poll", b"moved", partition=0).result(60)
+            poll.join(90)
+            assert [(r.partition, r.value) for r in polled] == [(0, b"moved")]
+        finally:
+            poll.join(90)
+            cluster.start_broker(victim)  # the next tests need three brokers
 
 
 def test_direct_consumer_regroups_after_a_leader_dies(

@@ -456,6 +456,11 @@ class Consumer:
             self._refresh_leaders()
         while True:
             self._decode_answered()
+            if self._leaders_stale and time.monotonic() >= self._backoff_until:
+                # A leader moved or died while fetches to the others are in flight: regroup
+                # now, not when this poll ends (a long poll would otherwise send the moved
+                # partitions' fetches to the dead broker until its timeout).
+                self._refresh_leaders()
             self._ensure_positions()
             self._send_fetches()
             if self._buffer or not self._assignment:
@@ -475,9 +480,10 @@ class Consumer:
                 if self._leaders_stale:
                     self._refresh_leaders()
                 continue
-            if throttle_ends > now:
-                # A throttled group's next fetch is due then, whatever the others answer.
-                remaining_s = min(remaining_s, next_fetch_s - now)
+            if throttle_ends > now or self._leaders_stale:
+                # A throttled group's next fetch is due then, whatever the others answer;
+                # stale leaders are looked up again when the backoff ends.
+                remaining_s = min(remaining_s, max(0.0, next_fetch_s - now))
             try:
                 fetch = self._answered.get(timeout=remaining_s)
             except queue.Empty:
