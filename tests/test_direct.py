@@ -17,6 +17,7 @@ from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 from tidelog.errors import (
     InvalidReplicationFactorError,
     MessageTooLargeError,
+    RequestTimedOutError,
     UnknownTopicOrPartitionError,
 )
 from tidelog.records import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES, encode_batch
@@ -142,6 +143,29 @@ def test_direct_produce_rides_through_a_leader_kill(
         60,
         "the restarted broker to rejoin the ISR",
     )
+
+
+def test_direct_close_whose_flush_times_out_still_completes_every_send(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """close(timeout_s) whose flush times out returns while the sender still works through
+    the queue. With unary appends (one request in flight per partition), close used to shut
+    down their thread pool under the sender, which died on its next append: the rest of the
+    futures never completed, not even at the delivery timeout."""
+    _create(admin, "direct-close", 1)
+    producer = tidelog.Producer(
+        gateway.address,
+        direct=True,
+        linger_ms=0,
+        batch_bytes=100,  # a batch per record: the queue takes longer than close waits
+        max_in_flight_requests_per_partition=1,
+    )
+    producer.send("direct-close", b"first", partition=0).result(30)
+    futures = [producer.send("direct-close", b"v" * 100, partition=0) for _ in range(20_000)]
+    with pytest.raises(RequestTimedOutError):
+        producer.close(timeout_s=0.05)
+    offsets = [future.result(120).offset for future in futures]
+    assert offsets == list(range(1, 20_001))
 
 
 def test_direct_consumer_finds_a_new_leader_within_one_long_poll(

@@ -869,9 +869,9 @@ class Producer:
             with self._lock:
                 self._closing = True
                 self._lock.notify_all()
+            # The sender shuts the unary appenders' pool down as it ends: it is the pool's
+            # only user, and a flush that timed out leaves it sending for a while yet.
             self._sender.join(timeout=10)
-            if self._appenders is not None:
-                self._appenders.shutdown(wait=False)
 
     def __enter__(self) -> Producer:
         return self
@@ -972,6 +972,8 @@ class Producer:
                             self._stream.requests.put(_STOP)
                         for pipe in self._pipes.values():
                             pipe.requests.put(_STOP)
+                        if self._appenders is not None:
+                            self._appenders.shutdown(wait=False)
                         return
                     wait_s = 0.5
                     self._close_idle_pipes(time.monotonic())
