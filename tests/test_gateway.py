@@ -901,9 +901,10 @@ def test_default_batches_stay_within_the_default_max_message_bytes(
 def test_send_batch_checks_its_items_before_queueing_anything(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
-    """A value or key that is not bytes fails the call at once, before anything is queued:
-    found only when the sender encoded, it failed every batch of its request and spent
-    other partitions' sequence numbers (their next batches then failed too)."""
+    """A value, key, header or timestamp that cannot be sent fails the call at once,
+    before anything is queued: found only when the sender encoded, it failed every batch
+    of its request and spent other partitions' sequence numbers (their next batches then
+    failed too)."""
     topic = "checked-items"
     admin.create_topic(topic, partitions=2, replication_factor=1)
     with tidelog.Producer(gateway.address, linger_ms=20) as producer:
@@ -912,6 +913,17 @@ def test_send_batch_checks_its_items_before_queueing_anything(
             producer.send_batch(topic, [b"ok", "text"], partition=0)  # type: ignore[list-item]
         with pytest.raises(ConfigError, match="keys must hold bytes or None, not int"):
             producer.send_batch(topic, [b"ok"], keys=[7])  # type: ignore[list-item]
+        # send's headers and timestamps too (they used to fail the request at encoding).
+        with pytest.raises(ConfigError, match="header values must hold bytes or None"):
+            producer.send(topic, b"x", partition=0, headers=[("k", "text")])  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match="each header must be a"):
+            producer.send(topic, b"x", partition=0, headers=[("k",)])  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match="header names must be str"):
+            producer.send(topic, b"x", partition=0, headers=[(b"k", b"v")])  # type: ignore[list-item]
+        with pytest.raises(ConfigError, match="timestamp_ms must be an int64"):
+            producer.send(topic, b"x", partition=0, timestamp_ms=2**63)
+        with pytest.raises(ConfigError, match="timestamp_ms must be an int"):
+            producer.send_batch(topic, [b"x"], timestamp_ms="soon")  # type: ignore[arg-type]
         assert good.result(30).offset == 0
         after = producer.send_batch(topic, [b"a", b"b"], partition=1).result(30)
         assert [m.offset for m in after] == [1, 2]

@@ -113,6 +113,7 @@ from tidelog.records import (
     Header,
     arrow_record_bytes,
     batch_cuts,
+    check_headers,
     encode_batch,
     encode_batch_arrow_parts,
     record_bytes,
@@ -183,6 +184,20 @@ def _check_binary(items: Sequence[Any], name: str) -> None:
     if wrong:
         names = ", ".join(sorted(t.__name__ for t in wrong))
         raise ConfigError(f"{name} must hold bytes or None, not {names}")
+
+
+def _timestamp(timestamp_ms: int | None) -> int:
+    """The records' timestamp: now, or the one given if it is an int64 (checked at the
+    call: found when the sender encodes, it would fail every batch of the request)."""
+    if timestamp_ms is None:
+        return int(time.time() * 1000)
+    try:
+        ts = int(timestamp_ms)
+    except (TypeError, ValueError):
+        raise ConfigError(f"timestamp_ms must be an int, got {timestamp_ms!r}") from None
+    if not -(2**63) <= ts < 2**63:
+        raise ConfigError(f"timestamp_ms must be an int64, got {timestamp_ms!r}")
+    return ts
 
 
 def _is_arrow(values: Any) -> bool:
@@ -615,6 +630,11 @@ class Producer:
             raise ConfigError(f"value must be bytes or None, not {type(value).__name__}")
         if key is not None and not isinstance(key, bytes | bytearray | memoryview):
             raise ConfigError(f"key must be bytes or None, not {type(key).__name__}")
+        # Headers and timestamp are checked here, not when the sender encodes the batch: a
+        # bad one found there would fail every batch of its request, other partitions'
+        # too (as send_batch's values are checked).
+        headers = check_headers(headers) if headers else None
+        ts = _timestamp(timestamp_ms)
         sticky = partition is None and key is None and self._partitioner is None
         if partition is None:
             partition = self._choose(topic, key)
@@ -624,7 +644,6 @@ class Producer:
         if size > self._buffer_bytes:
             raise ConfigError(f"a record of {size} bytes exceeds buffer_bytes {self._buffer_bytes}")
         future: Future[RecordMetadata] = Future()
-        ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         tp = (topic, partition)
         with self._lock:
             self._reserve(size)
@@ -696,7 +715,7 @@ class Producer:
         _check_binary(values, "values")
         if keys is not None:
             _check_binary(keys, "keys")
-        ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
+        ts = _timestamp(timestamp_ms)
         # (partition, record indices, bytes) of each batch to make, in order.
         chunks: list[tuple[int, range | list[int], int]] = []
         plan: list[tuple[int, range | list[int]]] = []
@@ -764,7 +783,7 @@ class Producer:
         self, topic: str, values: Any, partition: int | None, timestamp_ms: int | None
     ) -> Future[BatchMetadata]:
         n = len(values)
-        ts = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
+        ts = _timestamp(timestamp_ms)
         if partition is not None:
             self._check_partition(topic, partition)
         count = self._partition_count(topic)
@@ -1364,7 +1383,6 @@ class Producer:
             if pq.producer_id != self._producer_id:
                 pq.producer_id, pq.next_sequence = self._producer_id, 0
             producer_id, epoch, sequence = self._producer_id, self._producer_epoch, pq.next_sequence
-            pq.next_sequence = (pq.next_sequence + len(batch)) % 2**31
         batch.producer_id = producer_id
         options: dict[str, Any] = {
             "compression": self._compression,
@@ -1384,6 +1402,10 @@ class Producer:
                 encode_batch(batch.values, batch.keys, batch.headers, batch.timestamps, **options)
             ]
         batch.encoded_bytes = sum(memoryview(part).nbytes for part in batch.encoded)
+        if self._idempotent:
+            # Only once encoded: a batch that failed to encode must not spend sequences,
+            # or the partition's next batch would be refused as out of order.
+            pq.next_sequence = (sequence + len(batch)) % 2**31
 
     def _init_producer_id(self) -> None:
         response: gateway_pb2.InitProducerIdResponse = self._conn.call(

@@ -84,6 +84,7 @@ __all__ = [
     "RecordBatch",
     "arrow_schema",
     "batches_to_arrow",
+    "check_headers",
     "decode_batches",
     "encode_batch",
     "encode_batch_arrow",
@@ -748,6 +749,28 @@ def _write_python_column(
         raise ConfigError(f"{name} must hold bytes{' or None' if nullable else ''}")
     body.section(_little_endian(offsets))
     body.section(data)
+
+
+def check_headers(headers: Any) -> tuple[Header, ...]:
+    """One record's headers as a tuple, or ConfigError with the rule ``encode_batch``
+    would apply: (str name encodable as UTF-8, bytes-like or None value) pairs. For
+    callers that queue a record and encode it later (the producer), so that a bad header
+    is refused at the call instead of failing the batch it was put in."""
+    try:
+        pairs = tuple(headers)
+    except TypeError:
+        raise ConfigError("headers must be a sequence of (name, value) pairs") from None
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise ConfigError("each header must be a (str name, bytes | None value) pair")
+        name, value = pair
+        try:
+            name.encode()
+        except (AttributeError, UnicodeEncodeError):
+            raise ConfigError("header names must be str encodable as UTF-8") from None
+        if value is not None and not isinstance(value, bytes | bytearray | memoryview):
+            raise ConfigError("header values must hold bytes or None")
+    return pairs
 
 
 def _write_python_headers(body: _BodyWriter, headers: Sequence[Sequence[Header]]) -> bool:
