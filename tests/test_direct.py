@@ -168,6 +168,50 @@ def test_direct_close_whose_flush_times_out_still_completes_every_send(
     assert offsets == list(range(1, 20_001))
 
 
+def test_send_batch_larger_than_the_buffer_is_queued_whole_or_not_at_all(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A send_batch of several buffers' worth, while the leader is stopped: once its first
+    batch is queued the call waits for room rather than raise, since a caller would
+    retry records already on their way (it used to raise after max_block_ms with part of
+    the records queued, and written). One that finds no room for its first batch raises
+    with nothing queued."""
+    _create(admin, "whole-batches", 1)
+    producer = tidelog.Producer(
+        gateway.address,
+        direct=True,
+        linger_ms=1,
+        buffer_bytes=1 << 20,
+        batch_bytes=256 << 10,
+        max_block_ms=500,
+        request_timeout_ms=3_000,
+    )
+    with producer:
+        producer.send("whole-batches", b"first", partition=0).result(30)
+        leader = cluster.brokers[admin.describe_topic("whole-batches").partitions[0].leader]
+        # Nothing drains until the timer below: longer than max_block_ms, shorter than
+        # the broker's session (2 s), so that it stays the leader.
+        os.kill(leader.pid, signal.SIGSTOP)
+        resume = threading.Timer(1.2, os.kill, (leader.pid, signal.SIGCONT))
+        resume.start()
+        try:
+            whole = producer.send_batch("whole-batches", [b"w" * 1000] * 4000, partition=0)
+        finally:
+            resume.join()
+        assert [m.offset for m in whole.result(60)] == list(range(1, 4001))
+        leader = cluster.brokers[admin.describe_topic("whole-batches").partitions[0].leader]
+        os.kill(leader.pid, signal.SIGSTOP)
+        try:
+            filling = producer.send_batch("whole-batches", [b"f" * 1000] * 1000, partition=0)
+            with pytest.raises(RequestTimedOutError, match="stayed full"):
+                producer.send_batch("whole-batches", [b"x" * 1000] * 1000, partition=0)
+        finally:
+            os.kill(leader.pid, signal.SIGCONT)
+        assert [m.offset for m in filling.result(60)] == list(range(4001, 5001))
+    with tidelog.Consumer(gateway.address) as consumer:
+        assert consumer.end_offsets([("whole-batches", 0)]) == {("whole-batches", 0): 5001}
+
+
 def test_direct_consumer_finds_a_new_leader_within_one_long_poll(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

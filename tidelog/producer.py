@@ -758,25 +758,24 @@ class Producer:
         if not chunks:
             group.future.set_result(BatchMetadata(topic, group.partitions, group.offsets, ts))
             return group.future
-        for p, indices, size in chunks:
-            batch = _Batch((topic, p))
-            if isinstance(indices, range):
-                batch.values = list(values[indices.start : indices.stop])
-                if keys is not None:
-                    batch.keys = list(keys[indices.start : indices.stop])
-            else:
-                batch.values = [values[i] for i in indices]
-                if keys is not None:
-                    batch.keys = [keys[i] for i in indices]
-            batch.timestamps = [ts] * len(batch.values)
-            batch.size_bytes = size
-            batch.group_slots.append((group, indices))
-            with self._lock:
-                self._reserve(min(batch.size_bytes, self._buffer_bytes))
-                self._close_open(batch.tp)  # keep order with earlier send()s
-                self._queue(batch.tp).enqueue(batch)
-                self._unfinished += 1
-                self._lock.notify_all()
+
+        def batches() -> Iterator[_Batch]:
+            for p, indices, size in chunks:
+                batch = _Batch((topic, p))
+                if isinstance(indices, range):
+                    batch.values = list(values[indices.start : indices.stop])
+                    if keys is not None:
+                        batch.keys = list(keys[indices.start : indices.stop])
+                else:
+                    batch.values = [values[i] for i in indices]
+                    if keys is not None:
+                        batch.keys = [keys[i] for i in indices]
+                batch.timestamps = [ts] * len(batch.values)
+                batch.size_bytes = size
+                batch.group_slots.append((group, indices))
+                yield batch
+
+        self._queue_group(group, batches(), len(chunks))
         return group.future
 
     def _send_arrow(
@@ -795,23 +794,24 @@ class Producer:
         if not n:
             group.future.set_result(BatchMetadata(topic, group.partitions, group.offsets, ts))
             return group.future
-        for start, stop, size in cuts:
-            target = partition if partition is not None else self._sticky_partition(topic, count)
-            batch = _Batch((topic, target))
-            batch.arrow_values = values.slice(start, stop - start)
-            batch.timestamps = [ts]
-            batch.size_bytes = size
-            batch.group_slots.append((group, range(start, stop)))
-            with self._lock:
-                self._reserve(min(batch.size_bytes, self._buffer_bytes))
-                self._close_open(batch.tp)
-                self._queue(batch.tp).enqueue(batch)
-                self._unfinished += 1
-                self._lock.notify_all()
-            if partition is None:
-                # A slice cut short of the end is a batch's worth by construction.
-                went = self._records_budget if stop < n else batch.size_bytes
-                self._stick(topic, target, went, count)
+
+        def batches() -> Iterator[_Batch]:
+            for start, stop, size in cuts:
+                target = (
+                    partition if partition is not None else self._sticky_partition(topic, count)
+                )
+                batch = _Batch((topic, target))
+                batch.arrow_values = values.slice(start, stop - start)
+                batch.timestamps = [ts]
+                batch.size_bytes = size
+                batch.group_slots.append((group, range(start, stop)))
+                yield batch  # queued before the partition moves on
+                if partition is None:
+                    # A slice cut short of the end is a batch's worth by construction.
+                    went = self._records_budget if stop < n else batch.size_bytes
+                    self._stick(topic, target, went, count)
+
+        self._queue_group(group, batches(), len(cuts))
         return group.future
 
     def _chunk(
@@ -850,9 +850,11 @@ class Producer:
         if batch is not None:
             self._queue(tp).enqueue(batch)
 
-    def _reserve(self, size: int) -> None:
-        """Wait (lock held) for ``size`` bytes of buffer room."""
-        deadline = time.monotonic() + self._max_block_s
+    def _reserve(self, size: int, *, bounded: bool = True) -> None:
+        """Wait (lock held) for ``size`` bytes of buffer room: at most ``max_block_ms``
+        when ``bounded``, else until batches queued before finish (each does by its
+        delivery timeout at the latest)."""
+        deadline = time.monotonic() + self._max_block_s if bounded else float("inf")
         while self._buffered_bytes + size > self._buffer_bytes and self._buffered_bytes > 0:
             if self._closing:
                 raise ConfigError("the producer is closed")
@@ -862,10 +864,38 @@ class Producer:
                     f"the producer's buffer ({self._buffer_bytes} bytes) stayed full for "
                     f"max_block_ms; the gateway is not keeping up or unreachable"
                 )
-            self._lock.wait(remaining)
+            self._lock.wait(min(remaining, 1.0))
         if self._closing:
             raise ConfigError("the producer is closed")
         self._buffered_bytes += size
+
+    def _queue_group(self, group: _Group, batches: Iterator[_Batch], count: int) -> None:
+        """Queue a send_batch's ``count`` batches, made one at a time by ``batches``.
+
+        Only the first waits at most ``max_block_ms`` for buffer room, and raises
+        (nothing queued) when it finds none. Once a batch is queued the call cannot fail
+        without having written part of the records (a caller that retried would write
+        them twice), so the others wait as long as room takes to free up. A producer
+        closed meanwhile fails the group's future with the batches not queued."""
+        for queued, batch in enumerate(batches):
+            with self._lock:
+                try:
+                    self._reserve(min(batch.size_bytes, self._buffer_bytes), bounded=not queued)
+                except ConfigError as exc:
+                    if not queued:
+                        raise
+                    group.error = exc
+                    group.pending -= count - queued - 1  # this batch's share: _group_done
+                    abandoned = True
+                else:
+                    abandoned = False
+                    self._close_open(batch.tp)  # keep order with earlier send()s
+                    self._queue(batch.tp).enqueue(batch)
+                    self._unfinished += 1
+                    self._lock.notify_all()
+            if abandoned:
+                self._group_done(group)
+                return
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything queued now and wait until every send has completed."""
