@@ -67,7 +67,10 @@ to its answer), ``request-total``, ``record-send-total`` (records sent for the f
 ``record-retry-total`` and ``record-error-total``.
 
 ``buffer_bytes`` bounds the bytes waiting in the producer; ``send`` blocks up to
-``max_block_ms`` for room. Futures are ``concurrent.futures.Future``.
+``max_block_ms`` for room, and so does ``send_batch`` for its first batch (raising with
+nothing queued). A ``send_batch`` larger than the room then waits for the rest as long as
+it takes: it never raises with part of its records queued. Futures are
+``concurrent.futures.Future``.
 
 Thread-safety: ``send``/``send_batch``/``flush`` may be called from many threads.
 """
