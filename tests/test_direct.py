@@ -92,6 +92,40 @@ def test_direct_data_path_does_not_go_through_the_gateway(
     assert all(got[(1, o)].value == b"b" * 50 for o in offsets)
 
 
+def test_direct_partitions_with_known_leaders_do_not_wait_for_a_stopped_gateway(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """One partition's leader dies while the gateway is stopped: its records wait (their
+    new leader can only come from the gateway), but the other partitions' leaders are
+    known and their sends are acknowledged. A stale directory used to make every lookup
+    ask the gateway first, on the sender's one thread, so every partition waited for the
+    stopped gateway, one request timeout after another."""
+    _create(admin, "direct-known-leaders", 3)
+    partitions = admin.describe_topic("direct-known-leaders").partitions
+    victim = partitions[0].leader
+    assert victim not in (partitions[1].leader, partitions[2].leader), partitions
+    with tidelog.Producer(
+        gateway.address, direct=True, linger_ms=1, request_timeout_ms=20_000
+    ) as producer:
+        for p in range(3):
+            producer.send("direct-known-leaders", b"warm-up", partition=p).result(30)
+        os.kill(gateway.pid, signal.SIGSTOP)
+        try:
+            cluster.kill(cluster.brokers[victim])
+            moved = producer.send("direct-known-leaders", b"moved", partition=0)
+            wait_for(
+                lambda: producer.metrics()["record-retry-total"] > 0 or None,
+                30,
+                "the send to the dead leader to fail once (the directory is stale now)",
+            )
+            known = [producer.send("direct-known-leaders", b"known", partition=p) for p in (1, 2)]
+            assert [f.result(15).offset for f in known] == [1, 1]
+        finally:
+            os.kill(gateway.pid, signal.SIGCONT)
+            cluster.start_broker(victim)  # the next tests need three brokers
+        assert moved.result(60).offset == 1
+
+
 def test_direct_errors_are_the_leaders_precise_ones(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -11,9 +11,11 @@ brokers use to reach each other) must be reachable from the client.
 
 ``LeaderDirectory`` caches what the gateway last said: each live broker's address and each
 partition's leader and leader epoch. It asks again when a partition it is asked about is
-unknown or when a client reported that a leader moved (``invalidate``), at most once per
-``min_refresh_interval_s``, so a dead leader does not turn every retry into a metadata
-call. A leader that moved answers NOT_LEADER_OR_FOLLOWER or FENCED_LEADER_EPOCH (the
+unknown (the lookup waits for the answer) or when a client reported that a leader moved
+(``invalidate``; a background refresh, the cache answering meanwhile, as Kafka's clients
+update metadata), at most once per ``min_refresh_interval_s``, so a dead leader does not
+turn every retry into a metadata call, and an unreachable gateway does not hold up
+partitions whose leaders are known. A leader that moved answers NOT_LEADER_OR_FOLLOWER or FENCED_LEADER_EPOCH (the
 leader epoch goes with every append), so a stale entry costs a retry, never a misplaced
 record.
 
@@ -31,7 +33,8 @@ from typing import Final
 import grpc
 
 from tidelog.client import GatewayConnection, client_channel, leaders_by_topic
-from tidelog.v1 import storage_pb2, storage_pb2_grpc
+from tidelog.errors import TidelogError
+from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 
 MIN_REFRESH_INTERVAL_S: Final = 0.1
 """Least time between two metadata refreshes that a stale entry asks for (Kafka's
@@ -87,14 +90,20 @@ class LeaderDirectory:
         self._addresses: dict[int, str] = {}  # live broker id -> host:port
         self._leaders: dict[TopicPartition, tuple[int, int]] = {}  # -> (broker id, epoch)
         self._stale = False
-        self._refreshed_at_s = float("-inf")
+        self._refreshing = False  # a background refresh is running
+        self._refreshed_at_s = float("-inf")  # when the last refresh ended
         self._brokers: dict[str, _Broker] = {}  # by address: one channel per storage node
 
     def refresh(self, topics: Sequence[str]) -> dict[str, list[int]]:
         """Ask the gateway again about ``topics``; returns each one's partition leaders
         (-1: none). Raises UnknownTopicOrPartitionError for a topic that does not exist."""
-        response = self._conn.metadata(topics)
-        leaders = leaders_by_topic(response)  # raises before anything is replaced
+        try:
+            response = self._conn.metadata(topics)
+            leaders = leaders_by_topic(response)  # raises before anything is replaced
+        except TidelogError:
+            with self._lock:
+                self._refreshed_at_s = time.monotonic()  # failed attempts are spaced too
+            raise
         with self._lock:
             self._addresses = {b.broker_id: f"{b.host}:{b.port}" for b in response.brokers}
             for topic in response.topics:
@@ -107,21 +116,63 @@ class LeaderDirectory:
             self._refreshed_at_s = time.monotonic()
         return leaders
 
+    def _refresh_in_background(self, topics: list[str]) -> None:
+        """Ask again about every topic looked up so far. A topic answered with an error
+        (deleted) is forgotten, so its next lookup asks the gateway and raises; a gateway
+        that cannot be reached leaves the cache as it is, still stale."""
+        try:
+            response = self._conn.metadata(topics)
+        except TidelogError:
+            with self._lock:
+                self._refreshed_at_s = time.monotonic()
+                self._refreshing = False
+            return
+        with self._lock:
+            self._addresses = {b.broker_id: f"{b.host}:{b.port}" for b in response.brokers}
+            for topic in response.topics:
+                if topic.error.code != common_pb2.NONE:
+                    for key in [k for k in self._leaders if k[0] == topic.name]:
+                        del self._leaders[key]
+                    continue
+                for state in topic.partitions:
+                    self._leaders[(topic.name, state.partition)] = (
+                        state.leader,
+                        state.leader_epoch,
+                    )
+            self._stale = False
+            self._refreshed_at_s = time.monotonic()
+            self._refreshing = False
+
     def invalidate(self) -> None:
         """A client saw a leader move or a broker fail: the next lookup asks again."""
         with self._lock:
             self._stale = True
 
     def leader(self, tp: TopicPartition) -> Leader | None:
-        """The partition's leader, refreshing first when the entry is missing or stale
-        (rate-limited); None when it has no live leader right now."""
+        """The partition's leader; None when it has no live leader right now.
+
+        A partition never looked up waits for the gateway's answer (and raises its
+        error). A stale directory is refreshed in the background, as Kafka's clients
+        update metadata: the lookup answers from the cache meanwhile (a leader that moved
+        costs a retry), so one moved partition does not make every other partition's
+        sends wait for the gateway, or fail while it is unreachable. Attempts are
+        ``min_refresh_interval_s`` apart, failed ones too."""
         with self._lock:
             entry = self._leaders.get(tp)
-            wants_refresh = (self._stale or entry is None) and (
-                time.monotonic() - self._refreshed_at_s >= self._min_refresh_interval_s
-            )
-        if wants_refresh:
+            due = time.monotonic() - self._refreshed_at_s >= self._min_refresh_interval_s
+            background = entry is not None and self._stale and due and not self._refreshing
+            if background:
+                self._refreshing = True
+                topics = sorted({topic for topic, _ in self._leaders})
+        if entry is None and due:
             self.refresh([tp[0]])
+        elif background:
+            threading.Thread(
+                target=self._refresh_in_background,
+                args=(topics,),
+                name="tidelog-leaders-refresh",
+                daemon=True,
+            ).start()
         with self._lock:
             entry = self._leaders.get(tp)
             if entry is None or entry[0] < 0:
