@@ -15,9 +15,9 @@ unknown (the lookup waits for the answer) or when a client reported that a leade
 (``invalidate``; a background refresh, the cache answering meanwhile, as Kafka's clients
 update metadata), at most once per ``min_refresh_interval_s``, so a dead leader does not
 turn every retry into a metadata call, and an unreachable gateway does not hold up
-partitions whose leaders are known. A leader that moved answers NOT_LEADER_OR_FOLLOWER or FENCED_LEADER_EPOCH (the
-leader epoch goes with every append), so a stale entry costs a retry, never a misplaced
-record.
+partitions whose leaders are known. A leader that moved answers NOT_LEADER_OR_FOLLOWER
+or FENCED_LEADER_EPOCH (the leader epoch goes with every append), so a stale entry costs
+a retry, never a misplaced record.
 
 Thread-safety: every method may be called from any thread.
 """
@@ -34,7 +34,7 @@ import grpc
 
 from tidelog.client import GatewayConnection, client_channel, leaders_by_topic
 from tidelog.errors import TidelogError
-from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
+from tidelog.v1 import common_pb2, controller_pb2, storage_pb2, storage_pb2_grpc
 
 MIN_REFRESH_INTERVAL_S: Final = 0.1
 """Least time between two metadata refreshes that a stale entry asks for (Kafka's
@@ -105,21 +105,26 @@ class LeaderDirectory:
                 self._refreshed_at_s = time.monotonic()  # failed attempts are spaced too
             raise
         with self._lock:
-            self._addresses = {b.broker_id: f"{b.host}:{b.port}" for b in response.brokers}
-            for topic in response.topics:
-                for state in topic.partitions:
-                    self._leaders[(topic.name, state.partition)] = (
-                        state.leader,
-                        state.leader_epoch,
-                    )
-            self._stale = False
-            self._refreshed_at_s = time.monotonic()
+            self._store(response)
         return leaders
 
+    def _store(self, response: controller_pb2.MetadataResponse) -> None:
+        """(lock held) Take a metadata answer in. A topic answered with an error (it was
+        deleted) is forgotten, so that its next lookup asks the gateway and raises."""
+        self._addresses = {b.broker_id: f"{b.host}:{b.port}" for b in response.brokers}
+        for topic in response.topics:
+            if topic.error.code != common_pb2.NONE:
+                for key in [k for k in self._leaders if k[0] == topic.name]:
+                    del self._leaders[key]
+                continue
+            for state in topic.partitions:
+                self._leaders[(topic.name, state.partition)] = (state.leader, state.leader_epoch)
+        self._stale = False
+        self._refreshed_at_s = time.monotonic()
+
     def _refresh_in_background(self, topics: list[str]) -> None:
-        """Ask again about every topic looked up so far. A topic answered with an error
-        (deleted) is forgotten, so its next lookup asks the gateway and raises; a gateway
-        that cannot be reached leaves the cache as it is, still stale."""
+        """Ask again about every topic looked up so far; a gateway that cannot be reached
+        leaves the cache as it is, still stale."""
         try:
             response = self._conn.metadata(topics)
         except TidelogError:
@@ -128,19 +133,7 @@ class LeaderDirectory:
                 self._refreshing = False
             return
         with self._lock:
-            self._addresses = {b.broker_id: f"{b.host}:{b.port}" for b in response.brokers}
-            for topic in response.topics:
-                if topic.error.code != common_pb2.NONE:
-                    for key in [k for k in self._leaders if k[0] == topic.name]:
-                        del self._leaders[key]
-                    continue
-                for state in topic.partitions:
-                    self._leaders[(topic.name, state.partition)] = (
-                        state.leader,
-                        state.leader_epoch,
-                    )
-            self._stale = False
-            self._refreshed_at_s = time.monotonic()
+            self._store(response)
             self._refreshing = False
 
     def invalidate(self) -> None:
