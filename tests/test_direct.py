@@ -14,12 +14,14 @@ import pytest
 
 import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, wait_for
+from tidelog.client import GatewayConnection
 from tidelog.errors import (
     InvalidReplicationFactorError,
     MessageTooLargeError,
     RequestTimedOutError,
     UnknownTopicOrPartitionError,
 )
+from tidelog.leaders import LeaderDirectory
 from tidelog.records import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES, encode_batch
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 
@@ -124,6 +126,45 @@ def test_direct_partitions_with_known_leaders_do_not_wait_for_a_stopped_gateway(
             os.kill(gateway.pid, signal.SIGCONT)
             cluster.start_broker(victim)  # the next tests need three brokers
         assert moved.result(60).offset == 1
+
+
+def test_leader_directory_stays_stale_until_every_topic_is_asked_again(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A directory invalidated because topic B's leader moved, then refreshed about topic A
+    alone (a lookup of A), must still ask again about B: it used to count as fresh and
+    kept answering B's dead leader."""
+    _create(admin, "stale-a", 1)
+    _create(admin, "stale-b", 1)
+    directory = LeaderDirectory(GatewayConnection(gateway.address))
+    directory.refresh(["stale-a", "stale-b"])
+    old = directory.leader(("stale-b", 0))
+    assert old is not None
+    cluster.kill(cluster.brokers[old.broker_id])
+    try:
+        wait_for(
+            lambda: (
+                admin.describe_topic("stale-b").partitions[0].leader not in (old.broker_id, -1)
+                or None
+            ),
+            30,
+            "a new leader of stale-b",
+        )
+        directory.invalidate()
+        directory.refresh(["stale-a"])
+        wait_for(
+            lambda: (
+                (
+                    (leader := directory.leader(("stale-b", 0))) is not None
+                    and leader.broker_id != old.broker_id
+                )
+                or None
+            ),
+            10,
+            "the directory to learn stale-b's new leader",
+        )
+    finally:
+        cluster.start_broker(old.broker_id)  # the next tests need three brokers
 
 
 def test_direct_errors_are_the_leaders_precise_ones(

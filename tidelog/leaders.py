@@ -91,12 +91,15 @@ class LeaderDirectory:
         self._leaders: dict[TopicPartition, tuple[int, int]] = {}  # -> (broker id, epoch)
         self._stale = False
         self._refreshing = False  # a background refresh is running
+        self._invalidations = 0  # invalidate() calls so far
         self._refreshed_at_s = float("-inf")  # when the last refresh ended
         self._brokers: dict[str, _Broker] = {}  # by address: one channel per storage node
 
     def refresh(self, topics: Sequence[str]) -> dict[str, list[int]]:
         """Ask the gateway again about ``topics``; returns each one's partition leaders
         (-1: none). Raises UnknownTopicOrPartitionError for a topic that does not exist."""
+        with self._lock:
+            invalidations = self._invalidations
         try:
             response = self._conn.metadata(topics)
             leaders = leaders_by_topic(response)  # raises before anything is replaced
@@ -105,12 +108,19 @@ class LeaderDirectory:
                 self._refreshed_at_s = time.monotonic()  # failed attempts are spaced too
             raise
         with self._lock:
-            self._store(response)
+            # Still stale if a topic looked up before was left out of this answer.
+            complete = {topic for topic, _ in self._leaders} <= set(topics)
+            self._store(response, complete=complete, invalidations=invalidations)
         return leaders
 
-    def _store(self, response: controller_pb2.MetadataResponse) -> None:
-        """(lock held) Take a metadata answer in. A topic answered with an error (it was
-        deleted) is forgotten, so that its next lookup asks the gateway and raises."""
+    def _store(
+        self, response: controller_pb2.MetadataResponse, *, complete: bool, invalidations: int
+    ) -> None:
+        """(lock held) Take a metadata answer in. The directory is no longer stale if the
+        answer covers every topic looked up so far (``complete``) and nobody invalidated
+        it since the question was asked (``invalidations`` then). A topic answered with
+        an error (it was deleted) is forgotten, so that its next lookup asks the gateway
+        and raises."""
         self._addresses = {b.broker_id: f"{b.host}:{b.port}" for b in response.brokers}
         for topic in response.topics:
             if topic.error.code != common_pb2.NONE:
@@ -119,10 +129,11 @@ class LeaderDirectory:
                 continue
             for state in topic.partitions:
                 self._leaders[(topic.name, state.partition)] = (state.leader, state.leader_epoch)
-        self._stale = False
+        if complete and invalidations == self._invalidations:
+            self._stale = False
         self._refreshed_at_s = time.monotonic()
 
-    def _refresh_in_background(self, topics: list[str]) -> None:
+    def _refresh_in_background(self, topics: list[str], invalidations: int) -> None:
         """Ask again about every topic looked up so far; a gateway that cannot be reached
         leaves the cache as it is, still stale."""
         try:
@@ -133,13 +144,14 @@ class LeaderDirectory:
                 self._refreshing = False
             return
         with self._lock:
-            self._store(response)
+            self._store(response, complete=True, invalidations=invalidations)
             self._refreshing = False
 
     def invalidate(self) -> None:
         """A client saw a leader move or a broker fail: the next lookup asks again."""
         with self._lock:
             self._stale = True
+            self._invalidations += 1
 
     def leader(self, tp: TopicPartition) -> Leader | None:
         """The partition's leader; None when it has no live leader right now.
@@ -157,12 +169,13 @@ class LeaderDirectory:
             if background:
                 self._refreshing = True
                 topics = sorted({topic for topic, _ in self._leaders})
+                invalidations = self._invalidations
         if entry is None and due:
             self.refresh([tp[0]])
         elif background:
             threading.Thread(
                 target=self._refresh_in_background,
-                args=(topics,),
+                args=(topics, invalidations),
                 name="tidelog-leaders-refresh",
                 daemon=True,
             ).start()
