@@ -242,10 +242,13 @@ class Consumer:
         self._answered: queue.SimpleQueue[_Fetch] = queue.SimpleQueue()
         self._next_fetch: dict[TopicPartition, int] = {}
         self._buffered_bytes = 0
-        self._backoff_until = 0.0
-        # Groups whose last answer carried a throttle_time_ms: not fetched again before
-        # then (the server had no place to hold the long poll, so it answered at once).
-        self._throttled_until: dict[int, float] = {}
+        # When stale leaders may be asked for again (RETRY_BACKOFF_S after the first
+        # failure that made them stale).
+        self._refresh_after = 0.0
+        # Groups not to be fetched from before a time: the last answer carried a
+        # throttle_time_ms (the server had no place to hold the long poll, so it answered
+        # at once), or the fetch failed (back-off). Other groups go on meanwhile.
+        self._paused_until: dict[int, float] = {}
         self._closed = False
         self._metrics = ClientMetrics(
             counters=("fetch-total", "records-consumed-total", "bytes-consumed-total"),
@@ -452,11 +455,14 @@ class Consumer:
             raise ConfigError("the consumer is closed")
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
         self._maybe_auto_commit()
-        if self._leaders_stale or time.monotonic() - self._last_refresh > METADATA_REFRESH_S:
+        now = time.monotonic()
+        if (self._leaders_stale and now >= self._refresh_after) or (
+            now - self._last_refresh > METADATA_REFRESH_S
+        ):
             self._refresh_leaders()
         while True:
             self._decode_answered()
-            if self._leaders_stale and time.monotonic() >= self._backoff_until:
+            if self._leaders_stale and time.monotonic() >= self._refresh_after:
                 # A leader moved or died while fetches to the others are in flight: regroup
                 # now, not when this poll ends (a long poll would otherwise send the moved
                 # partitions' fetches to the dead broker until its timeout).
@@ -469,21 +475,19 @@ class Consumer:
             if remaining_s <= 0:
                 return
             now = time.monotonic()
-            # When a throttled group may be fetched again (not before a backoff ends);
-            # entries already past are dropped by the next _send_fetches.
-            throttle_ends = min((t for t in self._throttled_until.values() if t > now), default=0.0)
-            next_fetch_s = max(throttle_ends, self._backoff_until)
+            # When something is due whatever the fetches in flight answer: a paused
+            # group's next fetch, or the stale leaders' look-up (entries already past are
+            # dropped by the next _send_fetches).
+            due = [t for t in self._paused_until.values() if t > now]
+            if self._leaders_stale:
+                due.append(self._refresh_after)
             if not self._fetches:
-                # Backing off after a retriable error, or throttled: nothing is in flight
-                # to wait for.
-                time.sleep(min(remaining_s, max(0.0, next_fetch_s - now)))
-                if self._leaders_stale:
-                    self._refresh_leaders()
+                # Paused or backing off: nothing is in flight to wait for.
+                wake = min(due, default=now + RETRY_BACKOFF_S)  # (nothing due: never spin)
+                time.sleep(min(remaining_s, max(0.0, wake - now)))
                 continue
-            if throttle_ends > now or self._leaders_stale:
-                # A throttled group's next fetch is due then, whatever the others answer;
-                # stale leaders are looked up again when the backoff ends.
-                remaining_s = min(remaining_s, max(0.0, next_fetch_s - now))
+            if due:
+                remaining_s = min(remaining_s, max(0.0, min(due) - now))
             try:
                 fetch = self._answered.get(timeout=remaining_s)
             except queue.Empty:
@@ -554,13 +558,13 @@ class Consumer:
     def _send_fetches(self) -> None:
         """Start a long-poll Fetch for every leader group with partitions to fetch and no
         fetch in flight (module docstring)."""
-        if self._buffered_bytes >= self._max_bytes or time.monotonic() < self._backoff_until:
+        if self._buffered_bytes >= self._max_bytes:
             return
         busy = {tp for fetch in self._fetches.values() for tp in fetch.offsets}
         now = time.monotonic()
-        throttled = {g for g, until in self._throttled_until.items() if until > now}
-        if len(throttled) < len(self._throttled_until):
-            self._throttled_until = {g: self._throttled_until[g] for g in throttled}
+        paused = {g for g, until in self._paused_until.items() if until > now}
+        if len(paused) < len(self._paused_until):
+            self._paused_until = {g: self._paused_until[g] for g in paused}
         groups: dict[int, dict[TopicPartition, int]] = {}
         leaderless = False
         # Start one partition further each time (Kafka rotates too): with more leaders
@@ -580,7 +584,7 @@ class Consumer:
                 leaderless = True
                 continue
             position = self._positions.get(tp)
-            if group in self._fetches or group in throttled or position is None or tp in busy:
+            if group in self._fetches or group in paused or position is None or tp in busy:
                 continue  # it joins its group's next fetch
             if group not in groups and len(self._fetches) + len(groups) >= MAX_FETCHES_IN_FLIGHT:
                 continue  # more leaders than fetches allowed: it waits for a free place
@@ -591,7 +595,7 @@ class Consumer:
         for group, offsets in groups.items():
             stub = self._fetch_stub(group)
             if stub is None:
-                self._retry_later()
+                self._retry_later(group)
                 continue
             future = stub.Fetch.future(
                 self._fetch_request(offsets, self._max_wait_ms), timeout=timeout_s
@@ -618,11 +622,18 @@ class Consumer:
         stub: storage_pb2_grpc.StorageStub = self._directory.storage(address)
         return stub
 
-    def _retry_later(self) -> None:
-        """A leader moved or cannot be reached: regroup after a pause rather than ask the
-        same broker again at once."""
-        self._leaders_stale = True
-        self._backoff_until = time.monotonic() + RETRY_BACKOFF_S
+    def _retry_later(self, group: int | None = None) -> None:
+        """A leader moved or cannot be reached, or a partition has none: look leaders up
+        again after a pause (counted from the first such failure, so failures that keep
+        coming cannot put it off), and pause ``group``'s fetches rather than ask the
+        same broker again at once. Other groups' fetches go on: one offline partition
+        must not slow every leader's (Kafka backs off per node)."""
+        now = time.monotonic()
+        if not self._leaders_stale:
+            self._leaders_stale = True
+            self._refresh_after = now + RETRY_BACKOFF_S
+        if group is not None:
+            self._paused_until[group] = now + RETRY_BACKOFF_S
 
     def _decode_answered(self) -> None:
         while True:
@@ -647,7 +658,7 @@ class Consumer:
             if error.retriable:
                 # The leader (direct) or the gateway is down, moved or busy: positions are
                 # unchanged, so ask again after a pause, as Kafka's consumer does.
-                self._retry_later()
+                self._retry_later(fetch.group)
                 return
             raise error from None
         retry = False
@@ -683,14 +694,14 @@ class Consumer:
         if response.throttle_time_ms > 0 and not fetched_bytes:
             # An answer with records was worth having, whatever throttle another leader's
             # part of it (a gateway's fan-out) carried.
-            self._throttled_until[fetch.group] = time.monotonic() + response.throttle_time_ms / 1000
+            self._paused_until[fetch.group] = time.monotonic() + response.throttle_time_ms / 1000
         self._metrics.add("fetch-total")
         self._metrics.record("fetch-size", fetched_bytes)
         self._metrics.record("records-per-request", fetched_records)
         if reset:
             self._reset_positions(reset)
         if retry:
-            self._retry_later()
+            self._retry_later(fetch.group)
 
     def __iter__(self) -> Iterator[ConsumerRecord]:
         """Records forever (until ``close``), polling as needed."""
