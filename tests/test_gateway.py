@@ -36,6 +36,7 @@ from tidelog.errors import (
     NetworkError,
     RequestTimedOutError,
     TopicAlreadyExistsError,
+    UnknownServerError,
     UnknownTopicOrPartitionError,
 )
 from tidelog.partitioner import partition_for_key
@@ -928,6 +929,33 @@ def test_send_batch_checks_its_items_before_queueing_anything(
         after = producer.send_batch(topic, [b"a", b"b"], partition=1).result(30)
         assert [m.offset for m in after] == [1, 2]
         assert producer.send(topic, b"zero", partition=0).result(30).offset == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_failed_sender_fails_every_send_instead_of_leaving_it_pending(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Should the sender thread ever fail (a bug: here the batch encoder is made to raise
+    what it never raises), nothing may wait for it for ever: what was queued fails,
+    flush() returns, and later sends raise at once."""
+    admin.create_topic("failed-sender", partitions=2, replication_factor=1)
+    producer = tidelog.Producer(gateway.address, linger_ms=50)
+    assert producer.send("failed-sender", b"before", partition=0).result(30).offset == 0
+
+    def broken_encoder(*_: object) -> None:
+        raise RuntimeError("a bug in the sender")
+
+    producer._encode = broken_encoder  # type: ignore[method-assign,assignment]
+    queued = [producer.send("failed-sender", b"v", partition=p % 2) for p in range(10)]
+    for future in queued:
+        with pytest.raises(UnknownServerError, match="sender thread failed"):
+            future.result(30)
+    producer.flush(30)
+    with pytest.raises(UnknownServerError, match="sends no more"):
+        producer.send("failed-sender", b"after", partition=0)
+    with pytest.raises(UnknownServerError, match="sends no more"):
+        producer.send_batch("failed-sender", [b"after"], partition=0)
+    producer.close(30)
 
 
 def test_send_batch_of_arrow_values(gateway: GatewayProcess, admin: tidelog.Admin) -> None:

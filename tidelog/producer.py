@@ -104,6 +104,7 @@ from tidelog.errors import (
     OutOfOrderSequenceError,
     RequestTimedOutError,
     TidelogError,
+    UnknownServerError,
     UnknownTopicOrPartitionError,
     error_for_code,
 )
@@ -300,6 +301,7 @@ class _Batch:
         "created_s",
         "encoded",
         "encoded_bytes",
+        "finished",
         "group_slots",
         "headers",
         "keys",
@@ -328,6 +330,7 @@ class _Batch:
         self.encoded_bytes = 0
         self.attempts = 0
         self.sent = False
+        self.finished = False  # its futures are set (_finishing)
         self.ordinal = 0  # place in its partition's queue (``_PartitionQueue.enqueue``)
         self.producer_id = -1  # the producer id it was encoded under
         # Names the request that first carried it: a retry resends exactly that request.
@@ -536,6 +539,9 @@ class Producer:
         self._unfinished = 0  # batches created and not yet completed
         self._flushing = 0
         self._closing = False
+        # Set when the sender thread failed (_sender_failed): every send raises it.
+        self._broken: TidelogError | None = None
+        self._sending: list[tuple[_PartitionQueue, list[_Batch]]] = []  # picked, not dispatched
         self._in_flight: dict[int, list[tuple[_PartitionQueue, list[_Batch]]]] = {}
         self._correlation = itertools.count(1)
         self._producer_id = -1
@@ -857,6 +863,8 @@ class Producer:
         """Wait (lock held) for ``size`` bytes of buffer room: at most ``max_block_ms``
         when ``bounded``, else until batches queued before finish (each does by its
         delivery timeout at the latest)."""
+        if self._broken is not None:
+            raise self._broken
         deadline = time.monotonic() + self._max_block_s if bounded else float("inf")
         while self._buffered_bytes + size > self._buffer_bytes and self._buffered_bytes > 0:
             if self._closing:
@@ -884,7 +892,7 @@ class Producer:
             with self._lock:
                 try:
                     self._reserve(min(batch.size_bytes, self._buffer_bytes), bounded=not queued)
-                except ConfigError as exc:
+                except TidelogError as exc:  # closed (or the sender failed) meanwhile
                     if not queued:
                         raise
                     group.error = exc
@@ -1016,8 +1024,37 @@ class Producer:
         return picked, wait_s
 
     def _run_sender(self) -> None:
+        try:
+            self._send_until_closed()
+        except BaseException as exc:
+            # A bug, or the process out of threads or memory: without a sender nothing
+            # would ever complete what is queued, and flush() and futures would wait for
+            # ever. Everything unfinished fails instead, and so does every later send.
+            self._sender_failed(exc)
+            raise
+
+    def _sender_failed(self, exc: BaseException) -> None:
+        error = UnknownServerError(
+            f"the producer's sender thread failed ({exc!r}); this producer sends no more"
+        )
+        with self._lock:
+            self._broken = error
+            stranded = [b for _, batches in self._sending for b in batches]
+            stranded += [b for pq in self._queues.values() for b in pq.batches]
+            stranded += self._open.values()
+            for pq in self._queues.values():
+                pq.batches.clear()
+            self._open.clear()
+            self._sending = []
+            self._lock.notify_all()
+        # Requests in flight fail as they are answered (no retry once broken).
+        for batch in stranded:
+            self._fail(batch, error)
+
+    def _send_until_closed(self) -> None:
         while True:
             with self._lock:
+                self._sending = []  # the last ones were dispatched
                 while True:
                     if self._closing and self._unfinished == 0:
                         if self._stream is not None:
@@ -1037,6 +1074,7 @@ class Producer:
                     if len(self._in_flight) < self._max_in_flight:
                         picked, wait_s = self._ready(time.monotonic())
                         if picked:
+                            self._sending = picked  # for _sender_failed, until dispatched
                             break
                     self._lock.wait(min(wait_s, 0.5))
                 stream = self._stream
@@ -1515,7 +1553,8 @@ class Producer:
             retry = [
                 b
                 for b in batches
-                if (error.retriable or refused or split)
+                if self._broken is None
+                and (error.retriable or refused or split)
                 and b.attempts <= self._retries
                 and now - b.created_s < self._delivery_timeout_s
             ]
@@ -1551,6 +1590,16 @@ class Producer:
                 pq.request_done(batches, failed=True)
                 self._lock.notify_all()
 
+    def _finishing(self, batch: _Batch) -> bool:
+        """Whether ``batch`` is yet to be completed, marking it completed. Only a failed
+        sender (``_sender_failed``) can complete a batch that a request in flight will
+        complete again."""
+        with self._lock:
+            if batch.finished:
+                return False
+            batch.finished = True
+            return True
+
     def _finish(self, batch: _Batch) -> None:
         with self._lock:
             self._buffered_bytes -= min(batch.size_bytes, self._buffer_bytes)
@@ -1558,6 +1607,8 @@ class Producer:
             self._lock.notify_all()
 
     def _succeed(self, batch: _Batch, base_offset: int) -> None:
+        if not self._finishing(batch):
+            return
         topic, partition = batch.tp
         for index, future in batch.record_futures:
             offset = base_offset + index if base_offset >= 0 else -1
@@ -1578,6 +1629,8 @@ class Producer:
         self._finish(batch)
 
     def _fail(self, batch: _Batch, error: TidelogError) -> None:
+        if not self._finishing(batch):
+            return
         self._metrics.add("record-error-total", len(batch))
         for _, future in batch.record_futures:
             future.set_exception(error)
