@@ -106,6 +106,14 @@ def test_headers_null_keys_and_values_survive(
     ]
 
 
+def _consume_records(consumer: tidelog.Consumer, expected: int) -> list:
+    records: list = []
+    deadline = time.monotonic() + 30
+    while len(records) < expected and time.monotonic() < deadline:
+        records.extend(consumer.poll(timeout_ms=500))
+    return records
+
+
 def test_groups_commit_and_fetch_through_two_gateways(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
@@ -177,6 +185,39 @@ def test_a_deleted_topics_offsets_are_deleted_with_it(
     assert "only-doomed" not in admin.list_groups()
     assert [(p.topic, p.committed_offset) for p in admin.describe_group("both")] == [("spared", 7)]
     cluster.store.delete(other_incarnation)
+
+
+def test_iterating_moves_the_position_one_record_at_a_time(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """`for record in consumer` left with break, then closed with auto-commit on, commits
+    the record after the last one the loop was given (as kafka-python's iterator does),
+    and a poll resumes right there. It used to commit past the whole poll's worth (500
+    records) taken before the first was handed out: the rest were lost to the group."""
+    admin.create_topic("iterated", partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch("iterated", [b"r%d" % i for i in range(100)], partition=0).result(30)
+    with tidelog.Consumer(
+        gateway.address, group_id="iterating", auto_offset_reset="earliest"
+    ) as consumer:
+        consumer.assign([("iterated", 0)])
+        for record in consumer:
+            if record.offset == 9:
+                break
+        assert consumer.position(("iterated", 0)) == 10
+        assert [r.offset for r in consumer.poll(max_records=5)] == [10, 11, 12, 13, 14]
+        for record in consumer:
+            if record.offset == 19:
+                break
+    assert admin.describe_group("iterating")[0].committed_offset == 20
+    with tidelog.Consumer(gateway.address, group_id="iterating") as consumer:
+        consumer.assign([("iterated", 0)])
+        assert [r.value for r in _consume_records(consumer, 80)] == [
+            b"r%d" % i for i in range(20, 100)
+        ]
+        consumer.unsubscribe()
+        with pytest.raises(ConfigError, match="not subscribed to any topic or assigned"):
+            consumer.poll(timeout_ms=10)
 
 
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(

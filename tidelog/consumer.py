@@ -76,6 +76,8 @@ METADATA_REFRESH_S: Final = 30.0
 """How often ``subscribe`` looks for partitions added to its topics (Kafka's
 metadata.max.age.ms is 5 minutes; topics here grow rarely but users expect it sooner)."""
 RETRY_BACKOFF_S: Final = 0.1
+ITERATOR_POLL_TIMEOUT_MS: Final = 1000
+"""How long one wait of ``iter(consumer)`` for records lasts before it looks again."""
 MAX_FETCHES_IN_FLIGHT: Final = 16
 """Fetches in flight at once, one per leader group: beyond that many leaders, leaders
 share a group (by broker id modulo this)."""
@@ -106,29 +108,33 @@ class _Fetch:
 
 class _Chunk:
     """One fetched batch of one partition, decoded lazily: to records for ``poll``, to
-    Arrow for ``poll_arrow``. ``skip`` records at its start were read before."""
+    Arrow for ``poll_arrow``. ``skip`` records at its start were read before; of the
+    records after them, the first ``taken`` were handed out (a partial take)."""
 
-    __slots__ = ("_records", "batch", "skip", "tp")
+    __slots__ = ("_records", "batch", "skip", "taken", "tp")
 
     def __init__(self, tp: TopicPartition, batch: RecordBatch, skip: int) -> None:
         self.tp = tp
         self.batch = batch
         self.skip = skip
+        self.taken = 0
         self._records: list[ConsumerRecord] | None = None
 
     def records(self) -> list[ConsumerRecord]:
+        """Every record after ``skip``, handed out or not."""
         if self._records is None:
             records = self.batch.records_as(ConsumerRecord, self.tp[0], self.tp[1])
             self._records = records[self.skip :] if self.skip else records
         return self._records
 
-    def keep_records(self, rest: list[ConsumerRecord]) -> None:
-        """What is left after a partial take (as records from now on)."""
-        self._records = rest
+    def rest(self) -> list[ConsumerRecord]:
+        """The records not handed out yet."""
+        records = self.records()
+        return records[self.taken :] if self.taken else records
 
     def arrow(self, pa: Any) -> Any:
         if self._records is not None:
-            rows = self._records
+            rows = self.rest()
             return pa.Table.from_pydict(
                 {
                     "topic": pa.array([r.topic for r in rows], pa.string()),
@@ -453,6 +459,12 @@ class Consumer:
     def _wait_for_data(self, timeout_ms: int) -> None:
         if self._closed:
             raise ConfigError("the consumer is closed")
+        if not self._assignment and not self._subscription:
+            # Kafka's IllegalStateException: there is nothing such a poll could wait for
+            # (and `for record in consumer` would spin).
+            raise ConfigError(
+                "the consumer is not subscribed to any topic or assigned any partition"
+            )
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
         self._maybe_auto_commit()
         now = time.monotonic()
@@ -469,7 +481,7 @@ class Consumer:
                 self._refresh_leaders()
             self._ensure_positions()
             self._send_fetches()
-            if self._buffer or not self._assignment:
+            if self._buffer:
                 return
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
@@ -500,20 +512,24 @@ class Consumer:
         out: list[ConsumerRecord] = []
         while self._buffer and len(out) < limit:
             chunk = self._buffer[0]
-            records = chunk.records()
+            records = chunk.rest()
             room = limit - len(out)
             if len(records) <= room:
                 taken = records
-                self._buffer.popleft()
-                self._buffered_bytes -= chunk.batch.header.size_bytes
-                self._metrics.add("bytes-consumed-total", chunk.batch.header.size_bytes)
+                self._drop_first_chunk()
             else:
                 taken = records[:room]
-                chunk.keep_records(records[room:])
+                chunk.taken += room
             out.extend(taken)
             self._positions[chunk.tp] = taken[-1].offset + 1
         self._metrics.add("records-consumed-total", len(out))
         return out
+
+    def _drop_first_chunk(self) -> None:
+        """The buffer's first chunk is all handed out."""
+        chunk = self._buffer.popleft()
+        self._buffered_bytes -= chunk.batch.header.size_bytes
+        self._metrics.add("bytes-consumed-total", chunk.batch.header.size_bytes)
 
     def _take_arrow(self, limit: int) -> Any:
         import pyarrow as pa  # noqa: PLC0415  # only for Arrow consumers
@@ -525,11 +541,10 @@ class Consumer:
             table = chunk.arrow(pa)
             room = limit - taken_total
             if table.num_rows <= room:
-                self._buffer.popleft()
-                self._buffered_bytes -= chunk.batch.header.size_bytes
-                self._metrics.add("bytes-consumed-total", chunk.batch.header.size_bytes)
+                self._drop_first_chunk()
             else:
-                chunk.keep_records(chunk.records()[room:])
+                chunk.records()  # decoded from now on: the rest is records[taken:]
+                chunk.taken += room
                 table = table.slice(0, room)
             pieces.append(table)
             taken_total += table.num_rows
@@ -704,9 +719,26 @@ class Consumer:
             self._retry_later(fetch.group)
 
     def __iter__(self) -> Iterator[ConsumerRecord]:
-        """Records forever (until ``close``), polling as needed."""
+        """Records forever (until ``close``), polling as needed.
+
+        The position moves past a record as it is handed out, one record at a time (as
+        kafka-python's iterator does), not past a whole poll's worth: a loop left with
+        ``break`` or an exception, then ``close()`` or ``commit()``, commits only what
+        the loop was given, and the next iteration or poll resumes with the record after
+        it."""
         while not self._closed:
-            yield from self.poll()
+            self._wait_for_data(ITERATOR_POLL_TIMEOUT_MS)
+            while self._buffer:
+                chunk = self._buffer[0]
+                records = chunk.records()
+                record = records[chunk.taken]
+                chunk.taken += 1
+                if chunk.taken == len(records):
+                    self._drop_first_chunk()
+                self._positions[chunk.tp] = record.offset + 1
+                self._metrics.add("records-consumed-total", 1)
+                yield record
+                self._maybe_auto_commit()
 
     # --- group offsets --------------------------------------------------------------------
 
