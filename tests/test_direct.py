@@ -167,6 +167,38 @@ def test_leader_directory_stays_stale_until_every_topic_is_asked_again(
         cluster.start_broker(old.broker_id)  # the next tests need three brokers
 
 
+def test_direct_consumer_reads_on_while_the_gateway_is_down(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
+    """The gateway dies, then a leader: the direct consumer cannot learn the new leader,
+    but it goes on reading the partitions whose leaders it knows. Every poll used to
+    raise the failed metadata look-up at once, delivering nothing."""
+    own = cluster.start_gateway()  # killed below; the module's gateway stays up
+    _create(admin, "direct-no-gateway", 3)
+    partitions = admin.describe_topic("direct-no-gateway").partitions
+    victim = partitions[0].leader
+    assert victim not in (partitions[1].leader, partitions[2].leader), partitions
+    with (
+        tidelog.Producer(own.address, direct=True, linger_ms=1) as producer,
+        tidelog.Consumer(own.address, direct=True, auto_offset_reset="earliest") as consumer,
+    ):
+        consumer.assign([("direct-no-gateway", p) for p in range(3)])
+        for p in range(3):
+            producer.send("direct-no-gateway", b"warm-up", partition=p).result(30)
+        assert len(_read(consumer, 3, 30)) == 3
+        cluster.kill(own)
+        cluster.kill(cluster.brokers[victim])
+        try:
+            # The fetch to the dead leader fails; looking up its successor fails too.
+            assert consumer.poll(timeout_ms=1_000) == []
+            for p in (1, 2):
+                producer.send("direct-no-gateway", b"later", partition=p).result(30)
+            later = _read(consumer, 2, 30)
+            assert sorted((r.partition, r.value) for r in later) == [(1, b"later"), (2, b"later")]
+        finally:
+            cluster.start_broker(victim)  # the next tests need three brokers
+
+
 def test_direct_errors_are_the_leaders_precise_ones(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -220,6 +220,33 @@ def test_iterating_moves_the_position_one_record_at_a_time(
             consumer.poll(timeout_ms=10)
 
 
+def test_a_subscription_reads_on_when_one_of_its_topics_is_deleted(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A subscribed topic deleted: the consumer goes on with the others (Kafka's does).
+    Its next leader look-up used to raise UNKNOWN_TOPIC_OR_PARTITION from every poll, at
+    once and for ever, delivering nothing of the other topics."""
+    admin.create_topic("sub-kept", partitions=1, replication_factor=1)
+    admin.create_topic("sub-deleted", partitions=1, replication_factor=1)
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.subscribe(["sub-kept", "sub-deleted"])
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send("sub-kept", b"before", partition=0).result(30)
+            producer.send("sub-deleted", b"before", partition=0).result(30)
+            assert len(_consume_records(consumer, 2)) == 2
+            admin.delete_topic("sub-deleted")
+            producer.send("sub-kept", b"after", partition=0).result(30)
+        assert [r.value for r in _consume_records(consumer, 1)] == [b"after"]
+        wait_for(
+            lambda: (
+                (consumer.poll(timeout_ms=100) == [] and consumer.assignment() == [("sub-kept", 0)])
+                or None
+            ),
+            30,
+            "the deleted topic's partition to leave the assignment",
+        )
+
+
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -44,6 +44,7 @@ Not thread-safe, like Kafka's consumer: use one per thread (``metrics()`` except
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections import deque
@@ -284,17 +285,29 @@ class Consumer:
         self._subscription = list(dict.fromkeys(topics))
         self._refresh_subscription()
 
-    def _refresh_subscription(self) -> None:
-        leaders = self._partition_leaders(self._subscription)
+    def _refresh_subscription(self, *, allow_missing: bool = False) -> None:
+        """Assign every partition of the subscribed topics. With ``allow_missing``, a
+        topic that no longer exists (deleted since ``subscribe``) has no partitions until
+        it exists again, as in Kafka, instead of failing the others' reads."""
+        try:
+            leaders = self._partition_leaders(self._subscription)
+        except UnknownTopicOrPartitionError:
+            if not allow_missing:
+                raise
+            leaders = {}
+            for topic in self._subscription:  # one by one, to learn which are gone
+                with contextlib.suppress(UnknownTopicOrPartitionError):
+                    leaders.update(self._partition_leaders([topic]))
         self._set_assignment(
-            [(t, p) for t in self._subscription for p in range(len(leaders[t]))], leaders
+            [(t, p) for t in self._subscription if t in leaders for p in range(len(leaders[t]))],
+            leaders,
         )
 
     def _refresh_leaders(self) -> None:
         """Regroup the assigned partitions by leader (and, when subscribed, pick up
         partitions added to the topics)."""
         if self._subscription:
-            self._refresh_subscription()
+            self._refresh_subscription(allow_missing=True)
             return
         topics = sorted({t for t, _ in self._assignment})
         try:
@@ -306,6 +319,21 @@ class Consumer:
             self._leaders_stale = False
             return
         self._set_assignment(self._assignment, leaders)
+
+    def _try_refresh_leaders(self) -> None:
+        """``_refresh_leaders`` inside a poll: with the gateway unreachable, fetching goes
+        on from the leaders known (direct mode) or retries through the gateway, and the
+        look-up is tried again after a pause, as Kafka's poll does, instead of every
+        poll raising at once."""
+        try:
+            self._refresh_leaders()
+        except TidelogError as exc:
+            if not exc.retriable:
+                raise
+            now = time.monotonic()
+            self._last_refresh = now
+            self._leaders_stale = True
+            self._refresh_after = now + RETRY_BACKOFF_S
 
     def _partition_leaders(self, topics: Sequence[str]) -> dict[str, list[int]]:
         if self._directory is not None:
@@ -471,14 +499,14 @@ class Consumer:
         if (self._leaders_stale and now >= self._refresh_after) or (
             now - self._last_refresh > METADATA_REFRESH_S
         ):
-            self._refresh_leaders()
+            self._try_refresh_leaders()
         while True:
             self._decode_answered()
             if self._leaders_stale and time.monotonic() >= self._refresh_after:
                 # A leader moved or died while fetches to the others are in flight: regroup
                 # now, not when this poll ends (a long poll would otherwise send the moved
                 # partitions' fetches to the dead broker until its timeout).
-                self._refresh_leaders()
+                self._try_refresh_leaders()
             self._ensure_positions()
             self._send_fetches()
             if self._buffer:
