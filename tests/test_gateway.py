@@ -220,6 +220,31 @@ def test_iterating_moves_the_position_one_record_at_a_time(
             consumer.poll(timeout_ms=10)
 
 
+def test_reassigning_commits_the_progress_of_what_it_drops(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """With auto-commit on, assign() and subscribe() commit the positions of the partitions
+    they drop, as Kafka's do: those positions used to be forgotten, and whoever read the
+    partition next re-read everything since the last auto-commit."""
+    admin.create_topic("reassigned", partitions=2, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(2):
+            producer.send_batch("reassigned", [b"x"] * 20, partition=p).result(30)
+    with tidelog.Consumer(
+        gateway.address,
+        group_id="reassigning",
+        auto_offset_reset="earliest",
+        auto_commit_interval_ms=600_000,  # only the reassignments can commit
+    ) as consumer:
+        consumer.assign([("reassigned", 0)])
+        assert len(_consume_records(consumer, 20)) == 20
+        consumer.assign([("reassigned", 1)])
+        assert consumer.committed([("reassigned", 0)]) == {("reassigned", 0): 20}
+        assert len(_consume_records(consumer, 20)) == 20
+        consumer.subscribe(["reassigned"])
+        assert consumer.committed([("reassigned", 1)]) == {("reassigned", 1): 20}
+
+
 def test_a_subscription_reads_on_when_one_of_its_topics_is_deleted(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -275,6 +275,7 @@ class Consumer:
                     f"topic {topic!r} has {len(leaders[topic])} partitions; partition "
                     f"{partition} does not exist",
                 )
+        self._commit_before_reassigning()
         self._subscription = []
         self._set_assignment(wanted, leaders)
 
@@ -282,6 +283,7 @@ class Consumer:
         """Read every partition of ``topics`` (they must exist)."""
         if isinstance(topics, str):
             raise ConfigError("subscribe takes a list of topic names, not one string")
+        self._commit_before_reassigning()
         self._subscription = list(dict.fromkeys(topics))
         self._refresh_subscription()
 
@@ -302,6 +304,15 @@ class Consumer:
             [(t, p) for t in self._subscription if t in leaders for p in range(len(leaders[t]))],
             leaders,
         )
+
+    def _commit_before_reassigning(self) -> None:
+        """With auto-commit on, commit the positions of the current assignment before it
+        is replaced, as Kafka's assign and subscribe do: a partition dropped from it
+        takes its position along, and whoever reads it next would read again what this
+        consumer read since the last auto-commit."""
+        if self._auto_commit:
+            self._last_commit = 0.0
+            self._maybe_auto_commit()
 
     def _refresh_leaders(self) -> None:
         """Regroup the assigned partitions by leader (and, when subscribed, pick up
@@ -359,6 +370,7 @@ class Consumer:
         return list(self._assignment)
 
     def unsubscribe(self) -> None:
+        self._commit_before_reassigning()
         self._subscription = []
         self._set_assignment([], {})
 
@@ -834,9 +846,7 @@ class Consumer:
         if self._closed:
             return
         try:
-            if self._auto_commit:
-                self._last_commit = 0.0
-                self._maybe_auto_commit()
+            self._commit_before_reassigning()
         finally:
             for fetch in self._fetches.values():
                 fetch.future.cancel()
