@@ -531,6 +531,39 @@ def test_produce_stream_in_flight_limit(cluster: TestCluster, admin: tidelog.Adm
     assert "in flight" in raised.value.details()
 
 
+def test_idle_produce_streams_do_not_hold_up_other_calls(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
+    """Each ProduceStream holds a server thread for as long as it is open (an SDK producer
+    keeps one while it lives). With 64 threads and 1,024 admitted calls, 64 idle producers
+    left every other call queued for a thread: Metadata and Produce timed out. Every
+    admitted call now has a thread."""
+    own = cluster.start_gateway()
+    admin.create_topic("beside-idle-streams", partitions=1, replication_factor=1)
+    release = threading.Event()
+
+    def idle() -> Iterator[gateway_pb2.ProduceRequest]:
+        release.wait(60)
+        return
+        yield  # a generator that sends nothing until released
+
+    streams = [own.stub.ProduceStream(idle(), timeout=60) for _ in range(80)]
+    try:
+        wait_for(
+            lambda: len(os.listdir(f"/proc/{own.pid}/task")) >= 64 + 8 or None,
+            30,
+            "the gateway to serve the streams on threads of their own",
+        )
+        own.stub.Metadata(controller_pb2.MetadataRequest(topics=["beside-idle-streams"]), timeout=5)
+        with tidelog.Producer(own.address) as producer:
+            assert producer.send("beside-idle-streams", b"v", partition=0).result(10).offset == 0
+    finally:
+        release.set()
+        for stream in streams:
+            stream.cancel()
+        cluster.kill(own)
+
+
 def test_describe_subscribe_and_list_offsets(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic(
         "described", partitions=2, replication_factor=3, config={"retention.ms": "3600000"}

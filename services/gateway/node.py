@@ -66,10 +66,13 @@ class GatewayNodeConfig:
     # Bytes of fetch answers held at once; None: queued_max_fetch_bytes_for() of the cgroup
     # memory limit.
     queued_max_fetch_bytes: int | None = None
-    # Pool threads serving calls; long polls and streams hold one each.
-    max_workers: int = 64
-    # Calls admitted at once; beyond it gRPC answers RESOURCE_EXHAUSTED instead of queueing.
+    # Calls admitted at once; beyond it the server answers RESOURCE_EXHAUSTED.
     max_concurrent_rpcs: int = 1024
+    # Pool threads serving calls (started as needed); None: one per admitted call. Streams
+    # and long polls hold a thread each for as long as they last (an SDK producer keeps its
+    # ProduceStream open while it lives), so with fewer threads than admitted calls, that
+    # many idle producers left every other call queued for a thread, health checks aside.
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.listen_port <= 65535:
@@ -199,7 +202,7 @@ class GatewayNode:
         message_limit = max(config.max_request_bytes, fetch_bytes) + MESSAGE_OVERHEAD_BYTES
         server = new_server(
             role="gateway",
-            max_workers=config.max_workers,
+            max_workers=config.max_workers or config.max_concurrent_rpcs,
             max_message_bytes=message_limit,
             max_concurrent_rpcs=config.max_concurrent_rpcs,
         )
