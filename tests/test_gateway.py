@@ -564,6 +564,40 @@ def test_idle_produce_streams_do_not_hold_up_other_calls(
         cluster.kill(own)
 
 
+def test_init_producer_id_callers_get_an_answer_within_their_deadline_without_a_controller(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
+    """With no controller to hand out a block of producer ids, concurrent InitProducerId
+    calls each get the gateway's error before their deadline. They used to queue on the
+    block request without a deadline, the k-th answered after k controller timeouts
+    (10 s each), long after its client had given up."""
+    own = cluster.start_gateway()  # a gateway without a block of ids yet
+    controller = cluster.active_controller()
+    controller_id = next(i for i, p in cluster.controllers.items() if p is controller)
+    cluster.kill(controller)
+    outcomes: list[str] = []
+
+    def init() -> None:
+        try:
+            own.stub.InitProducerId(gateway_pb2.InitProducerIdRequest(), timeout=25)
+            outcomes.append("an id")
+        except grpc.RpcError as exc:
+            outcomes.append(exc.details() or "")  # type: ignore[attr-defined]
+
+    callers = [threading.Thread(target=init) for _ in range(4)]
+    try:
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(60)
+        assert len(outcomes) == 4
+        assert "Deadline Exceeded" not in outcomes, outcomes  # the client's own deadline
+    finally:
+        cluster.start_controller(controller_id)
+        cluster.active_controller()
+        cluster.kill(own)
+
+
 def test_describe_subscribe_and_list_offsets(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic(
         "described", partitions=2, replication_factor=3, config={"retention.ms": "3600000"}

@@ -89,11 +89,23 @@ class ProducerIds:
         self._next = 0
         self._end = 0
 
-    def next_id(self) -> int:
-        with self._lock:
+    def next_id(self, timeout_s: float | None = None) -> int:
+        """The next id; a new block from the controller when this one is used up. Waits
+        at most ``timeout_s`` (the caller's deadline; at most the configured timeout) in
+        all, for another caller's block request included: callers used to queue on it
+        without a deadline, the k-th for k controller timeouts while the controller was
+        down, each holding a server thread long after its client had given up."""
+        timeout_s = min(self._timeout_s, self._timeout_s if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if not self._lock.acquire(timeout=max(0.0, timeout_s)):
+            raise RequestTimedOutError(
+                "no producer id within the deadline: the controller has not answered "
+                "another InitProducerId's request for a block yet"
+            )
+        try:
             if self._next >= self._end:
                 response = self._controller.call(
-                    self._timeout_s,
+                    max(0.0, deadline - time.monotonic()),
                     lambda stub, t: stub.AllocateProducerIds(
                         controller_pb2.AllocateProducerIdsRequest(broker_id=-1), timeout=t
                     ),
@@ -106,3 +118,5 @@ class ProducerIds:
             producer_id = self._next
             self._next += 1
             return producer_id
+        finally:
+            self._lock.release()

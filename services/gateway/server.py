@@ -398,7 +398,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def InitProducerId(  # noqa: N802 - gRPC's method name
         self, request: gateway_pb2.InitProducerIdRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.InitProducerIdResponse:
-        producer_id = self._producer_ids.next_id()
+        producer_id = self._producer_ids.next_id(context.time_remaining())
         _log.info("producer_id_issued", producer_id=producer_id, client_id=request.client_id)
         return gateway_pb2.InitProducerIdResponse(producer_id=producer_id, producer_epoch=0)
 
