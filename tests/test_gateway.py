@@ -598,6 +598,59 @@ def test_init_producer_id_callers_get_an_answer_within_their_deadline_without_a_
         cluster.kill(own)
 
 
+def test_a_dead_broker_does_not_hold_up_produce_to_the_others(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
+    """A request for 70 partitions led by a dead broker waits out its timeout on the
+    gateway's workers. They used to be one pool of 64 for every broker: a request for
+    partitions on the healthy brokers then queued behind it and timed out with nothing
+    written. Each broker's partitions now have workers of their own."""
+    own = cluster.start_gateway()  # fresh worker pools
+    admin.create_topic("on-dead-broker", partitions=240, replication_factor=1)
+    admin.create_topic("on-live-brokers", partitions=6, replication_factor=1)
+    victim = 0
+    slow = [
+        p.partition for p in admin.describe_topic("on-dead-broker").partitions if p.leader == victim
+    ][:70]
+    fast = [
+        p.partition
+        for p in admin.describe_topic("on-live-brokers").partitions
+        if p.leader != victim
+    ][:2]
+    assert len(slow) == 70 and len(fast) == 2
+
+    def request(topic: str, partitions: list[int], timeout_ms: int) -> gateway_pb2.ProduceRequest:
+        return gateway_pb2.ProduceRequest(
+            acks=common_pb2.LEADER,
+            timeout_ms=timeout_ms,
+            partitions=[
+                gateway_pb2.ProducePartitionData(
+                    topic=topic, partition=p, records=encode_batch([b"v"])
+                )
+                for p in partitions
+            ],
+        )
+
+    threads_before = len(os.listdir(f"/proc/{own.pid}/task"))
+    cluster.kill(cluster.brokers[victim])
+    try:
+        stuck = own.stub.Produce.future(request("on-dead-broker", slow, 10_000), timeout=30)
+        wait_for(
+            lambda: len(os.listdir(f"/proc/{own.pid}/task")) >= threads_before + 64 or None,
+            10,
+            "the dead broker's appends to take 64 workers",
+        )
+        answer = own.stub.Produce(request("on-live-brokers", fast, 3_000), timeout=30)
+        assert [(r.error.code, r.base_offset) for r in answer.partitions] == [
+            (common_pb2.NONE, 0),
+            (common_pb2.NONE, 0),
+        ]
+        assert {r.error.code for r in stuck.result().partitions} != {common_pb2.NONE}
+    finally:
+        cluster.start_broker(victim)
+        cluster.kill(own)
+
+
 def test_describe_subscribe_and_list_offsets(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic(
         "described", partitions=2, replication_factor=3, config={"retention.ms": "3600000"}

@@ -59,7 +59,9 @@ class ProduceLimits:
 
     max_request_bytes: int = 100 * 1024 * 1024  # sum of record bytes in one request
     max_background_appends: int = 1024  # acks=0 appends queued but not yet answered
-    workers: int = 64  # threads that wait on leaders (acks=all waits hold one each)
+    # Threads that wait on one leader broker (acks=all waits hold one each); each broker
+    # has a pool of its own, so that a stopped or dead broker can fill only its own.
+    workers: int = 64
     # Record bytes of all requests held at once (``byte_budget``); node.py sizes it.
     queued_max_request_bytes: int = 256 * 1024 * 1024
 
@@ -124,14 +126,36 @@ class ProduceHandler:
     def __init__(self, router: Router, limits: ProduceLimits) -> None:
         self._router = router
         self.limits = limits
-        self._executor = ThreadPoolExecutor(
-            max_workers=limits.workers, thread_name_prefix="gateway-produce"
-        )
+        # Worker pools by leader broker id (-1: no leader known), started as needed. One
+        # pool for all used to let one stopped broker take every worker with appends
+        # waiting out their deadlines there, and requests for partitions on healthy
+        # brokers then queued behind them until theirs had passed.
+        self._executors: dict[int, ThreadPoolExecutor] = {}
+        self._executors_lock = threading.Lock()
         self._background = threading.BoundedSemaphore(limits.max_background_appends)
         self.budget = ByteBudget(limits.queued_max_request_bytes)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._executors_lock:
+            executors = list(self._executors.values())
+        for executor in executors:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def _executor_for(self, data: gateway_pb2.ProducePartitionData) -> ThreadPoolExecutor:
+        """The worker pool of the partition's leader as the cache knows it now. (A leader
+        that moves before the append runs costs nothing but the pool choice.)"""
+        try:
+            broker_id = self._router.cache.leader(data.topic, data.partition).broker.broker_id
+        except TidelogError:
+            broker_id = -1
+        with self._executors_lock:
+            executor = self._executors.get(broker_id)
+            if executor is None:
+                executor = self._executors[broker_id] = ThreadPoolExecutor(
+                    max_workers=self.limits.workers,
+                    thread_name_prefix=f"gateway-produce-{broker_id}",
+                )
+            return executor
 
     # --- one partition ----------------------------------------------------------------------
 
@@ -247,8 +271,9 @@ class ProduceHandler:
         unknown = self._known(data)
         if unknown is not None:
             return Submitted.done(_failed(data, unknown))
+        executor = self._executor_for(data)
         if acks != common_pb2.NONE_ACKS:
-            future = self._chain(after, lambda: self.append(data, acks, deadline))
+            future = self._chain(executor, after, lambda: self.append(data, acks, deadline))
             return Submitted(result=future, tail=future)
         # acks=0: answer now; the append runs in the background, bounded.
         if not self._background.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -270,7 +295,7 @@ class ProduceHandler:
             finally:
                 self._background.release()
 
-        tail = self._chain(after, run)
+        tail = self._chain(executor, after, run)
         accepted = Submitted.done(
             gateway_pb2.ProducePartitionResult(
                 topic=data.topic,
@@ -286,16 +311,17 @@ class ProduceHandler:
 
     def _chain(
         self,
+        executor: ThreadPoolExecutor,
         after: Future[gateway_pb2.ProducePartitionResult] | None,
         fn: Callable[[], gateway_pb2.ProducePartitionResult],
     ) -> Future[gateway_pb2.ProducePartitionResult]:
         if after is None or after.done():
-            return self._executor.submit(fn)
+            return executor.submit(fn)
         chained: Future[gateway_pb2.ProducePartitionResult] = Future()
 
         def start(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
             try:
-                inner = self._executor.submit(fn)
+                inner = executor.submit(fn)
             except RuntimeError as exc:  # the executor is shutting down
                 chained.set_result(
                     gateway_pb2.ProducePartitionResult(
