@@ -822,14 +822,19 @@ def test_a_stopped_gateway_times_out_the_stream_and_the_retry_lands_once(
     assert [r.value for r in records] == [b"first"] + [f"v{i}".encode() for i in range(50)]
 
 
+@pytest.mark.parametrize(
+    "holder_acks", [common_pb2.LEADER, common_pb2.NONE_ACKS], ids=["acks=1", "acks=0"]
+)
 def test_a_request_that_finds_the_produce_budget_full_fails_alone_and_writes_nothing(
-    cluster: TestCluster, admin: tidelog.Admin
+    cluster: TestCluster, admin: tidelog.Admin, holder_acks: common_pb2.Acks
 ) -> None:
     """--queued-max-request-bytes bounds the produce bytes a gateway holds over all
     clients: with a 1 MiB budget held by a request to a stopped leader, another request
     waits, and answers REQUEST_TIMED_OUT at its own timeout with nothing written; once
-    the budget frees up the same request goes through."""
-    topic = "produce-budget"
+    the budget frees up the same request goes through. An acks=0 request holds its bytes
+    until its append is over, after its answer (it used to give them back at the answer,
+    and acks=0 requests to a stopped leader held gigabytes the budget did not count)."""
+    topic = f"produce-budget-{holder_acks}"
     small = cluster.start_gateway(["--queued-max-request-bytes", str(1024 * 1024)])
     admin.create_topic(topic, partitions=3, replication_factor=1)
     leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
@@ -837,10 +842,12 @@ def test_a_request_that_finds_the_produce_budget_full_fails_alone_and_writes_not
     free = next(p for p, leader in leaders.items() if leader != leaders[stuck])
     batch = encode_batch([b"x" * 1000] * 900)  # ~900 KiB: two do not fit
 
-    def produce(partition: int, timeout_ms: int) -> gateway_pb2.ProduceResponse:
+    def produce(
+        partition: int, timeout_ms: int, acks: common_pb2.Acks = common_pb2.LEADER
+    ) -> gateway_pb2.ProduceResponse:
         return small.stub.Produce(
             gateway_pb2.ProduceRequest(
-                acks=common_pb2.LEADER,
+                acks=acks,
                 timeout_ms=timeout_ms,
                 partitions=[
                     gateway_pb2.ProducePartitionData(
@@ -854,7 +861,7 @@ def test_a_request_that_finds_the_produce_budget_full_fails_alone_and_writes_not
     stopped = cluster.brokers[leaders[stuck]]
     os.kill(stopped.pid, signal.SIGSTOP)
     try:
-        holder = threading.Thread(target=produce, args=(stuck, 4_000))
+        holder = threading.Thread(target=produce, args=(stuck, 4_000, holder_acks))
         holder.start()
         time.sleep(0.5)  # the holder's bytes are in the budget, waiting on the leader
         refused = produce(free, 1_000).partitions[0]

@@ -236,13 +236,36 @@ class ProduceHandler:
         if not self.budget.acquire(size, deadline):
             return self._no_room(request)
         try:
-            return self._produce_held(request, deadline)
-        finally:
+            response, submitted = self._produce_held(request, deadline)
+        except BaseException:
             self.budget.release(size)
+            raise
+        self._release_when_appended(size, submitted)
+        return response
+
+    def _release_when_appended(self, size: int, submitted: list[Submitted]) -> None:
+        """Give ``size`` bytes back to the budget once every append is over: for acks=0,
+        after the answer (the records are held until the background append ends; they
+        used to be given back at the answer, and acks=0 requests to a stopped leader then
+        held gigabytes the budget did not count)."""
+        remaining = [len(submitted)]
+        lock = threading.Lock()
+
+        def one_over(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            self.budget.release(size)
+
+        if not submitted:
+            self.budget.release(size)
+        for item in submitted:
+            item.tail.add_done_callback(one_over)
 
     def _produce_held(
         self, request: gateway_pb2.ProduceRequest, deadline: float
-    ) -> gateway_pb2.ProduceResponse:
+    ) -> tuple[gateway_pb2.ProduceResponse, list[Submitted]]:
         if len(request.partitions) == 1 and request.acks != common_pb2.NONE_ACKS:
             # The common case needs no hop to a worker thread.
             data = request.partitions[0]
@@ -250,14 +273,16 @@ class ProduceHandler:
             result = (
                 _failed(data, unknown) if unknown else self.append(data, request.acks, deadline)
             )
-            return gateway_pb2.ProduceResponse(
+            response = gateway_pb2.ProduceResponse(
                 correlation_id=request.correlation_id, partitions=[result]
             )
+            return response, []
         submitted = [self.submit(data, request.acks, deadline) for data in request.partitions]
-        return gateway_pb2.ProduceResponse(
+        response = gateway_pb2.ProduceResponse(
             correlation_id=request.correlation_id,
             partitions=[s.result.result() for s in submitted],
         )
+        return response, submitted
 
     def submit(
         self,
@@ -370,7 +395,6 @@ class ProduceHandler:
                     if remaining[0] > 0:
                         return
                     state["in_flight"] -= 1
-                self.budget.release(held_bytes)
                 response = gateway_pb2.ProduceResponse(
                     correlation_id=request.correlation_id,
                     partitions=[r.result.result() for r in results],
@@ -388,6 +412,7 @@ class ProduceHandler:
                 self.budget.release(held_bytes)
                 out.put(gateway_pb2.ProduceResponse(correlation_id=request.correlation_id))
                 return
+            self._release_when_appended(held_bytes, results)
             for submitted in results:
                 submitted.result.add_done_callback(one_done)
 
