@@ -651,6 +651,36 @@ def test_a_dead_broker_does_not_hold_up_produce_to_the_others(
         cluster.kill(own)
 
 
+def test_a_leader_that_does_not_answer_is_named_in_the_timeout(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A produce whose leader is stopped times out at the gateway with a message naming
+    the leader that did not answer, not gRPC's bare "Deadline Exceeded"."""
+    admin.create_topic("silent-leader", partitions=1, replication_factor=1)
+    leader = admin.describe_topic("silent-leader").partitions[0].leader
+    stopped = cluster.brokers[leader]
+    os.kill(stopped.pid, signal.SIGSTOP)  # shorter than its session: it stays the leader
+    try:
+        answer = gateway.stub.Produce(
+            gateway_pb2.ProduceRequest(
+                acks=common_pb2.LEADER,
+                timeout_ms=800,
+                partitions=[
+                    gateway_pb2.ProducePartitionData(
+                        topic="silent-leader", partition=0, records=encode_batch([b"v"])
+                    )
+                ],
+            ),
+            timeout=30,
+        )
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    error = answer.partitions[0].error
+    assert ErrorCode(error.code) == ErrorCode.REQUEST_TIMED_OUT
+    assert f"silent-leader-0, broker {leader} (" in error.message, error.message
+    assert "did not answer before the deadline" in error.message
+
+
 def test_describe_subscribe_and_list_offsets(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic(
         "described", partitions=2, replication_factor=3, config={"retention.ms": "3600000"}

@@ -22,7 +22,7 @@ import grpc
 
 from services.gateway.channels import Channels
 from services.gateway.metadata_cache import Leader, MetadataCache
-from services.status import error_from_rpc_error
+from services.status import error_code_from_metadata, error_from_rpc_error
 from tidelog.errors import (
     REROUTE_CODES,
     LeaderNotAvailableError,
@@ -79,6 +79,16 @@ class Router:
                 return call(self.channels.storage(leader.broker), leader, remaining_s)
             except grpc.RpcError as exc:
                 error = error_from_rpc_error(exc)
+                if error_code_from_metadata(exc.trailing_metadata()) is None and (
+                    exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                ):
+                    # The deadline gRPC enforced: the leader sent nothing, and gRPC's own
+                    # text ("Deadline Exceeded") names neither side.
+                    raise RequestTimedOutError(
+                        f"the leader of {topic}-{partition}, broker {leader.broker.broker_id} "
+                        f"({leader.broker.host}:{leader.broker.port}), did not answer before "
+                        "the deadline (stopped, overloaded or cut off?)"
+                    ) from None
             except TidelogError as exc:
                 error = exc
             if error.code not in REROUTE_CODES:
