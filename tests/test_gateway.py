@@ -324,6 +324,9 @@ def test_consumer_settings_out_of_range_fail_at_construction_and_long_waits_are_
         gateway.address, fetch_max_wait_ms=60_000, auto_offset_reset="earliest"
     ) as consumer:
         consumer.assign([("long-waits", 0)])
+        for bad in (0, -1, 1.5):
+            with pytest.raises(ConfigError, match="max_records must be an int >= 1"):
+                consumer.poll(max_records=bad)  # type: ignore[arg-type]
         assert [r.value for r in consumer.poll(timeout_ms=10_000)] == [b"x"]
 
 

@@ -482,15 +482,25 @@ class Consumer:
     def poll(self, max_records: int | None = None, timeout_ms: int = 1000) -> list[ConsumerRecord]:
         """Up to ``max_records`` records (default ``max_poll_records``), waiting at most
         ``timeout_ms`` for some to arrive; an empty list when none did."""
+        limit = self._poll_limit(max_records)
         self._wait_for_data(timeout_ms)
-        return self._take(max_records or self._max_poll_records)
+        return self._take(limit)
 
     def poll_arrow(self, max_records: int | None = None, timeout_ms: int = 1000) -> Any:
         """Like ``poll``, as a ``pyarrow.Table`` (topic, partition, offset, timestamp_ms,
         key, value, headers) built by Arrow kernels with no Python work per record: the
         way to consume in bulk (data pipelines, DataFrames)."""
+        limit = self._poll_limit(max_records)
         self._wait_for_data(timeout_ms)
-        return self._take_arrow(max_records or self._max_poll_records)
+        return self._take_arrow(limit)
+
+    def _poll_limit(self, max_records: int | None) -> int:
+        if max_records is None:
+            return self._max_poll_records
+        if isinstance(max_records, bool) or not isinstance(max_records, int) or max_records < 1:
+            # 0 used to mean the default (500) without a word.
+            raise ConfigError(f"max_records must be an int >= 1, got {max_records!r}")
+        return max_records
 
     def metrics(self) -> dict[str, float]:
         """Kafka's consumer fetch metrics by name (module docstring), cumulative."""
