@@ -136,16 +136,18 @@ class LeaderDirectory:
     def _refresh_in_background(self, topics: list[str], invalidations: int) -> None:
         """Ask again about every topic looked up so far; a gateway that cannot be reached
         leaves the cache as it is, still stale."""
+        response = None
         try:
             response = self._conn.metadata(topics)
         except TidelogError:
+            pass
+        finally:  # whatever happened, the next lookup after the interval may try again
             with self._lock:
-                self._refreshed_at_s = time.monotonic()
+                if response is None:
+                    self._refreshed_at_s = time.monotonic()
+                else:
+                    self._store(response, complete=True, invalidations=invalidations)
                 self._refreshing = False
-            return
-        with self._lock:
-            self._store(response, complete=True, invalidations=invalidations)
-            self._refreshing = False
 
     def invalidate(self) -> None:
         """A client saw a leader move or a broker fail: the next lookup asks again."""
