@@ -684,6 +684,33 @@ def test_a_leader_that_does_not_answer_is_named_in_the_timeout(
     assert "did not answer before the deadline" in error.message
 
 
+def test_list_offsets_answers_within_the_clients_deadline_when_a_leader_is_silent(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """ListOffsets gives a silent (stopped) leader the client's own deadline, not a fixed
+    10 s, so the client gets the partition's REQUEST_TIMED_OUT rather than its bare
+    deadline."""
+    admin.create_topic("silent-offsets", partitions=1, replication_factor=1)
+    leader = admin.describe_topic("silent-offsets").partitions[0].leader
+    stopped = cluster.brokers[leader]
+    os.kill(stopped.pid, signal.SIGSTOP)  # shorter than its session: it stays the leader
+    try:
+        answer = gateway.stub.ListOffsets(
+            storage_pb2.ListOffsetsRequest(
+                replica_id=-1,
+                partitions=[
+                    storage_pb2.ListOffsetsPartition(
+                        topic="silent-offsets", partition=0, spec=common_pb2.LATEST
+                    )
+                ],
+            ),
+            timeout=1.0,
+        )
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    assert [ErrorCode(p.error.code) for p in answer.partitions] == [ErrorCode.REQUEST_TIMED_OUT]
+
+
 def test_describe_subscribe_and_list_offsets(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic(
         "described", partitions=2, replication_factor=3, config={"retention.ms": "3600000"}

@@ -488,8 +488,10 @@ class FetchHandler:
                 f"{len(request.partitions)} partitions in one request; the limit is "
                 f"{MAX_PARTITIONS_PER_FETCH}"
             )
-        results = self.offsets_by_leader(request.replica_id, request.partitions, timeout_s)
+        # One deadline for both passes (the second used to get a whole timeout of its own
+        # after the first, so a stopped leader cost twice the timeout).
         deadline = time.monotonic() + timeout_s
+        results = self.offsets_by_leader(request.replica_id, request.partitions, timeout_s)
         for lp in request.partitions:
             key = (lp.topic, lp.partition, lp.spec)
             if ErrorCode(int(results[key].error.code)) in REROUTE_CODES and not lp.HasField(

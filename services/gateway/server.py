@@ -26,6 +26,7 @@ from services.gateway.fetch import FetchHandler
 from services.gateway.groups import Committed, OffsetStore
 from services.gateway.metadata_cache import MetadataCache, MetadataView
 from services.gateway.produce import ProduceHandler
+from services.gateway.router import DEADLINE_MARGIN_S
 from services.process import add_servicer_answering_encoded
 from services.status import abort, partition_results, to_error_proto, unary_errors
 from tidelog.errors import (
@@ -185,7 +186,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     ) -> storage_pb2.ListOffsetsResponse:
         if request.replica_id != -1:
             raise InvalidRequestError("clients list offsets with replica_id -1")
-        return self._fetch.list_offsets(request)
+        return self._fetch.list_offsets(request, _budget_s(context, LEADER_CALL_TIMEOUT_S))
 
     # --- metadata -------------------------------------------------------------------------
 
@@ -240,9 +241,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
             for p in t.partitions
             for spec in (common_pb2.EARLIEST, common_pb2.LATEST)
         ]
-        consumer = self._fetch.offsets_by_leader(-1, asked, 10.0)
+        # Both passes within one budget (each used to get 10 s of its own, whatever the
+        # client's deadline).
+        deadline = time.monotonic() + _budget_s(context, LEADER_CALL_TIMEOUT_S)
+        consumer = self._fetch.offsets_by_leader(-1, asked, deadline - time.monotonic())
         replica = self._fetch.offsets_by_leader(
-            -1, [a for a in asked if a.spec == common_pb2.LATEST], 10.0, leader_as_replica=True
+            -1,
+            [a for a in asked if a.spec == common_pb2.LATEST],
+            max(0.0, deadline - time.monotonic()),
+            leader_as_replica=True,
         )
         topics = []
         for t in metadata:
@@ -401,6 +408,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         producer_id = self._producer_ids.next_id(context.time_remaining())
         _log.info("producer_id_issued", producer_id=producer_id, client_id=request.client_id)
         return gateway_pb2.InitProducerIdResponse(producer_id=producer_id, producer_epoch=0)
+
+
+LEADER_CALL_TIMEOUT_S: Final = 10.0
+"""The longest a ListOffsets or DescribeTopics waits for the leaders' answers."""
+
+
+def _budget_s(context: grpc.ServicerContext, limit_s: float) -> float:
+    """``limit_s``, or less when the client's deadline comes sooner (minus the time its
+    answer needs to travel back), so that the client gets the leaders' errors rather
+    than its own bare deadline."""
+    remaining_s = context.time_remaining()
+    if remaining_s is None:
+        return limit_s
+    return max(0.0, min(limit_s, remaining_s - DEADLINE_MARGIN_S))
 
 
 def add_gateway_to_server(servicer: GatewayServicer, server: grpc.Server) -> None:
