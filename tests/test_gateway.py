@@ -4,6 +4,7 @@ gateways as processes, talked to over gRPC by the SDK and by raw stubs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
@@ -654,16 +655,25 @@ def test_a_dead_broker_does_not_hold_up_produce_to_the_others(
         cluster.kill(own)
 
 
+@contextlib.contextmanager
+def _silent_leader(cluster: TestCluster, admin: tidelog.Admin, topic: str) -> Iterator[int]:
+    """A new one-partition topic whose leader is stopped (SIGSTOP) inside the block,
+    which must be shorter than the leader's session so that it stays the leader."""
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    leader = admin.describe_topic(topic).partitions[0].leader
+    os.kill(cluster.brokers[leader].pid, signal.SIGSTOP)
+    try:
+        yield leader
+    finally:
+        os.kill(cluster.brokers[leader].pid, signal.SIGCONT)
+
+
 def test_a_leader_that_does_not_answer_is_named_in_the_timeout(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
     """A produce whose leader is stopped times out at the gateway with a message naming
     the leader that did not answer, not gRPC's bare "Deadline Exceeded"."""
-    admin.create_topic("silent-leader", partitions=1, replication_factor=1)
-    leader = admin.describe_topic("silent-leader").partitions[0].leader
-    stopped = cluster.brokers[leader]
-    os.kill(stopped.pid, signal.SIGSTOP)  # shorter than its session: it stays the leader
-    try:
+    with _silent_leader(cluster, admin, "silent-leader") as leader:
         answer = gateway.stub.Produce(
             gateway_pb2.ProduceRequest(
                 acks=common_pb2.LEADER,
@@ -676,8 +686,6 @@ def test_a_leader_that_does_not_answer_is_named_in_the_timeout(
             ),
             timeout=30,
         )
-    finally:
-        os.kill(stopped.pid, signal.SIGCONT)
     error = answer.partitions[0].error
     assert ErrorCode(error.code) == ErrorCode.REQUEST_TIMED_OUT
     assert f"silent-leader-0, broker {leader} (" in error.message, error.message
@@ -690,11 +698,7 @@ def test_list_offsets_answers_within_the_clients_deadline_when_a_leader_is_silen
     """ListOffsets gives a silent (stopped) leader the client's own deadline, not a fixed
     10 s, so the client gets the partition's REQUEST_TIMED_OUT rather than its bare
     deadline."""
-    admin.create_topic("silent-offsets", partitions=1, replication_factor=1)
-    leader = admin.describe_topic("silent-offsets").partitions[0].leader
-    stopped = cluster.brokers[leader]
-    os.kill(stopped.pid, signal.SIGSTOP)  # shorter than its session: it stays the leader
-    try:
+    with _silent_leader(cluster, admin, "silent-offsets"):
         answer = gateway.stub.ListOffsets(
             storage_pb2.ListOffsetsRequest(
                 replica_id=-1,
@@ -706,8 +710,6 @@ def test_list_offsets_answers_within_the_clients_deadline_when_a_leader_is_silen
             ),
             timeout=1.0,
         )
-    finally:
-        os.kill(stopped.pid, signal.SIGCONT)
     assert [ErrorCode(p.error.code) for p in answer.partitions] == [ErrorCode.REQUEST_TIMED_OUT]
 
 
