@@ -713,6 +713,43 @@ def test_list_offsets_answers_within_the_clients_deadline_when_a_leader_is_silen
     assert [ErrorCode(p.error.code) for p in answer.partitions] == [ErrorCode.REQUEST_TIMED_OUT]
 
 
+def test_a_subscription_moves_on_from_a_leader_that_stopped_answering(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A Subscribe's long poll to a leader that stops answering (SIGSTOP, then replaced
+    by a new leader) asks again, the new leader once the metadata names it. The stream
+    used to end when the poll's own deadline passed, with a status clients read as their
+    own deadline."""
+    topic = "subscribed-through-a-stop"
+    admin.create_topic(topic, partitions=1, replication_factor=3)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send(topic, b"before", partition=0).result(30)
+    stream = gateway.stub.Subscribe(
+        gateway_pb2.SubscribeRequest(topic=topic, partition=0, start_offset=0), timeout=120
+    )
+    assert [r.value for b in decode_batches(next(stream).records) for r in b.records] == [b"before"]
+    old = admin.describe_topic(topic).partitions[0].leader
+    os.kill(cluster.brokers[old].pid, signal.SIGSTOP)
+    try:
+        wait_for(
+            lambda: admin.describe_topic(topic).partitions[0].leader not in (old, -1) or None,
+            30,
+            "a new leader while the old one is stopped",
+        )
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send(topic, b"after", partition=0).result(30)
+        later = next(stream)
+    finally:
+        os.kill(cluster.brokers[old].pid, signal.SIGCONT)
+        stream.cancel()
+    assert [r.value for b in decode_batches(later.records) for r in b.records] == [b"after"]
+    wait_for(
+        lambda: len(admin.describe_topic(topic).partitions[0].isr) == 3 or None,
+        60,
+        "the stopped broker to rejoin the ISR",
+    )
+
+
 def test_describe_subscribe_and_list_offsets(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic(
         "described", partitions=2, replication_factor=3, config={"retention.ms": "3600000"}

@@ -37,10 +37,16 @@ from services.gateway.byte_budget import ByteBudget
 from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import Leader
 from services.gateway.router import DEADLINE_MARGIN_S, Router
-from services.status import error_from_proto, error_from_rpc_error, to_error_proto
+from services.status import (
+    error_code_from_metadata,
+    error_from_proto,
+    error_from_rpc_error,
+    to_error_proto,
+)
 from tidelog.batch import next_offset_after
 from tidelog.errors import (
     REROUTE_CODES,
+    BrokerNotAvailableError,
     ErrorCode,
     InvalidFetchSizeError,
     InvalidRequestError,
@@ -413,17 +419,30 @@ class FetchHandler:
             timeout_s: float,
             fetch_partition: storage_pb2.FetchPartition = fetch_partition,
         ) -> storage_pb2.FetchResponse:
-            del leader
-            response: storage_pb2.FetchResponse = stub.Fetch(
-                storage_pb2.FetchRequest(
-                    replica_id=-1,
-                    max_wait_ms=poll_ms,
-                    min_bytes=1,
-                    max_bytes=max_bytes,
-                    partitions=[fetch_partition],
-                ),
-                timeout=min(timeout_s, poll_ms / 1000 + ANSWER_SLACK_S),
-            )
+            try:
+                response: storage_pb2.FetchResponse = stub.Fetch(
+                    storage_pb2.FetchRequest(
+                        replica_id=-1,
+                        max_wait_ms=poll_ms,
+                        min_bytes=1,
+                        max_bytes=max_bytes,
+                        partitions=[fetch_partition],
+                    ),
+                    timeout=min(timeout_s, poll_ms / 1000 + ANSWER_SLACK_S),
+                )
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or error_code_from_metadata(
+                    exc.trailing_metadata()
+                ):
+                    raise
+                # The leader did not answer its long poll (stopped, or cut off): ask again,
+                # the new leader if the metadata names one meanwhile, within the step's
+                # deadline. Ending the subscription here used to look to the client like
+                # its own deadline.
+                raise BrokerNotAvailableError(
+                    f"broker {leader.broker.broker_id} did not answer a long poll of "
+                    f"{request.topic}-{request.partition}"
+                ) from None
             error = response.partitions[0].error
             if error.code != common_pb2.NONE:
                 # Raised so the router re-routes leadership errors; others end the stream.
