@@ -548,11 +548,11 @@ def test_a_task_whose_range_is_past_the_log_end_reports_data_loss(
         producer.send_batch(topic, [b"x"] * 10).result(30)
     connection = GatewayConnection.get(gateway.address)
 
-    def read(fail_on_data_loss: bool) -> list[Any]:
+    def read(fail_on_data_loss: bool, start: int = 50, end: int = 60) -> list[Any]:
         return list(
             read_range(
                 connection,
-                OffsetRange(topic, 0, 50, 60),
+                OffsetRange(topic, 0, start, end),
                 include_headers=False,
                 fail_on_data_loss=fail_on_data_loss,
                 fetch_max_bytes=1 << 20,
@@ -566,6 +566,17 @@ def test_a_task_whose_range_is_past_the_log_end_reports_data_loss(
     ):
         read(fail_on_data_loss=True)
     assert read(fail_on_data_loss=False) == []
+    # A range the log now ends inside (starting at or below its end) is data loss too: it
+    # used to wait for offsets the log will never have and time out after 120 s.
+    for start in (10, 4):
+        with pytest.raises(
+            OffsetOutOfRangeError,
+            match=r"some data may have been lost: the log now ends at offset 10, inside the "
+            rf"offsets \[{start}, 30\) planned for this task",
+        ):
+            read(fail_on_data_loss=True, start=start, end=30)
+        read_rows = sum(b.num_rows for b in read(fail_on_data_loss=False, start=start, end=30))
+        assert read_rows == 10 - start  # what exists is read, the rest skipped
 
 
 def test_default_batch_bytes_make_batches_the_broker_accepts(

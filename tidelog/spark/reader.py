@@ -189,6 +189,23 @@ def read_range(
             position = loss.resume_at
             continue
         batches = decode_batches(result.records)
+        if not batches and 0 <= result.log_end_offset < end:
+            # The leader's log ends inside the planned range, so its rest will never be
+            # these records (a leader elected from the ISR holds everything below the high
+            # watermark the range was planned against): the topic was re-created or the
+            # log truncated. Waiting used to end in a timeout after READ_STALL_TIMEOUT_S.
+            loss = DataLoss(
+                topic,
+                partition,
+                f"the log now ends at offset {result.log_end_offset}, inside the offsets "
+                f"[{offset_range.start}, {end}) planned for this task (topic deleted and "
+                "re-created, or log truncated?)",
+                end,
+            )
+            raise_for_data_loss([loss], fail_on_data_loss=fail_on_data_loss)
+            warn_data_loss([loss])
+            position = end
+            continue
         if not batches:
             # The planned end was below a high watermark; a new leader may not have
             # reached it yet. Wait (the fetch itself long-polls), but not forever.
