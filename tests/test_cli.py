@@ -280,6 +280,29 @@ def test_unreachable_gateway_is_one_line() -> None:
     assert "unreachable" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("127.0.0.1:99999", "port 99999 is out of range"),
+        ("", "'' is not HOST:PORT"),
+        ("127.0.0.1:0", "port 0 names no gateway"),
+    ],
+)
+def test_a_gateway_address_no_connection_can_use_is_refused(address: str, message: str) -> None:
+    """`--gateway` is checked like the servers' --listen: port 99999 used to be wrapped by
+    the resolver to another port, and an empty value silently meant $TIDELOG_GATEWAY."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tidelog", "topics", "list", "--gateway", address],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=tidelog_env(),
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
 def test_dev_stops_cleanly_and_restarts_with_data_kept(dev: DevProcess) -> None:
     tidelog(
         "topics",

@@ -92,6 +92,19 @@ def _host_port(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _gateway_address(text: str) -> str:
+    """A gateway to connect to: HOST:PORT with a port a connection can use (1..65535).
+    An empty or malformed value used to be taken as given (an empty one silently meant
+    $TIDELOG_GATEWAY; port 99999 was wrapped by the resolver to another port)."""
+    try:
+        _, port = parse_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if port == 0:
+        raise argparse.ArgumentTypeError("port 0 names no gateway; give the port it listens on")
+    return text
+
+
 def _broker_id(text: str) -> int:
     try:
         value = int(text)
@@ -403,6 +416,7 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
 def _add_client_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gateway",
+        type=_gateway_address,
         metavar="HOST:PORT",
         default=None,
         help="gateway address (default: $TIDELOG_GATEWAY, else 127.0.0.1:9094)",
@@ -471,7 +485,12 @@ def _add_consume(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         "consume", help="print records (values, one per line) from a topic"
     )
     parser.add_argument("topic", metavar="TOPIC")
-    parser.add_argument("--from-beginning", action="store_true", help="start at the oldest record")
+    parser.add_argument(
+        "--from-beginning",
+        action="store_true",
+        help="start at the oldest record (with --group, only where the group has no "
+        "committed offset, as Kafka's console consumer)",
+    )
     parser.add_argument("--offset", type=_non_negative_int, default=None, metavar="N")
     parser.add_argument("--partition", type=_non_negative_int32, default=None, metavar="P")
     parser.add_argument("--group", default=None, metavar="G", help="consumer group to commit to")

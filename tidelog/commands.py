@@ -310,7 +310,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
         if args.output == "json":
             _json({"topic": args.topic, "records": count})
         else:
-            print(f"produced {count} records to {args.topic}", file=sys.stderr)
+            noun = "record" if count == 1 else "records"
+            print(f"produced {count} {noun} to {args.topic}", file=sys.stderr)
         return 0
 
     return run("produce", body, args)
