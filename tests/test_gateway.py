@@ -750,6 +750,43 @@ def test_a_subscription_moves_on_from_a_leader_that_stopped_answering(
     )
 
 
+def test_a_produce_waiting_on_a_stopped_leader_moves_to_its_successor(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A produce sent to a leader that then stops answering (SIGSTOP, and a new leader is
+    elected) is given up and sent to the new leader once the metadata names it. It used
+    to wait out its whole timeout and answer REQUEST_TIMED_OUT."""
+    topic = "produce-past-a-stop"
+    admin.create_topic(topic, partitions=1, replication_factor=3)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send(topic, b"before", partition=0).result(30)
+    old = admin.describe_topic(topic).partitions[0].leader
+    os.kill(cluster.brokers[old].pid, signal.SIGSTOP)
+    try:
+        answer = gateway.stub.Produce(
+            gateway_pb2.ProduceRequest(
+                acks=common_pb2.LEADER,
+                timeout_ms=20_000,
+                partitions=[
+                    gateway_pb2.ProducePartitionData(
+                        topic=topic, partition=0, records=encode_batch([b"after"])
+                    )
+                ],
+            ),
+            timeout=60,
+        )
+    finally:
+        os.kill(cluster.brokers[old].pid, signal.SIGCONT)
+    result = answer.partitions[0]
+    assert (ErrorCode(result.error.code), result.base_offset) == (ErrorCode.NONE, 1)
+    assert admin.describe_topic(topic).partitions[0].leader != old
+    wait_for(
+        lambda: len(admin.describe_topic(topic).partitions[0].isr) == 3 or None,
+        60,
+        "the stopped broker to rejoin the ISR",
+    )
+
+
 def test_describe_subscribe_and_list_offsets(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic(
         "described", partitions=2, replication_factor=3, config={"retention.ms": "3600000"}

@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Final
+from typing import Any, Final
 
+import grpc
 import structlog
 
 from services.gateway.byte_budget import ByteBudget
@@ -34,6 +35,7 @@ from tidelog import tracing
 from tidelog.errors import (
     InvalidRequestError,
     InvalidRequiredAcksError,
+    NotLeaderOrFollowerError,
     RecordListTooLargeError,
     RequestTimedOutError,
     TidelogError,
@@ -48,6 +50,8 @@ DEFAULT_TIMEOUT_MS: Final = 30_000
 """Kafka's request.timeout.ms: the default end-to-end budget of a produce request."""
 MAX_TIMEOUT_MS: Final = 300_000
 MAX_PARTITIONS_PER_REQUEST: Final = 10_000
+LEADER_WATCH_S: Final = 0.5
+"""How often an append waiting for its leader looks whether the metadata names another."""
 ACKS_VALUES: Final = frozenset(
     {common_pb2.ACKS_UNSPECIFIED, common_pb2.NONE_ACKS, common_pb2.LEADER, common_pb2.ALL}
 )
@@ -174,7 +178,7 @@ class ProduceHandler:
             append = self._router.channels.storage_append_encoded(leader.broker)
             if tracing.ENABLED:
                 tracing.event("g_ap_in", data.partition)
-            response: storage_pb2.AppendResponse = append(
+            pending = append.future(
                 encode_append_request(
                     topic=data.topic,
                     partition=data.partition,
@@ -185,6 +189,7 @@ class ProduceHandler:
                 ),
                 timeout=timeout_s,
             )
+            response: storage_pb2.AppendResponse = self._answer_unless_moved(pending, data, leader)
             if tracing.ENABLED:
                 tracing.event(
                     "g_ap_out", data.partition, response.base_offset, response.last_offset
@@ -207,6 +212,37 @@ class ProduceHandler:
             log_append_time_ms=response.log_append_time_ms,
             log_start_offset=response.log_start_offset,
         )
+
+    def _answer_unless_moved(
+        self, pending: Any, data: gateway_pb2.ProducePartitionData, leader: Leader
+    ) -> storage_pb2.AppendResponse:
+        """The leader's answer; but when the metadata names another leader (or epoch) for
+        the partition while it has not answered - it was stopped or cut off, and replaced -
+        the call is given up and NOT_LEADER_OR_FOLLOWER raised, which the router re-routes
+        to the new leader. Waiting out the deadline there used to cost a stuck request its
+        whole timeout (30 s by default). As with any retry, an idempotent producer's batch
+        is recognised by the new leader if it had been replicated; others get Kafka's
+        at-least-once."""
+        while True:
+            try:
+                response: storage_pb2.AppendResponse = pending.result(timeout=LEADER_WATCH_S)
+                return response
+            except grpc.FutureTimeoutError:
+                pass
+            try:
+                now = self._router.cache.leader(data.topic, data.partition)
+            except TidelogError:
+                continue  # no leader right now: this one may still answer
+            if (now.broker.broker_id, now.leader_epoch) != (
+                leader.broker.broker_id,
+                leader.leader_epoch,
+            ):
+                pending.cancel()
+                raise NotLeaderOrFollowerError(
+                    f"broker {leader.broker.broker_id} did not answer for "
+                    f"{data.topic}-{data.partition} before broker {now.broker.broker_id} "
+                    f"became its leader (epoch {now.leader_epoch})"
+                )
 
     def _known(self, data: gateway_pb2.ProducePartitionData) -> TidelogError | None:
         try:

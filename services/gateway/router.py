@@ -7,6 +7,9 @@ broker unreachable) waits for the metadata to change and tries again, until the 
 deadline. Errors that are about the request itself (bad batch, not enough replicas, a
 duplicate sequence ...) are returned at once: retrying them is the client's decision.
 
+The produce path also gives up a call whose leader stops answering once the metadata
+names another leader (``ProduceHandler._answer_unless_moved``), which re-routes it here.
+
 Retrying an append is safe for idempotent producers (the leader recognises the batch's
 sequence and returns the original offsets); for others it has Kafka's at-least-once
 semantics: an append whose answer was lost may be written twice.
