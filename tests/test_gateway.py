@@ -35,6 +35,7 @@ from tidelog.errors import (
     InvalidGroupIdError,
     MessageTooLargeError,
     NetworkError,
+    OffsetOutOfRangeError,
     RequestTimedOutError,
     TopicAlreadyExistsError,
     UnknownServerError,
@@ -271,6 +272,71 @@ def test_a_subscription_reads_on_when_one_of_its_topics_is_deleted(
             30,
             "the deleted topic's partition to leave the assignment",
         )
+
+
+def _produce_batch(
+    gateway: GatewayProcess,
+    topic: str,
+    records: bytes,
+    *,
+    partition: int = 0,
+    acks: common_pb2.Acks.ValueType = common_pb2.LEADER,
+) -> gateway_pb2.ProducePartitionResult:
+    """One encoded batch produced through the gateway's unary Produce; its one result."""
+    response = gateway.stub.Produce(
+        gateway_pb2.ProduceRequest(
+            acks=acks,
+            partitions=[
+                gateway_pb2.ProducePartitionData(topic=topic, partition=partition, records=records)
+            ],
+        ),
+        timeout=10,
+    )
+    result: gateway_pb2.ProducePartitionResult = response.partitions[0]
+    return result
+
+
+@pytest.mark.parametrize("reset", ["none", "earliest"])
+def test_records_buffered_before_an_offset_retention_deleted_are_handed_out_first(
+    gateway: GatewayProcess, admin: tidelog.Admin, reset: str
+) -> None:
+    """A fetch reading ahead of the position (records 2-3 buffered, the fetch asks from
+    4) finds retention has deleted its offset (the log starts at 6): records 2 and 3 are
+    still handed out, and only then does the fetch at the position apply
+    auto_offset_reset, as Kafka's consumer resets only a fetch at its position. Before,
+    "none" raised with records 2 and 3 still undelivered, and "earliest" dropped them."""
+    topic = f"read-ahead-gone-{reset}"
+    admin.create_topic(topic, config={"segment.bytes": "1500", "retention.bytes": "0"})
+    small = encode_batch([b"a" * 10, b"b" * 10])
+    large = encode_batch([b"c" * 300, b"d" * 300])
+    for records in [small, large] + [encode_batch([b"e" * 1000])] * 3:
+        assert ErrorCode(_produce_batch(gateway, topic, records).error.code) == ErrorCode.NONE
+    # The first fetch brings exactly the first two batches, which fill the buffer: no
+    # fetch reads ahead until the first batch is handed out.
+    with tidelog.Consumer(
+        gateway.address, auto_offset_reset=reset, fetch_max_bytes=len(small) + len(large)
+    ) as consumer:
+        consumer.assign([(topic, 0)])
+        consumer.seek((topic, 0), 0)
+        got = [r.value for r in consumer.poll(max_records=1, timeout_ms=10_000)]
+        wait_for(
+            lambda: admin.describe_topics([topic])[0].partitions[0].log_start_offset == 6,
+            20,
+            "retention up to the active segment (offset 6)",
+        )
+        got += [r.value for r in consumer.poll(max_records=1, timeout_ms=10_000)]
+        # Record 1 freed the buffer: this poll sends the fetch reading ahead from offset 4
+        # (out of range now) and hands out record 2.
+        got += [r.value for r in consumer.poll(max_records=1, timeout_ms=10_000)]
+        wait_for(lambda: not consumer._answered.empty(), 10, "the read-ahead's answer")
+        got += [r.value for r in consumer.poll(max_records=1, timeout_ms=10_000)]
+        assert got == [b"a" * 10, b"b" * 10, b"c" * 300, b"d" * 300]
+        if reset == "none":
+            with pytest.raises(OffsetOutOfRangeError):
+                consumer.poll(timeout_ms=10_000)
+        else:
+            after = consumer.poll(timeout_ms=10_000)
+            assert [(r.offset, r.value) for r in after] == [(6, b"e" * 1000)]
 
 
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(

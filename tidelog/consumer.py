@@ -25,7 +25,10 @@ reached counts as a leader change: the grouping is refreshed after the back-off.
 Where a partition starts: the group's committed offset when ``group_id`` is set and the
 group committed one; else ``auto_offset_reset`` ("latest", Kafka's default, or
 "earliest"; "none" raises ``OffsetOutOfRangeError``). An offset that falls out of range
-(retention deleted it) is reset the same way.
+(retention deleted it) is reset the same way, once the records fetched before it are
+handed out: a fetch that reads ahead of the position and finds its offset gone stops the
+partition's fetching until the position reaches that offset, and only a fetch at the
+position itself resets it (Kafka resets only then too).
 
 Group offsets are committed with ``commit()`` (the positions, or given offsets) and, with
 ``enable_auto_commit``, every ``auto_commit_interval_ms`` during ``poll`` and on
@@ -249,6 +252,9 @@ class Consumer:
         self._answered: queue.SimpleQueue[_Fetch] = queue.SimpleQueue()
         self._next_fetch: dict[TopicPartition, int] = {}
         self._buffered_bytes = 0
+        # Partitions whose read-ahead fetch found its offset out of range: not fetched
+        # again until their buffered records are handed out (module docstring).
+        self._drain_first: set[TopicPartition] = set()
         # When stale leaders may be asked for again (RETRY_BACKOFF_S after the first
         # failure that made them stale).
         self._refresh_after = 0.0
@@ -444,6 +450,7 @@ class Consumer:
         self._buffer = kept
         for tp in tps:
             self._next_fetch.pop(tp, None)
+            self._drain_first.discard(tp)
         for group, fetch in list(self._fetches.items()):
             if not tps.isdisjoint(fetch.offsets):
                 # Its answer for these partitions would start at the old offsets; the
@@ -651,6 +658,10 @@ class Consumer:
             position = self._positions.get(tp)
             if group in self._fetches or group in paused or position is None or tp in busy:
                 continue  # it joins its group's next fetch
+            if tp in self._drain_first:
+                if self._next_fetch.get(tp, position) != position:
+                    continue  # buffered records first; then the fetch at the position
+                self._drain_first.discard(tp)
             if group not in groups and len(self._fetches) + len(groups) >= MAX_FETCHES_IN_FLIGHT:
                 continue  # more leaders than fetches allowed: it waits for a free place
             groups.setdefault(group, {})[tp] = self._next_fetch.get(tp, position)
@@ -738,7 +749,13 @@ class Consumer:
             if result.error.code != common_pb2.NONE:
                 error = error_for_code(int(result.error.code), result.error.message)
                 if error.code == ErrorCode.OFFSET_OUT_OF_RANGE:
-                    reset.append(tp)
+                    if asked == position:
+                        reset.append(tp)
+                    else:
+                        # A read-ahead: the records before ``asked`` are buffered and
+                        # still to be handed out (with "none", raising now would lose
+                        # them; a reset would drop them).
+                        self._drain_first.add(tp)
                 elif error.retriable:
                     retry = True
                 else:
