@@ -397,6 +397,40 @@ def test_consumer_settings_out_of_range_fail_at_construction_and_long_waits_are_
         assert [r.value for r in consumer.poll(timeout_ms=10_000)] == [b"x"]
 
 
+def test_a_commit_written_in_part_says_which_partitions_failed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A commit of 200 partitions is written in two etcd transactions; when the second
+    fails (here: etcd refuses its 400 KB over a 200 KB --max-request-bytes), the first 100
+    answer NONE and are committed, the other 100 carry the error and are not. Before, the
+    whole call failed though half of it was written."""
+    base = tmp_path_factory.mktemp("partial-commit")
+    with TestCluster(base, etcd_args=["--max-request-bytes", "200000"]) as cluster:
+        cluster.start_broker(0)
+        cluster.start_controller(1)
+        cluster.wait_brokers([0])
+        gateway = cluster.start_gateway()
+        admin = tidelog.Admin(gateway.address)
+        admin.create_topic("wide", partitions=200)
+        offsets = [
+            gateway_pb2.CommitOffset(
+                topic="wide", partition=p, offset=p, metadata="" if p < 100 else "m" * 4000
+            )
+            for p in range(200)
+        ]
+        response = gateway.stub.CommitOffsets(
+            gateway_pb2.CommitOffsetsRequest(group_id="g", offsets=offsets), timeout=30
+        )
+        codes = [ErrorCode(r.error.code) for r in response.partitions]
+        assert codes[:100] == [ErrorCode.NONE] * 100
+        assert codes[100:] == [ErrorCode.BROKER_NOT_AVAILABLE] * 100
+        assert "too large" in response.partitions[100].error.message
+        fetched = gateway.stub.FetchOffsets(
+            gateway_pb2.FetchOffsetsRequest(group_id="g"), timeout=10
+        )
+        assert [(o.partition, o.offset) for o in fetched.offsets] == [(p, p) for p in range(100)]
+
+
 def test_commit_bad_input_changes_nothing(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     admin.create_topic("commits", partitions=1, replication_factor=1)
     stub = gateway.stub

@@ -3,8 +3,10 @@
 The layout and value format are in ``docs/METADATA.md`` (section 1.7): one key per
 partition, ``{offset, metadata, leader_epoch, topic_id}``, the group id percent-encoded so
 any string is a safe key. Commits are last-writer-wins per partition, as in Kafka without
-group generations; one commit request is written in as few transactions as etcd allows, so
-a small commit lands whole or not at all.
+group generations; one commit request is written in as few transactions as etcd allows
+(``OPS_PER_TXN`` partitions each), so a small commit lands whole or not at all. When a
+transaction after the first fails, the partitions it and the later ones carried answer
+with its error and the earlier ones with none: they are written.
 
 An offset belongs to one incarnation of its topic: it carries the ``topic_id`` the topic
 had when it was committed, and a fetch drops offsets of a topic that is gone or was
@@ -27,7 +29,7 @@ from urllib.parse import quote, unquote
 
 from services.cluster_metadata import GROUPS_PREFIX
 from services.gateway.metadata_cache import MetadataCache, MetadataView
-from services.metastore import KeyValue, MetaStore, PutOp
+from services.metastore import KeyValue, MetaStore, MetaStoreError, PutOp
 from tidelog.errors import (
     InvalidGroupIdError,
     InvalidRequestError,
@@ -173,7 +175,22 @@ class OffsetStore:
         self._cache.read(check)
         writes = list(puts.values())
         for start in range(0, len(writes), OPS_PER_TXN):
-            self._store.txn([], writes[start : start + OPS_PER_TXN])
+            try:
+                self._store.txn([], writes[start : start + OPS_PER_TXN])
+            except MetaStoreError as exc:
+                if start == 0:
+                    raise  # nothing was written: the whole commit failed
+                # Earlier transactions are written: only the partitions from here on
+                # failed, and the answer says so partition by partition (a whole-call
+                # error would claim the written ones failed too).
+                _log.warning("commit_partly_written", group=group_id, error=str(exc))
+                failed = {op.key for op in writes[start:]}
+                return [
+                    CommitOutcome(o.topic, o.partition, exc)
+                    if o.error is None and offset_key(group_id, o.topic, o.partition) in failed
+                    else o
+                    for o in outcomes
+                ]
         return outcomes
 
     def fetch(self, group_id: str, partitions: Sequence[tuple[str, int]]) -> list[Committed]:

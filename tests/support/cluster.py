@@ -199,6 +199,7 @@ class TestCluster:
         session_ttl_s: int = 2,
         imbalance_check_interval_s: float = 300.0,
         storage_args: Sequence[str] = (),
+        etcd_args: Sequence[str] = (),
     ) -> None:
         self.base_dir = base_dir
         # Extra flags for every storage node (e.g. --replica-lag-time-max-ms).
@@ -206,7 +207,7 @@ class TestCluster:
         self.cluster = cluster
         self.session_ttl_s = session_ttl_s
         self.imbalance_check_interval_s = imbalance_check_interval_s
-        self.etcd = EtcdProcess(base_dir / "etcd").start()
+        self.etcd = EtcdProcess(base_dir / "etcd", extra_args=etcd_args).start()
         self.store = MetaStore(self.etcd.endpoint, cluster=cluster)
         self.brokers: dict[int, StorageProcess] = {}
         self.controllers: dict[int, ControllerProcess] = {}
