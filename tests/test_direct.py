@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 import tidelog
-from tests.support.cluster import GatewayProcess, TestCluster, wait_for
+from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
 from tidelog.client import GatewayConnection
 from tidelog.errors import (
     InvalidReplicationFactorError,
@@ -643,10 +643,7 @@ def test_a_broker_out_of_append_streams_gets_unary_appends(tmp_path) -> None:
     """A broker that has its --max-append-streams open refuses another; that producer
     appends with unary calls instead (one request per partition in flight) and loses
     nothing, while the producer holding the stream keeps it."""
-    with TestCluster(tmp_path, storage_args=["--max-append-streams", "1"]) as small:
-        small.start_broker(0)
-        small.start_controller(1)
-        small.wait_brokers([0])
+    with running_cluster(tmp_path, 1, storage_args=["--max-append-streams", "1"]) as small:
         gw = small.start_gateway()
         small_admin = tidelog.Admin(gw.address)
         small_admin.create_topic("streams-limited", partitions=2, replication_factor=1)

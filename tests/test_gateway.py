@@ -25,6 +25,7 @@ from tests.support.cluster import (
     GatewayProcess,
     TestCluster,
     rpc_error_code,
+    running_cluster,
     wait_for,
 )
 from tidelog.consumer import MAX_FETCHES_IN_FLIGHT
@@ -405,10 +406,7 @@ def test_a_commit_written_in_part_says_which_partitions_failed(
     answer NONE and are committed, the other 100 carry the error and are not. Before, the
     whole call failed though half of it was written."""
     base = tmp_path_factory.mktemp("partial-commit")
-    with TestCluster(base, etcd_args=["--max-request-bytes", "200000"]) as cluster:
-        cluster.start_broker(0)
-        cluster.start_controller(1)
-        cluster.wait_brokers([0])
+    with running_cluster(base, 1, etcd_args=["--max-request-bytes", "200000"]) as cluster:
         gateway = cluster.start_gateway()
         admin = tidelog.Admin(gateway.address)
         admin.create_topic("wide", partitions=200)

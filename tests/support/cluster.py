@@ -434,10 +434,16 @@ class TestCluster:
         return response
 
 
-def running_cluster(base_dir: Path, brokers: int = 3) -> TestCluster:
+def running_cluster(
+    base_dir: Path,
+    brokers: int = 3,
+    *,
+    storage_args: Sequence[str] = (),
+    etcd_args: Sequence[str] = (),
+) -> TestCluster:
     """A cluster with ``brokers`` storage nodes (ids 0..n-1) and one controller, every
-    broker registered; use it as a context manager."""
-    cluster = TestCluster(base_dir)
+    broker registered; use it as a context manager. The arguments as ``TestCluster``'s."""
+    cluster = TestCluster(base_dir, storage_args=storage_args, etcd_args=etcd_args)
     try:
         for broker_id in range(brokers):
             cluster.start_broker(broker_id)
