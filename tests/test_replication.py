@@ -23,11 +23,12 @@ from typing import TypeVar
 import grpc
 import pytest
 
+import tidelog
 from services.storage.fetcher import PIPELINE_MIN_BYTES
 from services.storage.log.producer_state import SEQUENCE_MODULUS
 from services.storage.node import StorageNode, StorageNodeConfig
 from tests.support.cluster import TestCluster, error_code, rpc_error_code
-from tidelog.errors import ErrorCode
+from tidelog.errors import ErrorCode, OffsetOutOfRangeError
 from tidelog.records import decode_batches, encode_batch
 from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 
@@ -942,6 +943,55 @@ def test_paused_follower_leaves_the_isr_through_alter_partition_and_rejoins(
             process.proc.send_signal(signal.SIGCONT)
         wait_for(lambda: follower in state_of(cluster, "lag").isr, 10, "ISR to expand again")
         wait_replicas_identical(cluster, "lag", [1, 2, 3])
+
+
+@pytest.mark.parametrize("reset", ["earliest", "none"])
+def test_a_consumer_past_an_unclean_truncation_reads_what_the_new_leader_wrote(
+    cluster: TestCluster, reset: str
+) -> None:
+    """KIP-320 for consumers. A consumer read offsets 0-19 from leader A, 10-19 after the
+    follower B had left the ISR; A dies, B returns and is elected uncleanly, and writes
+    its own offsets 10-14. The consumer's next fetch (from 20, naming the epoch of the
+    batch it read last) is told the log diverged at 10: it moves back to 10 and reads
+    B's records (with "none" it raises, naming the truncation). Before, the fetch from
+    20 was out of range and "earliest" went back to 0 (re-reading 0-9); had B's log grown
+    past 20, B's 10-19 would have been skipped without a word."""
+    topic = f"unclean-{reset}"
+    cluster.create_topic(topic, 1, 2, configs={"unclean.leader.election.enable": "true"})
+    wait_for(lambda: len(state_of(cluster, topic).isr) == 2, 10, "ISR of two")
+    state = state_of(cluster, topic)
+    leader = state.leader
+    (follower,) = [b for b in state.replicas if b != leader]
+    gateway = cluster.start_gateway()
+
+    def read(consumer: tidelog.Consumer, n: int) -> list[tuple[int, bytes]]:
+        got: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + 30
+        while len(got) < n and time.monotonic() < deadline:
+            got += [(r.offset, r.value) for r in consumer.poll(timeout_ms=500)]
+        return got
+
+    assert cluster_append(cluster, topic, [b"both-%d" % i for i in range(10)])[0] == ErrorCode.NONE
+    with tidelog.Consumer(gateway.address, auto_offset_reset=reset) as consumer:
+        consumer.assign([(topic, 0)])
+        consumer.seek((topic, 0), 0)
+        assert read(consumer, 10) == [(i, b"both-%d" % i) for i in range(10)]
+        cluster.brokers[follower].kill()
+        wait_for(lambda: state_of(cluster, topic).isr == [leader], 15, "ISR of the leader")
+        lost = [b"lost-%d" % i for i in range(10)]
+        assert cluster_append(cluster, topic, lost)[0] == ErrorCode.NONE
+        assert read(consumer, 10) == [(10 + i, v) for i, v in enumerate(lost)]
+
+        cluster.brokers[leader].kill()
+        cluster.start_broker(follower)
+        wait_for(lambda: state_of(cluster, topic).leader == follower, 20, "unclean election")
+        new = [b"new-%d" % i for i in range(5)]
+        assert cluster_append(cluster, topic, new)[0] == ErrorCode.NONE
+        if reset == "none":
+            with pytest.raises(OffsetOutOfRangeError, match="truncated at offset 10"):
+                read(consumer, 1)
+            consumer.seek((topic, 0), 10)
+        assert read(consumer, 5) == [(10 + i, v) for i, v in enumerate(new)]
 
 
 def test_a_dead_follower_evicted_by_the_controller_does_not_freeze_the_hw(

@@ -30,6 +30,14 @@ handed out: a fetch that reads ahead of the position and finds its offset gone s
 partition's fetching until the position reaches that offset, and only a fetch at the
 position itself resets it (Kafka resets only then too).
 
+Log truncation (KIP-320): a fetch names the leader epoch of the last batch fetched before
+its offset, and the leader answers "diverging" when its log does not hold that batch's
+history (an unclean election elected a replica that never had it). The records fetched
+past the divergence are dropped; a position past it moves back to the leader's end offset
+for that epoch, so the records the new leader wrote there are read rather than skipped
+(or, with "none", ``OffsetOutOfRangeError`` says so). After a seek or a reset the first
+fetch names no epoch.
+
 Group offsets are committed with ``commit()`` (the positions, or given offsets) and, with
 ``enable_auto_commit``, every ``auto_commit_interval_ms`` during ``poll`` and on
 ``close``. There is no group membership protocol: ``subscribe`` assigns every partition
@@ -48,6 +56,7 @@ Not thread-safe, like Kafka's consumer: use one per thread (``metrics()`` except
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import time
 from collections import deque
@@ -72,6 +81,8 @@ from tidelog.leaders import LeaderDirectory, directory_for
 from tidelog.metrics import ClientMetrics
 from tidelog.records import Header, RecordBatch, arrow_schema, decode_batches
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
+
+_log = logging.getLogger(__name__)
 
 TopicPartition = tuple[str, int]
 
@@ -255,6 +266,9 @@ class Consumer:
         # Partitions whose read-ahead fetch found its offset out of range: not fetched
         # again until their buffered records are handed out (module docstring).
         self._drain_first: set[TopicPartition] = set()
+        # The leader epoch of the batch that ends where a partition's next fetch starts
+        # (module docstring: log truncation); absent when unknown.
+        self._fetched_epoch: dict[TopicPartition, int] = {}
         # When stale leaders may be asked for again (RETRY_BACKOFF_S after the first
         # failure that made them stale).
         self._refresh_after = 0.0
@@ -451,6 +465,7 @@ class Consumer:
         for tp in tps:
             self._next_fetch.pop(tp, None)
             self._drain_first.discard(tp)
+            self._fetched_epoch.pop(tp, None)
         for group, fetch in list(self._fetches.items()):
             if not tps.isdisjoint(fetch.offsets):
                 # Its answer for these partitions would start at the old offsets; the
@@ -621,7 +636,11 @@ class Consumer:
             max_bytes=self._max_bytes,
             partitions=[
                 storage_pb2.FetchPartition(
-                    topic=t, partition=p, fetch_offset=o, max_bytes=self._partition_max_bytes
+                    topic=t,
+                    partition=p,
+                    fetch_offset=o,
+                    max_bytes=self._partition_max_bytes,
+                    last_fetched_epoch=self._fetched_epoch.get((t, p)),
                 )
                 for (t, p), o in offsets.items()
             ],
@@ -739,6 +758,7 @@ class Consumer:
             raise error from None
         retry = False
         reset: list[TopicPartition] = []
+        truncated: list[tuple[TopicPartition, int, int]] = []
         fetched_bytes = fetched_records = 0
         for result in response.partitions:
             tp = (result.topic, result.partition)
@@ -761,6 +781,9 @@ class Consumer:
                 else:
                     raise error
                 continue
+            if result.diverging_end_offset >= 0:
+                truncated.append((tp, result.diverging_epoch, result.diverging_end_offset))
+                continue
             if not result.records:
                 continue
             fetch_from = asked
@@ -772,6 +795,7 @@ class Consumer:
                     self._buffered_bytes += batch.header.size_bytes
                     fetched_records += batch.record_count - skip
                     fetch_from = batch.next_offset
+                    self._fetched_epoch[tp] = batch.header.partition_leader_epoch
             self._next_fetch[tp] = fetch_from
         if response.throttle_time_ms > 0 and not fetched_bytes:
             # An answer with records was worth having, whatever throttle another leader's
@@ -784,6 +808,43 @@ class Consumer:
             self._reset_positions(reset)
         if retry:
             self._retry_later(fetch.group)
+        for tp, epoch, end_offset in truncated:
+            self._on_truncation(tp, epoch, end_offset)
+
+    def _on_truncation(self, tp: TopicPartition, epoch: int, end_offset: int) -> None:
+        """The leader's log ends the last fetched batch's epoch at ``end_offset``, before
+        the fetch's offset (module docstring: log truncation)."""
+        position = self._positions[tp]
+        known_epoch = self._fetched_epoch.get(tp)
+        self._drop_buffered({tp})  # what was fetched past the divergence is not in the log
+        if position <= end_offset:
+            return  # only records not handed out yet diverged: fetch again from the position
+        if self._reset == "none":
+            # Kafka's LogTruncationException. The check stays armed: the next poll raises
+            # again until a seek moves the position.
+            self._next_fetch[tp] = position
+            if known_epoch is not None:
+                self._fetched_epoch[tp] = known_epoch
+            raise OffsetOutOfRangeError(
+                f"{tp[0]}-{tp[1]}: the log was truncated at offset {end_offset}, below the "
+                f"position {position} (an unclean leader election): records "
+                f"{end_offset}..{position - 1} were read from a log no replica has now; "
+                "auto_offset_reset is 'none', so seek to go on"
+            )
+        _log.warning(
+            "%s-%d: log truncated at %d below the position %d (epoch %d); reading on from %d",
+            tp[0],
+            tp[1],
+            end_offset,
+            position,
+            epoch,
+            end_offset,
+        )
+        # Kafka resets to the first offset known to diverge: what the new leader wrote
+        # from there on is read, not skipped up to the old position.
+        self._positions[tp] = end_offset
+        self._next_fetch[tp] = end_offset
+        self._fetched_epoch[tp] = epoch
 
     def __iter__(self) -> Iterator[ConsumerRecord]:
         """Records forever (until ``close``), polling as needed.

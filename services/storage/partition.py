@@ -541,8 +541,11 @@ class Partition:
         A follower that names its ``last_fetched_epoch`` learns of a divergence (KIP-320):
         when that epoch ends here before ``fetch_offset`` (or is not in this log), the
         result carries no data and the epoch and end offset it should truncate to; its
-        fetch offset then does not count as its LEO. A follower's ``written_offset``
-        (pipelined fetches, ``fetcher.py``) counts as its LEO instead of ``fetch_offset``.
+        fetch offset then does not count as its LEO. A consumer naming it learns the same
+        way that the records it read before ``fetch_offset`` are not in this log (an
+        unclean election truncated them): its position must go back to that end offset.
+        A follower's ``written_offset`` (pipelined fetches, ``fetcher.py``) counts as its
+        LEO instead of ``fetch_offset``.
 
         Consumers (``replica_id`` < 0) see only offsets below the high watermark; follower
         replicas read up to the log end offset. Raises OffsetOutOfRangeError when
@@ -552,7 +555,7 @@ class Partition:
         """
         with self._lock:
             self._check_leader(current_leader_epoch)
-            if replica_id >= 0:
+            if last_fetched_epoch >= 0:
                 diverging = fetch_divergence(
                     last_fetched_epoch=last_fetched_epoch,
                     fetch_offset=fetch_offset,
