@@ -399,3 +399,60 @@ def test_an_isr_join_names_the_incarnation_that_caught_up_and_a_refusal_forgets_
     state.on_follower_fetch(3, 10, now_ms=3, broker_epoch=90)  # the new incarnation
     proposal = state.propose_isr_change(now_ms=3, replica_lag_time_max_ms=LAG_MS)
     assert proposal is not None and proposal.joining == ((3, 90),)
+
+
+def test_a_refusal_at_the_same_partition_epoch_resolves_members_of_lost_replies() -> None:
+    """Found by an audit: broker 3's join got no answer (no controller), so it counted
+    toward the HW as possibly in the ISR; then it died. The controller, back, refused the
+    retried join (broker 3 is not live) with its state at this leader's partition epoch:
+    its ISR is the one held here, so broker 3 is not in it and the HW moves on over
+    {1, 2}. Before, broker 3 stayed counted and the HW froze at its last log end for good
+    (no ISR change was ever pushed to settle it). A refusal with another epoch's state
+    proves nothing and settles nothing."""
+    for answer_epoch, released in ((9, True), (10, False), (-1, False)):
+        state = leader(isr=(1, 2), leo=10, hw=0)
+        state.on_follower_fetch(2, 10, now_ms=1)
+        state.on_follower_fetch(3, 10, now_ms=1)
+        assert state.propose_isr_change(now_ms=1, replica_lag_time_max_ms=LAG_MS) is not None
+        state.on_isr_rejected()  # the reply never came
+        state.on_leader_append(20)
+        state.on_follower_fetch(2, 20, now_ms=2)
+        assert state.high_watermark == 10  # broker 3 may be a member
+        retry = state.propose_isr_change(now_ms=3, replica_lag_time_max_ms=LAG_MS)
+        assert retry is not None and retry.new_isr == (1, 2, 3)
+        assert state.on_isr_refused(answer_epoch) is released
+        assert state.high_watermark == (20 if released else 10)
+        assert (3 in state.maximal_isr) is not released
+
+
+def test_a_pipelining_follower_one_answer_behind_stays_in_sync() -> None:
+    """Found by an audit: a follower that pipelines (it asks for the next range while
+    writing the previous answer, fetcher.py) reports how far it has written, one answer
+    behind its fetch offset. That written offset counts for the HW, but being caught up
+    is about what it fetched: judged by the written offset, it never reached the leader's
+    LEO of its previous fetch under steady load and left the ISR after the lag limit
+    though it kept pace (and acks=all with min.insync.replicas=2 then failed)."""
+    state = leader(isr=(1, 2, 3))
+    leo = 0
+    answer = {2: (0, 0), 3: (0, 0)}  # (start, end) of the answer each is writing
+    for step in range(1, 301):  # 10 ms rounds, 3 s: three lag limits
+        now_ms = step * 10
+        leo += 1_000
+        state.on_leader_append(leo)
+        for b in (2, 3):
+            start, end = answer[b]
+            state.on_follower_fetch(b, end, now_ms, written_offset=start)
+            answer[b] = (end, leo)
+        # Only what both have written is committed: the answer of two rounds ago.
+        assert state.high_watermark == max(0, (step - 2) * 1_000)
+    assert state.out_of_sync(now_ms, LAG_MS) == []
+    assert state.propose_isr_change(now_ms, LAG_MS) is None
+    # A follower that stops fetching does leave (its lag is bounded by one answer).
+    for step in range(301, 420):
+        now_ms = step * 10
+        leo += 1_000
+        state.on_leader_append(leo)
+        start, end = answer[2]
+        state.on_follower_fetch(2, end, now_ms, written_offset=start)
+        answer[2] = (end, leo)
+    assert state.out_of_sync(now_ms, LAG_MS) == [3]

@@ -448,15 +448,16 @@ class Partition:
         *,
         refused: bool = False,
     ) -> None:
-        """The controller's answer to ``proposal``: the ISR in force; or None, ``refused``
-        when the controller answered with an error (nothing applied), else when no answer
-        came (the outcome is unknown)."""
+        """The controller's answer to ``proposal``: the ISR in force and its partition
+        epoch; ``refused`` when the controller answered with an error (nothing applied;
+        ``partition_epoch`` is then that of its state, -1 when it sent none); ``isr``
+        None otherwise when no answer came (the outcome is unknown)."""
         with self._lock:
             state = self._replication
             if state is None or state.pending is not proposal:
                 return  # leadership changed meanwhile; LeaderAndIsr carries the truth
-            if isr is None and refused:
-                state.on_isr_refused()
+            if refused:
+                state.on_isr_refused(partition_epoch)
             elif isr is None:
                 state.on_isr_rejected()
             else:
@@ -575,8 +576,7 @@ class Partition:
             if replica_id >= 0:
                 # A pipelining follower has written only up to ``written_offset``: count
                 # that, so the HW (and an acks=all answer) never runs ahead of its log.
-                written = fetch_offset if written_offset is None else written_offset
-                self._on_follower_fetch(replica_id, min(fetch_offset, written), broker_epoch)
+                self._on_follower_fetch(replica_id, fetch_offset, written_offset, broker_epoch)
             max_offset = self._high_watermark if replica_id < 0 else None
             if max_bytes == 0:
                 if not self._log.log_start_offset <= fetch_offset <= self._log.log_end_offset:
@@ -711,7 +711,9 @@ class Partition:
             for waiter in self._high_watermark_watchers:
                 waiter.set()
 
-    def _on_follower_fetch(self, replica_id: int, fetch_offset: int, broker_epoch: int) -> None:
+    def _on_follower_fetch(
+        self, replica_id: int, fetch_offset: int, written_offset: int | None, broker_epoch: int
+    ) -> None:
         state = self._replication
         if state is None or replica_id not in state.followers:
             raise NotLeaderOrFollowerError(
@@ -719,7 +721,10 @@ class Partition:
             )
         if not self._log.log_start_offset <= fetch_offset <= self._log.log_end_offset:
             return  # the read below raises OFFSET_OUT_OF_RANGE; not a valid LEO report
-        if state.on_follower_fetch(replica_id, fetch_offset, self._clock.now_ms(), broker_epoch):
+        now_ms = self._clock.now_ms()
+        if state.on_follower_fetch(
+            replica_id, fetch_offset, now_ms, broker_epoch, written_offset=written_offset
+        ):
             self._advance_high_watermark()
             self._wake_watchers(log_end_moved=False)
 

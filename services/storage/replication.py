@@ -13,7 +13,11 @@ Rules (Kafka's ``Partition`` / ``Replica``, seeds 000 and 004):
   how far its log is written (``written_offset``), and that is what counts here.
 - A follower is *caught up* at time t if at t it had fetched up to the leader's LEO as it
   was at its previous fetch (Kafka's ``lastCaughtUpTimeMs``); it falls out of sync once it
-  has not been caught up for ``replica_lag_time_max_ms``.
+  has not been caught up for ``replica_lag_time_max_ms``. "Fetched up to" is the fetch
+  offset, not the written offset: a pipelining follower's written offset is always one
+  answer behind, so under steady load it never reached the leader's LEO of its previous
+  fetch and was dropped from the ISR though it kept pace. Its lag stays bounded by one
+  answer: it sends no further fetch until that answer is written.
 - The high watermark is the smallest LEO over the ISR (leader included) and never moves
   backwards. While an ISR change is in flight the *maximal* ISR is used — the union of
   the current and the proposed ISR — so a pending shrink cannot advance the HW past a
@@ -117,9 +121,16 @@ class LeaderReplicationState:
         return self._advance_high_watermark()
 
     def on_follower_fetch(
-        self, broker_id: int, fetch_offset: int, now_ms: int, broker_epoch: int = -1
+        self,
+        broker_id: int,
+        fetch_offset: int,
+        now_ms: int,
+        broker_epoch: int = -1,
+        *,
+        written_offset: int | None = None,
     ) -> bool:
-        """A follower asked for ``fetch_offset``: its LEO, as of the incarnation
+        """A follower asked for ``fetch_offset``, its log written up to ``written_offset``
+        (a pipelined fetch) or else up to ``fetch_offset``: its LEO, as of the incarnation
         ``broker_epoch``. Returns True if the HW moved."""
         progress = self.followers.get(broker_id)
         if progress is None:
@@ -129,7 +140,9 @@ class LeaderReplicationState:
             progress.last_caught_up_ms = now_ms
         elif fetch_offset >= progress.leader_end_offset_at_last_fetch >= 0:
             progress.last_caught_up_ms = max(progress.last_caught_up_ms, progress.last_fetch_ms)
-        progress.log_end_offset = fetch_offset
+        progress.log_end_offset = (
+            fetch_offset if written_offset is None else min(fetch_offset, written_offset)
+        )
         progress.last_fetch_ms = now_ms
         progress.leader_end_offset_at_last_fetch = self._leader_end_offset
         return self._advance_high_watermark()
@@ -212,7 +225,7 @@ class LeaderReplicationState:
             self.unresolved |= set(self.pending.new_isr) - set(self.isr)
         self.pending = None
 
-    def on_isr_refused(self) -> None:
+    def on_isr_refused(self, committed_partition_epoch: int = -1) -> bool:
         """The controller answered the proposal with an error (a member not live, a stale
         epoch): it applied nothing, so the proposal is dropped without counting its
         members (as Kafka on INELIGIBLE_REPLICA). Counting them, as after a lost reply,
@@ -220,9 +233,19 @@ class LeaderReplicationState:
 
         A refused joiner's log end is forgotten until it fetches again: the refusal may
         say it is down, or came back as another incarnation (KIP-841), and its old log
-        end would have it proposed again every pass meanwhile."""
+        end would have it proposed again every pass meanwhile.
+
+        When the answer's state is at this leader's partition epoch, the controller's ISR
+        is the one held here: the members of earlier proposals whose replies were lost
+        (``unresolved``) are not in it, and no longer hold back the HW. (Left counted, a
+        joiner that died meanwhile froze the HW for good: its registration gone, no ISR
+        change was ever pushed to resolve it.) Returns True if the HW moved."""
         if self.pending is not None:
             for broker_id, _ in self.pending.joining:
                 if broker_id in self.followers:
                     self.followers[broker_id].log_end_offset = -1
         self.pending = None
+        if committed_partition_epoch == self.partition_epoch and self.unresolved:
+            self.unresolved = frozenset()
+            return self._advance_high_watermark()
+        return False

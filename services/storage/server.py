@@ -491,8 +491,10 @@ class ReplicaManager:
         ):
             if error is None and isr is not None:
                 partition.on_isr_result(proposal, isr, partition_epoch)
+            elif error is not None:
+                partition.on_isr_result(proposal, None, partition_epoch, refused=True)
             else:
-                partition.on_isr_result(proposal, None, -1, refused=error is not None)
+                partition.on_isr_result(proposal, None, -1)
             _log.info(
                 "isr_change",
                 topic=partition.topic,

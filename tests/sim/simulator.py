@@ -525,7 +525,12 @@ class BrokerProcess:
             sim.send(self.broker_id, CONTROLLER, "alter_partition", body)
 
     def on_alter_partition_reply(
-        self, req_id: int, p: int, isr: tuple[int, ...] | None, partition_epoch: int
+        self,
+        req_id: int,
+        p: int,
+        isr: tuple[int, ...] | None,
+        partition_epoch: int,
+        refused: bool,
     ) -> None:
         """``Partition.on_isr_result``."""
         rep = self.replicas[p]
@@ -536,7 +541,9 @@ class BrokerProcess:
         state = rep.replication
         if state is None or state.pending is not proposal:
             return
-        if isr is None:
+        if refused:
+            state.on_isr_refused(partition_epoch)
+        elif isr is None:
             state.on_isr_rejected()
         else:
             state.on_isr_committed(isr, partition_epoch)
@@ -702,12 +709,14 @@ class Controller:
                 joining=dict(proposal.joining),
             )
         except TidelogError:
+            # An error answer carries the state in force (Controller.alter_partition).
             self.sim.stats["isr_rejected"] += 1
-            self.sim.send(CONTROLLER, src, "alter_partition_reply", (req_id, p, None, -1))
+            epoch = self.state.record(TOPIC, p).partition_epoch
+            self.sim.send(CONTROLLER, src, "alter_partition_reply", (req_id, p, None, epoch, True))
             return
         self.commit([change])
         record = change.new
-        reply = (req_id, p, record.isr, record.partition_epoch)
+        reply = (req_id, p, record.isr, record.partition_epoch, False)
         self.sim.send(CONTROLLER, src, "alter_partition_reply", reply)
 
 
