@@ -945,24 +945,36 @@ def test_paused_follower_leaves_the_isr_through_alter_partition_and_rejoins(
         wait_replicas_identical(cluster, "lag", [1, 2, 3])
 
 
-@pytest.mark.parametrize("reset", ["earliest", "none"])
+@pytest.mark.parametrize(
+    ("reset", "resume"), [("earliest", False), ("none", False), ("earliest", True)]
+)
 def test_a_consumer_past_an_unclean_truncation_reads_what_the_new_leader_wrote(
-    cluster: TestCluster, reset: str
+    cluster: TestCluster, reset: str, resume: bool
 ) -> None:
     """KIP-320 for consumers. A consumer read offsets 0-19 from leader A, 10-19 after the
     follower B had left the ISR; A dies, B returns and is elected uncleanly, and writes
     its own offsets 10-14. The consumer's next fetch (from 20, naming the epoch of the
     batch it read last) is told the log diverged at 10: it moves back to 10 and reads
-    B's records (with "none" it raises, naming the truncation). Before, the fetch from
-    20 was out of range and "earliest" went back to 0 (re-reading 0-9); had B's log grown
-    past 20, B's 10-19 would have been skipped without a word."""
-    topic = f"unclean-{reset}"
+    B's records (with "none" it raises, naming the truncation). With ``resume`` the
+    consumer committed at 20 and a new one of its group starts there: the commit carries
+    the epoch of record 19, so the new consumer detects the truncation the same way.
+    Before, the fetch from 20 was out of range and "earliest" went back to 0 (re-reading
+    0-9); had B's log grown past 20, B's 10-19 would have been skipped without a word."""
+    topic = f"unclean-{reset}-{resume}"
     cluster.create_topic(topic, 1, 2, configs={"unclean.leader.election.enable": "true"})
     wait_for(lambda: len(state_of(cluster, topic).isr) == 2, 10, "ISR of two")
     state = state_of(cluster, topic)
     leader = state.leader
     (follower,) = [b for b in state.replicas if b != leader]
     gateway = cluster.start_gateway()
+
+    def consumer() -> tidelog.Consumer:
+        return tidelog.Consumer(
+            gateway.address,
+            group_id=f"g-{topic}",
+            auto_offset_reset=reset,
+            enable_auto_commit=False,
+        )
 
     def read(consumer: tidelog.Consumer, n: int) -> list[tuple[int, bytes]]:
         got: list[tuple[int, bytes]] = []
@@ -972,26 +984,32 @@ def test_a_consumer_past_an_unclean_truncation_reads_what_the_new_leader_wrote(
         return got
 
     assert cluster_append(cluster, topic, [b"both-%d" % i for i in range(10)])[0] == ErrorCode.NONE
-    with tidelog.Consumer(gateway.address, auto_offset_reset=reset) as consumer:
-        consumer.assign([(topic, 0)])
-        consumer.seek((topic, 0), 0)
-        assert read(consumer, 10) == [(i, b"both-%d" % i) for i in range(10)]
-        cluster.brokers[follower].kill()
-        wait_for(lambda: state_of(cluster, topic).isr == [leader], 15, "ISR of the leader")
-        lost = [b"lost-%d" % i for i in range(10)]
-        assert cluster_append(cluster, topic, lost)[0] == ErrorCode.NONE
-        assert read(consumer, 10) == [(10 + i, v) for i, v in enumerate(lost)]
+    first = consumer()
+    first.assign([(topic, 0)])
+    first.seek((topic, 0), 0)
+    assert read(first, 10) == [(i, b"both-%d" % i) for i in range(10)]
+    cluster.brokers[follower].kill()
+    wait_for(lambda: state_of(cluster, topic).isr == [leader], 15, "ISR of the leader")
+    lost = [b"lost-%d" % i for i in range(10)]
+    assert cluster_append(cluster, topic, lost)[0] == ErrorCode.NONE
+    assert read(first, 10) == [(10 + i, v) for i, v in enumerate(lost)]
+    if resume:
+        first.commit()
+        first.close()
 
-        cluster.brokers[leader].kill()
-        cluster.start_broker(follower)
-        wait_for(lambda: state_of(cluster, topic).leader == follower, 20, "unclean election")
-        new = [b"new-%d" % i for i in range(5)]
-        assert cluster_append(cluster, topic, new)[0] == ErrorCode.NONE
+    cluster.brokers[leader].kill()
+    cluster.start_broker(follower)
+    wait_for(lambda: state_of(cluster, topic).leader == follower, 20, "unclean election")
+    new = [b"new-%d" % i for i in range(5)]
+    assert cluster_append(cluster, topic, new)[0] == ErrorCode.NONE
+    with first if not resume else consumer() as second:
+        if resume:
+            second.assign([(topic, 0)])
         if reset == "none":
             with pytest.raises(OffsetOutOfRangeError, match="truncated at offset 10"):
-                read(consumer, 1)
-            consumer.seek((topic, 0), 10)
-        assert read(consumer, 5) == [(10 + i, v) for i, v in enumerate(new)]
+                read(second, 1)
+            second.seek((topic, 0), 10)
+        assert read(second, 5) == [(10 + i, v) for i, v in enumerate(new)]
 
 
 def test_a_dead_follower_evicted_by_the_controller_does_not_freeze_the_hw(

@@ -35,8 +35,10 @@ its offset, and the leader answers "diverging" when its log does not hold that b
 history (an unclean election elected a replica that never had it). The records fetched
 past the divergence are dropped; a position past it moves back to the leader's end offset
 for that epoch, so the records the new leader wrote there are read rather than skipped
-(or, with "none", ``OffsetOutOfRangeError`` says so). After a seek or a reset the first
-fetch names no epoch.
+(or, with "none", ``OffsetOutOfRangeError`` says so). Commits carry the epoch of the
+record before the committed offset, and a position taken from a commit names it, so a
+consumer that starts after the truncation detects it too; after a seek or a reset the
+first fetch names no epoch.
 
 Group offsets are committed with ``commit()`` (the positions, or given offsets) and, with
 ``enable_auto_commit``, every ``auto_commit_interval_ms`` during ``poll`` and on
@@ -269,6 +271,11 @@ class Consumer:
         # The leader epoch of the batch that ends where a partition's next fetch starts
         # (module docstring: log truncation); absent when unknown.
         self._fetched_epoch: dict[TopicPartition, int] = {}
+        # The leader epoch of the record before each position (the last handed out), as
+        # Kafka's OffsetAndMetadata.leaderEpoch: commits carry it, and a position taken
+        # from a commit names it in its first fetch, so a consumer that starts after an
+        # unclean election detects the truncation too.
+        self._position_epoch: dict[TopicPartition, int] = {}
         # When stale leaders may be asked for again (RETRY_BACKOFF_S after the first
         # failure that made them stale).
         self._refresh_after = 0.0
@@ -466,6 +473,7 @@ class Consumer:
             self._next_fetch.pop(tp, None)
             self._drain_first.discard(tp)
             self._fetched_epoch.pop(tp, None)
+            self._position_epoch.pop(tp, None)
         for group, fetch in list(self._fetches.items()):
             if not tps.isdisjoint(fetch.offsets):
                 # Its answer for these partitions would start at the old offsets; the
@@ -478,10 +486,13 @@ class Consumer:
             return
         missing = sorted(self._needs_position)
         if self.group_id is not None:
-            for tp, offset in self.committed(missing).items():
+            for tp, (offset, epoch) in self._committed_entries(missing).items():
                 if offset >= 0:
                     self._positions[tp] = offset
                     self._needs_position.discard(tp)
+                    if epoch >= 0:
+                        self._position_epoch[tp] = epoch
+                        self._fetched_epoch[tp] = epoch
         self._reset_positions(sorted(self._needs_position))
 
     def _reset_positions(self, tps: list[TopicPartition]) -> None:
@@ -594,6 +605,7 @@ class Consumer:
                 chunk.taken += room
             out.extend(taken)
             self._positions[chunk.tp] = taken[-1].offset + 1
+            self._position_epoch[chunk.tp] = chunk.batch.header.partition_leader_epoch
         self._metrics.add("records-consumed-total", len(out))
         return out
 
@@ -621,6 +633,7 @@ class Consumer:
             pieces.append(table)
             taken_total += table.num_rows
             self._positions[chunk.tp] = table.column("offset")[-1].as_py() + 1
+            self._position_epoch[chunk.tp] = chunk.batch.header.partition_leader_epoch
         self._metrics.add("records-consumed-total", taken_total)
         if not pieces:
             return _consumer_schema(pa).empty_table()
@@ -845,6 +858,7 @@ class Consumer:
         self._positions[tp] = end_offset
         self._next_fetch[tp] = end_offset
         self._fetched_epoch[tp] = epoch
+        self._position_epoch[tp] = epoch
 
     def __iter__(self) -> Iterator[ConsumerRecord]:
         """Records forever (until ``close``), polling as needed.
@@ -864,6 +878,7 @@ class Consumer:
                 if chunk.taken == len(records):
                     self._drop_first_chunk()
                 self._positions[chunk.tp] = record.offset + 1
+                self._position_epoch[chunk.tp] = chunk.batch.header.partition_leader_epoch
                 self._metrics.add("records-consumed-total", 1)
                 yield record
                 self._maybe_auto_commit()
@@ -879,12 +894,21 @@ class Consumer:
             offsets = {tp: self._positions[tp] for tp in self._assignment if tp in self._positions}
         if not offsets:
             return
+
+        def epoch_of(tp: TopicPartition, offset: int) -> int:
+            # Known only for the position itself (an offset given by the caller may be any).
+            if self._positions.get(tp) != offset:
+                return -1
+            return self._position_epoch.get(tp, -1)
+
         response: gateway_pb2.CommitOffsetsResponse = self._conn.call(
             self._conn.stub.CommitOffsets,
             gateway_pb2.CommitOffsetsRequest(
                 group_id=self.group_id,
                 offsets=[
-                    gateway_pb2.CommitOffset(topic=t, partition=p, offset=o, leader_epoch=-1)
+                    gateway_pb2.CommitOffset(
+                        topic=t, partition=p, offset=o, leader_epoch=epoch_of((t, p), o)
+                    )
                     for (t, p), o in sorted(offsets.items())
                 ],
             ),
@@ -899,6 +923,13 @@ class Consumer:
         self, partitions: Iterable[TopicPartition] | None = None
     ) -> dict[TopicPartition, int]:
         """The group's committed offsets (-1 where none)."""
+        entries = self._committed_entries(partitions)
+        return {tp: offset for tp, (offset, _) in entries.items()}
+
+    def _committed_entries(
+        self, partitions: Iterable[TopicPartition] | None = None
+    ) -> dict[TopicPartition, tuple[int, int]]:
+        """The group's committed (offset, leader epoch) pairs ((-1, -1) where none)."""
         if self.group_id is None:
             raise ConfigError("committed needs a consumer with a group_id")
         tps = list(self._assignment if partitions is None else partitions)
@@ -910,7 +941,7 @@ class Consumer:
             ),
             f"committed offsets of group {self.group_id!r}",
         )
-        return {(o.topic, o.partition): o.offset for o in response.offsets}
+        return {(o.topic, o.partition): (o.offset, o.leader_epoch) for o in response.offsets}
 
     def _maybe_auto_commit(self) -> None:
         if not self._auto_commit:
