@@ -17,10 +17,15 @@ Delivery guarantees (stated precisely in docs/SPARK.md):
   acknowledged at the requested ``acks``; a failed task is retried by Spark and may
   write some records twice.
 - exactly-once (streaming, ``deliveryGuarantee=exactly-once``): every task of a
-  micro-batch writes as an idempotent producer whose id is fixed by (query id, batch id,
-  task), records of each partition in a canonical order, so a replayed micro-batch
-  resends identical batches with identical sequence numbers and the brokers drop them
-  as duplicates.
+  micro-batch writes as an idempotent producer fixed by (query id, batch id, task),
+  records of each partition in a canonical order, so a replayed micro-batch resends
+  identical batches with identical sequence numbers and the brokers drop them as
+  duplicates. The producer id is the task's across ``EXACTLY_ONCE_EPOCHS`` consecutive
+  micro-batches and the batch id picks the producer epoch, so each partition remembers
+  one producer per task of a query (a new epoch replaces the old one's state) instead
+  of one per task of every micro-batch for ``producer.id.expiration.ms``: at a
+  micro-batch a second, that was ~86,000 producers a day per task in every partition's
+  memory and snapshots. A straggler of an earlier micro-batch is fenced (older epoch).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import hashlib
 import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from pyspark.sql.datasource import (
     DataSourceArrowWriter,
@@ -90,16 +95,22 @@ class _TaskWriter:
     """Writes one task's rows; see the module docstring. Not thread-safe (one per task)."""
 
     def __init__(
-        self, options: WriteOptions, sticky_seed: int | None, identity: str | None = None
+        self,
+        options: WriteOptions,
+        sticky_seed: int | None,
+        identity: TaskIdentity | None = None,
     ) -> None:
         self.options = options
         # Exactly-once: the task's identity (query id, batch id, partition) fixes the
-        # producer id; sequences count the task's records per partition from 0.
+        # producer id and epoch; sequences count the task's records per partition from 0.
         self.identity = identity
-        self.producer_id = -1 if identity is None else exactly_once_producer_id(identity)
+        self.producer_id, self.producer_epoch = (
+            (-1, -1) if identity is None else exactly_once_producer(identity)
+        )
         self.sequences: dict[tuple[str, int], int] = {}
         if identity is not None:
-            sticky_seed = int.from_bytes(hashlib.sha256(identity.encode()).digest()[8:16])
+            seed = str(identity).encode()
+            sticky_seed = int.from_bytes(hashlib.sha256(seed).digest()[8:16])
         self.connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
         # direct=true: requests go to the leaders (closed when the task's write ends).
         self.appender = Appender(self.connection) if options.direct else None
@@ -238,7 +249,7 @@ class _TaskWriter:
                 None if headers is None else headers.slice(start, stop - start),
                 compression=self.options.compression,
                 producer_id=self.producer_id,
-                producer_epoch=0 if self.identity is not None else -1,
+                producer_epoch=self.producer_epoch,
                 base_sequence=sequence,
             )
             self.pending.append((topic, partition, records))
@@ -297,16 +308,38 @@ EXACTLY_ONCE_PRODUCER_IDS: Final = 2**62
 controller hands ids out in blocks from 0, and never gets near 2^62)."""
 
 
-def exactly_once_producer_id(identity: str) -> int:
-    """The producer id of a streaming task: a hash of (query id, batch id, partition) into
-    the upper quarter of the id space. The same task of the same micro-batch gets the same
-    id in every attempt and after a restart from the checkpoint."""
-    digest = hashlib.sha256(identity.encode()).digest()
-    return EXACTLY_ONCE_PRODUCER_IDS + int.from_bytes(digest[:8]) % EXACTLY_ONCE_PRODUCER_IDS
+EXACTLY_ONCE_EPOCHS: Final = 32_767
+"""Micro-batches that share a task's producer id, their batch ids modulo this being its
+epochs (a producer epoch is an int16; Kafka's are too)."""
 
 
-def task_identity() -> str:
-    """``<query id>/<batch id>/<partition id>`` of the running streaming write task."""
+class TaskIdentity(NamedTuple):
+    """A streaming write task: the same in every attempt and after a restart from the
+    checkpoint (Spark replays a micro-batch with the same batch id and task partitions)."""
+
+    query_id: str
+    batch_id: int
+    partition: int
+
+    def __str__(self) -> str:
+        return f"{self.query_id}/{self.batch_id}/{self.partition}"
+
+
+def exactly_once_producer(identity: TaskIdentity) -> tuple[int, int]:
+    """(producer id, producer epoch) of a streaming task. The id is a hash of (query id,
+    task partition, batch id // ``EXACTLY_ONCE_EPOCHS``) into the upper quarter of the id
+    space, and the epoch the batch id modulo ``EXACTLY_ONCE_EPOCHS``: every attempt of a
+    task gets the same pair, and the task's next micro-batch the next epoch of the same
+    id (module docstring)."""
+    era, epoch = divmod(identity.batch_id, EXACTLY_ONCE_EPOCHS)
+    key = f"{identity.query_id}/{identity.partition}/{era}".encode()
+    digest = hashlib.sha256(key).digest()
+    producer_id = EXACTLY_ONCE_PRODUCER_IDS + int.from_bytes(digest[:8]) % EXACTLY_ONCE_PRODUCER_IDS
+    return producer_id, epoch
+
+
+def task_identity() -> TaskIdentity:
+    """The running streaming write task's (query id, batch id, partition id)."""
     from pyspark import TaskContext  # noqa: PLC0415  # executors only
 
     context = TaskContext.get()
@@ -317,7 +350,7 @@ def task_identity() -> str:
             "deliveryGuarantee=exactly-once needs a streaming query's task context "
             "(query id and batch id); it is not available here"
         )
-    return f"{query_id}/{batch_id}/{context.partitionId()}"
+    return TaskIdentity(query_id, int(batch_id), context.partitionId())
 
 
 def _canonical(table: Any) -> Any:
