@@ -340,6 +340,59 @@ def test_records_buffered_before_an_offset_retention_deleted_are_handed_out_firs
             assert [(r.offset, r.value) for r in after] == [(6, b"e" * 1000)]
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_producers_spread_over_partitions_added_to_a_topic(
+    gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """Found by an audit: a producer looked a topic's partition count up once and kept it,
+    so after create_partitions every keyed and keyless record still went to the old
+    partitions (and after a re-create with fewer partitions, keys of the missing ones
+    failed for good). The count is looked up again after metadata_max_age_ms."""
+    topic = f"growing-{direct}"
+    admin.create_topic(topic, partitions=1)
+    keys = [b"k%d" % i for i in range(64)]
+    with tidelog.Producer(gateway.address, direct=direct, metadata_max_age_ms=200) as producer:
+        assert producer.partitions_for(topic) == [0]
+        before = {producer.send(topic, b"v", key=k).result(30).partition for k in keys}
+        assert before == {0}
+        admin.create_partitions(topic, 4)
+        wait_for(lambda: len(admin.describe_topic(topic).partitions) == 4, 10, "4 partitions")
+        time.sleep(0.3)  # past metadata_max_age_ms
+        assert producer.partitions_for(topic) == [0, 1, 2, 3]
+        after = [producer.send(topic, b"v", key=k).result(30).partition for k in keys]
+        assert after == [partition_for_key(k, 4) for k in keys]
+        assert set(after) == {0, 1, 2, 3}
+
+
+def test_a_producer_places_keys_by_the_count_of_a_topic_re_created_smaller(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The other half of the audit's finding: after a topic was re-created with 2
+    partitions instead of 4, a key of partition 3 failed for good. Now the
+    UNKNOWN_TOPIC_OR_PARTITION answer makes the producer look the count up again, so the
+    record in flight fails (its partition is gone, as in Kafka) and the next one with
+    that key lands on the new count's partition."""
+    topic = "shrunk"
+    admin.create_topic(topic, partitions=4)
+    key = next(b"k%d" % i for i in range(100) if partition_for_key(b"k%d" % i, 4) == 3)
+    with tidelog.Producer(gateway.address, delivery_timeout_ms=3_000) as producer:
+        assert producer.send(topic, b"first", key=key).result(30).partition == 3
+        admin.delete_topic(topic)
+
+        def re_created() -> bool:
+            try:
+                admin.create_topic(topic, partitions=2)
+            except TopicAlreadyExistsError:  # its deletion is not complete yet
+                return False
+            return True
+
+        wait_for(re_created, 30, "the re-creation")
+        with pytest.raises(UnknownTopicOrPartitionError):
+            producer.send(topic, b"lost", key=key).result(30)
+        again = producer.send(topic, b"again", key=key).result(30)
+        assert again.partition == partition_for_key(key, 2)
+
+
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

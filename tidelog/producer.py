@@ -36,6 +36,11 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
   nothing in flight for ``connections_max_idle_ms`` (Kafka's name and default, 9 min) is
   closed, so an idle producer does not hold one of the broker's streams.
 
+Partition counts: a topic's count is looked up on first use and again once older than
+``metadata_max_age_ms`` (Kafka's name and default, 5 min) or after an
+UNKNOWN_TOPIC_OR_PARTITION answer, so keys and the sticky partition spread over
+partitions added since (a key's partition changes with the count, as in Kafka).
+
 Ordering and idempotence: a batch is encoded - given its producer id and sequence - only
 when it is first sent, from the head of its partition's queue, so sequences follow send
 order; each batch also has an ``ordinal``, its place in the partition's queue. A failed
@@ -464,6 +469,7 @@ class Producer:
         client_id: str = "tidelog-producer",
         direct: bool = False,
         connections_max_idle_ms: int = 540_000,
+        metadata_max_age_ms: int = 300_000,
     ) -> None:
         acks_key = str(acks).lower()
         if acks_key not in ACKS:
@@ -476,6 +482,7 @@ class Producer:
             ("delivery_timeout_ms", delivery_timeout_ms),
             ("request_timeout_ms", request_timeout_ms),
             ("connections_max_idle_ms", connections_max_idle_ms),
+            ("metadata_max_age_ms", metadata_max_age_ms),
         ):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, not {value}")
@@ -532,7 +539,12 @@ class Producer:
         self._lock = threading.Condition()
         self._queues: dict[tuple[str, int], _PartitionQueue] = {}
         self._open: dict[tuple[str, int], _Batch] = {}
-        self._counts: dict[str, int] = {}
+        # Topic -> (partition count, when it was looked up): looked up again once older
+        # than metadata_max_age_ms (Kafka's metadata.max.age.ms), and at once after an
+        # UNKNOWN_TOPIC_OR_PARTITION answer, so partitions added to a topic (or a topic
+        # re-created with fewer) are seen; before, the first count was kept for good.
+        self._counts: dict[str, tuple[int, float]] = {}
+        self._metadata_max_age_s = metadata_max_age_ms / 1000
         self._sticky: dict[str, int] = {}
         self._sticky_bytes: dict[str, int] = {}  # sent to the topic's sticky partition
         self._buffered_bytes = 0
@@ -567,10 +579,24 @@ class Producer:
     # --- metadata -------------------------------------------------------------------------
 
     def _partition_count(self, topic: str, at_least: int = 0) -> int:
-        count = self._counts.get(topic)
-        if count is None or count <= at_least:
-            counts = self._conn.partition_counts([topic])  # raises for an unknown topic
-            count = self._counts[topic] = counts[topic]
+        known = self._counts.get(topic)
+        now = time.monotonic()
+        if known is not None and known[0] > at_least:
+            if now - known[1] < self._metadata_max_age_s:
+                return known[0]
+            try:
+                return self._look_up_count(topic, now)
+            except TidelogError as exc:
+                if not exc.retriable or isinstance(exc, UnknownTopicOrPartitionError):
+                    raise
+                # The gateway is unreachable or busy: go on with the count known (the
+                # leaders may well be reachable, direct mode), and ask again next time.
+                return known[0]
+        return self._look_up_count(topic, now)  # raises for an unknown topic
+
+    def _look_up_count(self, topic: str, now: float) -> int:
+        count = self._conn.partition_counts([topic])[topic]
+        self._counts[topic] = (count, now)
         return count
 
     def metrics(self) -> dict[str, float]:
@@ -681,7 +707,7 @@ class Producer:
             batch.size_bytes += size
             batch.record_futures.append((index, future))
             if sticky:
-                self._stick(topic, partition, size, self._counts.get(topic, 1))
+                self._stick(topic, partition, size, self._counts.get(topic, (1, 0.0))[0])
             if batch.size_bytes >= self._records_budget:
                 self._close_open(tp)
                 self._lock.notify_all()
@@ -1566,6 +1592,10 @@ class Producer:
                     "retry" if retry and len(retry) == len(batches) else "fail",
                     str(error)[:200].replace("\n", " "),
                 )
+            if isinstance(error, UnknownTopicOrPartitionError):
+                # The topic was deleted, or re-created with fewer partitions: the next
+                # records are placed by a count looked up again.
+                self._counts.pop(batches[0].tp[0], None)
             if retry and len(retry) == len(batches):
                 self._metrics.add("record-retry-total", sum(len(b) for b in batches))
                 with self._lock:
