@@ -15,7 +15,7 @@ from services.storage.replica_rules import (
     follower_high_watermark,
     follower_truncation,
 )
-from services.storage.replication import LeaderReplicationState
+from services.storage.replication import JOINER_FETCH_WINDOW_MS, LeaderReplicationState
 from tidelog.records import encode_batch
 
 LAG_MS = 1_000
@@ -290,7 +290,8 @@ def test_failed_expansion_keeps_holding_the_high_watermark_until_a_committed_sta
     assert other.propose_isr_change(now_ms=2, replica_lag_time_max_ms=LAG_MS) is not None
     other.on_isr_rejected()
     other.on_leader_append(20)
-    other.on_follower_fetch(2, 20, now_ms=3)
+    # Broker 3 fetches no more (a live one fetching would hold the HW as a joiner).
+    other.on_follower_fetch(2, 20, now_ms=3 + JOINER_FETCH_WINDOW_MS)
     assert other.high_watermark == 10
     assert other.on_isr_committed((1, 2), 10)
     assert other.high_watermark == 20
@@ -456,3 +457,40 @@ def test_a_pipelining_follower_one_answer_behind_stays_in_sync() -> None:
         state.on_follower_fetch(2, end, now_ms, written_offset=start)
         answer[2] = (end, leo)
     assert state.out_of_sync(now_ms, LAG_MS) == [3]
+
+
+def test_a_follower_back_under_steady_load_rejoins_because_the_hw_waits_for_it() -> None:
+    """Found by an audit: with the ISR down to the leader, the HW is the leader's LEO, and
+    under steady load a returning follower's LEO (one round behind, more when it
+    pipelines) never reached it, so it could not rejoin until producers paused. Once its
+    fetches show it caught up it is a joiner the HW waits for (Kafka's
+    shouldWaitForReplicaToJoinIsr): its LEO reaches the HW and it is proposed. A joiner
+    that stops fetching holds the HW no longer than JOINER_FETCH_WINDOW_MS."""
+    state = leader(isr=(1, 3))
+    state.on_isr_committed((1,), partition_epoch=10)  # broker 3 left too: the leader alone
+    leo, start, end = 0, 0, 0  # broker 2 fetches from 0: the answer it is writing
+    joined_at = None
+    for step in range(1, 200):
+        now_ms = step * 10
+        leo += 1_000
+        state.on_leader_append(leo, now_ms)
+        state.on_follower_fetch(2, end, now_ms, written_offset=start)
+        start, end = end, leo
+        proposal = state.propose_isr_change(now_ms, LAG_MS)
+        if proposal is not None:
+            assert proposal.new_isr == (1, 2)
+            state.on_isr_committed(proposal.new_isr, partition_epoch=11)
+            joined_at = step
+            break
+    assert joined_at is not None and joined_at < 10
+    # Out of the ISR again (the HW moves to the leader's LEO), it fetches caught up: a
+    # joiner, so the next append does not move the HW past it.
+    state.on_isr_committed((1,), partition_epoch=12)
+    hw = state.high_watermark
+    assert hw == leo
+    state.on_follower_fetch(2, end, now_ms + 10, written_offset=start)
+    state.on_leader_append(leo + 1_000, now_ms + 20)
+    assert state.joiners() == [2] and state.high_watermark == hw
+    # It dies: after the window the HW goes on without it.
+    state.on_leader_append(leo + 2_000, now_ms + 20 + JOINER_FETCH_WINDOW_MS + 1)
+    assert state.joiners() == [] and state.high_watermark == leo + 2_000 > hw

@@ -734,7 +734,7 @@ class Partition:
         state = self._replication
         if state is None:
             return
-        state.on_leader_append(self._log.log_end_offset)
+        state.on_leader_append(self._log.log_end_offset, self._clock.now_ms())
         if tracing.ENABLED and state.high_watermark > self._high_watermark:
             tracing.event("hw", self.partition, state.high_watermark)
         self._high_watermark = max(self._high_watermark, state.high_watermark)

@@ -29,6 +29,15 @@ Rules (Kafka's ``Partition`` / ``Replica``, seeds 000 and 004):
   A proposal the controller answered with an error was not applied and does not count.
 - A follower may join the ISR only once its LEO reaches the HW *and* the start of the
   leader's current epoch, so a new member holds everything committed (KIP-101).
+- The HW also waits for a *joiner*: a follower outside the ISR that is caught up (by
+  fetches of its own since it was last out, within the lag limit) and fetched within
+  ``JOINER_FETCH_WINDOW_MS`` (Kafka's ``shouldWaitForReplicaToJoinIsr``, which asks for
+  a live broker instead). Under steady load the HW is the leader's LEO once the ISR is
+  the leader alone, and a follower's LEO, one round behind, never reached it: a follower
+  that returned could not rejoin until producers paused. Waiting for it lets its LEO
+  reach the HW; it costs acks=all at most the window after a joiner stops fetching.
+  Only inputs that carry a time (fetches, appends, ISR passes) move the state's clock,
+  and joiners count once an ISR pass has told it the lag limit.
 
 Invariants: ``log_start_offset <= high_watermark <= leader LEO``; the leader is always in
 the ISR it proposes; at most one ISR proposal is pending at a time.
@@ -38,6 +47,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Final
+
+JOINER_FETCH_WINDOW_MS: Final = 2_000
+"""A follower outside the ISR holds back the HW only if it fetched this recently: twice
+the replica fetch long poll (500 ms) and more, so a live one always qualifies, and a
+dead one stalls acks=all this long at most (instead of the whole lag limit)."""
 
 
 @dataclass(slots=True)
@@ -95,13 +110,21 @@ class LeaderReplicationState:
         # Members of failed proposals whose outcome the controller has not confirmed: they
         # may be in its ISR, so the HW waits for them until a committed state says.
         self.unresolved: frozenset[int] = frozenset()
-        # Followers start as caught up "now": a new leader gives them one full lag window
-        # before it considers removing them (Kafka resets lastCaughtUpTime on election).
+        # ISR followers start as caught up "now": a new leader gives them one full lag
+        # window before it considers removing them; the others have to show it (Kafka
+        # resets lastCaughtUpTime on election the same way).
+        isr_members = set(self.isr)
         self.followers = {
-            broker_id: FollowerProgress(broker_id, last_caught_up_ms=now_ms)
+            broker_id: FollowerProgress(
+                broker_id, last_caught_up_ms=now_ms if broker_id in isr_members else -1
+            )
             for broker_id in self.replicas
             if broker_id != local_broker_id
         }
+        # The latest time an input carried, and the lag limit of the latest ISR pass
+        # (None: none yet), for the joiner rule (module docstring).
+        self._now_ms = now_ms
+        self._lag_ms: int | None = None
 
     # --- inputs -------------------------------------------------------------------------
 
@@ -115,10 +138,15 @@ class LeaderReplicationState:
             members |= set(self.pending.new_isr)
         return tuple(sorted(members))
 
-    def on_leader_append(self, log_end_offset: int) -> bool:
+    def on_leader_append(self, log_end_offset: int, now_ms: int | None = None) -> bool:
         """The leader's log grew; returns True if the HW moved (RF 1 / ISR of one)."""
         self._leader_end_offset = log_end_offset
+        self._tick(now_ms)
         return self._advance_high_watermark()
+
+    def _tick(self, now_ms: int | None) -> None:
+        if now_ms is not None and now_ms > self._now_ms:
+            self._now_ms = now_ms
 
     def on_follower_fetch(
         self,
@@ -143,6 +171,7 @@ class LeaderReplicationState:
         progress.log_end_offset = (
             fetch_offset if written_offset is None else min(fetch_offset, written_offset)
         )
+        self._tick(now_ms)
         progress.last_fetch_ms = now_ms
         progress.leader_end_offset_at_last_fetch = self._leader_end_offset
         return self._advance_high_watermark()
@@ -152,8 +181,24 @@ class LeaderReplicationState:
             return self._leader_end_offset
         return self.followers[broker_id].log_end_offset
 
+    def joiners(self) -> list[int]:
+        """Followers outside the ISR the HW waits for (module docstring)."""
+        if self._lag_ms is None:
+            return []
+        members = set(self.maximal_isr)
+        now_ms = self._now_ms
+        return [
+            b
+            for b, p in sorted(self.followers.items())
+            if b not in members
+            and p.log_end_offset >= 0
+            and p.last_caught_up_ms >= 0
+            and now_ms - p.last_caught_up_ms <= self._lag_ms
+            and now_ms - p.last_fetch_ms <= JOINER_FETCH_WINDOW_MS
+        ]
+
     def _advance_high_watermark(self) -> bool:
-        candidate = min(self._leo_of(b) for b in self.maximal_isr)
+        candidate = min(self._leo_of(b) for b in (*self.maximal_isr, *self.joiners()))
         if candidate > self.high_watermark:
             self.high_watermark = candidate
             return True
@@ -184,6 +229,8 @@ class LeaderReplicationState:
 
         Shrinks take precedence: a lagging member holds back the HW for everyone.
         """
+        self._tick(now_ms)
+        self._lag_ms = replica_lag_time_max_ms
         if self.pending is not None:
             return None
         shrink = set(self.out_of_sync(now_ms, replica_lag_time_max_ms))
@@ -202,12 +249,15 @@ class LeaderReplicationState:
         A follower that left the ISR has its log end forgotten: a dead one's frozen log
         end would otherwise keep it "ready to join", proposed again every pass, and a
         restarted one's would speak for a log it may no longer have (KIP-903). It is
-        ready again once a fetch reports where its log ends. (Its caught-up time stays:
-        it only matters once it is a member again, and a fetching follower renews it.)"""
+        ready again once a fetch reports where its log ends, and a joiner the HW waits
+        for once fetches of its own show it caught up: its caught-up time as a member
+        would otherwise make a follower that died and came back far behind a joiner.
+        """
         new_isr = tuple(isr)
         for broker_id in set(self.isr) - set(new_isr):
             if broker_id in self.followers:
                 self.followers[broker_id].log_end_offset = -1
+                self.followers[broker_id].last_caught_up_ms = -1
         self.isr = new_isr
         self.partition_epoch = partition_epoch
         self.pending = None
@@ -244,6 +294,7 @@ class LeaderReplicationState:
             for broker_id, _ in self.pending.joining:
                 if broker_id in self.followers:
                     self.followers[broker_id].log_end_offset = -1
+                    self.followers[broker_id].last_caught_up_ms = -1
         self.pending = None
         if committed_partition_epoch == self.partition_epoch and self.unresolved:
             self.unresolved = frozenset()

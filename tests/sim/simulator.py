@@ -405,7 +405,7 @@ class BrokerProcess:
         state = rep.replication
         if state is None:
             return
-        state.on_leader_append(rep.log.leo)
+        state.on_leader_append(rep.log.leo, self.sim.now)
         rep.high_watermark = max(rep.high_watermark, state.high_watermark)
         due = [w for w in rep.waiters if ack_is_due(rep.high_watermark, w[0])]
         if not due:
@@ -1115,7 +1115,7 @@ class Simulation:
         """Whether one power loss now cannot lose acknowledged data by design.
 
         Every broker up, the network whole, and every ISR (the controller's) with at least
-        two members: then every committed record is in the log of an ISR member other
+        two members still the incarnation the controller registered: then every committed record is in the log of an ISR member other
         than the victim, and with no other fault until the victim is whole again that
         member stays electable. (A power loss of the *last* ISR member loses whatever it
         had not flushed; Kafka's KIP-966 "eligible leader replicas" addresses that, and
@@ -1125,7 +1125,20 @@ class Simulation:
             return False
         if any(healed > self.now for healed in self.blocked.values()):
             return False
-        return all(len(r.isr) >= 2 for r in self.controller.state.partitions.values())
+        # A member counts only as the incarnation the controller has registered: one
+        # that restarted since is evicted from every ISR when it registers again
+        # (KIP-903), so it will not be electable (found with seed 640: a broker
+        # restarted, the other ISR member lost power, and was elected without the
+        # records it had not flushed).
+        state = self.controller.state
+        whole = {
+            b
+            for b in alive
+            if (registered := state.brokers.get(b)) is not None
+            and (proc := self.processes.get(b)) is not None
+            and registered.epoch == proc.broker_epoch
+        }
+        return all(len(whole.intersection(r.isr)) >= 2 for r in state.partitions.values())
 
     def _refresh_power_damage(self) -> None:
         """A power-lost broker is whole again once a new incarnation of it registered
