@@ -1115,11 +1115,12 @@ class Simulation:
         """Whether one power loss now cannot lose acknowledged data by design.
 
         Every broker up, the network whole, and every ISR (the controller's) with at least
-        two members still the incarnation the controller registered: then every committed record is in the log of an ISR member other
-        than the victim, and with no other fault until the victim is whole again that
-        member stays electable. (A power loss of the *last* ISR member loses whatever it
-        had not flushed; Kafka's KIP-966 "eligible leader replicas" addresses that, and
-        tidelog, like Kafka before it, does not.)
+        two members still the incarnation the controller registered: then every committed
+        record is in the log of an ISR member other than the victim, and with no other
+        fault until the victim is whole again that member stays electable. (A power loss
+        of the *last* ISR member loses whatever it had not flushed; Kafka's KIP-966
+        "eligible leader replicas" addresses that, and tidelog, like Kafka before it,
+        does not.)
         """
         if len(alive) != self.config.brokers:
             return False
