@@ -430,3 +430,71 @@ def test_time_index_sanity_check(tmp_path: Path) -> None:
     empty = build("empty.timeindex", [])
     empty.sanity_check(log_size_bytes=0)
     empty.close()
+
+
+def test_offset_index_sanity_check_reads_every_entry(tmp_path: Path) -> None:
+    """Every entry is checked at load, not just the first and last: one out of order in
+    the middle, an offset at or past the next segment's base offset, or a last position
+    with no room for a batch header is damage (the owner rebuilds from the log)."""
+
+    def build(name: str, raw_entries: list[tuple[int, int]]) -> OffsetIndex:
+        path = tmp_path / name
+        path.write_bytes(b"".join(formats.OFFSET_INDEX_ENTRY.pack(*e) for e in raw_entries))
+        return offset_index(path, writable=False)
+
+    middle = build("middle.index", [(1, 100), (9, 500), (5, 700), (12, 900)])
+    with pytest.raises(IndexCorruptError):
+        middle.sanity_check(log_size_bytes=1000)
+    middle.close()
+    middle_position = build("midpos.index", [(1, 100), (5, 800), (9, 700), (12, 900)])
+    with pytest.raises(IndexCorruptError):
+        middle_position.sanity_check(log_size_bytes=1000)
+    middle_position.close()
+
+    good = build("good.index", [(1, 100), (5, 500), (9, 900)])
+    good.sanity_check(log_size_bytes=900 + formats.BATCH_HEADER_SIZE, end_offset=10)
+    with pytest.raises(IndexCorruptError):
+        good.sanity_check(log_size_bytes=900 + formats.BATCH_HEADER_SIZE - 1)
+    with pytest.raises(IndexCorruptError):
+        good.sanity_check(log_size_bytes=1000, end_offset=9)  # 9 is the next segment's
+    good.close()
+
+
+def test_time_index_sanity_check_reads_every_entry(tmp_path: Path) -> None:
+    def build(name: str, raw_entries: list[tuple[int, int]]) -> TimeIndex:
+        path = tmp_path / name
+        path.write_bytes(b"".join(formats.TIME_INDEX_ENTRY.pack(*e) for e in raw_entries))
+        return time_index(path, writable=False)
+
+    middle = build("middle.timeindex", [(10, 1), (30, 2), (20, 3), (40, 4)])
+    with pytest.raises(IndexCorruptError):
+        middle.sanity_check(log_size_bytes=100)
+    middle.close()
+    offsets_decrease = build("offsets.timeindex", [(10, 1), (20, 15), (30, 3), (40, 4)])
+    with pytest.raises(IndexCorruptError):
+        offsets_decrease.sanity_check(log_size_bytes=100)
+    offsets_decrease.close()
+
+    # Offsets may repeat (never decrease); they must stay below the next segment's base.
+    good = build("good.timeindex", [(-1, 0), (10, 1), (20, 4), (30, 4)])
+    good.sanity_check(log_size_bytes=100, end_offset=5)
+    with pytest.raises(IndexCorruptError):
+        good.sanity_check(log_size_bytes=100, end_offset=4)
+    good.close()
+
+
+def test_sanity_checks_of_many_entries_span_chunks(tmp_path: Path) -> None:
+    """The checks decode entries in chunks: a fault right after a chunk boundary counts."""
+    count = (1 << 16) + 5
+    entries = [(i + 1, 10 * (i + 1)) for i in range(count)]
+    path = tmp_path / "many.index"
+    path.write_bytes(b"".join(formats.OFFSET_INDEX_ENTRY.pack(*e) for e in entries))
+    index = offset_index(path, writable=False)
+    index.sanity_check(log_size_bytes=10 * count + 100)
+    index.close()
+    entries[1 << 16] = (entries[(1 << 16) - 1][0], entries[1 << 16][1])  # repeats the last
+    path.write_bytes(b"".join(formats.OFFSET_INDEX_ENTRY.pack(*e) for e in entries))
+    index = offset_index(path, writable=False)
+    with pytest.raises(IndexCorruptError):
+        index.sanity_check(log_size_bytes=10 * count + 100)
+    index.close()

@@ -8,17 +8,21 @@ byte for byte, not just decoded.
 
 from __future__ import annotations
 
+import functools
+import os
 import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.storage.log import AppendInfo, Log, LogConfig
 from services.storage.log.config import TOPIC_CONFIG_FIELDS
+from services.storage.log.log import min_plain_body_bytes
 from tidelog import formats as f
 from tidelog.batch import crc32c, parse_header, stamp
 from tidelog.clock import ManualClock
@@ -26,6 +30,7 @@ from tidelog.errors import (
     CorruptBatchError,
     InvalidConfigError,
     InvalidFetchSizeError,
+    InvalidRecordError,
     InvalidRequestError,
     MessageTooLargeError,
     OffsetOutOfRangeError,
@@ -463,21 +468,84 @@ def test_batch_larger_than_segment_goes_into_a_fresh_segment(tmp_path: Path) -> 
 def test_roll_on_segment_ms(tmp_path: Path) -> None:
     clock = ManualClock()
     log = open_log(tmp_path / "p-0", LogConfig(segment_ms=1000), clock=clock)
-    log.append(make_batch(1))
+    log.append(make_batch(1, ts=clock.now_ms()))
     clock.advance(1000)
-    log.append(make_batch(1))  # exactly segment.ms old: not yet
+    log.append(make_batch(1, ts=clock.now_ms()))  # exactly segment.ms old: not yet
     assert log.segment_base_offsets == [0]
     clock.advance(1)
-    log.append(make_batch(1))
+    log.append(make_batch(1, ts=clock.now_ms()))
     assert log.segment_base_offsets == [0, 2]
-    # The new segment's age counts from its creation.
+    # The new segment's age counts from its first batch.
     clock.advance(1000)
-    log.append(make_batch(1))
+    log.append(make_batch(1, ts=clock.now_ms()))
     assert log.segment_base_offsets == [0, 2]
     clock.advance(1)
-    log.append(make_batch(1))
+    log.append(make_batch(1, ts=clock.now_ms()))
     assert log.segment_base_offsets == [0, 2, 4]
     log.close()
+
+
+def test_segment_ms_age_survives_restarts(tmp_path: Path) -> None:
+    """segment.ms counts from the first batch's max timestamp (Kafka's
+    rollingBasedTimestamp), not from when this process opened the segment: a broker
+    restarted every 3 days used to never roll a 7-day segment, so retention.ms (which
+    never deletes the active segment) kept its data for ever."""
+    clock = ManualClock()
+    directory = tmp_path / "p-0"
+    config = LogConfig(segment_ms=7 * DAY_MS, retention_ms=7 * DAY_MS)
+    log = open_log(directory, config, clock=clock)
+    log.append(make_batch(1, ts=clock.now_ms()))
+    for day in range(1, 31):
+        clock.advance(DAY_MS)
+        if day % 3 == 0:  # a clean restart every 3 days
+            log.flush()
+            point = log.recovery_point
+            log.close()
+            log = open_log(directory, config, clock=clock, recovery_point=point)
+        log.append(make_batch(1, ts=clock.now_ms()))
+        log.delete_retention_segments(high_watermark=log.log_end_offset)
+        if day == 7:
+            assert log.segment_base_offsets == [0]  # exactly segment.ms: not yet
+        if day == 8:
+            assert log.segment_base_offsets == [0, 8]
+    # As without restarts: a segment every 8 days, the oldest beyond retention deleted.
+    assert log.segment_base_offsets == [16, 24]
+    found = log.offset_for_timestamp(0)
+    assert found is not None and clock.now_ms() - found[1] == 14 * DAY_MS
+    log.close()
+
+
+def test_segment_ms_age_is_by_record_time(tmp_path: Path) -> None:
+    """As in Kafka, the age is the incoming batch's max timestamp minus the first batch's:
+    records written late with their original timestamps (a backfill) roll segments by
+    their own time rather than one segment per append, and the first batch's timestamp
+    is read back from the file after a restart. A segment whose first batch has no
+    usable (non-negative) timestamp falls back to its age in this process."""
+    clock = ManualClock()
+    directory = tmp_path / "p-0"
+    config = LogConfig(segment_ms=1000)
+    log = open_log(directory, config, clock=clock)
+    old = T0 - 30 * DAY_MS
+    log.append(make_batch(1, ts=old))
+    clock.advance(DAY_MS)
+    log.append(make_batch(1, ts=old + 1000))  # a day later, but 1000 ms of record time
+    assert log.segment_base_offsets == [0]
+    log.close()
+    log = open_log(directory, config, clock=clock)
+    log.append(make_batch(1, ts=old + 1000))
+    assert log.segment_base_offsets == [0]
+    log.append(make_batch(1, ts=old + 1001))
+    assert log.segment_base_offsets == [0, 3]
+    log.close()
+
+    negative = open_log(tmp_path / "p-1", config, clock=clock)
+    negative.append(make_batch(1, ts=-5))
+    negative.append(make_batch(1, ts=T0 + 100 * DAY_MS))
+    assert negative.segment_base_offsets == [0]  # no first timestamp: age 0 in-process
+    clock.advance(1001)
+    negative.append(make_batch(1, ts=-5))
+    assert negative.segment_base_offsets == [0, 2]
+    negative.close()
 
 
 def test_empty_active_segment_never_rolls_on_age(tmp_path: Path) -> None:
@@ -506,12 +574,12 @@ def test_roll_on_segment_ms_with_jitter(tmp_path: Path, seed: int) -> None:
     for rolls in range(1, 6):
         jitter = replica.randrange(jitter_ms + 1)
         thresholds.append(segment_ms - jitter)
-        log.append(make_batch(1))
+        log.append(make_batch(1, ts=clock.now_ms()))
         clock.advance(segment_ms - jitter)
-        log.append(make_batch(1))  # exactly at the threshold: still the same segment
+        log.append(make_batch(1, ts=clock.now_ms()))  # exactly at the threshold: not yet
         assert log.segment_count == rolls
         clock.advance(1)
-        log.append(make_batch(1))
+        log.append(make_batch(1, ts=clock.now_ms()))
         assert log.segment_count == rolls + 1
     assert all(segment_ms - jitter_ms <= t <= segment_ms for t in thresholds)
     log.close()
@@ -528,12 +596,12 @@ def test_jitter_spreads_roll_times_across_logs(tmp_path: Path) -> None:
             clock=clock,
             rng=random.Random(seed),
         )
-        log.append(make_batch(1))
+        log.append(make_batch(1, ts=clock.now_ms()))
         age = 0
         while log.segment_count == 1:
             clock.advance(250)
             age += 250
-            log.append(make_batch(1))
+            log.append(make_batch(1, ts=clock.now_ms()))
         assert segment_ms - jitter_ms < age <= segment_ms + 250
         roll_ages.add(age)
         log.close()
@@ -626,18 +694,180 @@ def with_record_count(raw: bytes, record_count: int) -> bytes:
     return bytes(reseal(buf))
 
 
+HUGE_RECORDS = 500_000_000
+"""Records in a ``huge_batch``: 8 fill a segment's relative offsets (4e9 <= 2^32 - 1),
+the 9th does not fit, and the plain body (about 2.06 GB) is below what a consumer
+inflates (``records.DEFAULT_MAX_UNCOMPRESSED_BYTES``)."""
+
+
+@functools.cache
+def _zeros_zstd_frame(size: int) -> bytes:
+    """One zstd frame of ``size`` zero bytes (about 63 KB for 2 GB), compressed in chunks."""
+    compressor = zstandard.ZstdCompressor(level=1, write_content_size=True).compressobj(size=size)
+    chunk = bytes(1 << 24)
+    parts = []
+    for start in range(0, size, len(chunk)):
+        parts.append(compressor.compress(chunk[: min(len(chunk), size - start)]))
+    parts.append(compressor.flush())
+    return b"".join(parts)
+
+
+def huge_batch(record_count: int = HUGE_RECORDS, ts: int = T0) -> bytes:
+    """A valid batch of ``record_count`` null values, small on the wire: its plain body
+    (a validity bitmap and value offsets, all zero) is zstd-compressed zeros. This is how
+    a test reaches offsets near the 32-bit relative-offset limit honestly."""
+    validity, offsets = -(-record_count // 8), 4 * (record_count + 1)
+    plain_bytes = validity + -validity % 8 + offsets + -offsets % 8  # sections 8-aligned
+    region = _zeros_zstd_frame(plain_bytes)
+    header = f.BATCH_HEADER.pack(
+        0,
+        f.BATCH_HEADER_SIZE + len(region) - f.LOG_OVERHEAD,
+        -1,
+        f.BATCH_MAGIC,
+        0,
+        0,
+        f.COMPRESSION_ZSTD,
+        record_count - 1,
+        ts,
+        ts,
+        -1,
+        -1,
+        -1,
+        record_count,
+    )
+    return bytes(reseal(bytearray(header + region)))
+
+
+def test_huge_batch_helper_is_a_valid_batch() -> None:
+    small = huge_batch(1001)
+    (decoded,) = decode_batches(small)
+    assert [r.value for r in decoded.records] == [None] * 1001
+    assert len(huge_batch()) < 70_000
+
+
 def test_roll_on_relative_offset_overflow(tmp_path: Path) -> None:
-    huge = with_record_count(make_batch(1), (1 << 31) - 1)
+    huge, n = huge_batch(), HUGE_RECORDS
     log = open_log(tmp_path / "p-0", LogConfig(index_interval_bytes=0))
-    assert log.append(huge) == AppendInfo(0, (1 << 31) - 2)
-    assert log.append(huge) == AppendInfo((1 << 31) - 1, (1 << 32) - 3)
-    assert log.segment_base_offsets == [0]  # relative offset 2^32 - 3 still fits
-    first_of_third = (1 << 32) - 2
-    assert log.append(huge) == AppendInfo(first_of_third, first_of_third + (1 << 31) - 2)
-    assert log.segment_base_offsets == [0, first_of_third]
+    for i in range(8):
+        assert log.append(huge) == AppendInfo(i * n, (i + 1) * n - 1)
+    assert log.segment_base_offsets == [0]  # relative offset 4e9 - 1 still fits
+    assert log.append(huge) == AppendInfo(8 * n, 9 * n - 1)
+    assert log.segment_base_offsets == [0, 8 * n]
     assert_segment_files(log)
-    assert parse_header(log.read((1 << 32) + 5, 1)).base_offset == first_of_third
-    assert parse_header(log.read((1 << 31), 1)).base_offset == (1 << 31) - 1
+    assert parse_header(log.read(8 * n + 5, 1)).base_offset == 8 * n
+    assert parse_header(log.read(n, 1)).base_offset == n
+    log.close()
+
+
+@pytest.mark.parametrize("prefix", [0, 1])
+@pytest.mark.parametrize("leader", [True, False])
+def test_one_append_past_relative_offset_limit_is_split_across_segments(
+    tmp_path: Path, leader: bool, prefix: int
+) -> None:
+    """One request whose offsets pass 2^32 - 1 relative to the active segment was
+    written whole and then refused by the offset index (RuntimeError, a batch's base
+    offset did not fit): the segment's size and the log end did not count the written
+    bytes, every later append failed ("index entries must grow"), and after a restart
+    recovery served the refused batches. Now the batches that fit go to the active
+    segment and the rest to a new one, as leader and as follower (whose fetch responses
+    carry many batches), whether the active segment is empty or not."""
+    huge, n, count = huge_batch(), HUGE_RECORDS, 10
+    directory = tmp_path / "p-0"
+    config = LogConfig(index_interval_bytes=0)
+    log = open_log(directory, config)
+    if prefix:
+        log.append(make_batch(prefix))
+    end = prefix + count * n
+    if leader:
+        assert log.append(huge * count, 3) == AppendInfo(prefix, end - 1)
+    else:
+        request = bytearray(huge * count)
+        for i in range(count):
+            stamp(request, i * len(huge), prefix + i * n, 3)
+        assert log.append(request, assign_offsets=False) == AppendInfo(prefix, end - 1)
+    # Eight batches fit the first segment (relative offsets up to 4e9 - 1 + prefix).
+    assert log.segment_base_offsets == [0, prefix + 8 * n]
+    assert log.log_end_offset == end
+    assert log.leader_epoch_cache.entries[-1].epoch == 3
+    assert log.append(make_batch(2)) == AppendInfo(end, end + 1)
+    for offset, base in (
+        (prefix, prefix),
+        (prefix + 4 * n - 1, prefix + 3 * n),
+        (prefix + 4 * n, prefix + 4 * n),
+        (prefix + 8 * n, prefix + 8 * n),
+        (end - 1, prefix + 9 * n),
+        (end + 1, end),
+    ):
+        assert parse_header(log.read(offset, 1)).base_offset == base
+    log.flush()
+    point = log.recovery_point
+    log.close()
+    for recovery_point in (point, 0):  # trusted, then fully re-verified
+        again = open_log(directory, config, recovery_point=recovery_point)
+        assert again.truncated_on_recovery_bytes == 0
+        assert again.segment_base_offsets == [0, prefix + 8 * n]
+        assert again.log_end_offset == end + 2
+        assert parse_header(again.read(prefix + 8 * n - 1, 1)).base_offset == prefix + 7 * n
+        again.close()
+
+
+def test_impossible_record_count_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """The broker never decodes bodies, so the header's record_count is trusted for the
+    offsets it assigns. A batch claiming more records than its bytes can hold (here 5 KB
+    claiming 2^31 - 1) is refused with INVALID_RECORD (not retriable) and changes
+    nothing; four of them in one request used to pass a segment's relative offsets and
+    wedge the partition."""
+    directory = tmp_path / "p-0"
+    log = open_log(directory, LogConfig())
+    log.append(make_batch(1))
+    before = dir_state(directory)
+    claims = with_record_count(make_batch(1, 5000), (1 << 31) - 1)
+    for request in (claims * 4, make_batch(1) + claims, claims):
+        with pytest.raises(InvalidRecordError) as excinfo:
+            log.append(request)
+        assert not excinfo.value.retriable
+        assert "claims 2147483647 records" in str(excinfo.value)
+        with pytest.raises(InvalidRecordError):
+            log.append(request, assign_offsets=False)
+        assert dir_state(directory) == before
+        assert log.log_end_offset == 1
+    assert log.append(make_batch(1)) == AppendInfo(1, 1)
+    log.close()
+    again = open_log(directory, LogConfig())
+    assert again.truncated_on_recovery_bytes == 0
+    assert again.log_end_offset == 2
+    again.close()
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd", "lz4"])
+@pytest.mark.parametrize("records", [1, 7, 8, 9, 1000, 200_000])
+def test_record_count_bound_accepts_the_densest_real_batches(
+    tmp_path: Path, compression: str, records: int
+) -> None:
+    """The bound is never below a real encoding: batches of empty values (the smallest
+    records there are), with and without keys, timestamps and headers, are accepted, and
+    for uncompressed ones the bound is exact: one record more is refused."""
+    log = open_log(tmp_path / "p-0", LogConfig(max_message_bytes=f.MAX_BATCH_BYTES))
+    shapes: list[dict[str, object]] = [
+        {},
+        {"keys": [b""] * records},
+        {"timestamps_ms": [T0 + i for i in range(records)]},
+        {"headers": [[("h", None)]] * records},
+        {"keys": [None] * records, "headers": [[]] * records},
+    ]
+    for shape in shapes:
+        raw = encode_batch([b""] * records, compression=compression, **shape)  # type: ignore[arg-type]
+        info = log.append(raw)
+        assert info.last_offset - info.first_offset + 1 == records
+        header = parse_header(raw)
+        bound = min_plain_body_bytes(records, header.attributes)
+        if compression == "none":
+            assert bound <= len(raw) - f.BATCH_HEADER_SIZE - 7
+        if compression == "none" and not header.attributes & f.ATTR_HAS_HEADERS:
+            assert bound == len(raw) - f.BATCH_HEADER_SIZE - 7
+            more = with_record_count(raw, records + 8)  # one more byte of bitmap at least
+            with pytest.raises(InvalidRecordError):
+                log.append(more)
     log.close()
 
 
@@ -873,6 +1103,46 @@ def test_retention_ms_minus_one_keeps_forever(tmp_path: Path) -> None:
     clock.advance(100 * DAY_MS)
     assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
     assert log.segment_count == 3
+    log.close()
+
+
+def test_retention_ms_ages_negative_timestamp_segments_by_file_mtime(tmp_path: Path) -> None:
+    """A segment whose records all have negative timestamps has no largest timestamp
+    (-1). Retention used to stop at it for good, keeping every later segment past
+    retention.ms; like Kafka it now ages such a segment by its ``.log`` file's mtime."""
+    clock = ManualClock(start_ms=T0)
+    size = len(make_batch(1, ts=-5))
+    config = LogConfig(segment_bytes=size, retention_ms=60_000)
+    log = open_log(tmp_path / "p-0", config, clock=clock)
+    log.append(make_batch(1, ts=-5))
+    for i in range(3):
+        log.append(make_batch(1, ts=T0 + i))
+    assert log.segment_base_offsets == [0, 1, 2, 3]
+    first_log = tmp_path / "p-0" / f"{0:020d}.log"
+    # Written an hour before T0 (file times are wall-clock; the log's clock is manual).
+    mtime_ms = T0 - 3_600_000
+    os.utime(first_log, ns=(mtime_ms * 1_000_000, mtime_ms * 1_000_000))
+    clock.advance(30_000)  # the file is 3630 s old, every record 30 s or less
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
+    assert log.segment_base_offsets == [1, 2, 3]
+    clock.advance(31_000)  # records past 60 s: the rest goes, up to the active segment
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 2
+    assert log.segment_base_offsets == [3]
+    log.close()
+
+
+def test_retention_ms_keeps_a_recent_negative_timestamp_segment(tmp_path: Path) -> None:
+    clock = ManualClock(start_ms=T0)
+    size = len(make_batch(1, ts=-5))
+    config = LogConfig(segment_bytes=size, retention_ms=60_000)
+    log = open_log(tmp_path / "p-0", config, clock=clock)
+    log.append(make_batch(1, ts=-5))
+    log.append(make_batch(1, ts=T0))
+    mtime_ms = T0 + 100 * DAY_MS  # modified after the clock's now: not expired
+    os.utime(log.dir / f"{0:020d}.log", ns=(mtime_ms * 1_000_000, mtime_ms * 1_000_000))
+    clock.advance(DAY_MS)
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
+    assert log.segment_base_offsets == [0, 1]
     log.close()
 
 

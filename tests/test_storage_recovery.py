@@ -549,22 +549,27 @@ def corrupt_index_entry(
 ) -> int:
     """Overwrite the position of one of the entries ``slots`` with a wrong but plausible
     one: the start of another batch of the segment, or a position inside a batch. With
-    ``pass_open_checks`` the index still passes the O(1) checks at open (positions inside
-    the log, last entry after the first). Returns the slot."""
+    ``pass_open_checks`` the index still passes the checks at open (positions strictly
+    increasing, inside the log with room for a header). Returns the slot."""
     entries = index_entries(path)
     log_size = sum(len(b.data) for b in batches)
     for slot in rng.sample(slots, len(slots)):
         relative, right = entries[slot]
         low, high = 0, log_size  # exclusive bounds
-        if pass_open_checks and len(entries) > 1 and slot == 0:
-            high = entries[-1][1]
-        if pass_open_checks and len(entries) > 1 and slot == len(entries) - 1:
-            low = entries[0][1]
-        if kind == "other batch":
-            candidates = [b.position for b in batches]
-        else:
-            candidates = [b.position + rng.randrange(1, len(b.data)) for b in batches]
-        candidates = [c for c in candidates if low < c < high and c != right]
+        if pass_open_checks:
+            low = entries[slot - 1][1] if slot else 0
+            high = (
+                entries[slot + 1][1]
+                if slot + 1 < len(entries)
+                else log_size - f.BATCH_HEADER_SIZE + 1
+            )
+        other = [b.position for b in batches]
+        inside = [b.position + rng.randrange(1, len(b.data)) for b in batches]
+        candidates = [c for c in other if low < c < high and c != right]
+        if kind == "inside batch" or not candidates:
+            # Ordered entries leave no other batch start for this slot when every batch
+            # is indexed: a position inside a batch is the wrong-but-plausible one there.
+            candidates = [c for c in inside if low < c < high and c != right]
         if candidates:
             with open(path, "r+b") as out:
                 out.seek(slot * f.OFFSET_INDEX_ENTRY.size)
@@ -761,6 +766,132 @@ def test_rebuild_after_wrong_entry_stops_at_damaged_batch(
             assert rebuilt == good
         assert rebuilt  # the entries before the damage are kept
         check_index_consistent(index, built, old, built.batches)
+    log.close()
+
+
+# --- time index damage that passes a first/last check ---------------------------------------
+
+
+def one_record(ts: int, value_bytes: int = 200) -> bytes:
+    return encode_batch([b"x" * value_bytes], timestamps_ms=[ts])
+
+
+def late_first_batch_log(directory: Path, clock: ManualClock) -> tuple[Log, LogConfig]:
+    """Two segments; the first opens with its newest record (T0 + 5000), so its time
+    index is one entry and every offset-index entry is later: the largest timestamp
+    comes from the time index alone, not from the batches a tail scan reads."""
+    config = LogConfig(index_interval_bytes=100, segment_bytes=2000, retention_ms=10_000)
+    log = Log.open(directory, config, clock=clock, rng=random.Random(0))
+    log.append(one_record(T0 + 5000))
+    for i in range(5):
+        log.append(one_record(T0 + i))
+    while log.segment_count < 2:
+        log.append(one_record(T0 + 10))
+    log.append(one_record(T0 + 20))
+    return log, config
+
+
+def check_late_first_batch_retention(log: Log, clock: ManualClock) -> None:
+    clock.advance(13_000 - (clock.now_ms() - T0))  # the newest record of segment 0 is 8 s old
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
+    assert log.log_start_offset == 0
+    clock.advance(2001)  # now 10.001 s old: past retention.ms
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
+
+
+@pytest.mark.parametrize(
+    "damage", ["time index emptied", "offset index emptied", "last timestamp lowered"]
+)
+def test_incomplete_or_wrong_time_index_of_trusted_segment_is_rebuilt(
+    tmp_path: Path, damage: str, rebuilds: list[int]
+) -> None:
+    """Indexes of a segment below the recovery point are trusted at open, but not blindly:
+    a ``.timeindex`` truncated to nothing made the segment's largest timestamp that of
+    its last few batches (ListOffsets by timestamp answered None, and retention deleted
+    the segment 5 s early); so did a last entry with a lower timestamp, which still
+    passes the ordering checks. Both are rebuilt from the batch headers (not a full
+    re-verification), and so is an emptied ``.index`` of a segment over the interval."""
+    clock = ManualClock(T0)
+    directory = tmp_path / "t-0"
+    log, config = late_first_batch_log(directory, clock)
+    log.flush()
+    point = log.recovery_point
+    log.close()
+    time_index, offset_index = (
+        seg_file(directory, 0, ".timeindex"),
+        seg_file(directory, 0, ".index"),
+    )
+    good = {path: path.read_bytes() for path in (time_index, offset_index)}
+    assert len(good[time_index]) == f.TIME_INDEX_ENTRY.size  # the one entry at offset 0
+    assert len(good[offset_index]) > 0
+    if damage == "time index emptied":
+        time_index.write_bytes(b"")
+    elif damage == "offset index emptied":
+        offset_index.write_bytes(b"")
+    else:
+        time_index.write_bytes(f.TIME_INDEX_ENTRY.pack(T0 + 1, 0))
+    log = Log.open(directory, config, recovery_point=point, clock=clock, rng=random.Random(0))
+    assert log.truncated_on_recovery_bytes == 0
+    assert log.offset_for_timestamp(T0 + 3000) == (0, T0 + 5000)
+    assert log.max_timestamp() == (T0 + 5000, 0)
+    assert rebuilds == [0]
+    for path, content in good.items():
+        assert path.read_bytes() == content, path.name
+    check_late_first_batch_retention(log, clock)
+    log.close()
+
+
+@pytest.mark.parametrize("damage", ["out of order", "ordered but wrong"])
+def test_wrong_time_index_entry_does_not_skip_the_answer(
+    tmp_path: Path, damage: str, rebuilds: list[int]
+) -> None:
+    """A time-index entry names the batch that raised the segment's maximum timestamp.
+    One pointing too far sent the ListOffsets scan past the answer. Out of order, the
+    check at open catches it; in order, the lookup does (the batch it names has another
+    timestamp) and rebuilds both indexes, as a wrong offset-index entry does."""
+    clock = ManualClock(T0)
+    directory = tmp_path / "t-0"
+    config = LogConfig(index_interval_bytes=100, segment_bytes=100_000)
+    log = Log.open(directory, config, clock=clock, rng=random.Random(0))
+    for i in range(20):
+        log.append(one_record(T0 + 10 * i))
+    log.roll()
+    log.append(one_record(T0 + 1000, 10))
+    log.flush()
+    point = log.recovery_point
+    log.close()
+    path = seg_file(directory, 0, ".timeindex")
+    good = path.read_bytes()
+    entries = list(f.TIME_INDEX_ENTRY.iter_unpack(good))
+    assert entries[2] == (T0 + 30, 3)
+    damaged = bytearray(good)
+    f.TIME_INDEX_ENTRY.pack_into(
+        damaged, 2 * f.TIME_INDEX_ENTRY.size, T0 + 30, 15 if damage == "out of order" else 4
+    )
+    path.write_bytes(damaged)
+    log = Log.open(directory, config, recovery_point=point, clock=clock, rng=random.Random(0))
+    assert rebuilds == []  # out of order: re-verified at open (recover), not rebuilt
+    for i in range(20):
+        assert log.offset_for_timestamp(T0 + 10 * i) == (i, T0 + 10 * i)
+        assert log.offset_for_timestamp(T0 + 10 * i - 5) == (i, T0 + 10 * i)
+    assert rebuilds == ([0] if damage == "ordered but wrong" else [])
+    assert path.read_bytes() == good
+    log.close()
+
+
+@pytest.mark.parametrize("seed", REBUILD_SEEDS)
+def test_clean_reopen_rebuilds_no_index(
+    tmp_path: Path, seed: int, pristine: tuple[Path, Built], rebuilds: list[int]
+) -> None:
+    """The checks at open read only the index files: a cleanly closed log rebuilds
+    nothing, and every lookup trusts the indexes."""
+    source, built = pristine
+    log = reopen(source, built, built.end)
+    read_every_offset(log, built.batches)
+    for batch in built.batches[:: max(1, len(built.batches) // 8)]:
+        log.offset_for_timestamp(parse_header(batch.data).max_timestamp)
+    assert log.max_timestamp() is not None
+    assert rebuilds == []
     log.close()
 
 

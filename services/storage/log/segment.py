@@ -86,7 +86,10 @@ class LogSegment:
         created_ms: int,
         roll_jitter_ms: int = 0,
         active: bool = False,
+        end_offset: int | None = None,
     ) -> None:
+        """``end_offset`` is the next segment's base offset when there is one: the
+        load-time index checks reject entries at or past it."""
         self.directory = directory
         self.base_offset = base_offset
         self.config = config
@@ -102,7 +105,10 @@ class LogSegment:
         self._cache = CacheWindow(self._fd, self.size_bytes)
         # True when an index was missing or failed its checks: the owner must recover().
         self.needs_rebuild = False
-        self.offset_index, self.time_index = self._open_indexes(active)
+        # True when the indexes passed their checks but hold fewer entries than the data
+        # needs (``_indexes_incomplete``): the owner rebuilds them from the batch headers.
+        self.indexes_incomplete = False
+        self.offset_index, self.time_index = self._open_indexes(active, end_offset)
         self._bytes_since_index_entry = 0
         # Tail state (next offset, largest timestamp) is loaded lazily for segments that
         # were opened from disk, because scanning every old segment at start-up is waste.
@@ -110,8 +116,11 @@ class LogSegment:
         self._max_timestamp_ms = -1
         self._offset_of_max_timestamp = base_offset
         self._tail_loaded = self.size_bytes == 0
+        # Kafka's rollingBasedTimestamp: the max timestamp of the first batch, which
+        # segment.ms counts from (``should_roll``); None until read (one header) or known.
+        self._first_batch_timestamp_ms: int | None = -1 if self.size_bytes == 0 else None
 
-    def _open_indexes(self, active: bool) -> tuple[OffsetIndex, TimeIndex]:
+    def _open_indexes(self, active: bool, end_offset: int | None) -> tuple[OffsetIndex, TimeIndex]:
         max_bytes = self.config.segment_index_bytes
         if self.index_path.exists() and self.time_index_path.exists():
             opened: list[OffsetIndex | TimeIndex] = []
@@ -120,8 +129,9 @@ class LogSegment:
                 opened.append(offset_index)
                 time_index = TimeIndex(self.time_index_path, self.base_offset, max_bytes, active)
                 opened.append(time_index)
-                offset_index.sanity_check(self.size_bytes)
-                time_index.sanity_check(self.size_bytes)
+                offset_index.sanity_check(self.size_bytes, end_offset)
+                time_index.sanity_check(self.size_bytes, end_offset)
+                self.indexes_incomplete = self._indexes_incomplete(offset_index, time_index)
                 return offset_index, time_index
             except IndexCorruptError:
                 for index in opened:
@@ -134,6 +144,27 @@ class LogSegment:
         return (
             OffsetIndex(self.index_path, self.base_offset, max_bytes, True),
             TimeIndex(self.time_index_path, self.base_offset, max_bytes, True),
+        )
+
+    def _indexes_incomplete(self, offset_index: OffsetIndex, time_index: TimeIndex) -> bool:
+        """Whether well-formed indexes lack entries the data must have produced: a file
+        truncated to nothing (or at an entry boundary down to nothing) passes every
+        ordering check, and an empty time index made ``largest_timestamp_ms`` come from
+        the last few batches only (ListOffsets wrong, retention deleting early).
+
+        - The offset index is empty although more than ``index_interval_bytes`` precede
+          the last batch. Only the size is known here, so any segment over the interval
+          counts; the legitimate cases (all but the last batch within the interval) are a
+          few batch headers to re-read, never a long scan.
+        - The time index is empty although the segment holds data: its first entry comes
+          with the first offset-index entry, and a segment that stopped being active got
+          a final entry, unless every timestamp is negative (then the segment is again at
+          most the interval plus one batch).
+        """
+        if self.size_bytes == 0:
+            return False
+        return time_index.entries == 0 or (
+            offset_index.entries == 0 and self.size_bytes > self.config.index_interval_bytes
         )
 
     # --- reading batch headers from the file ----------------------------------------------
@@ -226,9 +257,14 @@ class LogSegment:
         except StorageError:
             self._tail_loaded = False
         if not was_writable:
+            # As ``on_become_inactive`` does: without the final entry, a segment of one
+            # small batch would be rebuilt again at every open (``_indexes_incomplete``).
+            if self._max_timestamp_ms >= 0 and not self.time_index.is_full:
+                self.time_index.maybe_append(self._max_timestamp_ms, self._offset_of_max_timestamp)
             self.offset_index.trim()
             self.time_index.trim()
         self.needs_rebuild = False
+        self.indexes_incomplete = False
 
     def translate_offset(self, offset: int) -> tuple[int, BatchHeader] | None:
         """Position and header of the batch holding ``offset``; None if past this segment."""
@@ -268,7 +304,21 @@ class LogSegment:
                 self._scan_tail()
 
     def _scan_tail(self) -> None:
-        """Last index entries plus a header scan of the batches after them."""
+        """Last index entries plus a header scan of the batches after them.
+
+        The time index's last entry is confirmed against the batch it names first
+        (StorageError if wrong, and ``_load_tail`` rebuilds): it alone says what the
+        largest timestamp before the scanned tail is, and retention deletes by it.
+        """
+        if self.time_index.entries:
+            timestamp_ms, rel = self.time_index.entry(self.time_index.entries - 1)
+            if not self._time_entry_holds(timestamp_ms, self.base_offset + rel):
+                raise StorageError(
+                    f"{self.time_index_path.name}: last entry ({timestamp_ms}, "
+                    f"{self.base_offset + rel}) does not match its batch"
+                )
+            if self._tail_loaded:
+                return  # the lookup found a wrong offset entry and rebuilt everything
         _, position = self.offset_index.lookup(self.base_offset + formats.MAX_RELATIVE_OFFSET)
         max_ts, offset_of_max = -1, self.base_offset
         if self.time_index.entries:
@@ -284,6 +334,23 @@ class LogSegment:
         self._bytes_since_index_entry = self.size_bytes - position
         self._tail_loaded = True
 
+    def _time_entry_holds(self, timestamp_ms: int, offset: int) -> bool:
+        """Whether the time-index entry ``(timestamp_ms, offset)`` is right: the batch
+        holding ``offset`` carries that max timestamp (an entry names the batch that
+        raised the segment's maximum to it). One index lookup and a few header reads.
+
+        An entry of -1 (every timestamp so far negative) names no such batch and is not
+        checked; nor is one whose batch cannot be read (the damage fails the reads that
+        reach it).
+        """
+        if timestamp_ms < 0:
+            return True
+        try:
+            found = self.translate_offset(offset)
+        except StorageError:
+            return True
+        return found is not None and found[1].max_timestamp == timestamp_ms
+
     @property
     def next_offset(self) -> int:
         """One past the last offset in this segment (its base offset when empty)."""
@@ -297,22 +364,64 @@ class LogSegment:
         self._load_tail()
         return self._max_timestamp_ms
 
+    @property
+    def retention_timestamp_ms(self) -> int:
+        """What retention.ms ages the segment by: the newest record timestamp, or when no
+        record has a non-negative one, the ``.log`` file's last-modified time in ms
+        (Kafka's ``LogSegment.largestTimestamp``). Without the fallback a segment of
+        negative timestamps was never old enough, and retention, which removes segments
+        oldest first, stopped at it for good."""
+        largest = self.largest_timestamp_ms
+        if largest >= 0:
+            return largest
+        return os.fstat(self._fd).st_mtime_ns // 1_000_000
+
+    @property
+    def first_batch_timestamp_ms(self) -> int:
+        """The max timestamp of the first batch (-1 when empty or unreadable): what
+        segment.ms counts from, so a restart does not reset a segment's age."""
+        if self._first_batch_timestamp_ms is None:
+            try:
+                self._first_batch_timestamp_ms = self._header_at(0).max_timestamp
+            except StorageError:
+                self._first_batch_timestamp_ms = -1  # damage: age from creation instead
+        return self._first_batch_timestamp_ms
+
     # --- writing --------------------------------------------------------------------------
 
-    def should_roll(self, incoming_bytes: int, last_offset: int, now_ms: int) -> bool:
-        """Whether an append of ``incoming_bytes`` ending at ``last_offset`` needs a new segment.
+    def should_roll(
+        self, incoming_bytes: int, last_offset: int, max_timestamp_ms: int, now_ms: int
+    ) -> bool:
+        """Whether an append of ``incoming_bytes`` ending at ``last_offset``, whose largest
+        timestamp is ``max_timestamp_ms``, needs a new segment.
 
-        An empty segment never rolls: any single append fits a fresh segment.
+        An empty segment never rolls: the caller (``Log``) hands a segment only batches
+        whose offsets fit it, and every batch fits a fresh one.
         """
         if self.size_bytes == 0:
             return False
         return (
             self.size_bytes + incoming_bytes > self.config.segment_bytes
-            or now_ms - self.created_ms > self.config.segment_ms - self.roll_jitter_ms
+            or self.roll_age_ms(max_timestamp_ms, now_ms)
+            > self.config.segment_ms - self.roll_jitter_ms
             or self.offset_index.is_full
             or self.time_index.is_full
             or last_offset - self.base_offset > formats.MAX_RELATIVE_OFFSET
         )
+
+    def roll_age_ms(self, max_timestamp_ms: int, now_ms: int) -> int:
+        """How old the segment is for segment.ms: Kafka's ``timeWaitedForRoll``.
+
+        From the first batch's max timestamp to the incoming one, as Kafka measures it,
+        so the age survives restarts (counting from when this process opened the segment
+        reset it at each restart, and a broker restarted more often than segment.ms never
+        rolled, so retention could never delete the active segment's data). When the
+        first batch has no usable timestamp, from the segment's creation in this process.
+        """
+        first_ms = self.first_batch_timestamp_ms
+        if first_ms >= 0:
+            return max_timestamp_ms - first_ms
+        return now_ms - self.created_ms
 
     def _index_entry_due(self) -> bool:
         """Whether the next batch gets an index entry: the interval has passed and both
@@ -337,10 +446,28 @@ class LogSegment:
     ) -> None:
         """Write validated batches (offsets already assigned) at the end of the segment:
         the buffers of ``data`` back to back, ``spans`` giving the batches' places in
-        their concatenation."""
+        their concatenation.
+
+        Everything that could refuse the batches is checked before the first byte is
+        written (the index appends below cannot fail then): a refusal after the write
+        left bytes in the file that the segment's size did not count, later appends
+        failed, and recovery served the refused batches after a restart.
+        """
         self._load_tail()
+        if spans[0].base_offset != self.next_offset:
+            raise StorageError(
+                f"{self.log_path.name}: append at offset {spans[0].base_offset}, "
+                f"the segment ends at {self.next_offset}"
+            )
+        if spans[-1].last_offset - self.base_offset > formats.MAX_RELATIVE_OFFSET:
+            raise StorageError(
+                f"{self.log_path.name}: offset {spans[-1].last_offset} does not fit a "
+                f"segment based at {self.base_offset}; the log should have rolled"
+            )
         start = self.size_bytes
         size = _pwrite_all(self._fd, data, start)
+        if start == 0:
+            self._first_batch_timestamp_ms = spans[0].max_timestamp_ms
         for span in spans:
             if span.max_timestamp_ms > self._max_timestamp_ms:
                 self._max_timestamp_ms = span.max_timestamp_ms
@@ -422,12 +549,36 @@ class LogSegment:
         """Position and header of the first batch whose max timestamp >= ``timestamp_ms``."""
         if self.largest_timestamp_ms < timestamp_ms:
             return None
-        _, offset = self.time_index.lookup(timestamp_ms)
-        start = self._indexed_start(offset)
-        for position, header in self._scan_from(start):
+        found: tuple[int, BatchHeader] | None = None
+        for attempt in range(2):
+            found, entry_holds = self._scan_by_timestamp(timestamp_ms)
+            if entry_holds:
+                break
+            if attempt == 0:
+                # A wrong entry sent the scan past the answer: rebuild, as for a wrong
+                # offset-index entry (``_indexed_start``), and look again.
+                self.rebuild_indexes()
+        return found
+
+    def _scan_by_timestamp(self, timestamp_ms: int) -> tuple[tuple[int, BatchHeader] | None, bool]:
+        """The first batch reaching ``timestamp_ms`` from the time index's floor entry,
+        and whether that entry proved right on the way.
+
+        An entry ``(t, o)`` says the batch holding ``o`` has max timestamp ``t`` and every
+        batch before it less (it was the first to raise the segment's maximum to ``t``).
+        The scan starts at or before that batch, so an answer before it, or that batch
+        with another timestamp, means the entry is wrong. Costs no extra reads.
+        """
+        entry_ms, offset = self.time_index.lookup(timestamp_ms)
+        checked = entry_ms < 0  # no entry that low, or -1: nothing to confirm
+        for position, header in self._scan_from(self._indexed_start(offset)):
+            if not checked and header.last_offset >= offset:
+                if header.base_offset > offset or header.max_timestamp != entry_ms:
+                    return None, False
+                checked = True
             if header.max_timestamp >= timestamp_ms:
-                return position, header
-        return None
+                return (position, header), checked
+        return None, checked
 
     def read_batch(self, position: int, header: BatchHeader) -> bytes:
         return self._pread(header.size_bytes, position)
@@ -458,7 +609,9 @@ class LogSegment:
         if truncated:
             os.ftruncate(self._fd, valid_bytes)
             self.size_bytes = valid_bytes
+        self._first_batch_timestamp_ms = None if self.size_bytes else -1
         self.needs_rebuild = False
+        self.indexes_incomplete = False
         return truncated
 
     def append_index_entries(self, position: int, header: BatchHeader) -> None:
@@ -525,6 +678,7 @@ class LogSegment:
             self._next_offset, self._tail_loaded = self.base_offset, True
             self._max_timestamp_ms = -1
             self._bytes_since_index_entry = 0
+            self._first_batch_timestamp_ms = -1
         return removed
 
     # --- lifecycle -------------------------------------------------------------------------
