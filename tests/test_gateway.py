@@ -307,8 +307,10 @@ def test_records_buffered_before_an_offset_retention_deleted_are_handed_out_firs
     auto_offset_reset, as Kafka's consumer resets only a fetch at its position. Before,
     "none" raised with records 2 and 3 still undelivered, and "earliest" dropped them."""
     topic = f"read-ahead-gone-{reset}"
-    admin.create_topic(topic, config={"segment.bytes": "1500", "retention.bytes": "0"})
-    small = encode_batch([b"a" * 10, b"b" * 10])
+    # Retention by time, 5 s after the records' timestamps (now): by size it could run
+    # before the consumer's first fetch and move the log start under it.
+    admin.create_topic(topic, config={"segment.bytes": "1500", "retention.ms": "5000"})
+    small = encode_batch([b"a" * 10, b"b" * 10])  # timestamps: now
     large = encode_batch([b"c" * 300, b"d" * 300])
     for records in [small, large] + [encode_batch([b"e" * 1000])] * 3:
         assert ErrorCode(_produce_batch(gateway, topic, records).error.code) == ErrorCode.NONE
@@ -322,7 +324,7 @@ def test_records_buffered_before_an_offset_retention_deleted_are_handed_out_firs
         got = [r.value for r in consumer.poll(max_records=1, timeout_ms=10_000)]
         wait_for(
             lambda: admin.describe_topics([topic])[0].partitions[0].log_start_offset == 6,
-            20,
+            30,
             "retention up to the active segment (offset 6)",
         )
         got += [r.value for r in consumer.poll(max_records=1, timeout_ms=10_000)]
@@ -391,6 +393,103 @@ def test_a_producer_places_keys_by_the_count_of_a_topic_re_created_smaller(
             producer.send(topic, b"lost", key=key).result(30)
         again = producer.send(topic, b"again", key=key).result(30)
         assert again.partition == partition_for_key(key, 2)
+
+
+def test_a_cancelled_future_does_not_stop_the_producer(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: a future its caller cancelled (asyncio.wait_for on a timeout
+    does) made set_result raise InvalidStateError on the thread completing batches; it
+    died, and flush(), close() and every later send waited for ever. Now the cancelled
+    future only loses its result: the record is written and the rest go on."""
+    admin.create_topic("cancelled")
+    with tidelog.Producer(gateway.address, linger_ms=300) as producer:
+        futures = [producer.send("cancelled", b"v%d" % i, partition=0) for i in range(5)]
+        assert futures[0].cancel()
+
+        async def give_up() -> None:
+            sent = asyncio.wrap_future(producer.send("cancelled", b"waited", partition=0))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(sent, 0.01)
+
+        asyncio.run(give_up())
+        producer.flush(timeout_s=30)
+        assert [f.result(0).offset for f in futures[1:]] == [1, 2, 3, 4]
+        assert producer.send("cancelled", b"later", partition=0).result(30).offset == 6
+
+
+def test_flush_and_close_in_a_done_callback_do_not_deadlock(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: done-callbacks run on the producer's threads, so flush() in
+    one waited for its own thread (every completion stalled until its timeout) and
+    close() in one never returned. Now flush() there raises ConfigError (as Kafka's
+    does) and close() stops accepting sends and returns at once (Kafka's close(0))."""
+    admin.create_topic("callbacks")
+    seen: list[BaseException | None] = []
+    closed = threading.Event()
+    with tidelog.Producer(gateway.address) as producer:
+
+        def flush_in_callback(_: Any) -> None:
+            try:
+                producer.flush(timeout_s=30)
+            except BaseException as exc:
+                seen.append(exc)
+            else:
+                seen.append(None)
+
+        future = producer.send("callbacks", b"a")
+        future.add_done_callback(flush_in_callback)
+        future.result(30)
+        assert producer.send("callbacks", b"b").result(30).offset == 1
+        wait_for(lambda: seen, 10, "the callback")
+        assert isinstance(seen[0], ConfigError)
+
+        def close_in_callback(_: Any) -> None:
+            producer.close()
+            closed.set()
+
+        last = producer.send("callbacks", b"c")
+        last.add_done_callback(close_in_callback)
+        assert last.result(30).offset == 2
+        assert closed.wait(10)
+        with pytest.raises(ConfigError, match="closed"):
+            producer.send("callbacks", b"d")
+
+
+def test_flush_and_close_do_not_wait_for_other_threads_later_sends(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: flush() waited until nothing at all was unfinished, so while
+    another thread kept sending it returned only when that thread stopped; close()
+    flushed before it stopped accepting sends, so it could not end either. Now flush()
+    waits for what was sent before it, and close() refuses sends first."""
+    admin.create_topic("busy", partitions=2)
+    stop = threading.Event()
+    outcome: list[BaseException] = []
+    with tidelog.Producer(gateway.address, linger_ms=0) as producer:
+
+        def keep_sending() -> None:
+            deadline = time.monotonic() + 120
+            try:
+                while not stop.is_set() and time.monotonic() < deadline:
+                    producer.send("busy", b"other", partition=1)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        sender = threading.Thread(target=keep_sending)
+        sender.start()
+        try:
+            mine = producer.send("busy", b"mine", partition=0)
+            producer.flush(timeout_s=60)
+            assert mine.done() and sender.is_alive()  # the other thread still sending
+            producer.close(timeout_s=60)
+            sender.join(10)
+            assert not sender.is_alive()
+            assert isinstance(outcome[0], ConfigError)  # refused once close() began
+        finally:
+            stop.set()
+            sender.join(10)
 
 
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(

@@ -78,19 +78,32 @@ it takes: it never raises with part of its records queued. Futures are
 ``concurrent.futures.Future``.
 
 Thread-safety: ``send``/``send_batch``/``flush`` may be called from many threads.
+``flush()`` waits for the records sent before it was called, not for those other threads
+send meanwhile (Kafka's rule; waiting for "nothing unfinished" never ended under steady
+load). ``close()`` first stops accepting sends (later ones raise ``ConfigError``), then
+waits for what was queued. Futures' done-callbacks run on the producer's threads: there
+``flush()`` raises ``ConfigError`` (it would wait for its own thread, as Kafka refuses
+too) and ``close()`` returns at once, as Kafka's ``close(0)``. A future cancelled by its
+caller (``asyncio.wait_for`` on a timeout cancels it) only loses its result; the record
+is still sent. A producer not closed before the interpreter exits does not send what is
+queued (its threads are daemons, as Java Kafka's); it logs a warning naming how many
+batches were left.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 import queue
 import random
 import threading
 import time
+import weakref
 from array import array
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
@@ -129,6 +142,8 @@ from tidelog.records import (
 )
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 from tidelog.wire import encode_append_request, encode_produce_request
+
+_log = logging.getLogger(__name__)
 
 ACKS: Final = {
     "all": common_pb2.ALL,
@@ -307,6 +322,7 @@ class _Batch:
         "encoded",
         "encoded_bytes",
         "finished",
+        "generation",
         "group_slots",
         "headers",
         "keys",
@@ -337,6 +353,7 @@ class _Batch:
         self.sent = False
         self.finished = False  # its futures are set (_finishing)
         self.ordinal = 0  # place in its partition's queue (``_PartitionQueue.enqueue``)
+        self.generation = 0  # the flush generation it was created in (Producer.flush)
         self.producer_id = -1  # the producer id it was encoded under
         # Names the request that first carried it: a retry resends exactly that request.
         self.request_key = 0
@@ -446,6 +463,16 @@ class _PartitionQueue:
             self.blocked = False
 
 
+def _warn_unsent_at_exit(ref: weakref.ref[Producer]) -> None:
+    producer = ref()
+    if producer is not None and producer._unfinished:
+        _log.warning(
+            "a tidelog Producer was not closed before exit: %d batches of records were "
+            "never sent or never answered (call close() or flush() first)",
+            producer._unfinished,
+        )
+
+
 class Producer:
     """See the module docstring."""
 
@@ -549,8 +576,15 @@ class Producer:
         self._sticky_bytes: dict[str, int] = {}  # sent to the topic's sticky partition
         self._buffered_bytes = 0
         self._unfinished = 0  # batches created and not yet completed
+        # Flush generations: each flush() starts a new one and waits only for batches of
+        # its own and earlier generations (unfinished counts by generation, none at 0).
+        self._generation = 0
+        self._unfinished_by_generation: dict[int, int] = {}
         self._flushing = 0
         self._closing = False
+        # Set on a thread while it completes futures, so flush() and close() called from
+        # a done-callback know (module docstring).
+        self._completing = threading.local()
         # Set when the sender thread failed (_sender_failed): every send raises it.
         self._broken: TidelogError | None = None
         self._sending: list[tuple[_PartitionQueue, list[_Batch]]] = []  # picked, not dispatched
@@ -575,6 +609,9 @@ class Producer:
         self._sent_at_s: dict[int, float] = {}  # correlation id -> when it was queued
         self._sender = threading.Thread(target=self._run_sender, name="tidelog-sender", daemon=True)
         self._sender.start()
+        # Bound to a weak reference: the registration must not keep the producer alive.
+        self._warn_at_exit = partial(_warn_unsent_at_exit, weakref.ref(self))
+        atexit.register(self._warn_at_exit)
 
     # --- metadata -------------------------------------------------------------------------
 
@@ -692,7 +729,7 @@ class Producer:
             opened = batch is None
             if batch is None:
                 batch = self._open[tp] = _Batch(tp)
-                self._unfinished += 1
+                self._count_unfinished(batch)
             index = len(batch.values)
             batch.values.append(bytes(value) if value is not None else None)
             if key is not None or batch.keys is not None:
@@ -928,33 +965,58 @@ class Producer:
                     abandoned = False
                     self._close_open(batch.tp)  # keep order with earlier send()s
                     self._queue(batch.tp).enqueue(batch)
-                    self._unfinished += 1
+                    self._count_unfinished(batch)
                     self._lock.notify_all()
             if abandoned:
                 self._group_done(group)
                 return
 
+    def _count_unfinished(self, batch: _Batch) -> None:
+        """(lock held) A new batch: unfinished until ``_finish``."""
+        self._unfinished += 1
+        batch.generation = self._generation
+        counts = self._unfinished_by_generation
+        counts[batch.generation] = counts.get(batch.generation, 0) + 1
+
+    def _in_callback(self) -> bool:
+        return bool(getattr(self._completing, "active", False))
+
     def flush(self, timeout_s: float | None = None) -> None:
-        """Send everything queued now and wait until every send has completed."""
+        """Send everything queued now and wait until every record sent before this call
+        has completed (records other threads send meanwhile are not waited for)."""
+        if self._in_callback():
+            raise ConfigError(
+                "flush() in a future's done-callback would wait for the thread running the "
+                "callback; flush from another thread"
+            )
         with self._lock:
+            generation = self._generation
+            self._generation += 1
             self._flushing += 1
             self._lock.notify_all()
+            counts = self._unfinished_by_generation
             try:
-                if not self._lock.wait_for(lambda: self._unfinished == 0, timeout_s):
+                if not self._lock.wait_for(
+                    lambda: not any(g <= generation for g in counts), timeout_s
+                ):
                     raise RequestTimedOutError(f"flush did not complete in {timeout_s} s")
             finally:
                 self._flushing -= 1
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Flush, then stop the sender."""
-        if self._closing:
-            return
+        """Stop accepting sends, send what is queued and wait for it, then stop the
+        sender. In a done-callback: stop accepting sends and return at once."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._lock.notify_all()
+        atexit.unregister(self._warn_at_exit)
+        if self._in_callback():
+            return  # Kafka's close(0): waiting would wait for this very thread
         try:
             self.flush(timeout_s)
         finally:
-            with self._lock:
-                self._closing = True
-                self._lock.notify_all()
             # The sender shuts the unary appenders' pool down as it ends: it is the pool's
             # only user, and a flush that timed out leaves it sending for a while yet.
             self._sender.join(timeout=10)
@@ -1634,7 +1696,29 @@ class Producer:
         with self._lock:
             self._buffered_bytes -= min(batch.size_bytes, self._buffer_bytes)
             self._unfinished -= 1
+            counts = self._unfinished_by_generation
+            left = counts[batch.generation] - 1
+            if left:
+                counts[batch.generation] = left
+            else:
+                del counts[batch.generation]
             self._lock.notify_all()
+
+    def _resolve(self, future: Future[Any], result: Any, error: BaseException | None) -> None:
+        """Complete a future, marking this thread as running callbacks meanwhile. A
+        future its caller cancelled is done already: set_result would raise
+        InvalidStateError and kill the thread that completes batches, and every later
+        request of the producer would wait for ever."""
+        self._completing.active = True
+        try:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+        except InvalidStateError:
+            pass  # cancelled: nobody wants the result
+        finally:
+            self._completing.active = False
 
     def _succeed(self, batch: _Batch, base_offset: int) -> None:
         if not self._finishing(batch):
@@ -1642,7 +1726,9 @@ class Producer:
         topic, partition = batch.tp
         for index, future in batch.record_futures:
             offset = base_offset + index if base_offset >= 0 else -1
-            future.set_result(RecordMetadata(topic, partition, offset, batch.timestamps[index]))
+            self._resolve(
+                future, RecordMetadata(topic, partition, offset, batch.timestamps[index]), None
+            )
         for group, indices in batch.group_slots:
             n = len(indices)
             if isinstance(indices, range):
@@ -1663,7 +1749,7 @@ class Producer:
             return
         self._metrics.add("record-error-total", len(batch))
         for _, future in batch.record_futures:
-            future.set_exception(error)
+            self._resolve(future, None, error)
         for group, _ in batch.group_slots:
             group.error = group.error or error
             self._group_done(group)
@@ -1675,10 +1761,12 @@ class Producer:
             if group.pending:
                 return
         if group.error is not None:
-            group.future.set_exception(group.error)
+            self._resolve(group.future, None, group.error)
         else:
-            group.future.set_result(
+            self._resolve(
+                group.future,
                 BatchMetadata(
                     group.topic, group.partitions, group.offsets, group.timestamp_ms, group.runs
-                )
+                ),
+                None,
             )
