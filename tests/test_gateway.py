@@ -33,6 +33,7 @@ from tidelog.errors import (
     BrokerNotAvailableError,
     ConfigError,
     ErrorCode,
+    InconsistentTopicIdError,
     InvalidGroupIdError,
     MessageTooLargeError,
     NetworkError,
@@ -490,6 +491,36 @@ def test_flush_and_close_do_not_wait_for_other_threads_later_sends(
         finally:
             stop.set()
             sender.join(10)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_records_queued_for_a_deleted_topic_never_land_in_its_successor(
+    gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """Found by an audit: batches were addressed by topic name only, so a batch queued
+    for a topic that was then deleted and created again (a retry, or a producer with the
+    old metadata) was written into the new topic and acknowledged. Requests now name the
+    topic id the producer looked up, and the leader refuses another incarnation's
+    (INCONSISTENT_TOPIC_ID, final); the producer looks the topic up again for the next
+    records."""
+    topic = f"reborn-{direct}"
+    admin.create_topic(topic)
+    with tidelog.Producer(gateway.address, direct=direct) as producer:
+        assert producer.send(topic, b"old").result(30).offset == 0
+        admin.delete_topic(topic)
+
+        def re_created() -> bool:
+            try:
+                admin.create_topic(topic)
+            except TopicAlreadyExistsError:  # its deletion is not complete yet
+                return False
+            return True
+
+        wait_for(re_created, 30, "the re-creation")
+        with pytest.raises(InconsistentTopicIdError):
+            producer.send(topic, b"meant for the old topic").result(30)
+        assert producer.send(topic, b"new").result(30).offset == 0
+    assert [r.value for r in _consume_all(gateway.address, topic, 1)] == [b"new"]
 
 
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(

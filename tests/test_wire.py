@@ -23,14 +23,14 @@ CODES = st.sampled_from(list(common_pb2.ErrorCode.values()))
 @given(
     acks=ACKS,
     timeout_ms=EDGY_INT32,
-    partitions=st.lists(st.tuples(TEXT, EDGY_INT32, CHUNKS), max_size=4),
+    partitions=st.lists(st.tuples(TEXT, EDGY_INT32, CHUNKS, TEXT), max_size=4),
     correlation_id=EDGY_INT64,
     client_id=TEXT,
 )
 def test_produce_request(
     acks: int,
     timeout_ms: int,
-    partitions: list[tuple[str, int, list[bytes]]],
+    partitions: list[tuple[str, int, list[bytes], str]],
     correlation_id: int,
     client_id: str,
 ) -> None:
@@ -38,8 +38,8 @@ def test_produce_request(
         acks=acks,  # type: ignore[arg-type]
         timeout_ms=timeout_ms,
         partitions=[
-            gateway_pb2.ProducePartitionData(topic=t, partition=p, records=b"".join(c))
-            for t, p, c in partitions
+            gateway_pb2.ProducePartitionData(topic=t, partition=p, records=b"".join(c), topic_id=i)
+            for t, p, c, i in partitions
         ],
         correlation_id=correlation_id,
         client_id=client_id,
@@ -63,6 +63,7 @@ def test_produce_request(
     timeout_ms=EDGY_INT32,
     current_leader_epoch=st.none() | EDGY_INT32,
     correlation_id=EDGY_INT64,
+    topic_id=TEXT,
 )
 def test_append_request(  # noqa: PLR0917 - one argument per field
     topic: str,
@@ -72,6 +73,7 @@ def test_append_request(  # noqa: PLR0917 - one argument per field
     timeout_ms: int,
     current_leader_epoch: int | None,
     correlation_id: int,
+    topic_id: str,
 ) -> None:
     expected = storage_pb2.AppendRequest(
         topic=topic,
@@ -80,6 +82,7 @@ def test_append_request(  # noqa: PLR0917 - one argument per field
         acks=acks,  # type: ignore[arg-type]
         timeout_ms=timeout_ms,
         correlation_id=correlation_id,
+        topic_id=topic_id,
     )
     if current_leader_epoch is not None:
         expected.current_leader_epoch = current_leader_epoch
@@ -91,6 +94,7 @@ def test_append_request(  # noqa: PLR0917 - one argument per field
         timeout_ms=timeout_ms,
         current_leader_epoch=current_leader_epoch,
         correlation_id=correlation_id,
+        topic_id=topic_id,
     )
     assert encoded == expected.SerializeToString()
 

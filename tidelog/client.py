@@ -231,6 +231,18 @@ class GatewayConnection:
         """
         return {name: len(leaders) for name, leaders in self.partition_leaders(topics).items()}
 
+    def partition_counts_and_ids(self, topics: Sequence[str]) -> dict[str, tuple[int, str]]:
+        """Per named topic, its partition count and topic id (the incarnation's UUID).
+
+        Raises UnknownTopicOrPartitionError when a named topic does not exist.
+        """
+        response = self.metadata(topics)
+        found: dict[str, tuple[int, str]] = {}
+        for topic in response.topics:
+            raise_for(topic.error, f"topic {topic.name!r}")
+            found[topic.name] = (len(topic.partitions), topic.topic_id)
+        return found
+
     def metadata(self, topics: Sequence[str] = ()) -> controller_pb2.MetadataResponse:
         """The gateway's metadata: live brokers and the named topics' partition states
         (all topics when ``topics`` is empty); per-topic errors are left in the answer."""

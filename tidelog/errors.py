@@ -67,6 +67,7 @@ class ErrorCode(IntEnum):
     ELECTION_NOT_NEEDED = 84
     INVALID_RECORD = 87
     INVALID_UPDATE_VERSION = 95
+    INCONSISTENT_TOPIC_ID = 103
 
 
 # Codes whose failures can clear up by themselves: a retry after backoff or a metadata
@@ -276,6 +277,14 @@ class InvalidRecordError(TidelogError):
 
 class InvalidUpdateVersionError(TidelogError):
     code = ErrorCode.INVALID_UPDATE_VERSION
+
+
+class InconsistentTopicIdError(TidelogError):
+    """The request names an incarnation of the topic other than the one the broker hosts:
+    the topic was deleted and created again since the records were queued. Final: the
+    records belong to a topic that is gone."""
+
+    code = ErrorCode.INCONSISTENT_TOPIC_ID
 
 
 class ConfigError(InvalidRequestError):

@@ -117,6 +117,7 @@ from tidelog.errors import (
     BrokerNotAvailableError,
     ConfigError,
     DuplicateSequenceError,
+    InconsistentTopicIdError,
     LeaderNotAvailableError,
     NetworkError,
     OutOfOrderSequenceError,
@@ -333,6 +334,7 @@ class _Batch:
         "sent",
         "size_bytes",
         "timestamps",
+        "topic_id",
         "tp",
         "values",
     )
@@ -354,6 +356,9 @@ class _Batch:
         self.finished = False  # its futures are set (_finishing)
         self.ordinal = 0  # place in its partition's queue (``_PartitionQueue.enqueue``)
         self.generation = 0  # the flush generation it was created in (Producer.flush)
+        # The topic incarnation its records are for ("" unknown): requests name it, so a
+        # topic deleted and created again refuses them (INCONSISTENT_TOPIC_ID).
+        self.topic_id = ""
         self.producer_id = -1  # the producer id it was encoded under
         # Names the request that first carried it: a retry resends exactly that request.
         self.request_key = 0
@@ -566,11 +571,11 @@ class Producer:
         self._lock = threading.Condition()
         self._queues: dict[tuple[str, int], _PartitionQueue] = {}
         self._open: dict[tuple[str, int], _Batch] = {}
-        # Topic -> (partition count, when it was looked up): looked up again once older
+        # Topic -> (partition count, when it was looked up, topic id): looked up again once older
         # than metadata_max_age_ms (Kafka's metadata.max.age.ms), and at once after an
         # UNKNOWN_TOPIC_OR_PARTITION answer, so partitions added to a topic (or a topic
         # re-created with fewer) are seen; before, the first count was kept for good.
-        self._counts: dict[str, tuple[int, float]] = {}
+        self._counts: dict[str, tuple[int, float, str]] = {}
         self._metadata_max_age_s = metadata_max_age_ms / 1000
         self._sticky: dict[str, int] = {}
         self._sticky_bytes: dict[str, int] = {}  # sent to the topic's sticky partition
@@ -632,9 +637,14 @@ class Producer:
         return self._look_up_count(topic, now)  # raises for an unknown topic
 
     def _look_up_count(self, topic: str, now: float) -> int:
-        count = self._conn.partition_counts([topic])[topic]
-        self._counts[topic] = (count, now)
+        count, topic_id = self._conn.partition_counts_and_ids([topic])[topic]
+        self._counts[topic] = (count, now, topic_id)
         return count
+
+    def _topic_id(self, topic: str) -> str:
+        """(lock held or not) The id of the topic incarnation last looked up ("" if none)."""
+        known = self._counts.get(topic)
+        return known[2] if known is not None else ""
 
     def metrics(self) -> dict[str, float]:
         """Kafka's producer metrics by name (module docstring), cumulative since start."""
@@ -729,6 +739,7 @@ class Producer:
             opened = batch is None
             if batch is None:
                 batch = self._open[tp] = _Batch(tp)
+                batch.topic_id = self._topic_id(topic)
                 self._count_unfinished(batch)
             index = len(batch.values)
             batch.values.append(bytes(value) if value is not None else None)
@@ -744,7 +755,7 @@ class Producer:
             batch.size_bytes += size
             batch.record_futures.append((index, future))
             if sticky:
-                self._stick(topic, partition, size, self._counts.get(topic, (1, 0.0))[0])
+                self._stick(topic, partition, size, self._counts.get(topic, (1, 0.0, ""))[0])
             if batch.size_bytes >= self._records_budget:
                 self._close_open(tp)
                 self._lock.notify_all()
@@ -830,10 +841,12 @@ class Producer:
         if not chunks:
             group.future.set_result(BatchMetadata(topic, group.partitions, group.offsets, ts))
             return group.future
+        topic_id = self._topic_id(topic)
 
         def batches() -> Iterator[_Batch]:
             for p, indices, size in chunks:
                 batch = _Batch((topic, p))
+                batch.topic_id = topic_id
                 if isinstance(indices, range):
                     batch.values = list(values[indices.start : indices.stop])
                     if keys is not None:
@@ -866,6 +879,7 @@ class Producer:
         if not n:
             group.future.set_result(BatchMetadata(topic, group.partitions, group.offsets, ts))
             return group.future
+        topic_id = self._topic_id(topic)
 
         def batches() -> Iterator[_Batch]:
             for start, stop, size in cuts:
@@ -873,6 +887,7 @@ class Producer:
                     partition if partition is not None else self._sticky_partition(topic, count)
                 )
                 batch = _Batch((topic, target))
+                batch.topic_id = topic_id
                 batch.arrow_values = values.slice(start, stop - start)
                 batch.timestamps = [ts]
                 batch.size_bytes = size
@@ -1329,8 +1344,11 @@ class Producer:
         return correlation_id, encode_produce_request(
             acks=self._acks,
             timeout_ms=self._request_timeout_ms,
+            # A partition's batches name the topic id of its first: a topic re-created
+            # between two batches of one request fails the later one too (it is rare, and
+            # the failure is precise: INCONSISTENT_TOPIC_ID).
             partitions=[
-                (batches[0].tp[0], batches[0].tp[1], chunks)
+                (batches[0].tp[0], batches[0].tp[1], chunks, batches[0].topic_id)
                 for (_, batches), chunks in zip(picked, encoded, strict=True)
             ],
             correlation_id=correlation_id,
@@ -1393,6 +1411,7 @@ class Producer:
                 timeout_ms=wait_ms,
                 current_leader_epoch=leader.leader_epoch,
                 correlation_id=correlation_id,
+                topic_id=item[1][0].topic_id,
             )
             if tracing.ENABLED:
                 tracing.event("c_send", correlation_id, partition)
@@ -1654,7 +1673,7 @@ class Producer:
                     "retry" if retry and len(retry) == len(batches) else "fail",
                     str(error)[:200].replace("\n", " "),
                 )
-            if isinstance(error, UnknownTopicOrPartitionError):
+            if isinstance(error, UnknownTopicOrPartitionError | InconsistentTopicIdError):
                 # The topic was deleted, or re-created with fewer partitions: the next
                 # records are placed by a count looked up again.
                 self._counts.pop(batches[0].tp[0], None)

@@ -96,19 +96,20 @@ def encode_produce_request(
     *,
     acks: int,
     timeout_ms: int,
-    partitions: Sequence[tuple[str, int, Sequence[_Buffer]]],
+    partitions: Sequence[tuple[str, int, Sequence[_Buffer], str]],
     correlation_id: int,
     client_id: str,
 ) -> bytes:
-    """``ProduceRequest``; each partition is (topic, partition, its batches)."""
+    """``ProduceRequest``; each partition is (topic, partition, its batches, topic id)."""
     parts: list[_Buffer] = []
     _int_field(1, acks, parts)
     _int_field(2, timeout_ms, parts)
-    for topic, partition, batches in partitions:
+    for topic, partition, batches, topic_id in partitions:
         body: list[_Buffer] = []
         _string_field(1, topic, body)
         _int_field(2, partition, body)
         _bytes_field(3, batches, body)
+        _string_field(4, topic_id, body)
         _message_field(3, body, parts)
     _int_field(4, correlation_id, parts)
     _string_field(5, client_id, parts)
@@ -127,6 +128,7 @@ def encode_append_request(
     timeout_ms: int,
     current_leader_epoch: int | None,
     correlation_id: int = 0,
+    topic_id: str = "",
 ) -> bytes:
     """``AppendRequest`` whose ``records`` are ``batches`` concatenated."""
     parts: list[_Buffer] = []
@@ -137,6 +139,7 @@ def encode_append_request(
     _int_field(5, timeout_ms, parts)
     _optional_int_field(6, current_leader_epoch, parts)
     _int_field(7, correlation_id, parts)
+    _string_field(8, topic_id, parts)
     return b"".join(parts)
 
 

@@ -186,6 +186,7 @@ class ProduceHandler:
                     acks=acks,
                     timeout_ms=wait_ms,
                     current_leader_epoch=leader.leader_epoch,
+                    topic_id=data.topic_id,
                 ),
                 timeout=timeout_s,
             )

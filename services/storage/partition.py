@@ -39,6 +39,7 @@ from tidelog import tracing
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
     FencedLeaderEpochError,
+    InconsistentTopicIdError,
     InvalidRequestError,
     InvalidTimestampError,
     NotEnoughReplicasAfterAppendError,
@@ -127,6 +128,7 @@ class PartitionState:
     replicas: tuple[int, ...]
     partition_epoch: int
     configs: dict[str, str] = field(default_factory=dict)
+    topic_id: str = ""  # the topic incarnation's UUID ("" when the sender named none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +207,9 @@ class Partition:
         self.topic = topic
         self.partition = partition
         self.broker_id = broker_id
+        # The topic incarnation this partition belongs to, from LeaderAndIsr ("": not
+        # told yet). Appends that name another are refused (check_topic_id).
+        self.topic_id = ""
         self._log = log
         self._clock = clock
         self._lock = threading.Lock()
@@ -257,6 +262,17 @@ class Partition:
     def role(self) -> Role:
         return self._role
 
+    def check_topic_id(self, topic_id: str) -> None:
+        """Refuse a request meant for another incarnation of this topic: deleted and
+        created again since the sender learned its id (KIP-516's topic ids). Without it
+        a producer's retry of a batch queued before the deletion landed in the new topic.
+        An empty id on either side (an older sender; not told yet) checks nothing."""
+        if topic_id and self.topic_id and topic_id != self.topic_id:
+            raise InconsistentTopicIdError(
+                f"{self.topic}-{self.partition}: the request is for topic id {topic_id}, but "
+                f"the topic was deleted and created again (now {self.topic_id})"
+            )
+
     def apply_state(self, state: PartitionState) -> bool:
         """Become leader or follower as ``state`` says. Returns True if anything changed.
 
@@ -286,6 +302,8 @@ class Partition:
             self._leader = state.leader
             self._leader_epoch = state.leader_epoch
             self._configs = dict(state.configs)
+            if state.topic_id:
+                self.topic_id = state.topic_id
             if role is Role.LEADER:
                 if changed or self._replication is None:
                     # Every time it becomes leader (Kafka's maybeAssignEpochStartOffset):

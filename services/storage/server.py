@@ -622,10 +622,11 @@ def requested_epoch(message: Any) -> int:
 
 
 def partition_state_from_proto(
-    state: common_pb2.PartitionState, configs: dict[str, str] | None = None
+    state: common_pb2.PartitionState, configs: dict[str, str] | None = None, topic_id: str = ""
 ) -> PartitionState:
     """The controller's decision about one partition, as plain data (one place)."""
     return PartitionState(
+        topic_id=topic_id,
         topic=state.topic,
         partition=state.partition,
         leader=state.leader,
@@ -776,6 +777,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         if request.timeout_ms < 0:
             raise InvalidRequestError(f"timeout_ms {request.timeout_ms} is negative")
         partition = self._replicas.get_partition(request.topic, request.partition)
+        partition.check_topic_id(request.topic_id)
         acks_all = request.acks in (common_pb2.ALL, common_pb2.ACKS_UNSPECIFIED)
         if tracing.ENABLED:
             tracing.event("ap_in", request.partition)
@@ -1177,7 +1179,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     ) -> storage_pb2.LeaderAndIsrResponse:
         self._check_partition_count(len(request.partitions))
         states = [
-            partition_state_from_proto(lp.state, {entry.name: entry.value for entry in lp.configs})
+            partition_state_from_proto(
+                lp.state, {entry.name: entry.value for entry in lp.configs}, lp.topic_id
+            )
             for lp in request.partitions
         ]
         # Stale controller or broker epochs abort the call (a gRPC status, see common.proto).

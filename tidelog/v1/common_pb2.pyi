@@ -52,6 +52,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ELECTION_NOT_NEEDED: _ClassVar[ErrorCode]
     INVALID_RECORD: _ClassVar[ErrorCode]
     INVALID_UPDATE_VERSION: _ClassVar[ErrorCode]
+    INCONSISTENT_TOPIC_ID: _ClassVar[ErrorCode]
 
 class OffsetSpec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -110,6 +111,7 @@ ELIGIBLE_LEADERS_NOT_AVAILABLE: ErrorCode
 ELECTION_NOT_NEEDED: ErrorCode
 INVALID_RECORD: ErrorCode
 INVALID_UPDATE_VERSION: ErrorCode
+INCONSISTENT_TOPIC_ID: ErrorCode
 OFFSET_SPEC_UNSPECIFIED: OffsetSpec
 EARLIEST: OffsetSpec
 LATEST: OffsetSpec

@@ -27,7 +27,7 @@ from tidelog.v1 import storage_pb2 as tidelog_dot_v1_dot_storage__pb2
 from tidelog.v1 import controller_pb2 as tidelog_dot_v1_dot_controller__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tidelog/v1/gateway.proto\x12\ntidelog.v1\x1a\x17tidelog/v1/common.proto\x1a\x18tidelog/v1/storage.proto\x1a\x1btidelog/v1/controller.proto\"\xa5\x01\n\x0eProduceRequest\x12\x1e\n\x04\x61\x63ks\x18\x01 \x01(\x0e\x32\x10.tidelog.v1.Acks\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\x12\x34\n\npartitions\x18\x03 \x03(\x0b\x32 .tidelog.v1.ProducePartitionData\x12\x16\n\x0e\x63orrelation_id\x18\x04 \x01(\x03\x12\x11\n\tclient_id\x18\x05 \x01(\t\"I\n\x14ProducePartitionData\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0f\n\x07records\x18\x03 \x01(\x0c\"a\n\x0fProduceResponse\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\x03\x12\x36\n\npartitions\x18\x02 \x03(\x0b\x32\".tidelog.v1.ProducePartitionResult\"\xbc\x01\n\x16ProducePartitionResult\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x13\n\x0b\x62\x61se_offset\x18\x04 \x01(\x03\x12\x13\n\x0blast_offset\x18\x05 \x01(\x03\x12\x1a\n\x12log_append_time_ms\x18\x06 \x01(\x03\x12\x18\n\x10log_start_offset\x18\x07 \x01(\x03\"\xe2\x01\n\x10SubscribeRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x14\n\x0cstart_offset\x18\x03 \x01(\x03\x12*\n\nstart_spec\x18\x04 \x01(\x0e\x32\x16.tidelog.v1.OffsetSpec\x12\x1a\n\x12start_timestamp_ms\x18\x05 \x01(\x03\x12\x16\n\tmax_bytes\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0bmax_wait_ms\x18\x07 \x01(\x05H\x01\x88\x01\x01\x42\x0c\n\n_max_bytesB\x0e\n\x0c_max_wait_ms\"&\n\x15\x44\x65scribeTopicsRequest\x12\r\n\x05names\x18\x01 \x03(\t\"\xab\x01\n\x12\x44\x65scribedPartition\x12)\n\x05state\x18\x01 \x01(\x0b\x32\x1a.tidelog.v1.PartitionState\x12\x16\n\x0ehigh_watermark\x18\x02 \x01(\x03\x12\x18\n\x10log_start_offset\x18\x03 \x01(\x03\x12\x16\n\x0elog_end_offset\x18\x04 \x01(\x03\x12 \n\x05\x65rror\x18\x05 \x01(\x0b\x32\x11.tidelog.v1.Error\"\xcc\x01\n\x0e\x44\x65scribedTopic\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x65rror\x18\x02 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x10\n\x08topic_id\x18\x03 \x01(\t\x12\x1a\n\x12replication_factor\x18\x04 \x01(\x05\x12(\n\x07\x63onfigs\x18\x05 \x03(\x0b\x32\x17.tidelog.v1.ConfigEntry\x12\x32\n\npartitions\x18\x06 \x03(\x0b\x32\x1e.tidelog.v1.DescribedPartition\"D\n\x16\x44\x65scribeTopicsResponse\x12*\n\x06topics\x18\x01 \x03(\x0b\x32\x1a.tidelog.v1.DescribedTopic\"S\n\x14\x43ommitOffsetsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12)\n\x07offsets\x18\x02 \x03(\x0b\x32\x18.tidelog.v1.CommitOffset\"h\n\x0c\x43ommitOffset\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x10\n\x08metadata\x18\x04 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x05 \x01(\x05\"H\n\x15\x43ommitOffsetsResponse\x12/\n\npartitions\x18\x01 \x03(\x0b\x32\x1b.tidelog.v1.PartitionResult\"W\n\x13\x46\x65tchOffsetsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12.\n\npartitions\x18\x02 \x03(\x0b\x32\x1a.tidelog.v1.TopicPartition\"\x8d\x01\n\x0f\x43ommittedOffset\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x10\n\x08metadata\x18\x05 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x06 \x01(\x05\"D\n\x14\x46\x65tchOffsetsResponse\x12,\n\x07offsets\x18\x01 \x03(\x0b\x32\x1b.tidelog.v1.CommittedOffset\"\x13\n\x11ListGroupsRequest\"\'\n\x12ListGroupsResponse\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\"*\n\x15InitProducerIdRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"E\n\x16InitProducerIdResponse\x12\x13\n\x0bproducer_id\x18\x01 \x01(\x03\x12\x16\n\x0eproducer_epoch\x18\x02 \x01(\x05\x32\xc8\t\n\x07Gateway\x12\x42\n\x07Produce\x12\x1a.tidelog.v1.ProduceRequest\x1a\x1b.tidelog.v1.ProduceResponse\x12L\n\rProduceStream\x12\x1a.tidelog.v1.ProduceRequest\x1a\x1b.tidelog.v1.ProduceResponse(\x01\x30\x01\x12<\n\x05\x46\x65tch\x12\x18.tidelog.v1.FetchRequest\x1a\x19.tidelog.v1.FetchResponse\x12M\n\tSubscribe\x12\x1c.tidelog.v1.SubscribeRequest\x1a .tidelog.v1.FetchPartitionResult0\x01\x12\x45\n\x08Metadata\x12\x1b.tidelog.v1.MetadataRequest\x1a\x1c.tidelog.v1.MetadataResponse\x12N\n\x0bListOffsets\x12\x1e.tidelog.v1.ListOffsetsRequest\x1a\x1f.tidelog.v1.ListOffsetsResponse\x12Q\n\x0c\x43reateTopics\x12\x1f.tidelog.v1.CreateTopicsRequest\x1a .tidelog.v1.CreateTopicsResponse\x12Q\n\x0c\x44\x65leteTopics\x12\x1f.tidelog.v1.DeleteTopicsRequest\x1a .tidelog.v1.DeleteTopicsResponse\x12]\n\x10\x43reatePartitions\x12#.tidelog.v1.CreatePartitionsRequest\x1a$.tidelog.v1.CreatePartitionsResponse\x12W\n\x0e\x44\x65scribeTopics\x12!.tidelog.v1.DescribeTopicsRequest\x1a\".tidelog.v1.DescribeTopicsResponse\x12Z\n\x0f\x44\x65scribeCluster\x12\".tidelog.v1.DescribeClusterRequest\x1a#.tidelog.v1.DescribeClusterResponse\x12T\n\rCommitOffsets\x12 .tidelog.v1.CommitOffsetsRequest\x1a!.tidelog.v1.CommitOffsetsResponse\x12Q\n\x0c\x46\x65tchOffsets\x12\x1f.tidelog.v1.FetchOffsetsRequest\x1a .tidelog.v1.FetchOffsetsResponse\x12K\n\nListGroups\x12\x1d.tidelog.v1.ListGroupsRequest\x1a\x1e.tidelog.v1.ListGroupsResponse\x12W\n\x0eInitProducerId\x12!.tidelog.v1.InitProducerIdRequest\x1a\".tidelog.v1.InitProducerIdResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tidelog/v1/gateway.proto\x12\ntidelog.v1\x1a\x17tidelog/v1/common.proto\x1a\x18tidelog/v1/storage.proto\x1a\x1btidelog/v1/controller.proto\"\xa5\x01\n\x0eProduceRequest\x12\x1e\n\x04\x61\x63ks\x18\x01 \x01(\x0e\x32\x10.tidelog.v1.Acks\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\x12\x34\n\npartitions\x18\x03 \x03(\x0b\x32 .tidelog.v1.ProducePartitionData\x12\x16\n\x0e\x63orrelation_id\x18\x04 \x01(\x03\x12\x11\n\tclient_id\x18\x05 \x01(\t\"[\n\x14ProducePartitionData\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0f\n\x07records\x18\x03 \x01(\x0c\x12\x10\n\x08topic_id\x18\x04 \x01(\t\"a\n\x0fProduceResponse\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\x03\x12\x36\n\npartitions\x18\x02 \x03(\x0b\x32\".tidelog.v1.ProducePartitionResult\"\xbc\x01\n\x16ProducePartitionResult\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x13\n\x0b\x62\x61se_offset\x18\x04 \x01(\x03\x12\x13\n\x0blast_offset\x18\x05 \x01(\x03\x12\x1a\n\x12log_append_time_ms\x18\x06 \x01(\x03\x12\x18\n\x10log_start_offset\x18\x07 \x01(\x03\"\xe2\x01\n\x10SubscribeRequest\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x14\n\x0cstart_offset\x18\x03 \x01(\x03\x12*\n\nstart_spec\x18\x04 \x01(\x0e\x32\x16.tidelog.v1.OffsetSpec\x12\x1a\n\x12start_timestamp_ms\x18\x05 \x01(\x03\x12\x16\n\tmax_bytes\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0bmax_wait_ms\x18\x07 \x01(\x05H\x01\x88\x01\x01\x42\x0c\n\n_max_bytesB\x0e\n\x0c_max_wait_ms\"&\n\x15\x44\x65scribeTopicsRequest\x12\r\n\x05names\x18\x01 \x03(\t\"\xab\x01\n\x12\x44\x65scribedPartition\x12)\n\x05state\x18\x01 \x01(\x0b\x32\x1a.tidelog.v1.PartitionState\x12\x16\n\x0ehigh_watermark\x18\x02 \x01(\x03\x12\x18\n\x10log_start_offset\x18\x03 \x01(\x03\x12\x16\n\x0elog_end_offset\x18\x04 \x01(\x03\x12 \n\x05\x65rror\x18\x05 \x01(\x0b\x32\x11.tidelog.v1.Error\"\xcc\x01\n\x0e\x44\x65scribedTopic\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x65rror\x18\x02 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x10\n\x08topic_id\x18\x03 \x01(\t\x12\x1a\n\x12replication_factor\x18\x04 \x01(\x05\x12(\n\x07\x63onfigs\x18\x05 \x03(\x0b\x32\x17.tidelog.v1.ConfigEntry\x12\x32\n\npartitions\x18\x06 \x03(\x0b\x32\x1e.tidelog.v1.DescribedPartition\"D\n\x16\x44\x65scribeTopicsResponse\x12*\n\x06topics\x18\x01 \x03(\x0b\x32\x1a.tidelog.v1.DescribedTopic\"S\n\x14\x43ommitOffsetsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12)\n\x07offsets\x18\x02 \x03(\x0b\x32\x18.tidelog.v1.CommitOffset\"h\n\x0c\x43ommitOffset\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x10\n\x08metadata\x18\x04 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x05 \x01(\x05\"H\n\x15\x43ommitOffsetsResponse\x12/\n\npartitions\x18\x01 \x03(\x0b\x32\x1b.tidelog.v1.PartitionResult\"W\n\x13\x46\x65tchOffsetsRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12.\n\npartitions\x18\x02 \x03(\x0b\x32\x1a.tidelog.v1.TopicPartition\"\x8d\x01\n\x0f\x43ommittedOffset\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x10\n\x08metadata\x18\x05 \x01(\t\x12\x14\n\x0cleader_epoch\x18\x06 \x01(\x05\"D\n\x14\x46\x65tchOffsetsResponse\x12,\n\x07offsets\x18\x01 \x03(\x0b\x32\x1b.tidelog.v1.CommittedOffset\"\x13\n\x11ListGroupsRequest\"\'\n\x12ListGroupsResponse\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\"*\n\x15InitProducerIdRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\"E\n\x16InitProducerIdResponse\x12\x13\n\x0bproducer_id\x18\x01 \x01(\x03\x12\x16\n\x0eproducer_epoch\x18\x02 \x01(\x05\x32\xc8\t\n\x07Gateway\x12\x42\n\x07Produce\x12\x1a.tidelog.v1.ProduceRequest\x1a\x1b.tidelog.v1.ProduceResponse\x12L\n\rProduceStream\x12\x1a.tidelog.v1.ProduceRequest\x1a\x1b.tidelog.v1.ProduceResponse(\x01\x30\x01\x12<\n\x05\x46\x65tch\x12\x18.tidelog.v1.FetchRequest\x1a\x19.tidelog.v1.FetchResponse\x12M\n\tSubscribe\x12\x1c.tidelog.v1.SubscribeRequest\x1a .tidelog.v1.FetchPartitionResult0\x01\x12\x45\n\x08Metadata\x12\x1b.tidelog.v1.MetadataRequest\x1a\x1c.tidelog.v1.MetadataResponse\x12N\n\x0bListOffsets\x12\x1e.tidelog.v1.ListOffsetsRequest\x1a\x1f.tidelog.v1.ListOffsetsResponse\x12Q\n\x0c\x43reateTopics\x12\x1f.tidelog.v1.CreateTopicsRequest\x1a .tidelog.v1.CreateTopicsResponse\x12Q\n\x0c\x44\x65leteTopics\x12\x1f.tidelog.v1.DeleteTopicsRequest\x1a .tidelog.v1.DeleteTopicsResponse\x12]\n\x10\x43reatePartitions\x12#.tidelog.v1.CreatePartitionsRequest\x1a$.tidelog.v1.CreatePartitionsResponse\x12W\n\x0e\x44\x65scribeTopics\x12!.tidelog.v1.DescribeTopicsRequest\x1a\".tidelog.v1.DescribeTopicsResponse\x12Z\n\x0f\x44\x65scribeCluster\x12\".tidelog.v1.DescribeClusterRequest\x1a#.tidelog.v1.DescribeClusterResponse\x12T\n\rCommitOffsets\x12 .tidelog.v1.CommitOffsetsRequest\x1a!.tidelog.v1.CommitOffsetsResponse\x12Q\n\x0c\x46\x65tchOffsets\x12\x1f.tidelog.v1.FetchOffsetsRequest\x1a .tidelog.v1.FetchOffsetsResponse\x12K\n\nListGroups\x12\x1d.tidelog.v1.ListGroupsRequest\x1a\x1e.tidelog.v1.ListGroupsResponse\x12W\n\x0eInitProducerId\x12!.tidelog.v1.InitProducerIdRequest\x1a\".tidelog.v1.InitProducerIdResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,41 +37,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PRODUCEREQUEST']._serialized_start=121
   _globals['_PRODUCEREQUEST']._serialized_end=286
   _globals['_PRODUCEPARTITIONDATA']._serialized_start=288
-  _globals['_PRODUCEPARTITIONDATA']._serialized_end=361
-  _globals['_PRODUCERESPONSE']._serialized_start=363
-  _globals['_PRODUCERESPONSE']._serialized_end=460
-  _globals['_PRODUCEPARTITIONRESULT']._serialized_start=463
-  _globals['_PRODUCEPARTITIONRESULT']._serialized_end=651
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=654
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=880
-  _globals['_DESCRIBETOPICSREQUEST']._serialized_start=882
-  _globals['_DESCRIBETOPICSREQUEST']._serialized_end=920
-  _globals['_DESCRIBEDPARTITION']._serialized_start=923
-  _globals['_DESCRIBEDPARTITION']._serialized_end=1094
-  _globals['_DESCRIBEDTOPIC']._serialized_start=1097
-  _globals['_DESCRIBEDTOPIC']._serialized_end=1301
-  _globals['_DESCRIBETOPICSRESPONSE']._serialized_start=1303
-  _globals['_DESCRIBETOPICSRESPONSE']._serialized_end=1371
-  _globals['_COMMITOFFSETSREQUEST']._serialized_start=1373
-  _globals['_COMMITOFFSETSREQUEST']._serialized_end=1456
-  _globals['_COMMITOFFSET']._serialized_start=1458
-  _globals['_COMMITOFFSET']._serialized_end=1562
-  _globals['_COMMITOFFSETSRESPONSE']._serialized_start=1564
-  _globals['_COMMITOFFSETSRESPONSE']._serialized_end=1636
-  _globals['_FETCHOFFSETSREQUEST']._serialized_start=1638
-  _globals['_FETCHOFFSETSREQUEST']._serialized_end=1725
-  _globals['_COMMITTEDOFFSET']._serialized_start=1728
-  _globals['_COMMITTEDOFFSET']._serialized_end=1869
-  _globals['_FETCHOFFSETSRESPONSE']._serialized_start=1871
-  _globals['_FETCHOFFSETSRESPONSE']._serialized_end=1939
-  _globals['_LISTGROUPSREQUEST']._serialized_start=1941
-  _globals['_LISTGROUPSREQUEST']._serialized_end=1960
-  _globals['_LISTGROUPSRESPONSE']._serialized_start=1962
-  _globals['_LISTGROUPSRESPONSE']._serialized_end=2001
-  _globals['_INITPRODUCERIDREQUEST']._serialized_start=2003
-  _globals['_INITPRODUCERIDREQUEST']._serialized_end=2045
-  _globals['_INITPRODUCERIDRESPONSE']._serialized_start=2047
-  _globals['_INITPRODUCERIDRESPONSE']._serialized_end=2116
-  _globals['_GATEWAY']._serialized_start=2119
-  _globals['_GATEWAY']._serialized_end=3343
+  _globals['_PRODUCEPARTITIONDATA']._serialized_end=379
+  _globals['_PRODUCERESPONSE']._serialized_start=381
+  _globals['_PRODUCERESPONSE']._serialized_end=478
+  _globals['_PRODUCEPARTITIONRESULT']._serialized_start=481
+  _globals['_PRODUCEPARTITIONRESULT']._serialized_end=669
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=672
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=898
+  _globals['_DESCRIBETOPICSREQUEST']._serialized_start=900
+  _globals['_DESCRIBETOPICSREQUEST']._serialized_end=938
+  _globals['_DESCRIBEDPARTITION']._serialized_start=941
+  _globals['_DESCRIBEDPARTITION']._serialized_end=1112
+  _globals['_DESCRIBEDTOPIC']._serialized_start=1115
+  _globals['_DESCRIBEDTOPIC']._serialized_end=1319
+  _globals['_DESCRIBETOPICSRESPONSE']._serialized_start=1321
+  _globals['_DESCRIBETOPICSRESPONSE']._serialized_end=1389
+  _globals['_COMMITOFFSETSREQUEST']._serialized_start=1391
+  _globals['_COMMITOFFSETSREQUEST']._serialized_end=1474
+  _globals['_COMMITOFFSET']._serialized_start=1476
+  _globals['_COMMITOFFSET']._serialized_end=1580
+  _globals['_COMMITOFFSETSRESPONSE']._serialized_start=1582
+  _globals['_COMMITOFFSETSRESPONSE']._serialized_end=1654
+  _globals['_FETCHOFFSETSREQUEST']._serialized_start=1656
+  _globals['_FETCHOFFSETSREQUEST']._serialized_end=1743
+  _globals['_COMMITTEDOFFSET']._serialized_start=1746
+  _globals['_COMMITTEDOFFSET']._serialized_end=1887
+  _globals['_FETCHOFFSETSRESPONSE']._serialized_start=1889
+  _globals['_FETCHOFFSETSRESPONSE']._serialized_end=1957
+  _globals['_LISTGROUPSREQUEST']._serialized_start=1959
+  _globals['_LISTGROUPSREQUEST']._serialized_end=1978
+  _globals['_LISTGROUPSRESPONSE']._serialized_start=1980
+  _globals['_LISTGROUPSRESPONSE']._serialized_end=2019
+  _globals['_INITPRODUCERIDREQUEST']._serialized_start=2021
+  _globals['_INITPRODUCERIDREQUEST']._serialized_end=2063
+  _globals['_INITPRODUCERIDRESPONSE']._serialized_start=2065
+  _globals['_INITPRODUCERIDRESPONSE']._serialized_end=2134
+  _globals['_GATEWAY']._serialized_start=2137
+  _globals['_GATEWAY']._serialized_end=3361
 # @@protoc_insertion_point(module_scope)

@@ -24,14 +24,16 @@ class ProduceRequest(_message.Message):
     def __init__(self, acks: _Optional[_Union[_common_pb2.Acks, str]] = ..., timeout_ms: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[ProducePartitionData, _Mapping]]] = ..., correlation_id: _Optional[int] = ..., client_id: _Optional[str] = ...) -> None: ...
 
 class ProducePartitionData(_message.Message):
-    __slots__ = ("topic", "partition", "records")
+    __slots__ = ("topic", "partition", "records", "topic_id")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_ID_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     records: bytes
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., records: _Optional[bytes] = ...) -> None: ...
+    topic_id: str
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., records: _Optional[bytes] = ..., topic_id: _Optional[str] = ...) -> None: ...
 
 class ProduceResponse(_message.Message):
     __slots__ = ("correlation_id", "partitions")

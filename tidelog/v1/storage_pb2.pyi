@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AppendRequest(_message.Message):
-    __slots__ = ("topic", "partition", "records", "acks", "timeout_ms", "current_leader_epoch", "correlation_id")
+    __slots__ = ("topic", "partition", "records", "acks", "timeout_ms", "current_leader_epoch", "correlation_id", "topic_id")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class AppendRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CURRENT_LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_ID_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     records: bytes
@@ -23,7 +24,8 @@ class AppendRequest(_message.Message):
     timeout_ms: int
     current_leader_epoch: int
     correlation_id: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., records: _Optional[bytes] = ..., acks: _Optional[_Union[_common_pb2.Acks, str]] = ..., timeout_ms: _Optional[int] = ..., current_leader_epoch: _Optional[int] = ..., correlation_id: _Optional[int] = ...) -> None: ...
+    topic_id: str
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., records: _Optional[bytes] = ..., acks: _Optional[_Union[_common_pb2.Acks, str]] = ..., timeout_ms: _Optional[int] = ..., current_leader_epoch: _Optional[int] = ..., correlation_id: _Optional[int] = ..., topic_id: _Optional[str] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("error", "base_offset", "last_offset", "log_append_time_ms", "log_start_offset", "high_watermark", "correlation_id")
