@@ -198,7 +198,10 @@ class LeaderReplicationState:
         ]
 
     def _advance_high_watermark(self) -> bool:
-        candidate = min(self._leo_of(b) for b in (*self.maximal_isr, *self.joiners()))
+        members = self.maximal_isr
+        candidate = min(self._leo_of(b) for b in members)
+        if len(members) <= len(self.followers):  # a follower is outside: maybe a joiner
+            candidate = min((candidate, *(self._leo_of(b) for b in self.joiners())))
         if candidate > self.high_watermark:
             self.high_watermark = candidate
             return True
