@@ -360,8 +360,9 @@ def test_producers_spread_over_partitions_added_to_a_topic(
         assert before == {0}
         admin.create_partitions(topic, 4)
         wait_for(lambda: len(admin.describe_topic(topic).partitions) == 4, 10, "4 partitions")
-        time.sleep(0.3)  # past metadata_max_age_ms
-        assert producer.partitions_for(topic) == [0, 1, 2, 3]
+        # Past metadata_max_age_ms a send (or this) starts a look-up, answering from the
+        # count known meanwhile, as Kafka's producer does.
+        wait_for(lambda: producer.partitions_for(topic) == [0, 1, 2, 3], 10, "the new count")
         after = [producer.send(topic, b"v", key=k).result(30).partition for k in keys]
         assert after == [partition_for_key(k, 4) for k in keys]
         assert set(after) == {0, 1, 2, 3}
@@ -521,6 +522,65 @@ def test_records_queued_for_a_deleted_topic_never_land_in_its_successor(
             producer.send(topic, b"meant for the old topic").result(30)
         assert producer.send(topic, b"new").result(30).offset == 0
     assert [r.value for r in _consume_all(gateway.address, topic, 1)] == [b"new"]
+
+
+def test_a_second_close_waits_for_what_a_callbacks_close_left(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: close() in a done-callback returns at once (Kafka's close(0)),
+    and a later close() on the main thread returned at once too, as the producer was
+    already closing: at exit the records still queued were dropped without a word. Every
+    close() outside a callback now waits for what was queued, and the sender's end."""
+    admin.create_topic("second-close")
+    closed_in_callback = threading.Event()
+    producer = tidelog.Producer(gateway.address, linger_ms=500)
+    first = producer.send("second-close", b"first")
+
+    def close_in_callback(_: Any) -> None:
+        producer.close()
+        closed_in_callback.set()
+
+    first.add_done_callback(close_in_callback)
+    big = producer.send_batch("second-close", [b"x" * 100] * 300_000)  # ~30 MB, still queued
+    assert closed_in_callback.wait(30)
+    producer.close()
+    assert big.done() and len(big.result(0).offsets) == 300_000
+    assert not producer._sender.is_alive()
+
+
+def test_a_stale_partition_count_is_looked_up_without_holding_up_sends(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: once a topic's count was older than metadata_max_age_ms, each
+    send() looked it up on the caller's thread, so with the gateway hung (SIGSTOP) every
+    send of a direct producer, whose leaders were fine, waited out request_timeout_ms.
+    Sends now use the known count while a thread looks it up (as Kafka's sender does)."""
+    topic = "stale-count"
+    hung = cluster.start_gateway()
+    admin.create_topic(topic)
+    with tidelog.Producer(
+        hung.address, direct=True, metadata_max_age_ms=100, request_timeout_ms=20_000
+    ) as producer:
+        producer.send(topic, b"warm").result(30)  # count, producer id, leaders known
+        time.sleep(0.2)  # the count is stale now
+        os.kill(hung.pid, signal.SIGSTOP)
+        done = threading.Event()
+        offsets: list[int] = []
+
+        def send_some() -> None:
+            for i in range(3):
+                offsets.append(producer.send(topic, b"v%d" % i).result(60).offset)
+            done.set()
+
+        worker = threading.Thread(target=send_some)
+        worker.start()
+        try:
+            # Each look-up on the caller's thread took the 20 s request timeout.
+            assert done.wait(10), "sends waited for the hung gateway"
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
+            worker.join(60)
+        assert offsets == [1, 2, 3]
 
 
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(

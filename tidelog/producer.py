@@ -158,6 +158,8 @@ gateway's limit."""
 MAX_PARTITION_REQUEST_BYTES: Final = 4 * 1024 * 1024
 """Record bytes of one partition in one request (several batches)."""
 RETRY_BACKOFF_S: Final = 0.1
+METADATA_RETRY_S: Final = 1.0
+"""After a failed refresh of a known partition count, how long until the next try."""
 MAX_BATCHES_IN_FLIGHT_PER_PARTITION: Final = 5
 """An idempotent producer's batches of one partition unanswered at once (all requests in
 flight together), which also bounds the batches of one request: the leader remembers a
@@ -577,6 +579,8 @@ class Producer:
         # re-created with fewer) are seen; before, the first count was kept for good.
         self._counts: dict[str, tuple[int, float, str]] = {}
         self._metadata_max_age_s = metadata_max_age_ms / 1000
+        self._refresh_lock = threading.Lock()
+        self._refreshing: set[str] = set()  # topics whose count a thread is looking up
         self._sticky: dict[str, int] = {}
         self._sticky_bytes: dict[str, int] = {}  # sent to the topic's sticky partition
         self._buffered_bytes = 0
@@ -621,20 +625,41 @@ class Producer:
     # --- metadata -------------------------------------------------------------------------
 
     def _partition_count(self, topic: str, at_least: int = 0) -> int:
+        """The topic's partition count (more than ``at_least``): looked up on the caller's
+        thread when unknown; when known but old, the known one, while a thread looks it
+        up again (as Kafka's sender refreshes metadata: a send never waits on a refresh,
+        and a hung gateway made every send of direct mode wait its request timeout)."""
         known = self._counts.get(topic)
-        now = time.monotonic()
         if known is not None and known[0] > at_least:
-            if now - known[1] < self._metadata_max_age_s:
-                return known[0]
-            try:
-                return self._look_up_count(topic, now)
-            except TidelogError as exc:
-                if not exc.retriable or isinstance(exc, UnknownTopicOrPartitionError):
-                    raise
-                # The gateway is unreachable or busy: go on with the count known (the
-                # leaders may well be reachable, direct mode), and ask again next time.
-                return known[0]
-        return self._look_up_count(topic, now)  # raises for an unknown topic
+            if time.monotonic() - known[1] >= self._metadata_max_age_s:
+                self._refresh_count_later(topic)
+            return known[0]
+        return self._look_up_count(topic, time.monotonic())  # raises for an unknown topic
+
+    def _refresh_count_later(self, topic: str) -> None:
+        with self._refresh_lock:
+            if topic in self._refreshing:
+                return
+            self._refreshing.add(topic)
+        threading.Thread(
+            target=self._refresh_count, args=(topic,), name="tidelog-metadata", daemon=True
+        ).start()
+
+    def _refresh_count(self, topic: str) -> None:
+        try:
+            self._look_up_count(topic, time.monotonic())
+        except UnknownTopicOrPartitionError:
+            self._counts.pop(topic, None)  # deleted: the next send looks it up, and raises
+        except TidelogError:
+            known = self._counts.get(topic)
+            if known is not None:
+                # The gateway is unreachable or busy: the known count stays (the leaders
+                # may well be reachable), asked for again after a pause, not every send.
+                retry_at = time.monotonic() - self._metadata_max_age_s + METADATA_RETRY_S
+                self._counts[topic] = (known[0], retry_at, known[2])
+        finally:
+            with self._refresh_lock:
+                self._refreshing.discard(topic)
 
     def _look_up_count(self, topic: str, now: float) -> int:
         count, topic_id = self._conn.partition_counts_and_ids([topic])[topic]
@@ -1020,17 +1045,17 @@ class Producer:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Stop accepting sends, send what is queued and wait for it, then stop the
-        sender. In a done-callback: stop accepting sends and return at once."""
+        sender. Every call waits so (a second close() from another thread too). In a
+        done-callback: stop accepting sends and return at once; a close() elsewhere
+        still waits, and at exit without one the warning names what was left."""
         with self._lock:
-            if self._closing:
-                return
             self._closing = True
             self._lock.notify_all()
-        atexit.unregister(self._warn_at_exit)
         if self._in_callback():
             return  # Kafka's close(0): waiting would wait for this very thread
         try:
             self.flush(timeout_s)
+            atexit.unregister(self._warn_at_exit)
         finally:
             # The sender shuts the unary appenders' pool down as it ends: it is the pool's
             # only user, and a flush that timed out leaves it sending for a while yet.
