@@ -829,9 +829,14 @@ class Consumer:
         the fetch's offset (module docstring: log truncation)."""
         position = self._positions[tp]
         known_epoch = self._fetched_epoch.get(tp)
+        position_epoch = self._position_epoch.get(tp)
         self._drop_buffered({tp})  # what was fetched past the divergence is not in the log
         if position <= end_offset:
-            return  # only records not handed out yet diverged: fetch again from the position
+            # Only records not handed out yet diverged: fetch again from the position,
+            # whose record's epoch still stands (a commit goes on naming it).
+            if position_epoch is not None:
+                self._position_epoch[tp] = position_epoch
+            return
         if self._reset == "none":
             # Kafka's LogTruncationException. The check stays armed: the next poll raises
             # again until a seek moves the position.
