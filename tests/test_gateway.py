@@ -583,6 +583,44 @@ def test_a_stale_partition_count_is_looked_up_without_holding_up_sends(
         assert offsets == [1, 2, 3]
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_consumer_starts_over_in_a_re_created_topic(
+    gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """A consumer at offset 10 of a topic that is deleted and created again: its fetches
+    name the old topic id, the leader answers INCONSISTENT_TOPIC_ID (or the metadata
+    shows the new id first), and the position is set again by auto_offset_reset. Before,
+    it carried over and the new topic's first 10 records were skipped without a word."""
+    topic = f"reborn-read-{direct}"
+    admin.create_topic(topic)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"old-%d" % i for i in range(10)]).result(30)
+
+    def read(consumer: tidelog.Consumer, n: int) -> list[tuple[int, bytes]]:
+        got: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + 30
+        while len(got) < n and time.monotonic() < deadline:
+            got += [(r.offset, r.value) for r in consumer.poll(timeout_ms=500)]
+        return got
+
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest", direct=direct) as c:
+        c.assign([(topic, 0)])
+        assert read(c, 10) == [(i, b"old-%d" % i) for i in range(10)]
+        admin.delete_topic(topic)
+
+        def re_created() -> bool:
+            try:
+                admin.create_topic(topic)
+            except TopicAlreadyExistsError:  # its deletion is not complete yet
+                return False
+            return True
+
+        wait_for(re_created, 30, "the re-creation")
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch(topic, [b"new-%d" % i for i in range(20)]).result(30)
+        assert read(c, 20) == [(i, b"new-%d" % i) for i in range(20)]
+
+
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

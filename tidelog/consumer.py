@@ -69,7 +69,7 @@ from typing import Any, Final, NamedTuple
 import grpc
 
 from tidelog import tracing
-from tidelog.client import GatewayConnection, error_from_rpc, raise_for
+from tidelog.client import GatewayConnection, error_from_rpc, leaders_by_topic, raise_for
 from tidelog.errors import (
     ConfigError,
     ErrorCode,
@@ -276,6 +276,8 @@ class Consumer:
         # from a commit names it in its first fetch, so a consumer that starts after an
         # unclean election detects the truncation too.
         self._position_epoch: dict[TopicPartition, int] = {}
+        # Topic -> the id of the incarnation the positions belong to (fetches name it).
+        self._topic_ids: dict[str, str] = {}
         # When stale leaders may be asked for again (RETRY_BACKOFF_S after the first
         # failure that made them stale).
         self._refresh_after = 0.0
@@ -374,9 +376,44 @@ class Consumer:
             self._refresh_after = now + RETRY_BACKOFF_S
 
     def _partition_leaders(self, topics: Sequence[str]) -> dict[str, list[int]]:
+        """Each topic's partition leaders, noting its id: a topic whose id changed was
+        deleted and created again (``_on_recreated``)."""
         if self._directory is not None:
-            return self._directory.refresh(topics)  # the brokers' addresses come along
-        return self._conn.partition_leaders(topics)
+            leaders = self._directory.refresh(topics)  # the brokers' addresses come along
+            ids = {topic: self._directory.topic_id(topic) for topic in leaders}
+        else:
+            response = self._conn.metadata(topics)
+            leaders = leaders_by_topic(response)
+            ids = {t.name: t.topic_id for t in response.topics}
+        recreated = []
+        for topic, topic_id in ids.items():
+            known = self._topic_ids.get(topic)
+            self._topic_ids[topic] = topic_id
+            if known and topic_id and known != topic_id:
+                recreated.append(topic)
+        if recreated:
+            self._on_recreated(recreated)
+        return leaders
+
+    def _on_recreated(self, topics: list[str]) -> None:
+        """``topics`` were deleted and created again since this consumer's positions in
+        them were set (a fetch answered INCONSISTENT_TOPIC_ID, or the metadata shows a
+        new id): those positions mean nothing in the new topic. They are set again as
+        for a partition without one (a group's commit of the new topic, else
+        ``auto_offset_reset``; with "none", ``OffsetOutOfRangeError``). Before, the
+        position carried over: the new topic's records below it were skipped."""
+        gone = {tp for tp in self._assignment if tp[0] in topics}
+        self._drop_buffered(gone)
+        for tp in gone:
+            self._positions.pop(tp, None)
+            self._committed_positions.pop(tp, None)
+        self._needs_position |= gone
+        if gone and self._reset == "none":
+            names = ", ".join(sorted(topics))
+            raise OffsetOutOfRangeError(
+                f"topic {names} was deleted and created again: the positions in it are "
+                "gone and auto_offset_reset is 'none'; seek to go on"
+            )
 
     def _set_assignment(
         self, partitions: list[TopicPartition], leaders: dict[str, list[int]]
@@ -654,6 +691,7 @@ class Consumer:
                     fetch_offset=o,
                     max_bytes=self._partition_max_bytes,
                     last_fetched_epoch=self._fetched_epoch.get((t, p)),
+                    topic_id=self._topic_ids.get(t, ""),
                 )
                 for (t, p), o in offsets.items()
             ],
@@ -772,6 +810,7 @@ class Consumer:
         retry = False
         reset: list[TopicPartition] = []
         truncated: list[tuple[TopicPartition, int, int]] = []
+        recreated: set[str] = set()
         fetched_bytes = fetched_records = 0
         for result in response.partitions:
             tp = (result.topic, result.partition)
@@ -781,7 +820,9 @@ class Consumer:
                 continue  # not asked for, or no longer where this partition reads from
             if result.error.code != common_pb2.NONE:
                 error = error_for_code(int(result.error.code), result.error.message)
-                if error.code == ErrorCode.OFFSET_OUT_OF_RANGE:
+                if error.code == ErrorCode.INCONSISTENT_TOPIC_ID:
+                    recreated.add(tp[0])
+                elif error.code == ErrorCode.OFFSET_OUT_OF_RANGE:
                     if asked == position:
                         reset.append(tp)
                     else:
@@ -823,6 +864,11 @@ class Consumer:
             self._retry_later(fetch.group)
         for tp, epoch, end_offset in truncated:
             self._on_truncation(tp, epoch, end_offset)
+        if recreated:
+            for topic in recreated:
+                self._topic_ids.pop(topic, None)  # learnt again with the leaders
+            self._retry_later()
+            self._on_recreated(sorted(recreated))
 
     def _on_truncation(self, tp: TopicPartition, epoch: int, end_offset: int) -> None:
         """The leader's log ends the last fetched batch's epoch at ``end_offset``, before

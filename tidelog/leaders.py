@@ -89,6 +89,7 @@ class LeaderDirectory:
         self._lock = threading.Lock()
         self._addresses: dict[int, str] = {}  # live broker id -> host:port
         self._leaders: dict[TopicPartition, tuple[int, int]] = {}  # -> (broker id, epoch)
+        self._topic_ids: dict[str, str] = {}  # topic -> the incarnation's id, as last said
         self._stale = False
         self._refreshing = False  # a background refresh is running
         self._invalidations = 0  # invalidate() calls so far
@@ -126,7 +127,9 @@ class LeaderDirectory:
             if topic.error.code != common_pb2.NONE:
                 for key in [k for k in self._leaders if k[0] == topic.name]:
                     del self._leaders[key]
+                self._topic_ids.pop(topic.name, None)
                 continue
+            self._topic_ids[topic.name] = topic.topic_id
             for state in topic.partitions:
                 self._leaders[(topic.name, state.partition)] = (state.leader, state.leader_epoch)
         if complete and invalidations == self._invalidations:
@@ -148,6 +151,11 @@ class LeaderDirectory:
                 else:
                     self._store(response, complete=True, invalidations=invalidations)
                 self._refreshing = False
+
+    def topic_id(self, topic: str) -> str:
+        """The topic's id as the last answer about it said ("" when none did)."""
+        with self._lock:
+            return self._topic_ids.get(topic, "")
 
     def invalidate(self) -> None:
         """A client saw a leader move or a broker fail: the next lookup asks again."""

@@ -1051,6 +1051,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         if limit <= 0:
             return InvalidFetchSizeError(f"partition max_bytes {limit} must be positive")
         try:
+            partition.check_topic_id(fp.topic_id)
             return partition.read(
                 fp.fetch_offset,
                 min(limit, remaining),

@@ -62,7 +62,7 @@ class FetchRequest(_message.Message):
     def __init__(self, replica_id: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., min_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[FetchPartition, _Mapping]]] = ...) -> None: ...
 
 class FetchPartition(_message.Message):
-    __slots__ = ("topic", "partition", "fetch_offset", "max_bytes", "current_leader_epoch", "last_fetched_epoch", "log_start_offset", "written_offset")
+    __slots__ = ("topic", "partition", "fetch_offset", "max_bytes", "current_leader_epoch", "last_fetched_epoch", "log_start_offset", "written_offset", "topic_id")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     FETCH_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class FetchPartition(_message.Message):
     LAST_FETCHED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOG_START_OFFSET_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_ID_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     fetch_offset: int
@@ -79,7 +80,8 @@ class FetchPartition(_message.Message):
     last_fetched_epoch: int
     log_start_offset: int
     written_offset: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., current_leader_epoch: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., written_offset: _Optional[int] = ...) -> None: ...
+    topic_id: str
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., current_leader_epoch: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., written_offset: _Optional[int] = ..., topic_id: _Optional[str] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
     __slots__ = ("partitions", "throttle_time_ms")
