@@ -24,6 +24,7 @@ from services.gateway.leader_calls import LeaderCalls
 from tests.support.cluster import (
     GatewayProcess,
     TestCluster,
+    poll_records,
     rpc_error_code,
     running_cluster,
     wait_for,
@@ -596,16 +597,9 @@ def test_a_consumer_starts_over_in_a_re_created_topic(
     with tidelog.Producer(gateway.address) as producer:
         producer.send_batch(topic, [b"old-%d" % i for i in range(10)]).result(30)
 
-    def read(consumer: tidelog.Consumer, n: int) -> list[tuple[int, bytes]]:
-        got: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + 30
-        while len(got) < n and time.monotonic() < deadline:
-            got += [(r.offset, r.value) for r in consumer.poll(timeout_ms=500)]
-        return got
-
     with tidelog.Consumer(gateway.address, auto_offset_reset="earliest", direct=direct) as c:
         c.assign([(topic, 0)])
-        assert read(c, 10) == [(i, b"old-%d" % i) for i in range(10)]
+        assert poll_records(c, 10) == [(i, b"old-%d" % i) for i in range(10)]
         admin.delete_topic(topic)
 
         def re_created() -> bool:
@@ -618,7 +612,7 @@ def test_a_consumer_starts_over_in_a_re_created_topic(
         wait_for(re_created, 30, "the re-creation")
         with tidelog.Producer(gateway.address) as producer:
             producer.send_batch(topic, [b"new-%d" % i for i in range(20)]).result(30)
-        assert read(c, 20) == [(i, b"new-%d" % i) for i in range(20)]
+        assert poll_records(c, 20) == [(i, b"new-%d" % i) for i in range(20)]
 
 
 def test_a_partition_twice_in_one_commit_keeps_the_last_offset(

@@ -27,7 +27,7 @@ import tidelog
 from services.storage.fetcher import PIPELINE_MIN_BYTES
 from services.storage.log.producer_state import SEQUENCE_MODULUS
 from services.storage.node import StorageNode, StorageNodeConfig
-from tests.support.cluster import TestCluster, error_code, rpc_error_code
+from tests.support.cluster import TestCluster, error_code, poll_records, rpc_error_code
 from tidelog.errors import ErrorCode, OffsetOutOfRangeError
 from tidelog.records import decode_batches, encode_batch
 from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
@@ -976,23 +976,16 @@ def test_a_consumer_past_an_unclean_truncation_reads_what_the_new_leader_wrote(
             enable_auto_commit=False,
         )
 
-    def read(consumer: tidelog.Consumer, n: int) -> list[tuple[int, bytes]]:
-        got: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + 30
-        while len(got) < n and time.monotonic() < deadline:
-            got += [(r.offset, r.value) for r in consumer.poll(timeout_ms=500)]
-        return got
-
     assert cluster_append(cluster, topic, [b"both-%d" % i for i in range(10)])[0] == ErrorCode.NONE
     first = consumer()
     first.assign([(topic, 0)])
     first.seek((topic, 0), 0)
-    assert read(first, 10) == [(i, b"both-%d" % i) for i in range(10)]
+    assert poll_records(first, 10) == [(i, b"both-%d" % i) for i in range(10)]
     cluster.brokers[follower].kill()
     wait_for(lambda: state_of(cluster, topic).isr == [leader], 15, "ISR of the leader")
     lost = [b"lost-%d" % i for i in range(10)]
     assert cluster_append(cluster, topic, lost)[0] == ErrorCode.NONE
-    assert read(first, 10) == [(10 + i, v) for i, v in enumerate(lost)]
+    assert poll_records(first, 10) == [(10 + i, v) for i, v in enumerate(lost)]
     if resume:
         first.commit()
         first.close()
@@ -1007,9 +1000,9 @@ def test_a_consumer_past_an_unclean_truncation_reads_what_the_new_leader_wrote(
             second.assign([(topic, 0)])
         if reset == "none":
             with pytest.raises(OffsetOutOfRangeError, match="truncated at offset 10"):
-                read(second, 1)
+                poll_records(second, 1)
             second.seek((topic, 0), 10)
-        assert read(second, 5) == [(10 + i, v) for i, v in enumerate(new)]
+        assert poll_records(second, 5) == [(10 + i, v) for i, v in enumerate(new)]
 
 
 def test_a_dead_follower_evicted_by_the_controller_does_not_freeze_the_hw(

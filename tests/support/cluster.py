@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -57,6 +57,16 @@ def wait_for(predicate: Callable[[], T | None], timeout_s: float, what: str) -> 
             detail = f" (last error: {last_error!r})" if last_error is not None else ""
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{detail}")
         time.sleep(0.05)
+
+
+def poll_records(consumer: Any, n: int, timeout_s: float = 30.0) -> list[tuple[int, bytes]]:
+    """(offset, value) of what ``consumer`` (a ``tidelog.Consumer``) polls until it has
+    ``n`` records or ``timeout_s`` passed."""
+    got: list[tuple[int, bytes]] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += [(r.offset, r.value) for r in consumer.poll(timeout_ms=500)]
+    return got
 
 
 def error_code(error: common_pb2.Error) -> ErrorCode:
@@ -461,6 +471,7 @@ __all__ = [
     "StorageProcess",
     "TestCluster",
     "error_code",
+    "poll_records",
     "rpc_error_code",
     "running_cluster",
     "trailer",
