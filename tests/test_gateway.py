@@ -277,6 +277,20 @@ def test_a_subscription_reads_on_when_one_of_its_topics_is_deleted(
         )
 
 
+def _delete_and_create_again(admin: tidelog.Admin, topic: str, partitions: int = 1) -> None:
+    """Delete ``topic`` and create it again (a new topic id) once its deletion is done."""
+    admin.delete_topic(topic)
+
+    def created() -> bool:
+        try:
+            admin.create_topic(topic, partitions=partitions)
+        except TopicAlreadyExistsError:  # the deletion is not complete yet
+            return False
+        return True
+
+    wait_for(created, 30, f"{topic} created again")
+
+
 def _produce_batch(
     gateway: GatewayProcess,
     topic: str,
@@ -382,16 +396,7 @@ def test_a_producer_places_keys_by_the_count_of_a_topic_re_created_smaller(
     key = next(b"k%d" % i for i in range(100) if partition_for_key(b"k%d" % i, 4) == 3)
     with tidelog.Producer(gateway.address, delivery_timeout_ms=3_000) as producer:
         assert producer.send(topic, b"first", key=key).result(30).partition == 3
-        admin.delete_topic(topic)
-
-        def re_created() -> bool:
-            try:
-                admin.create_topic(topic, partitions=2)
-            except TopicAlreadyExistsError:  # its deletion is not complete yet
-                return False
-            return True
-
-        wait_for(re_created, 30, "the re-creation")
+        _delete_and_create_again(admin, topic, partitions=2)
         with pytest.raises(UnknownTopicOrPartitionError):
             producer.send(topic, b"lost", key=key).result(30)
         again = producer.send(topic, b"again", key=key).result(30)
@@ -509,16 +514,7 @@ def test_records_queued_for_a_deleted_topic_never_land_in_its_successor(
     admin.create_topic(topic)
     with tidelog.Producer(gateway.address, direct=direct) as producer:
         assert producer.send(topic, b"old").result(30).offset == 0
-        admin.delete_topic(topic)
-
-        def re_created() -> bool:
-            try:
-                admin.create_topic(topic)
-            except TopicAlreadyExistsError:  # its deletion is not complete yet
-                return False
-            return True
-
-        wait_for(re_created, 30, "the re-creation")
+        _delete_and_create_again(admin, topic)
         with pytest.raises(InconsistentTopicIdError):
             producer.send(topic, b"meant for the old topic").result(30)
         assert producer.send(topic, b"new").result(30).offset == 0
@@ -600,16 +596,7 @@ def test_a_consumer_starts_over_in_a_re_created_topic(
     with tidelog.Consumer(gateway.address, auto_offset_reset="earliest", direct=direct) as c:
         c.assign([(topic, 0)])
         assert poll_records(c, 10) == [(i, b"old-%d" % i) for i in range(10)]
-        admin.delete_topic(topic)
-
-        def re_created() -> bool:
-            try:
-                admin.create_topic(topic)
-            except TopicAlreadyExistsError:  # its deletion is not complete yet
-                return False
-            return True
-
-        wait_for(re_created, 30, "the re-creation")
+        _delete_and_create_again(admin, topic)
         with tidelog.Producer(gateway.address) as producer:
             producer.send_batch(topic, [b"new-%d" % i for i in range(20)]).result(30)
         assert poll_records(c, 20) == [(i, b"new-%d" % i) for i in range(20)]
