@@ -859,6 +859,38 @@ def test_direct_read_rides_through_a_leader_kill(
     _restart(cluster, admin, victim, topic)
 
 
+def test_a_task_reading_through_the_gateway_rides_through_a_leader_kill(
+    cluster: TestCluster, gateway: GatewayProcess
+) -> None:
+    """Found by an audit: a task reading through the gateway (direct=false, the default)
+    failed on the first fetch after its leader died, and so did the query (Spark's task
+    retries came before a new leader was elected). Its fetches are now retried for up to
+    the request timeout, as direct mode's are; the range is read whole."""
+    admin = tidelog.Admin(gateway.address)
+    topic = "spark-gateway-read-kill"
+    admin.create_topic(
+        topic, partitions=1, replication_factor=3, config={"min.insync.replicas": "2"}
+    )
+    sent = [b"%04d" % i * 25 for i in range(2_000)]
+    with tidelog.Producer(gateway.address) as producer:
+        for start in range(0, 2_000, 100):  # 20 batches of 10 KB: a fetch each
+            producer.send_batch(topic, sent[start : start + 100], partition=0).result(60)
+    batches = read_range(
+        GatewayConnection.get(gateway.address),
+        OffsetRange(topic, 0, 0, 2_000),
+        include_headers=False,
+        fail_on_data_loss=True,
+        fetch_max_bytes=1024,  # a fetch per batch or so: many after the kill
+    )
+    values = next(batches).column("value").to_pylist()
+    victim = _leader(admin, topic, 0)
+    cluster.kill(cluster.brokers[victim])
+    for batch in batches:
+        values += batch.column("value").to_pylist()
+    assert values == sent
+    _restart(cluster, admin, victim, topic)
+
+
 def test_direct_write_rides_through_a_leader_kill(
     spark: Any, cluster: TestCluster, gateway: GatewayProcess
 ) -> None:

@@ -23,6 +23,7 @@ from tidelog.errors import (
     ConfigError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
+    TidelogError,
     UnknownTopicOrPartitionError,
 )
 from tidelog.formats import ATTR_TIMESTAMP_LOG_APPEND
@@ -44,6 +45,9 @@ SCHEMA_DDL: Final = (
     "timestamp timestamp, timestampType int"
 )
 HEADERS_DDL: Final = ", headers array<struct<key: string, value: binary>>"
+
+FETCH_RETRY_BACKOFF_S: Final = 0.1
+"""Pause between two fetches through the gateway after a retriable failure."""
 
 READ_STALL_TIMEOUT_S: Final = 120.0
 """How long a task waits for offsets it was promised (below the planned end) to become
@@ -146,6 +150,29 @@ FetchFunction = Callable[[int, int], storage_pb2.FetchPartitionResult]
 """``fetch(offset, max_bytes)``: one long-poll fetch of a range's partition, errors raised."""
 
 
+def _fetch_through_gateway(
+    connection: GatewayConnection, topic: str, partition: int, offset: int, max_bytes: int
+) -> storage_pb2.FetchPartitionResult:
+    """One fetch through the gateway, retried after a retriable failure (a leader that
+    died or moved, the gateway busy) for up to the request timeout from the first one, as
+    direct mode's ``PartitionFetcher`` does: the gateway answers a leader's failure as it
+    comes, and a task that failed on it failed the query (Spark's own task retries came
+    too soon to find the new leader). OFFSET_OUT_OF_RANGE and other final errors are
+    raised at once."""
+    give_up_at: float | None = None
+    while True:
+        try:
+            return connection.fetch(topic, partition, offset, max_bytes)
+        except TidelogError as exc:
+            if not exc.retriable:
+                raise
+            now = time.monotonic()
+            give_up_at = give_up_at or now + connection.timeout_s
+            if now >= give_up_at:
+                raise
+        time.sleep(FETCH_RETRY_BACKOFF_S)
+
+
 def read_range(
     connection: GatewayConnection,
     offset_range: OffsetRange,
@@ -169,7 +196,7 @@ def read_range(
     if fetch is None:
 
         def fetch(offset: int, max_bytes: int) -> storage_pb2.FetchPartitionResult:
-            return connection.fetch(topic, partition, offset, max_bytes)
+            return _fetch_through_gateway(connection, topic, partition, offset, max_bytes)
 
     stalled_since: float | None = None
     while position < end:
