@@ -177,9 +177,26 @@ def test_json_offsets_and_timestamps_parse() -> None:
     )
     assert options.assigned == (("a", 0), ("a", 1), ("b", 3))
     assert options.starting == OffsetSpec("json", {("a", 0): 5, ("a", 1): EARLIEST, ("b", 3): 7})
+    # startingTimestamp wins over startingOffsetsByTimestamp, as in Spark's Kafka source
+    # (an audit found the per-partition one winning).
     assert options.starting_timestamp is not None
-    assert options.starting_timestamp.per_partition == {("a", 0): 1000}
+    assert options.starting_timestamp.per_partition is None
     assert options.starting_timestamp.all_partitions_ms == 2000
+    by_partition = parse_read_options(
+        {**GW, "assign": '{"a": [0]}', "startingOffsetsByTimestamp": '{"a": {"0": 1000}}'},
+        streaming=False,
+    ).starting_timestamp
+    assert by_partition is not None and by_partition.per_partition == {("a", 0): 1000}
+    # Past int64 (a protobuf ValueError naming no option, before).
+    with pytest.raises(ConfigError, match=r"startingOffsetsByTimestamp: a-0 must be an integer"):
+        parse_read_options(
+            {
+                **GW,
+                "assign": '{"a": [0]}',
+                "startingOffsetsByTimestamp": '{"a": {"0": 99999999999999999999999}}',
+            },
+            streaming=False,
+        )
 
 
 def test_write_options() -> None:

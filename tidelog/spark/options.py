@@ -103,8 +103,10 @@ class OffsetSpec:
 class TimestampSpec:
     """Start (or end) at the first offset whose timestamp is >= a time, in ms since epoch.
 
-    ``per_partition`` (``startingOffsetsByTimestamp``) wins over ``all_partitions_ms``
-    (``startingTimestamp``). ``strategy`` says what happens when no record is that new:
+    ``all_partitions_ms`` (``startingTimestamp``) wins over ``per_partition``
+    (``startingOffsetsByTimestamp``), as in Spark's Kafka source ("1. global timestamp"):
+    with both given only the first is kept. ``strategy`` says what happens when no
+    record is that new:
     ``"error"`` fails the query, ``"latest"`` starts at the end (Kafka's names).
     """
 
@@ -390,7 +392,9 @@ def _assignment(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(dict.fromkeys(result))
 
 
-def _per_partition_ints(text: str, option: str, minimum: int) -> dict[tuple[str, int], int]:
+def _per_partition_ints(
+    text: str, option: str, minimum: int, maximum: int = 2**63 - 1
+) -> dict[tuple[str, int], int]:
     parsed = _json_object(text, option)
     result: dict[tuple[str, int], int] = {}
     for topic, partitions in parsed.items():
@@ -401,9 +405,15 @@ def _per_partition_ints(text: str, option: str, minimum: int) -> dict[tuple[str,
             )
         for key, value in partitions.items():
             partition = _partition_index(key, option, topic)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not minimum <= value <= maximum
+            ):
+                # Past int64 it failed later as a protobuf ValueError naming no option.
+                bound = f"<= {maximum}" if isinstance(value, int) and value > 0 else f">= {minimum}"
                 raise ConfigError(
-                    f"{option}: {topic}-{partition} must be an integer >= {minimum}, not {value!r}"
+                    f"{option}: {topic}-{partition} must be an integer {bound}, not {value!r}"
                 )
             result[(topic, partition)] = value
     return result
@@ -429,6 +439,8 @@ def _timestamp_spec(opts: Mapping[str, str]) -> TimestampSpec | None:
         all_ms = _optional_int(opts, "startingtimestamp", "startingTimestamp", 0, 2**63 - 1)
     if per_partition is None and all_ms is None:
         return None
+    if all_ms is not None:
+        per_partition = None  # startingTimestamp wins (class docstring)
     strategy = opts.get("startingoffsetsbytimestampstrategy", "error").strip().lower()
     if strategy not in ("error", "latest"):
         raise ConfigError(
