@@ -1600,9 +1600,12 @@ def test_default_batches_stay_within_the_default_max_message_bytes(
     keyed = [(f"k{i:08d}".encode(), bytes([i % 251]) * 100) for i in range(20_000)]
     small_then_large = [b"s" * 1000] * 1000 + [b"L" * 600_000]
     skewed = pa.array([b"t" * 10] * 20_000 + [b"W" * 2000] * 2_000, pa.binary())
+    # Recent timestamps: retention.ms (7 days) retires segments by their records' times,
+    # and segment.ms rolls by them, so 2023's would be deleted (as Kafka would).
+    now_ms = int(time.time() * 1000)
     with tidelog.Producer(gateway.address, linger_ms=50) as producer:
         futures = [
-            producer.send(topic, value, key=key, timestamp_ms=1_700_000_000_000 + i)
+            producer.send(topic, value, key=key, timestamp_ms=now_ms + i)
             for i, (key, value) in enumerate(keyed)
         ]
         futures += [producer.send(topic, value) for value in small_then_large]
