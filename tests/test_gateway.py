@@ -298,16 +298,20 @@ def _produce_batch(
     *,
     partition: int = 0,
     acks: common_pb2.Acks.ValueType = common_pb2.LEADER,
+    timeout_ms: int = 0,
+    deadline_s: float = 10,
 ) -> gateway_pb2.ProducePartitionResult:
-    """One encoded batch produced through the gateway's unary Produce; its one result."""
+    """One encoded batch produced through the gateway's unary Produce; its one result.
+    ``timeout_ms`` is the request's (0: the gateway's default), ``deadline_s`` the call's."""
     response = gateway.stub.Produce(
         gateway_pb2.ProduceRequest(
             acks=acks,
+            timeout_ms=timeout_ms,
             partitions=[
                 gateway_pb2.ProducePartitionData(topic=topic, partition=partition, records=records)
             ],
         ),
-        timeout=10,
+        timeout=deadline_s,
     )
     result: gateway_pb2.ProducePartitionResult = response.partitions[0]
     return result
@@ -1034,19 +1038,10 @@ def test_a_leader_that_does_not_answer_is_named_in_the_timeout(
     """A produce whose leader is stopped times out at the gateway with a message naming
     the leader that did not answer, not gRPC's bare "Deadline Exceeded"."""
     with _silent_leader(cluster, admin, "silent-leader") as leader:
-        answer = gateway.stub.Produce(
-            gateway_pb2.ProduceRequest(
-                acks=common_pb2.LEADER,
-                timeout_ms=800,
-                partitions=[
-                    gateway_pb2.ProducePartitionData(
-                        topic="silent-leader", partition=0, records=encode_batch([b"v"])
-                    )
-                ],
-            ),
-            timeout=30,
+        result = _produce_batch(
+            gateway, "silent-leader", encode_batch([b"v"]), timeout_ms=800, deadline_s=30
         )
-    error = answer.partitions[0].error
+    error = result.error
     assert ErrorCode(error.code) == ErrorCode.REQUEST_TIMED_OUT
     assert f"silent-leader-0, broker {leader} (" in error.message, error.message
     assert "did not answer before the deadline" in error.message
@@ -1123,21 +1118,11 @@ def test_a_produce_waiting_on_a_stopped_leader_moves_to_its_successor(
     old = admin.describe_topic(topic).partitions[0].leader
     os.kill(cluster.brokers[old].pid, signal.SIGSTOP)
     try:
-        answer = gateway.stub.Produce(
-            gateway_pb2.ProduceRequest(
-                acks=common_pb2.LEADER,
-                timeout_ms=20_000,
-                partitions=[
-                    gateway_pb2.ProducePartitionData(
-                        topic=topic, partition=0, records=encode_batch([b"after"])
-                    )
-                ],
-            ),
-            timeout=60,
+        result = _produce_batch(
+            gateway, topic, encode_batch([b"after"]), timeout_ms=20_000, deadline_s=60
         )
     finally:
         os.kill(cluster.brokers[old].pid, signal.SIGCONT)
-    result = answer.partitions[0]
     assert (ErrorCode(result.error.code), result.base_offset) == (ErrorCode.NONE, 1)
     assert admin.describe_topic(topic).partitions[0].leader != old
     wait_for(
