@@ -188,10 +188,10 @@ def deletion_key(topic: str) -> str:
 class PendingDeletion:
     """A deleted topic whose replicas may still be on brokers' disks (``deletions/<t>``).
 
-    Written in the same transaction that deletes the topic, removed once every replica's
-    broker acknowledged StopReplica(delete_partition=true). While it exists the name cannot
-    be reused: a broker that was down during the deletion must not have the new topic's
-    logs deleted when it returns.
+    Written in the same transaction that deletes the topic, removed once every replica on
+    a registered broker acknowledged StopReplica(delete_partition=true); brokers that are
+    down are not waited for (they delete their logs as strays when they return,
+    ``services/storage/strays.py``). While it exists the name cannot be reused.
     """
 
     topic: str

@@ -771,9 +771,13 @@ def test_controlled_shutdown_moves_leaders_before_the_broker_stops(cluster: Test
     cluster.wait_brokers([1, 2, 3])
 
 
-def test_deleting_a_topic_while_a_replica_is_down_finishes_when_it_returns(
+def test_deleting_a_topic_while_a_replica_is_down_finishes_without_it(
     cluster: TestCluster,
 ) -> None:
+    """The deletion completes once the live replicas are deleted (Kafka's KRaft mode),
+    not when the dead broker returns: it used to keep ``deletions/<t>`` and refuse the
+    name (TOPIC_ALREADY_EXISTS) for as long as the broker stayed away, for ever if it
+    never came back. The returning broker deletes its logs as strays."""
     cluster.create_topic("doomed", 3, 3)
     heal_isrs(cluster)  # so that broker 1 can stop at once (nothing left only to it)
     away = 1
@@ -784,28 +788,107 @@ def test_deleting_a_topic_while_a_replica_is_down_finishes_when_it_returns(
         timeout=RPC_TIMEOUT_S + 10,
     )
     assert [error_code(t.error) for t in response.topics] == [ErrorCode.NONE]
+    wait_for(
+        lambda: cluster.store.get(deletion_key("doomed")) is None,
+        10,
+        "the deletion to complete without broker 1",
+    )
     for broker_id in (2, 3):
-        wait_for(
-            lambda b=broker_id: not list(cluster.data_dir(b).glob("doomed-*")),
-            10,
-            f"broker {broker_id} to delete its replicas",
-        )
-    # Broker 1 still holds its replicas: the deletion is pending, the name not reusable.
-    assert list(cluster.data_dir(away).glob("doomed-*"))
-    assert cluster.store.get(deletion_key("doomed")) is not None
-    assert _create(cluster, "doomed", partitions=1, rf=1) == ErrorCode.TOPIC_ALREADY_EXISTS
+        assert not list(cluster.data_dir(broker_id).glob("doomed-*"))
+    assert list(cluster.data_dir(away).glob("doomed-*"))  # it was away
     cluster.start_broker(away)
     wait_for(
         lambda: not list(cluster.data_dir(away).glob("doomed-*")),
         10,
-        "the returning broker to delete its replicas",
-    )
-    wait_for(
-        lambda: cluster.store.get(deletion_key("doomed")) is None,
-        10,
-        "the deletion to complete",
+        "the returning broker to delete its stray replicas",
     )
     assert _create(cluster, "doomed", partitions=1, rf=1) == ErrorCode.NONE
+    cluster.wait_brokers([1, 2, 3])
+
+
+def test_a_deletion_completes_without_a_dead_broker_whose_strays_go_when_it_returns(
+    tmp_path: Path,
+) -> None:
+    """A replica's broker killed for good (kill -9, not back for the deletion): the
+    deletion completes without it, the name is created again at once with fresh, empty
+    partitions, and when the broker returns on its old data directory it deletes its logs
+    of the old incarnations - one re-created under the same name (another topic id, found
+    by the UpdateMetadata view) and one never re-created - and never serves them."""
+    cluster = TestCluster(tmp_path, session_ttl_s=TTL_S)
+    try:
+        for broker_id in (1, 2, 3):
+            cluster.start_broker(broker_id)
+        cluster.start_controller(1)
+        cluster.wait_brokers([1, 2, 3])
+        gateway = cluster.start_gateway()
+        old_id = cluster.create_topic("reborn", 2, 3).topic_id
+        cluster.create_topic("gone", 1, 3)
+        with tidelog.Producer(gateway.address, acks="all") as producer:
+            for topic, partitions in (("reborn", 2), ("gone", 1)):
+                for p in range(partitions):
+                    producer.send_batch(topic, [b"old-%d" % i for i in range(20)], partition=p)
+            producer.flush()
+        dead = 1
+        strays = {"reborn-0", "reborn-1", "gone-0"}
+        assert strays <= {d.name for d in cluster.data_dir(dead).iterdir()}
+        cluster.kill(cluster.brokers[dead])
+        cluster.wait_brokers([2, 3])
+        response = cluster.api.DeleteTopics(
+            controller_pb2.DeleteTopicsRequest(names=["reborn", "gone"], timeout_ms=10_000),
+            timeout=RPC_TIMEOUT_S + 10,
+        )
+        assert [error_code(t.error) for t in response.topics] == [ErrorCode.NONE] * 2
+        for name in ("reborn", "gone"):
+            wait_for(
+                lambda n=name: cluster.store.get(deletion_key(n)) is None,
+                10,
+                f"the deletion of {name} to complete without broker {dead}",
+            )
+        assert (cluster.data_dir(dead) / "reborn-0" / "partition.metadata").read_text() == (
+            f"version: 0\ntopic_id: {old_id}\n"
+        )
+        metadata = cluster.api.Metadata(controller_pb2.MetadataRequest(), timeout=RPC_TIMEOUT_S)
+        assert {t.name for t in metadata.topics} == set()
+        new_id = cluster.create_topic("reborn", 2, 2).topic_id
+        assert new_id != old_id
+        assert [
+            p.high_watermark
+            for p in tidelog.Admin(gateway.address).describe_topic("reborn").partitions
+        ] == [0, 0]
+        with tidelog.Producer(gateway.address, acks="all") as producer:
+            for p in range(2):
+                producer.send_batch("reborn", [b"new-%d" % i for i in range(5)], partition=p)
+            producer.flush()
+        # Still away: its logs of the old incarnations are all there.
+        assert strays <= {d.name for d in cluster.data_dir(dead).iterdir()}
+        cluster.start_broker(dead)
+        cluster.wait_brokers([1, 2, 3])
+        wait_for(
+            lambda: (
+                not any(
+                    d.name in strays or d.name.endswith("-delete")
+                    for d in cluster.data_dir(dead).iterdir()
+                )
+            ),
+            15,
+            "the returning broker to delete its stray logs",
+        )
+        assert "stray_log_deleted" in cluster.brokers[dead].log_path.read_text()
+        # The new incarnation reads back exactly what was written to it.
+        with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+            consumer.assign([("reborn", p) for p in range(2)])
+            records: list = []
+            deadline = time.monotonic() + 30
+            while len(records) < 10 and time.monotonic() < deadline:
+                records.extend(consumer.poll(timeout_ms=500))
+            records.extend(consumer.poll(timeout_ms=500))
+        assert sorted((r.partition, r.value) for r in records) == sorted(
+            (p, b"new-%d" % i) for p in range(2) for i in range(5)
+        )
+        assert _create(cluster, "gone", partitions=1, rf=3) == ErrorCode.NONE
+        assert not list(cluster.data_dir(dead).glob("*-delete"))
+    finally:
+        cluster.close()
 
 
 # --- automatic rebalance, controller failover, fencing ------------------------------------------

@@ -298,15 +298,23 @@ class ControllerChannelManager:
         partitions: Sequence[TopicPartition],
         *,
         delete: bool,
+        topic_id: str = "",
         completion: Completion | None = None,
     ) -> None:
-        """Queue StopReplica entries (leader epoch -1: not fenced, as for a deletion)."""
+        """Queue StopReplica entries (leader epoch -1: not fenced, as for a deletion).
+
+        ``topic_id``: the incarnation meant (a topic deletion names it, so a broker never
+        deletes the log of a topic created since under the same name); "" = any."""
         sender = self._sender(broker_id)
         if sender is None or not partitions:
             return
         entries = {
             (topic, partition): storage_pb2.StopReplicaPartition(
-                topic=topic, partition=partition, leader_epoch=-1, delete_partition=delete
+                topic=topic,
+                partition=partition,
+                leader_epoch=-1,
+                delete_partition=delete,
+                topic_id=topic_id,
             )
             for topic, partition in partitions
         }
@@ -317,13 +325,19 @@ class ControllerChannelManager:
         brokers: Sequence[Broker],
         partitions: Sequence[PartitionAssignmentState],
         completion: Completion | None = None,
+        topic_ids: Mapping[str, str] | None = None,
     ) -> None:
-        """Queue the full cluster view for every broker with a sender."""
+        """Queue the full cluster view for every broker with a sender.
+
+        ``topic_ids``: every topic's id (name -> id), from which a broker finds its stray
+        logs of deleted topics; None sends none (then the broker judges no log stray)."""
         template = storage_pb2.UpdateMetadataRequest(
             controller_id=self.controller_id,
             controller_epoch=self.controller_epoch,
             brokers=[broker_info(broker) for broker in brokers],
             partitions=[state.state_proto() for state in partitions],
+            topic_ids=dict(topic_ids or {}),
+            topic_ids_complete=topic_ids is not None,
         )
         with self._lock:
             self._metadata_version += 1

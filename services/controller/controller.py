@@ -831,21 +831,27 @@ class Controller:
                 [state.brokers[b] for b in state.live_broker_ids],
                 [self._assignment_state(term, key) for key in sorted(state.partitions)],
                 completion,
+                # Every topic (not only those with partition records): a broker deletes a
+                # log whose topic this leaves out, so none that exists may be left out.
+                topic_ids={name: topic.topic_id for name, topic in state.topics.items()},
             )
         return completion
 
     def _send_pending_deletions(
         self, term: _Term, broker_ids: Iterable[int], completion: Completion | None = None
     ) -> None:
-        """StopReplica(delete) for every unacknowledged replica of a deleted topic."""
+        """StopReplica(delete) for every unacknowledged replica of a deleted topic, naming
+        the deleted incarnation's topic id (a broker keeps a newer incarnation's log)."""
         wanted = set(broker_ids)
         for name, per_broker in sorted(term.deletion_pending.items()):
+            deletion = term.deletions.get(name)
             for broker_id, partitions in sorted(per_broker.items()):
                 if broker_id in wanted and broker_id in term.state.brokers and partitions:
                     term.channel.send_stop_replica(
                         broker_id,
                         [(name, p) for p in sorted(partitions)],
                         delete=True,
+                        topic_id=deletion.topic_id if deletion is not None else "",
                         completion=completion,
                     )
 
@@ -927,6 +933,8 @@ class Controller:
         plan = self._decide_and_commit(term, lambda: _Plan(state.on_broker_down(broker_id)))
         term.channel.remove_broker(broker_id)
         self._push(term, plan.changes)
+        if any(broker_id in pending for pending in term.deletion_pending.values()):
+            self._wake.set()  # a deletion waiting only for this broker now completes
 
     # --- housekeeping thread ------------------------------------------------------------------
 
@@ -958,13 +966,25 @@ class Controller:
                 self._stopping.wait(1.0)
 
     def _finish_deletions(self, term: _Term) -> None:
+        """Complete the deletions whose replicas on live brokers are all deleted.
+
+        Replicas on brokers that are not registered are not waited for (Kafka's KRaft
+        mode does not wait at all): such a broker may never return, and a deletion that
+        waited for it would keep the name and the groups' offsets for ever. When it does
+        return, it finds those logs stray (their topic ids are in no topic of the
+        UpdateMetadata it is sent, or another incarnation's LeaderAndIsr names them;
+        ``services/storage/strays.py``) and deletes them itself.
+        """
         with self._lock:
-            if self._term is not term or term.deposed:
+            # Not before the first read of etcd: no broker would look live yet, and every
+            # deletion would complete without its live replicas deleted.
+            if self._term is not term or term.deposed or not term.ready:
                 return
+            live = term.state.brokers
             done = [
                 term.deletions[name]
                 for name, pending in sorted(term.deletion_pending.items())
-                if not pending and name in term.deletions
+                if name in term.deletions and not any(b in live for b in pending)
             ]
         if not done:
             return
@@ -1099,7 +1119,7 @@ class Controller:
             raise TopicAlreadyExistsError(f"topic {request.name!r} already exists")
         if request.name in term.deletions:
             raise TopicAlreadyExistsError(
-                f"topic {request.name!r} is being deleted (a replica's broker has not "
+                f"topic {request.name!r} is being deleted (a live replica's broker has not "
                 "confirmed yet); retry once the deletion completes"
             )
         brokers = [b for b in state.live_broker_ids if b not in state.shutting_down]
@@ -1164,8 +1184,10 @@ class Controller:
 
         The topic key and its partition keys go, and ``deletions/<t>`` records the
         replicas still to delete, in one transaction. Waits up to the timeout for live
-        replicas to confirm; replicas on brokers that are down are deleted when they
-        return, and the name is reusable once every replica confirmed.
+        replicas to confirm; the deletion completes (the name is reusable, the groups'
+        offsets are gone) once every replica on a live broker confirmed. Replicas on
+        brokers that are down are not waited for: a returning broker deletes them as
+        strays (``_finish_deletions``).
         """
         self._check_count("topics", len(names), self.config.max_topics_per_request)
         wait_s = self._wait_s(timeout_ms)

@@ -2,7 +2,9 @@
 
 Like Kafka's ``LogManager``: at start-up it reads ``recovery-point-offset-checkpoint`` and
 opens every ``<topic>-<partition>`` directory, each log recovering from its own recovery
-point (seed 004: only segments that may not have reached the disk are re-verified). While
+point (seed 004: only segments that may not have reached the disk are re-verified), and
+reads each one's topic id (``partition.metadata``; a damaged one stops the start-up, as
+Kafka takes the directory offline: which topic the data belongs to is unknown). While
 running it is driven by ``maintenance(now)`` — time-based flushes, retention and removal
 of retired files — and ``checkpoint()``; ``shutdown()`` flushes everything and writes the
 checkpoint at the log end offsets, so the next start has nothing to recover.
@@ -25,9 +27,10 @@ from typing import Final
 import structlog
 
 from services.storage.log import Log, LogConfig
-from services.storage.log.checkpoint import OffsetCheckpointFile
+from services.storage.log.checkpoint import OffsetCheckpointFile, fsync_dir
 from services.storage.log.errors import CheckpointCorruptError
 from services.storage.log.log import DiskFailureHandler
+from services.storage.log.partition_metadata import read_topic_id, write_topic_id
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.topics import parse_partition_dir_name, partition_dir_name
 
@@ -60,6 +63,8 @@ class LogManager:
         self._clock = clock or SYSTEM_CLOCK
         self._rng = rng or random.Random()
         self._logs: dict[TopicPartitionKey, Log] = {}
+        # The topic id each log's partition.metadata holds; "" for a log without one.
+        self._topic_ids: dict[TopicPartitionKey, str] = {}
         self._checkpoint_lock = threading.Lock()
         self._recovery_checkpoint = OffsetCheckpointFile(self.data_dir / RECOVERY_POINT_CHECKPOINT)
         self._replication_checkpoint = OffsetCheckpointFile(
@@ -85,6 +90,8 @@ class LogManager:
             key = parse_partition_dir_name(path.name)
             if key is None:
                 continue
+            # Before the log opens: a damaged file fails the start-up with nothing changed.
+            self._topic_ids[key] = read_topic_id(path)
             opened = Log.open(
                 path,
                 self.default_config,
@@ -110,16 +117,49 @@ class LogManager:
     def get_log(self, topic: str, partition: int) -> Log | None:
         return self._logs.get((topic, partition))
 
-    def get_or_create_log(self, topic: str, partition: int, config: LogConfig | None = None) -> Log:
-        """The partition's log, created empty if absent; ``config`` replaces its settings."""
+    def topic_id(self, topic: str, partition: int) -> str:
+        """The topic id on disk of a hosted log; "" if it has none (or is not hosted)."""
+        return self._topic_ids.get((topic, partition), "")
+
+    def set_topic_id(self, topic: str, partition: int, topic_id: str) -> None:
+        """Give a hosted log without an id (made by older code) the id the controller
+        names, durably: from then on it is that incarnation's log."""
+        key = (topic, partition)
+        hosted = self._logs[key]
+        if self._topic_ids.get(key):
+            raise ValueError(f"{topic}-{partition} already has topic id {self._topic_ids[key]}")
+        write_topic_id(hosted.dir, topic_id)
+        self._topic_ids[key] = topic_id
+
+    def get_or_create_log(
+        self,
+        topic: str,
+        partition: int,
+        config: LogConfig | None = None,
+        topic_id: str = "",
+    ) -> Log:
+        """The partition's log, created empty if absent; ``config`` replaces its settings.
+
+        A log created here carries ``topic_id`` on disk (``partition.metadata``) from the
+        start; an existing log's id is not touched (``set_topic_id``).
+        """
         key = (topic, partition)
         existing = self._logs.get(key)
         if existing is not None:
             if config is not None and config != existing.config:
                 existing.update_config(config)
             return existing
+        directory = self.data_dir / partition_dir_name(topic, partition)
+        if topic_id:
+            # The id goes on disk before any segment: a crash in between leaves an empty
+            # directory without an id (it adopts the next id named, harmlessly: it holds
+            # nothing), never data without its id. The data directory is fsynced so the
+            # new directory's entry survives a power loss with the file inside it.
+            directory.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.data_dir)
+            write_topic_id(directory, topic_id)
         created = Log.open(
-            self.data_dir / partition_dir_name(topic, partition),
+            directory,
             config or self.default_config,
             clock=self._clock,
             rng=self._rng,
@@ -127,6 +167,7 @@ class LogManager:
         created.on_disk_failure = self.on_disk_failure
         created.on_recovery_point_lowered = self.checkpoint
         self._logs[key] = created
+        self._topic_ids[key] = topic_id
         return created
 
     def delete_log(self, topic: str, partition: int) -> None:
@@ -146,11 +187,16 @@ class LogManager:
         doomed = removed.dir.with_name(kept + suffix)
         removed.dir.rename(doomed)
         self._logs.pop((topic, partition), None)
+        self._topic_ids.pop((topic, partition), None)
         shutil.rmtree(doomed, ignore_errors=True)
         self.checkpoint()
 
     def all_logs(self) -> dict[TopicPartitionKey, Log]:
         return dict(self._logs)
+
+    def all_topic_ids(self) -> dict[TopicPartitionKey, str]:
+        """Every hosted log's topic id on disk ("" for one without)."""
+        return {key: self._topic_ids.get(key, "") for key in self._logs}
 
     def maintenance(self, high_watermarks: Mapping[TopicPartitionKey, int]) -> None:
         """Periodic work for every log; see ``maintain_log``. A log with no entry in
@@ -224,3 +270,4 @@ class LogManager:
         for partition_log in self._logs.values():
             partition_log.close()
         self._logs.clear()
+        self._topic_ids.clear()

@@ -3,8 +3,9 @@
 Two classes:
 
 * ``ReplicaManager`` - the partitions this broker hosts, over the ``LogManager`` that owns
-  their files. It creates partitions for LeaderAndIsr, deletes them for StopReplica, runs
-  the periodic maintenance pass, and shuts everything down cleanly.
+  their files. It creates partitions for LeaderAndIsr, deletes them for StopReplica,
+  deletes stray logs of deleted topic incarnations (``strays.py``), runs the periodic
+  maintenance pass, and shuts everything down cleanly.
 * ``StorageServicer`` - the adapter: validates requests, translates protobuf to plain
   values and back, maps errors to statuses (``services.status``), and implements the
   long-poll of Fetch.
@@ -43,6 +44,7 @@ from services.status import (
 )
 from services.storage.fetcher import AddressResolver, ReplicaFetcherManager
 from services.storage.log import LogConfig
+from services.storage.log.partition_metadata import valid_topic_id
 from services.storage.log_manager import LogManager
 from services.storage.partition import (
     NO_EPOCH,
@@ -56,11 +58,18 @@ from services.storage.partition import (
     deleted_error,
 )
 from services.storage.replication import IsrProposal
+from services.storage.strays import (
+    TopicIdVerdict,
+    leader_and_isr_verdict,
+    stop_replica_deletes,
+    strays_in_view,
+)
 from tidelog import tracing
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
     BrokerNotAvailableError,
     FencedLeaderEpochError,
+    InconsistentTopicIdError,
     InvalidFetchSizeError,
     InvalidRequestError,
     InvalidRequiredAcksError,
@@ -139,6 +148,7 @@ class StopReplicaItem:
     partition: int
     leader_epoch: int  # -1 (or any negative) skips the fencing check
     delete: bool
+    topic_id: str = ""  # the incarnation meant; "" = whichever the log is
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +173,8 @@ class ClusterMetadata:
     partitions: dict[tuple[str, int], PartitionState] = field(default_factory=dict)
     controller_epoch: int = -1
     metadata_version: int = 0  # the controller's count of views it sent; 0 = unversioned
+    # Every topic's id (name -> id); None when the controller sent none (an older one).
+    topic_ids: dict[str, str] | None = None
 
 
 IsrOutcomeView = tuple[TidelogError | None, tuple[int, ...] | None, int]
@@ -217,6 +229,10 @@ class ReplicaManager:
         # The cluster as the controller last described it (UpdateMetadata): live brokers
         # and partition states. Replaced whole, never mutated, so readers need no lock.
         self._metadata: ClusterMetadata = ClusterMetadata()
+        # Partitions a controller request addressed to this broker epoch has named with a
+        # topic id the log matches (or adopted, or was created with): see strays.py. A new
+        # broker epoch starts empty. Replaced, never mutated; changed under _lock.
+        self._confirmed: frozenset[tuple[str, int]] = frozenset()
         self._closed = False
 
     @property
@@ -231,6 +247,10 @@ class ReplicaManager:
                 key: Partition(key[0], key[1], log, broker_id=self.broker_id, clock=self._clock)
                 for key, log in self._log_manager.all_logs().items()
             }
+            # Each log's incarnation as its disk says: until a LeaderAndIsr names the
+            # partition, a request for another incarnation is refused, not served.
+            for key, topic_id in self._log_manager.all_topic_ids().items():
+                self._partitions[key].topic_id = topic_id
             # The HW each partition had (replication-offset-checkpoint): a restarted
             # leader or follower serves what was committed, not just what it recovered.
             for key, high_watermark in self._log_manager.read_high_watermarks().items():
@@ -257,6 +277,11 @@ class ReplicaManager:
     def set_broker_epoch(self, broker_epoch: int) -> None:
         """Called when this broker (re)registers in etcd and learns its new epoch."""
         with self._lock:
+            if broker_epoch != self._broker_epoch:
+                # Requests for the new incarnation are built from a controller state at
+                # least as new as its registration: their topic ids are authoritative
+                # again for every log (strays.py).
+                self._confirmed = frozenset()
             self._broker_epoch = broker_epoch
 
     @property
@@ -314,6 +339,18 @@ class ReplicaManager:
                 )
                 return
             self._metadata = metadata
+            if metadata.topic_ids is not None:
+                self._delete_strays_in_view(metadata.topic_ids)
+
+    def _delete_strays_in_view(self, topic_ids: dict[str, str]) -> None:
+        # Lock held. A complete view built after this incarnation registered: logs it
+        # shows to be of deleted incarnations go (strays.py says why that is safe).
+        for key in strays_in_view(self._log_manager.all_topic_ids(), self._confirmed, topic_ids):
+            try:
+                self._delete_stray(key, named=topic_ids.get(key[0], ""))
+            except OSError:
+                # Retried with the next view; the log stays unserved meanwhile (role NONE).
+                _log.exception("stray_log_delete_failed", topic=key[0], partition=key[1])
 
     def apply_leader_and_isr(
         self, controller_epoch: int, states: Sequence[PartitionState], broker_epoch: int = -1
@@ -334,12 +371,43 @@ class ReplicaManager:
         validate_partition(state.partition)
         if state.leader_epoch < 0:
             raise InvalidRequestError(f"leader_epoch {state.leader_epoch} is negative")
+        if state.topic_id and not valid_topic_id(state.topic_id):
+            raise InvalidRequestError(f"topic_id {state.topic_id!r} is not a topic id")
         # Parse the config first: a bad value must fail before anything changes.
         config = LogConfig.from_topic_config(state.configs, base=self._log_manager.default_config)
         key = (state.topic, state.partition)
         partition = self._partitions.get(key)
+        if partition is not None:
+            on_disk = self._log_manager.topic_id(state.topic, state.partition)
+            verdict = leader_and_isr_verdict(
+                on_disk=on_disk, named=state.topic_id, confirmed=key in self._confirmed
+            )
+            if verdict is TopicIdVerdict.REFUSE:
+                raise InconsistentTopicIdError(
+                    f"{state.topic}-{state.partition}: the request names topic id "
+                    f"{state.topic_id}, but this broker holds the log of {on_disk}, as named "
+                    "by an earlier request of this controller (this one is out of date)"
+                )
+            if verdict is TopicIdVerdict.STRAY:
+                self._delete_stray(key, named=state.topic_id)
+                partition = None
+            elif verdict is TopicIdVerdict.ADOPT:
+                # A log from before topic ids were kept on disk: it becomes this
+                # incarnation's (as Kafka adopts the id for pre-KIP-516 logs).
+                self._log_manager.set_topic_id(state.topic, state.partition, state.topic_id)
+                partition.topic_id = state.topic_id
+                _log.info(
+                    "topic_id_adopted",
+                    topic=state.topic,
+                    partition=state.partition,
+                    topic_id=state.topic_id,
+                )
+        if state.topic_id:
+            self._confirmed = self._confirmed | {key}
         if partition is None:
-            log = self._log_manager.get_or_create_log(state.topic, state.partition, config)
+            log = self._log_manager.get_or_create_log(
+                state.topic, state.partition, config, state.topic_id
+            )
             partition = Partition(
                 state.topic, state.partition, log, broker_id=self.broker_id, clock=self._clock
             )
@@ -417,6 +485,18 @@ class ReplicaManager:
         validate_topic_name(item.topic)
         validate_partition(item.partition)
         key = (item.topic, item.partition)
+        on_disk = self._log_manager.topic_id(item.topic, item.partition)
+        if not stop_replica_deletes(on_disk=on_disk, named=item.topic_id):
+            # The log is of a topic created since under this name: the request is about
+            # one already gone from here (deleted, or found stray). Done, as Kafka does.
+            _log.info(
+                "stop_replica_other_incarnation",
+                topic=item.topic,
+                partition=item.partition,
+                topic_id=item.topic_id,
+                log_topic_id=on_disk,
+            )
+            return
         partition = self._partitions.get(key)
         if partition is not None and 0 <= item.leader_epoch < partition.leader_epoch:
             raise FencedLeaderEpochError(
@@ -429,13 +509,39 @@ class ReplicaManager:
                 partition.make_offline()
                 _log.info("partition_stopped", topic=item.topic, partition=item.partition)
             return
-        if partition is not None:
-            # Close first: any call in progress finishes, later ones fail; then no thread
-            # can touch the Log the LogManager is about to delete.
-            partition.close(deleted_error(item.topic, item.partition))
-            self._partitions = {k: p for k, p in self._partitions.items() if k != key}
-        self._log_manager.delete_log(item.topic, item.partition)
+        self._remove_log(key)
         _log.info("partition_deleted", topic=item.topic, partition=item.partition)
+
+    def _remove_log(self, key: tuple[str, int]) -> None:
+        # Lock held. Close first: any call in progress finishes, later ones fail; then no
+        # thread can touch the Log the LogManager is about to delete.
+        self._fetchers.remove(key)
+        partition = self._partitions.get(key)
+        if partition is not None:
+            partition.close(deleted_error(*key))
+            self._partitions = {k: p for k, p in self._partitions.items() if k != key}
+        self._log_manager.delete_log(*key)
+        self._confirmed = self._confirmed - {key}
+
+    def _delete_stray(self, key: tuple[str, int], *, named: str) -> None:
+        """Delete a log of a deleted topic incarnation (lock held).
+
+        Kafka renames a stray to ``-stray`` and deletes it later; here it goes the way a
+        deleted topic's log goes (``LogManager.delete_log``): renamed to ``*-delete`` in one
+        atomic step, then removed. A crash before the rename leaves the stray as it was
+        (its id on disk still differs: found again by the same rule); a crash after it
+        leaves a ``*-delete`` directory that start-up removes and never opens. So the old
+        data is never served under the new incarnation, whatever the moment of the crash.
+        """
+        old = self._log_manager.topic_id(*key)
+        self._remove_log(key)
+        _log.warning(
+            "stray_log_deleted",
+            topic=key[0],
+            partition=key[1],
+            topic_id=old,
+            current_topic_id=named or None,
+        )
 
     def maintenance(self, *, checkpoint: bool) -> None:
         """One pass of flush.ms flushes, retention and file removal; maybe a checkpoint.
@@ -619,6 +725,18 @@ def requested_epoch(message: Any) -> int:
     if message.HasField("current_leader_epoch"):
         return int(message.current_leader_epoch)
     return NO_EPOCH
+
+
+def _view_topic_ids(request: storage_pb2.UpdateMetadataRequest) -> dict[str, str] | None:
+    """The view's topic ids, None unless complete; a malformed one fails the request (a
+    view that garbles an id would make that topic's logs look stray)."""
+    if not request.topic_ids_complete:
+        return None
+    topic_ids = dict(request.topic_ids)
+    for name, topic_id in topic_ids.items():
+        if topic_id and not valid_topic_id(topic_id):
+            raise InvalidRequestError(f"topic {name!r}: {topic_id!r} is not a topic id")
+    return topic_ids
 
 
 def partition_state_from_proto(
@@ -1208,6 +1326,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             },
             controller_epoch=request.controller_epoch,
             metadata_version=request.metadata_version,
+            topic_ids=_view_topic_ids(request),
         )
         self._replicas.update_metadata(request.controller_epoch, request.broker_epoch, metadata)
         return storage_pb2.UpdateMetadataResponse(error=to_error_proto(None))
@@ -1218,7 +1337,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     ) -> storage_pb2.StopReplicaResponse:
         self._check_partition_count(len(request.partitions))
         items = [
-            StopReplicaItem(sp.topic, sp.partition, sp.leader_epoch, sp.delete_partition)
+            StopReplicaItem(
+                sp.topic, sp.partition, sp.leader_epoch, sp.delete_partition, sp.topic_id
+            )
             for sp in request.partitions
         ]
         outcomes = self._replicas.stop_replicas(

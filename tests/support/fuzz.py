@@ -278,6 +278,17 @@ def message_strategy(
     cls = message_class(descriptor)
     field_strategies: dict[str, st.SearchStrategy[Any]] = {}
     for fd in descriptor.fields:
+        if fd.type == FieldDescriptor.TYPE_MESSAGE and fd.message_type.GetOptions().map_entry:
+            # A map field: a dict of 0-3 random keys and values.
+            key_fd = fd.message_type.fields_by_name["key"]
+            value_fd = fd.message_type.fields_by_name["value"]
+            field_strategies[fd.name] = st.one_of(
+                st.none(),
+                st.dictionaries(
+                    _scalar_strategy(key_fd, pools), _scalar_strategy(value_fd, pools), max_size=3
+                ),
+            )
+            continue
         if fd.type == FieldDescriptor.TYPE_MESSAGE:
             if depth >= 3:
                 continue
@@ -296,7 +307,7 @@ def message_strategy(
         kwargs = {}
         for name, strategy in field_strategies.items():
             drawn = draw(strategy, label=name)
-            if drawn is not None and drawn != []:
+            if drawn is not None and drawn not in ([], {}):
                 kwargs[name] = drawn
         return cls(**kwargs)
 

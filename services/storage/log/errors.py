@@ -7,7 +7,8 @@ start); requests fail with ``tidelog.errors`` codes instead (STORAGE_ERROR and o
     CorruptFileError                  a log-directory file is torn, damaged or foreign
     ├── IndexCorruptError             an offset or time index (rebuilt from its segment)
     ├── CheckpointCorruptError        an offset or leader-epoch checkpoint
-    └── ProducerSnapshotCorruptError  a producer-state snapshot (skipped; the log replayed)
+    ├── ProducerSnapshotCorruptError  a producer-state snapshot (skipped; the log replayed)
+    └── PartitionMetadataCorruptError a partition.metadata file (the broker refuses to start)
 """
 
 from __future__ import annotations
@@ -27,3 +28,9 @@ class CheckpointCorruptError(CorruptFileError):
 
 class ProducerSnapshotCorruptError(CorruptFileError):
     """A snapshot file is torn, damaged or not for the offset its name says."""
+
+
+class PartitionMetadataCorruptError(CorruptFileError):
+    """A ``partition.metadata`` file is not a valid one: which topic incarnation the log
+    belongs to is unknown, so it is neither served nor deleted (as Kafka takes its log
+    directory offline)."""
