@@ -24,6 +24,14 @@ CONTROLLER_KEY: Final = "controller"
 TOPICS_PREFIX: Final = "topics/"
 PARTITIONS_PREFIX: Final = "partitions/"
 GROUPS_PREFIX: Final = "groups/"
+# Consumer group membership (services/gateway/group_coordinator.py): one state key per
+# group, and one key per member bound to the member's session lease. Outside GROUPS_PREFIX,
+# whose keys are all committed offsets.
+GROUP_STATES_PREFIX: Final = "group-states/"
+GROUP_SESSIONS_PREFIX: Final = "group-sessions/"
+# Rewritten with a group's state whenever its members or generation change: commits
+# compare it, so the many state writes of a rebalance (each member's join) do not fail them.
+GROUP_FENCES_PREFIX: Final = "group-fences/"
 CLUSTER_ID_KEY: Final = "cluster_id"
 PRODUCER_IDS_KEY: Final = "producer_ids"
 

@@ -684,6 +684,11 @@ class MetaStore:
         # -1: no such lease. 0 is a live lease with under a second left (TTL truncates).
         return None if ttl < 0 else ttl
 
+    def refresh_lease_id(self, lease_id: int) -> int:
+        """Refresh a lease by ID (one another process may have granted); the TTL it now
+        has. Raises LeaseLostError when it expired or was revoked."""
+        return self._refresh_lease(lease_id, self.timeout_s)
+
     def revoke_lease_id(self, lease_id: int) -> None:
         """Revoke a lease by ID (e.g. one another process holds, in fault tests)."""
         self._revoke_lease(lease_id)

@@ -131,6 +131,11 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
     lag = json.loads(tidelog("groups", "describe", "audit", "--output", "json", gateway=g).stdout)
     assert sum(p["committed_offset"] for p in lag) == 30 and all(p["lag"] == 0 for p in lag)
     assert tidelog("groups", "list", gateway=g).stdout.split() == ["audit"]
+    # The consume above was a member of the group while it ran, and left when it ended.
+    members = json.loads(
+        tidelog("groups", "members", "audit", "--output", "json", gateway=g).stdout
+    )
+    assert members["state"] == "Empty" and members["members"] == []
     cluster = json.loads(tidelog("cluster", "--output", "json", gateway=g).stdout)
     assert [b["broker_id"] for b in cluster["brokers"]] == [0, 1, 2]
     assert cluster["offline_partitions"] == [] and cluster["under_replicated_partitions"] == []

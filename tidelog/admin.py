@@ -115,6 +115,25 @@ class GroupPartitionOffset:
         return max(self.high_watermark - self.committed_offset, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class GroupMemberDescription:
+    member_id: str
+    client_id: str
+    topics: tuple[str, ...]
+    assignment: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDescription:
+    """A group's membership: Kafka's state name (Empty, PreparingRebalance, Stable), the
+    generation (completed rebalances) and the members with their partitions."""
+
+    group_id: str
+    state: str
+    generation: int
+    members: tuple[GroupMemberDescription, ...]
+
+
 def _text(what: str, value: object) -> str:
     """``value`` if it is a str the wire can carry (UTF-8), else ConfigError."""
     if not isinstance(value, str):
@@ -354,6 +373,28 @@ class Admin:
             )
             for c in committed
         ]
+
+    def describe_group_members(self, group_id: str) -> GroupDescription:
+        """The group's membership (members whose session ended are left out)."""
+        response: gateway_pb2.DescribeGroupResponse = self._conn.call(
+            self._conn.stub.DescribeGroup,
+            gateway_pb2.DescribeGroupRequest(group_id=_text("group_id", group_id)),
+            f"describe group {group_id!r}",
+        )
+        return GroupDescription(
+            group_id=response.group_id,
+            state=response.state,
+            generation=response.generation_id,
+            members=tuple(
+                GroupMemberDescription(
+                    member_id=m.member_id,
+                    client_id=m.client_id,
+                    topics=tuple(m.topics),
+                    assignment=tuple((tp.topic, tp.partition) for tp in m.assignment),
+                )
+                for m in response.members
+            ),
+        )
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -516,10 +516,16 @@ def _add_groups(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     actions = parser.add_subparsers(
         dest="action", required=True, metavar="ACTION", parser_class=_Parser
     )
-    listing = actions.add_parser("list", help="groups with committed offsets")
-    describe = actions.add_parser("describe", help="committed offset and lag per partition")
+    listing = actions.add_parser("list", help="groups with committed offsets or members")
+    describe = actions.add_parser(
+        "describe", help="state, members, and committed offset and lag per partition"
+    )
     describe.add_argument("group", metavar="GROUP")
-    for sub in (listing, describe):
+    members = actions.add_parser(
+        "members", help="the group's state, generation, members and their partitions"
+    )
+    members.add_argument("group", metavar="GROUP")
+    for sub in (listing, describe, members):
         _add_client_options(sub)
     parser.set_defaults(handler="tidelog.commands:cmd_groups")
 

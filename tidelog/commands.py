@@ -337,6 +337,10 @@ def cmd_consume(args: argparse.Namespace) -> int:
             if args.partition is not None:
                 consumer.assign([(args.topic, args.partition)])
             else:
+                if args.group is not None:
+                    # A group member may subscribe to a topic not created yet; here a
+                    # missing topic is a typo, said at once rather than waited for.
+                    Admin(args.gateway).describe_topic(args.topic)
                 consumer.subscribe([args.topic])
             if args.offset is not None:
                 tp = (args.topic, args.partition)
@@ -350,14 +354,31 @@ def cmd_consume(args: argparse.Namespace) -> int:
                 consumer.seek(tp, args.offset)
             elif args.from_beginning and args.group is None:
                 consumer.seek_to_beginning()
-            # Without --follow, stop at the end the log had when we started.
-            ends = {} if args.follow else consumer.end_offsets(consumer.assignment())
+            # Without --follow, stop at the end each partition had when it was first
+            # assigned (a group member gets its partitions at its first poll, and others
+            # when the group rebalances).
+            ends: dict[tuple[str, int], int] = {}
             shown = 0
             sep = args.key_separator
             while args.max_messages is None or shown < args.max_messages:
-                if not args.follow and all(
-                    consumer.position(tp) >= end for tp, end in ends.items()
+                assigned = consumer.assignment()
+                new = [tp for tp in assigned if tp not in ends]
+                if new and not args.follow:
+                    ends.update(consumer.end_offsets(new))
+                if (
+                    not args.follow
+                    and assigned
+                    and all(consumer.position(tp) >= ends[tp] for tp in assigned)
                 ):
+                    break
+                joined = consumer.group_metadata()
+                if not args.follow and not assigned and joined and joined.generation_id >= 0:
+                    # The group gave this member nothing (others hold every partition).
+                    print(
+                        f"group {args.group}: the other members hold every partition of "
+                        f"{args.topic}; nothing for this consumer",
+                        file=sys.stderr,
+                    )
                     break
                 left = None if args.max_messages is None else args.max_messages - shown
                 records = consumer.poll(max_records=left, timeout_ms=500)
@@ -407,9 +428,46 @@ def cmd_groups(args: argparse.Namespace) -> int:
                 for group in groups:
                     print(group)
             return 0
+        if args.action == "members":
+            described = admin.describe_group_members(args.group)
+            if args.output == "json":
+                _json(
+                    {
+                        "state": described.state,
+                        "generation": described.generation,
+                        "members": [
+                            {
+                                "member_id": m.member_id,
+                                "client_id": m.client_id,
+                                "topics": list(m.topics),
+                                "partitions": [list(tp) for tp in m.assignment],
+                            }
+                            for m in described.members
+                        ],
+                    }
+                )
+            else:
+                print(
+                    f"group {args.group}: {described.state}, generation "
+                    f"{described.generation}, {len(described.members)} member(s)"
+                )
+                _print_table(
+                    ["MEMBER", "CLIENT", "PARTITIONS"],
+                    [
+                        [
+                            m.member_id,
+                            m.client_id,
+                            ",".join(f"{t}-{p}" for t, p in m.assignment) or "-",
+                        ]
+                        for m in described.members
+                    ],
+                )
+            return 0
         offsets = admin.describe_group(args.group)
-        if not offsets:
-            raise ConfigError(f"group {echo(args.group)} has no committed offsets")
+        membership = admin.describe_group_members(args.group)
+        if not offsets and not membership.members:
+            raise ConfigError(f"group {echo(args.group)} has no committed offsets or members")
+        owner = {tp: m.member_id for m in membership.members for tp in m.assignment}
         if args.output == "json":
             _json(
                 [
@@ -419,15 +477,27 @@ def cmd_groups(args: argparse.Namespace) -> int:
                         "committed_offset": o.committed_offset,
                         "high_watermark": o.high_watermark,
                         "lag": o.lag,
+                        "member_id": owner.get((o.topic, o.partition)),
                     }
                     for o in offsets
                 ]
             )
         else:
+            print(
+                f"group {args.group}: {membership.state}, generation {membership.generation}, "
+                f"{len(membership.members)} member(s)"
+            )
             _print_table(
-                ["TOPIC", "PARTITION", "COMMITTED", "HW", "LAG"],
+                ["TOPIC", "PARTITION", "COMMITTED", "HW", "LAG", "MEMBER"],
                 [
-                    [o.topic, o.partition, o.committed_offset, o.high_watermark, o.lag]
+                    [
+                        o.topic,
+                        o.partition,
+                        o.committed_offset,
+                        o.high_watermark,
+                        o.lag,
+                        owner.get((o.topic, o.partition), "-"),
+                    ]
                     for o in offsets
                 ],
             )

@@ -42,9 +42,13 @@ first fetch names no epoch.
 
 Group offsets are committed with ``commit()`` (the positions, or given offsets) and, with
 ``enable_auto_commit``, every ``auto_commit_interval_ms`` during ``poll`` and on
-``close``. There is no group membership protocol: ``subscribe`` assigns every partition
-of the topics to this consumer (partitions added later are picked up on the next
-metadata refresh); split work between consumers with ``assign``.
+``close``. ``subscribe`` with a ``group_id`` makes the consumer a member of its group,
+which shares the topics' partitions among its members and moves them as members come and
+go (``tidelog.membership``); commits then name the member's generation, and a member
+whose partitions were moved on cannot commit over their next owner. ``assign`` takes
+partitions outside group membership (its commits are refused while the group has
+members). ``subscribe`` without a ``group_id`` reads every partition of the topics
+(partitions added later are picked up on the next metadata refresh).
 
 ``metrics()`` reports Kafka's fetch-manager metrics (``tidelog.metrics``): ``fetch-total``
 (fetch answers), ``fetch-size-avg`` and ``-max`` (record bytes an answer brought),
@@ -62,7 +66,7 @@ import logging
 import queue
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Final, NamedTuple
 
@@ -80,8 +84,10 @@ from tidelog.errors import (
 )
 from tidelog.formats import INT32_MAX
 from tidelog.leaders import LeaderDirectory, directory_for
+from tidelog.membership import GroupMembership
 from tidelog.metrics import ClientMetrics
 from tidelog.records import Header, RecordBatch, arrow_schema, decode_batches
+from tidelog.topics import validate_topic_name
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
 
 _log = logging.getLogger(__name__)
@@ -192,6 +198,19 @@ def _consumer_schema(pa: Any) -> Any:
     )
 
 
+RebalanceCallback = Callable[[list[TopicPartition]], None]
+
+
+class GroupMetadata(NamedTuple):
+    group_id: str
+    member_id: str
+    generation_id: int
+
+
+_WAKE: Final = _Fetch(-1, {}, None)
+"""Put on the answer queue to end a poll's wait (the heartbeat thread: join again)."""
+
+
 class Consumer:
     """See the module docstring."""
 
@@ -210,6 +229,10 @@ class Consumer:
         max_poll_records: int = 500,
         request_timeout_ms: int = 30_000,
         direct: bool = False,
+        client_id: str = "tidelog-consumer",
+        session_timeout_ms: int = 45_000,
+        heartbeat_interval_ms: int = 3_000,
+        max_poll_interval_ms: int = 300_000,
     ) -> None:
         if auto_offset_reset not in AUTO_OFFSET_RESETS:
             raise ConfigError(
@@ -223,6 +246,9 @@ class Consumer:
             ("max_partition_fetch_bytes", max_partition_fetch_bytes),
             ("max_poll_records", max_poll_records),
             ("auto_commit_interval_ms", auto_commit_interval_ms),
+            ("session_timeout_ms", session_timeout_ms),
+            ("heartbeat_interval_ms", heartbeat_interval_ms),
+            ("max_poll_interval_ms", max_poll_interval_ms),
         ):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, not {value}")
@@ -235,6 +261,18 @@ class Consumer:
             # Sent as int32 fields: a larger value would fail every poll, not here.
             if not 0 <= value <= INT32_MAX:
                 raise ConfigError(f"{name} {value} is outside 0..{INT32_MAX}")
+        if heartbeat_interval_ms >= session_timeout_ms:
+            # Kafka's rule: a session must outlive a few heartbeats.
+            raise ConfigError(
+                f"heartbeat_interval_ms ({heartbeat_interval_ms}) must be lower than "
+                f"session_timeout_ms ({session_timeout_ms})"
+            )
+        for name, value in (
+            ("session_timeout_ms", session_timeout_ms),
+            ("max_poll_interval_ms", max_poll_interval_ms),
+        ):
+            if value > INT32_MAX:
+                raise ConfigError(f"{name} {value} is outside 1..{INT32_MAX}")
         self._conn = GatewayConnection.get(gateway, request_timeout_ms)
         # Direct mode (module docstring): fetches go to the leaders, found through here.
         self._directory: LeaderDirectory | None = directory_for(self._conn) if direct else None
@@ -286,6 +324,14 @@ class Consumer:
         # at once), or the fetch failed (back-off). Other groups go on meanwhile.
         self._paused_until: dict[int, float] = {}
         self._closed = False
+        # Group membership (tidelog.membership): set by subscribe with a group_id.
+        self._client_id = client_id
+        self._session_timeout_ms = session_timeout_ms
+        self._heartbeat_interval_ms = heartbeat_interval_ms
+        self._max_poll_interval_ms = max_poll_interval_ms
+        self._membership: GroupMembership | None = None
+        self._on_revoked: RebalanceCallback | None = None
+        self._on_assigned: RebalanceCallback | None = None
         self._metrics = ClientMetrics(
             counters=("fetch-total", "records-consumed-total", "bytes-consumed-total"),
             sensors=("fetch-size", "records-per-request"),
@@ -305,16 +351,119 @@ class Consumer:
                     f"{partition} does not exist",
                 )
         self._commit_before_reassigning()
+        self._revoke_group_partitions()
+        self._leave_group()
         self._subscription = []
         self._set_assignment(wanted, leaders)
 
-    def subscribe(self, topics: Sequence[str]) -> None:
-        """Read every partition of ``topics`` (they must exist)."""
+    def subscribe(
+        self,
+        topics: Sequence[str],
+        *,
+        on_partitions_revoked: RebalanceCallback | None = None,
+        on_partitions_assigned: RebalanceCallback | None = None,
+    ) -> None:
+        """Read the partitions of ``topics``.
+
+        With a ``group_id``, as a member of the group (module docstring of
+        ``tidelog.membership``): the group's members share the partitions, and ``poll``
+        joins the group first. ``on_partitions_revoked`` is called with the partitions
+        this consumer gives up, before it gives them up (after the auto-commit, if on),
+        and ``on_partitions_assigned`` with the ones it gets, as Kafka's
+        ConsumerRebalanceListener; both on the thread that polls.
+
+        Without a ``group_id``, every partition of the topics (they must exist), picking
+        up partitions added later at the next metadata refresh."""
         if isinstance(topics, str):
             raise ConfigError("subscribe takes a list of topic names, not one string")
+        wanted = list(dict.fromkeys(topics))
+        if not wanted:
+            self.unsubscribe()  # Kafka's rule for an empty subscription
+            return
         self._commit_before_reassigning()
-        self._subscription = list(dict.fromkeys(topics))
-        self._refresh_subscription()
+        self._revoke_group_partitions()  # (told to the callbacks given with them)
+        self._on_revoked = on_partitions_revoked
+        self._on_assigned = on_partitions_assigned
+        if self.group_id is None:
+            self._subscription = wanted
+            self._refresh_subscription()
+            return
+        for topic in wanted:
+            # Said here, not at the first poll's join (a group may wait for topics that do
+            # not exist yet, but never for a name no topic can have).
+            validate_topic_name(topic)
+        if self._membership is None:
+            self._membership = GroupMembership(
+                self._conn,
+                self.group_id,
+                client_id=self._client_id,
+                session_timeout_ms=self._session_timeout_ms,
+                rebalance_timeout_ms=self._max_poll_interval_ms,
+                heartbeat_interval_ms=self._heartbeat_interval_ms,
+                max_poll_interval_ms=self._max_poll_interval_ms,
+                wake=lambda: self._answered.put(_WAKE),
+            )
+        self._subscription = wanted
+        self._set_assignment([], {})
+        self._membership.request_rejoin()  # the next poll joins with these topics
+
+    def _revoke_group_partitions(self) -> None:
+        """A group member gives up its partitions (Kafka's onPartitionsRevoked, or
+        onPartitionsLost): their positions committed first (auto-commit) unless they may
+        already be another member's, then ``on_partitions_revoked``, then its buffered
+        records are dropped."""
+        membership = self._membership
+        if membership is None or not self._assignment:
+            return
+        revoked = list(self._assignment)
+        if not membership.partitions_lost():
+            self._commit_before_reassigning()
+        try:
+            if self._on_revoked is not None:
+                self._on_revoked(revoked)
+        finally:
+            self._set_assignment([], {})
+
+    def group_metadata(self) -> GroupMetadata | None:
+        """This consumer's membership (Kafka's groupMetadata): None unless it subscribed
+        with a ``group_id``; ``generation_id`` -1 while it is (re)joining."""
+        membership = self._membership
+        if membership is None:
+            return None
+        member_id, generation = membership.commit_identity()
+        if membership.needs_join():
+            generation = -1
+        return GroupMetadata(membership.group_id, member_id, generation)
+
+    def _leave_group(self) -> None:
+        if self._membership is not None:
+            self._membership.leave()
+            self._membership = None
+
+    def _rejoin(self, deadline: float) -> None:
+        """Give up every partition and join the group again (Kafka's eager rebalance):
+        commit the positions first (auto-commit), so whoever gets a partition next
+        resumes where this consumer stopped; then take the new assignment, its positions
+        from the group's commits."""
+        membership = self._membership
+        assert membership is not None
+        self._revoke_group_partitions()
+        assignment = membership.join(self._subscription, deadline)
+        if assignment is None:
+            return  # the poll's time is up: the next poll goes on joining
+        topics = sorted({t for t, _ in assignment})
+        leaders: dict[str, list[int]] = {}
+        for topic in topics:  # one by one: a topic deleted meanwhile has no leaders
+            with contextlib.suppress(UnknownTopicOrPartitionError):
+                leaders.update(self._partition_leaders([topic]))
+        self._set_assignment(assignment, leaders)
+        # Positions are set afresh from the commits: a partition this consumer had before
+        # may have been read and committed further by another member meanwhile.
+        self._positions = {}
+        self._needs_position = set(assignment)
+        self._committed_positions = {}
+        if self._on_assigned is not None:
+            self._on_assigned(list(assignment))
 
     def _refresh_subscription(self, *, allow_missing: bool = False) -> None:
         """Assign every partition of the subscribed topics. With ``allow_missing``, a
@@ -346,7 +495,7 @@ class Consumer:
     def _refresh_leaders(self) -> None:
         """Regroup the assigned partitions by leader (and, when subscribed, pick up
         partitions added to the topics)."""
-        if self._subscription:
+        if self._subscription and self._membership is None:
             self._refresh_subscription(allow_missing=True)
             return
         topics = sorted({t for t, _ in self._assignment})
@@ -435,6 +584,8 @@ class Consumer:
 
     def unsubscribe(self) -> None:
         self._commit_before_reassigning()
+        self._revoke_group_partitions()
+        self._leave_group()
         self._subscription = []
         self._set_assignment([], {})
 
@@ -586,6 +737,10 @@ class Consumer:
                 "the consumer is not subscribed to any topic or assigned any partition"
             )
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
+        if self._membership is not None:
+            self._membership.polled()
+            if self._membership.needs_join():
+                self._rejoin(deadline)
         self._maybe_auto_commit()
         now = time.monotonic()
         if (self._leaders_stale and now >= self._refresh_after) or (
@@ -594,6 +749,13 @@ class Consumer:
             self._try_refresh_leaders()
         while True:
             self._decode_answered()
+            if self._membership is not None and self._membership.needs_join():
+                if self._buffer and not self._membership.partitions_lost():
+                    # Still this member's until it joins again: hand these out first (the
+                    # next poll commits them and gives the partitions up). Lost ones'
+                    # records are dropped: another member may be reading them already.
+                    return
+                self._rejoin(deadline)
             if self._leaders_stale and time.monotonic() >= self._refresh_after:
                 # A leader moved or died while fetches to the others are in flight: regroup
                 # now, not when this poll ends (a long poll would otherwise send the moved
@@ -921,7 +1083,11 @@ class Consumer:
         it."""
         while not self._closed:
             self._wait_for_data(ITERATOR_POLL_TIMEOUT_MS)
-            while self._buffer:
+            while self._buffer and not (
+                # Records of partitions that may be another member's now are not handed
+                # out (the next wait drops them and joins again).
+                self._membership is not None and self._membership.partitions_lost()
+            ):
                 chunk = self._buffer[0]
                 records = chunk.records()
                 record = records[chunk.taken]
@@ -952,10 +1118,15 @@ class Consumer:
                 return -1
             return self._position_epoch.get(tp, -1)
 
+        member_id, generation = (
+            self._membership.commit_identity() if self._membership is not None else ("", -1)
+        )
         response: gateway_pb2.CommitOffsetsResponse = self._conn.call(
             self._conn.stub.CommitOffsets,
             gateway_pb2.CommitOffsetsRequest(
                 group_id=self.group_id,
+                member_id=member_id,
+                generation_id=generation,
                 offsets=[
                     gateway_pb2.CommitOffset(
                         topic=t, partition=p, offset=o, leader_epoch=epoch_of((t, p), o)
@@ -966,7 +1137,12 @@ class Consumer:
             f"commit offsets of group {self.group_id!r}",
         )
         for item in response.partitions:
-            raise_for(item.error, f"commit {item.topic}-{item.partition}")
+            try:
+                raise_for(item.error, f"commit {item.topic}-{item.partition}")
+            except TidelogError as exc:
+                if self._membership is not None:
+                    self._membership.on_commit_error(exc)
+                raise
         self._committed_positions.update(offsets)
         self._last_commit = time.monotonic()
 
@@ -1017,7 +1193,10 @@ class Consumer:
             return
         try:
             self._commit_before_reassigning()
+            self._revoke_group_partitions()
         finally:
+            with contextlib.suppress(TidelogError):
+                self._leave_group()
             for fetch in self._fetches.values():
                 fetch.future.cancel()
             self._fetches.clear()

@@ -44,7 +44,11 @@ class ErrorCode(IntEnum):
     NOT_ENOUGH_REPLICAS = 19
     NOT_ENOUGH_REPLICAS_AFTER_APPEND = 20
     INVALID_REQUIRED_ACKS = 21
+    ILLEGAL_GENERATION = 22
     INVALID_GROUP_ID = 24
+    UNKNOWN_MEMBER_ID = 25
+    INVALID_SESSION_TIMEOUT = 26
+    REBALANCE_IN_PROGRESS = 27
     INVALID_TIMESTAMP = 32
     TOPIC_ALREADY_EXISTS = 36
     INVALID_PARTITIONS = 37
@@ -63,6 +67,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_LEADER_EPOCH = 75
     STALE_BROKER_EPOCH = 77
     OFFSET_NOT_AVAILABLE = 78
+    GROUP_MAX_SIZE_REACHED = 81
     ELIGIBLE_LEADERS_NOT_AVAILABLE = 83
     ELECTION_NOT_NEEDED = 84
     INVALID_RECORD = 87
@@ -187,8 +192,36 @@ class InvalidRequiredAcksError(TidelogError):
     code = ErrorCode.INVALID_REQUIRED_ACKS
 
 
+class IllegalGenerationError(TidelogError):
+    """A group member named a generation that is not the group's current one: the
+    group rebalanced since it joined, and its partitions may be someone else's."""
+
+    code = ErrorCode.ILLEGAL_GENERATION
+
+
 class InvalidGroupIdError(TidelogError):
     code = ErrorCode.INVALID_GROUP_ID
+
+
+class UnknownMemberIdError(TidelogError):
+    """The member is not in the group: it left, or its session ended (no heartbeat
+    within the session timeout) and the group went on without it."""
+
+    code = ErrorCode.UNKNOWN_MEMBER_ID
+
+
+class InvalidSessionTimeoutError(TidelogError):
+    code = ErrorCode.INVALID_SESSION_TIMEOUT
+
+
+class RebalanceInProgressError(TidelogError):
+    """The group is rebalancing: its members give up their partitions and join again."""
+
+    code = ErrorCode.REBALANCE_IN_PROGRESS
+
+
+class GroupMaxSizeReachedError(TidelogError):
+    code = ErrorCode.GROUP_MAX_SIZE_REACHED
 
 
 class InvalidTimestampError(TidelogError):

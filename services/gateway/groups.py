@@ -2,11 +2,13 @@
 
 The layout and value format are in ``docs/METADATA.md`` (section 1.7): one key per
 partition, ``{offset, metadata, leader_epoch, topic_id}``, the group id percent-encoded so
-any string is a safe key. Commits are last-writer-wins per partition, as in Kafka without
-group generations; one commit request is written in as few transactions as etcd allows
-(``OPS_PER_TXN`` partitions each), so a small commit lands whole or not at all. When a
-transaction after the first fails, the partitions it and the later ones carried answer
-with its error and the earlier ones with none: they are written.
+any string is a safe key. Commits are last-writer-wins per partition among those the
+group lets commit: while it has members, only they, in its current generation (the
+``guard``, ``group_coordinator.GroupCoordinator.commit_guard``); one commit request is
+written in as few transactions as etcd allows (``OPS_PER_TXN`` partitions each), so a
+small commit lands whole or not at all. When a transaction after the first fails, the
+partitions it and the later ones carried answer with its error and the earlier ones with
+none: they are written.
 
 An offset belongs to one incarnation of its topic: it carries the ``topic_id`` the topic
 had when it was committed, and a fetch drops offsets of a topic that is gone or was
@@ -22,19 +24,20 @@ FetchOffsets through any other.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import quote, unquote
 
 from services.cluster_metadata import GROUPS_PREFIX
 from services.gateway.metadata_cache import MetadataCache, MetadataView
-from services.metastore import KeyValue, MetaStore, MetaStoreError, PutOp
+from services.metastore import Compare, KeyValue, MetaStore, MetaStoreError, PutOp
 from tidelog.errors import (
     InvalidGroupIdError,
     InvalidRequestError,
     InvalidTopicError,
     OffsetMetadataTooLargeError,
+    RebalanceInProgressError,
     TidelogError,
 )
 from tidelog.logging import get_logger
@@ -76,6 +79,17 @@ def group_prefix(group_id: str) -> str:
 
 def offset_key(group_id: str, topic: str, partition: int) -> str:
     return f"{group_prefix(group_id)}{topic}/{partition}"
+
+
+GUARD_ATTEMPTS: Final = 10
+
+
+class GroupFencedError(Exception):
+    """The committer may not commit (not a member, an old generation): ``error`` says why."""
+
+    def __init__(self, error: TidelogError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def check_group_id(group_id: str) -> None:
@@ -125,8 +139,18 @@ class OffsetStore:
         self._store = store
         self._cache = cache
 
-    def commit(self, group_id: str, offsets: Sequence[Committed]) -> list[CommitOutcome]:
-        """Validate each partition, write the valid ones; one outcome per input."""
+    def commit(
+        self,
+        group_id: str,
+        offsets: Sequence[Committed],
+        guard: Callable[[], list[Compare]] | None = None,
+    ) -> list[CommitOutcome]:
+        """Validate each partition, write the valid ones; one outcome per input.
+
+        ``guard`` (group membership fencing, ``GroupCoordinator.commit_guard``) raises the
+        group's error when the committer may not commit, else returns compares that keep
+        that true; each transaction carries them, and when they no longer hold the guard
+        is asked again (the group changed meanwhile: it may now refuse)."""
         check_group_id(group_id)
         if len(offsets) > MAX_PARTITIONS_PER_COMMIT:
             raise InvalidRequestError(
@@ -176,22 +200,39 @@ class OffsetStore:
         writes = list(puts.values())
         for start in range(0, len(writes), OPS_PER_TXN):
             try:
-                self._store.txn([], writes[start : start + OPS_PER_TXN])
-            except MetaStoreError as exc:
-                if start == 0:
+                self._write_guarded(writes[start : start + OPS_PER_TXN], guard)
+            except (MetaStoreError, GroupFencedError) as exc:
+                error: TidelogError = exc.error if isinstance(exc, GroupFencedError) else exc
+                if start == 0 and isinstance(exc, MetaStoreError):
                     raise  # nothing was written: the whole commit failed
-                # Earlier transactions are written: only the partitions from here on
-                # failed, and the answer says so partition by partition (a whole-call
-                # error would claim the written ones failed too).
-                _log.warning("commit_partly_written", group=group_id, error=str(exc))
+                # Earlier transactions are written (or, fenced by the group, none is):
+                # the partitions from here on failed, and the answer says so partition
+                # by partition (a whole-call error would claim written ones failed too;
+                # a fenced commit answers each partition, as Kafka's OffsetCommit does).
+                _log.warning("commit_not_written", group=group_id, start=start, error=str(exc))
                 failed = {op.key for op in writes[start:]}
                 return [
-                    CommitOutcome(o.topic, o.partition, exc)
+                    CommitOutcome(o.topic, o.partition, error)
                     if o.error is None and offset_key(group_id, o.topic, o.partition) in failed
                     else o
                     for o in outcomes
                 ]
         return outcomes
+
+    def _write_guarded(self, ops: list[PutOp], guard: Callable[[], list[Compare]] | None) -> None:
+        if guard is None:
+            self._store.txn([], ops)
+            return
+        for _ in range(GUARD_ATTEMPTS):
+            try:
+                compares = guard()
+            except TidelogError as exc:
+                raise GroupFencedError(exc) from exc
+            if self._store.txn(compares, ops).succeeded:
+                return
+        raise GroupFencedError(
+            RebalanceInProgressError("the group kept changing while the offsets were committed")
+        )
 
     def fetch(self, group_id: str, partitions: Sequence[tuple[str, int]]) -> list[Committed]:
         """Committed offsets; for ``partitions`` given, one entry each (offset -1 when none),

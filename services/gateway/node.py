@@ -26,6 +26,7 @@ from services.allocator import cgroup_limit_files, memory_limit_bytes
 from services.gateway.channels import Channels
 from services.gateway.controller_client import ControllerClient, ProducerIds
 from services.gateway.fetch import FetchHandler, FetchLimits
+from services.gateway.group_coordinator import GroupCoordinator
 from services.gateway.groups import OffsetStore
 from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import MetadataCache
@@ -196,6 +197,7 @@ class GatewayNode:
             ),
             controller=controller,
             offsets=OffsetStore(self._store, self._cache),
+            groups=GroupCoordinator(self._store, self._cache),
             producer_ids=ProducerIds(controller),
             max_in_flight_per_stream=config.max_in_flight_per_stream,
         )

@@ -23,6 +23,7 @@ import grpc
 from services.controller.state import Broker
 from services.gateway.controller_client import ControllerClient, ProducerIds
 from services.gateway.fetch import FetchHandler
+from services.gateway.group_coordinator import GroupCoordinator
 from services.gateway.groups import Committed, OffsetStore
 from services.gateway.metadata_cache import MetadataCache, MetadataView
 from services.gateway.produce import ProduceHandler
@@ -32,6 +33,7 @@ from services.status import abort, partition_results, to_error_proto, unary_erro
 from tidelog.errors import (
     InvalidRequestError,
     TidelogError,
+    UnknownMemberIdError,
     UnknownServerError,
 )
 from tidelog.logging import get_logger
@@ -129,6 +131,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         fetch: FetchHandler,
         controller: ControllerClient,
         offsets: OffsetStore,
+        groups: GroupCoordinator,
         producer_ids: ProducerIds,
         max_in_flight_per_stream: int,
     ) -> None:
@@ -137,6 +140,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         self._fetch = fetch
         self._controller = controller
         self._offsets = offsets
+        self._groups = groups
         self._producer_ids = producer_ids
         self._max_in_flight = max_in_flight_per_stream
 
@@ -361,12 +365,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def CommitOffsets(  # noqa: N802 - gRPC's method name
         self, request: gateway_pb2.CommitOffsetsRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.CommitOffsetsResponse:
+        group_id, member_id, generation = request.group_id, request.member_id, request.generation_id
         outcomes = self._offsets.commit(
-            request.group_id,
+            group_id,
             [
                 Committed(o.topic, o.partition, o.offset, o.metadata, o.leader_epoch)
                 for o in request.offsets
             ],
+            guard=lambda: self._groups.commit_guard(group_id, member_id, generation),
         )
         return gateway_pb2.CommitOffsetsResponse(
             partitions=partition_results(outcomes, [o.error for o in outcomes])
@@ -397,7 +403,74 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def ListGroups(  # noqa: N802 - gRPC's method name
         self, request: gateway_pb2.ListGroupsRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.ListGroupsResponse:
-        return gateway_pb2.ListGroupsResponse(group_ids=self._offsets.list_groups())
+        names = set(self._offsets.list_groups()) | set(self._groups.list_groups())
+        return gateway_pb2.ListGroupsResponse(group_ids=sorted(names))
+
+    @unary_errors
+    def JoinGroup(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.JoinGroupRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.JoinGroupResponse:
+        try:
+            outcome = self._groups.join(
+                request.group_id,
+                request.member_id,
+                topics=list(request.topics),
+                session_timeout_ms=request.session_timeout_ms,
+                rebalance_timeout_ms=request.rebalance_timeout_ms,
+                client_id=request.client_id,
+                max_wait_ms=request.max_wait_ms,
+            )
+        except UnknownMemberIdError as exc:
+            return gateway_pb2.JoinGroupResponse(error=to_error_proto(exc))
+        return gateway_pb2.JoinGroupResponse(
+            error=to_error_proto(outcome.error),
+            member_id=outcome.member_id,
+            generation_id=outcome.generation,
+            assignment=[
+                common_pb2.TopicPartition(topic=t, partition=p) for t, p in outcome.assignment
+            ],
+            session_timeout_ms=outcome.session_timeout_ms,
+        )
+
+    @unary_errors
+    def Heartbeat(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.HeartbeatResponse:
+        error = self._groups.heartbeat(request.group_id, request.member_id, request.generation_id)
+        return gateway_pb2.HeartbeatResponse(error=to_error_proto(error))
+
+    @unary_errors
+    def LeaveGroup(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.LeaveGroupRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.LeaveGroupResponse:
+        try:
+            self._groups.leave(request.group_id, request.member_id)
+        except UnknownMemberIdError as exc:
+            return gateway_pb2.LeaveGroupResponse(error=to_error_proto(exc))
+        return gateway_pb2.LeaveGroupResponse()
+
+    @unary_errors
+    def DescribeGroup(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.DescribeGroupRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.DescribeGroupResponse:
+        state = self._groups.describe(request.group_id)
+        return gateway_pb2.DescribeGroupResponse(
+            group_id=request.group_id,
+            state=_KAFKA_GROUP_STATES[state.phase],
+            generation_id=state.generation,
+            members=[
+                gateway_pb2.GroupMember(
+                    member_id=m.member_id,
+                    client_id=m.client_id,
+                    topics=list(m.topics),
+                    assignment=[
+                        common_pb2.TopicPartition(topic=t, partition=p)
+                        for t, p in state.assignment.get(m.member_id, ())
+                    ],
+                )
+                for m in sorted(state.members.values(), key=lambda m: m.member_id)
+            ],
+        )
 
     # --- producers ------------------------------------------------------------------------
 
@@ -409,6 +482,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         _log.info("producer_id_issued", producer_id=producer_id, client_id=request.client_id)
         return gateway_pb2.InitProducerIdResponse(producer_id=producer_id, producer_epoch=0)
 
+
+_KAFKA_GROUP_STATES: Final = {
+    "empty": "Empty",
+    "preparing": "PreparingRebalance",
+    "stable": "Stable",
+}
 
 LEADER_CALL_TIMEOUT_S: Final = 10.0
 """The longest a ListOffsets or DescribeTopics waits for the leaders' answers."""

@@ -107,6 +107,26 @@ class GatewayStub:
                 request_serializer=tidelog_dot_v1_dot_gateway__pb2.ListGroupsRequest.SerializeToString,
                 response_deserializer=tidelog_dot_v1_dot_gateway__pb2.ListGroupsResponse.FromString,
                 _registered_method=True)
+        self.JoinGroup = channel.unary_unary(
+                '/tidelog.v1.Gateway/JoinGroup',
+                request_serializer=tidelog_dot_v1_dot_gateway__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=tidelog_dot_v1_dot_gateway__pb2.JoinGroupResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/tidelog.v1.Gateway/Heartbeat',
+                request_serializer=tidelog_dot_v1_dot_gateway__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=tidelog_dot_v1_dot_gateway__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.LeaveGroup = channel.unary_unary(
+                '/tidelog.v1.Gateway/LeaveGroup',
+                request_serializer=tidelog_dot_v1_dot_gateway__pb2.LeaveGroupRequest.SerializeToString,
+                response_deserializer=tidelog_dot_v1_dot_gateway__pb2.LeaveGroupResponse.FromString,
+                _registered_method=True)
+        self.DescribeGroup = channel.unary_unary(
+                '/tidelog.v1.Gateway/DescribeGroup',
+                request_serializer=tidelog_dot_v1_dot_gateway__pb2.DescribeGroupRequest.SerializeToString,
+                response_deserializer=tidelog_dot_v1_dot_gateway__pb2.DescribeGroupResponse.FromString,
+                _registered_method=True)
         self.InitProducerId = channel.unary_unary(
                 '/tidelog.v1.Gateway/InitProducerId',
                 request_serializer=tidelog_dot_v1_dot_gateway__pb2.InitProducerIdRequest.SerializeToString,
@@ -214,7 +234,37 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListGroups(self, request, context):
-        """Every consumer group with committed offsets.
+        """Every consumer group with committed offsets or members.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinGroup(self, request, context):
+        """Join a consumer group (Kafka's JoinGroup and SyncGroup in one, the assignment made
+        by the gateway): answers with the member's partitions once the group's rebalance is
+        complete, or REBALANCE_IN_PROGRESS when it is not yet (call again with the member id).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Keep a member's session alive; the error says when to join again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveGroup(self, request, context):
+        """Leave a group at once (its partitions go to the others without waiting out the session).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DescribeGroup(self, request, context):
+        """A group's phase, generation, members and their partitions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -300,6 +350,26 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.ListGroups,
                     request_deserializer=tidelog_dot_v1_dot_gateway__pb2.ListGroupsRequest.FromString,
                     response_serializer=tidelog_dot_v1_dot_gateway__pb2.ListGroupsResponse.SerializeToString,
+            ),
+            'JoinGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinGroup,
+                    request_deserializer=tidelog_dot_v1_dot_gateway__pb2.JoinGroupRequest.FromString,
+                    response_serializer=tidelog_dot_v1_dot_gateway__pb2.JoinGroupResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=tidelog_dot_v1_dot_gateway__pb2.HeartbeatRequest.FromString,
+                    response_serializer=tidelog_dot_v1_dot_gateway__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'LeaveGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveGroup,
+                    request_deserializer=tidelog_dot_v1_dot_gateway__pb2.LeaveGroupRequest.FromString,
+                    response_serializer=tidelog_dot_v1_dot_gateway__pb2.LeaveGroupResponse.SerializeToString,
+            ),
+            'DescribeGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeGroup,
+                    request_deserializer=tidelog_dot_v1_dot_gateway__pb2.DescribeGroupRequest.FromString,
+                    response_serializer=tidelog_dot_v1_dot_gateway__pb2.DescribeGroupResponse.SerializeToString,
             ),
             'InitProducerId': grpc.unary_unary_rpc_method_handler(
                     servicer.InitProducerId,
@@ -686,6 +756,114 @@ class Gateway:
             '/tidelog.v1.Gateway/ListGroups',
             tidelog_dot_v1_dot_gateway__pb2.ListGroupsRequest.SerializeToString,
             tidelog_dot_v1_dot_gateway__pb2.ListGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidelog.v1.Gateway/JoinGroup',
+            tidelog_dot_v1_dot_gateway__pb2.JoinGroupRequest.SerializeToString,
+            tidelog_dot_v1_dot_gateway__pb2.JoinGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidelog.v1.Gateway/Heartbeat',
+            tidelog_dot_v1_dot_gateway__pb2.HeartbeatRequest.SerializeToString,
+            tidelog_dot_v1_dot_gateway__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidelog.v1.Gateway/LeaveGroup',
+            tidelog_dot_v1_dot_gateway__pb2.LeaveGroupRequest.SerializeToString,
+            tidelog_dot_v1_dot_gateway__pb2.LeaveGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidelog.v1.Gateway/DescribeGroup',
+            tidelog_dot_v1_dot_gateway__pb2.DescribeGroupRequest.SerializeToString,
+            tidelog_dot_v1_dot_gateway__pb2.DescribeGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

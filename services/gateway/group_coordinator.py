@@ -1,0 +1,421 @@
+"""Consumer group membership kept in etcd: the adapter around ``group_state``.
+
+Kafka has one coordinator broker per group holding the group in memory. Here any gateway
+serves any group, so the group lives in etcd (docs/METADATA.md, consumer group
+membership) and every change is a compare-and-swap on its state key:
+
+- ``group-states/<group>``: the ``GroupState`` (phase, generation, members, assignment).
+- ``group-sessions/<group>/<member>``: bound to the member's own etcd lease, whose TTL is
+  its session timeout. A heartbeat refreshes the lease; when it expires, etcd deletes the
+  key, and the next operation on the group (the survivors' heartbeats) drops the member
+  and starts a rebalance. Sessions are timed by etcd's clock, whichever gateway a member
+  talks to.
+
+The state key is read before the session keys: a member is written into the state only
+after its session key exists, so a reader never takes a member it just read for dead.
+
+Rebalances complete without a timer: members joining call ``join`` again until it
+answers (each call waits up to ``JOIN_WAIT_S``), and each call completes the rebalance
+once everyone joined or the deadline passed. The only wall-clock time used is that
+deadline (gateways of a cluster keep NTP time; a skew moves it by the skew).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import quote, unquote
+
+from services.cluster_metadata import (
+    GROUP_FENCES_PREFIX,
+    GROUP_SESSIONS_PREFIX,
+    GROUP_STATES_PREFIX,
+)
+from services.gateway import group_state
+from services.gateway.group_state import GroupState, Member, TopicPartition
+from services.gateway.groups import check_group_id
+from services.gateway.metadata_cache import MetadataCache, MetadataView
+from services.metastore import (
+    Compare,
+    DeleteOp,
+    KeyValue,
+    LeaseLostError,
+    MetaStore,
+    PutOp,
+    TxnOp,
+)
+from tidelog.errors import (
+    GroupMaxSizeReachedError,
+    InvalidRequestError,
+    InvalidSessionTimeoutError,
+    RebalanceInProgressError,
+    StorageError,
+    TidelogError,
+    UnknownMemberIdError,
+)
+from tidelog.logging import get_logger
+from tidelog.topics import validate_topic_name
+
+_log = get_logger(component="gateway.group_coordinator")
+
+MIN_SESSION_TIMEOUT_MS: Final = 1_000
+"""Kafka's group.min.session.timeout.ms is 6 s; etcd's lease minimum (2 s with its default
+timing) is the real floor here, and short sessions are what tests of failover need."""
+MAX_SESSION_TIMEOUT_MS: Final = 1_800_000
+"""Kafka's group.max.session.timeout.ms (30 minutes)."""
+MAX_REBALANCE_TIMEOUT_MS: Final = 3_600_000
+MAX_GROUP_MEMBERS: Final = 500
+"""Kafka's group.max.size, bounded so a group's state stays well inside one etcd value."""
+MAX_TOPICS_PER_MEMBER: Final = 1_000
+MAX_CLIENT_ID_CHARS: Final = 255
+JOIN_WAIT_S: Final = 3.0
+"""The longest one JoinGroup call waits for the others to join (then the member asks
+again): shorter than a client's request timeout, and a handler thread is not held long."""
+JOIN_POLL_S: Final = 0.1
+CAS_ATTEMPTS: Final = 20
+CAS_BACKOFF_S: Final = 0.005
+"""Times the attempt number, with jitter: members joining at once spread their writes."""
+MAX_STATE_BYTES: Final = 1_000_000
+"""A group's encoded state stays below this, under etcd's default 1.5 MiB request limit."""
+MAX_GROUPS_LISTED: Final = 100_000
+
+
+def state_key(group_id: str) -> str:
+    return f"{GROUP_STATES_PREFIX}{quote(group_id, safe='')}"
+
+
+def fence_key(group_id: str) -> str:
+    return f"{GROUP_FENCES_PREFIX}{quote(group_id, safe='')}"
+
+
+def session_prefix(group_id: str) -> str:
+    return f"{GROUP_SESSIONS_PREFIX}{quote(group_id, safe='')}/"
+
+
+def session_key(group_id: str, member_id: str) -> str:
+    return f"{session_prefix(group_id)}{quote(member_id, safe='')}"
+
+
+@dataclass(frozen=True, slots=True)
+class JoinOutcome:
+    member_id: str
+    generation: int
+    assignment: tuple[TopicPartition, ...]
+    session_timeout_ms: int
+    error: TidelogError | None  # RebalanceInProgressError: ask again with member_id
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class GroupCoordinator:
+    """Join, heartbeat, leave, describe and commit fencing for every group. Thread-safe:
+    all state is in etcd, every write a compare-and-swap."""
+
+    def __init__(
+        self,
+        store: MetaStore,
+        cache: MetadataCache,
+        *,
+        clock_ms: Callable[[], int] = _now_ms,
+        join_wait_s: float = JOIN_WAIT_S,
+    ) -> None:
+        self._store = store
+        self._cache = cache
+        self._clock_ms = clock_ms
+        self._join_wait_s = join_wait_s
+
+    # --- reads and compare-and-swap -------------------------------------------------------
+
+    def _read(self, group_id: str) -> tuple[GroupState, int, set[str]]:
+        """The state, its mod revision (0: absent) and the members whose session lives."""
+        kv = self._store.get(state_key(group_id))
+        state = self._decode(group_id, kv)
+        prefix = session_prefix(group_id)
+        alive = {unquote(s.key.removeprefix(prefix)) for s in self._store.get_prefix(prefix)}
+        return state, (kv.mod_revision if kv is not None else 0), alive
+
+    @staticmethod
+    def _decode(group_id: str, kv: KeyValue | None) -> GroupState:
+        if kv is None:
+            return GroupState()
+        try:
+            return group_state.decode(kv.value)
+        except ValueError as exc:
+            # Refuse to overwrite what this code cannot read (a newer gateway's format).
+            raise StorageError(f"group {group_id!r}: {exc}") from exc
+
+    def _update(
+        self, group_id: str, change: Callable[[GroupState, set[str], int], GroupState]
+    ) -> GroupState:
+        """Apply ``change(state, alive, now_ms)`` with compare-and-swap; write only when
+        it changed something. Exceptions from ``change`` propagate, nothing written.
+
+        The fence key is rewritten in the same transaction when the members or the
+        generation change (what ``check_commit`` depends on); a group left without
+        members is deleted (state and fence), so abandoned group ids leave no keys."""
+        for attempt in range(CAS_ATTEMPTS):
+            state, revision, alive = self._read(group_id)
+            new = change(state, alive, self._clock_ms())
+            if new == state:
+                return state
+            ops: list[TxnOp]
+            if not new.members:
+                ops = [DeleteOp(state_key(group_id)), DeleteOp(fence_key(group_id))]
+                new = GroupState()
+            else:
+                encoded = group_state.encode(new)
+                if len(encoded) > MAX_STATE_BYTES:
+                    raise GroupMaxSizeReachedError(
+                        f"group {group_id!r} would take {len(encoded)} bytes of metadata; the "
+                        f"limit is {MAX_STATE_BYTES}: fewer members, topics or partitions"
+                    )
+                ops = [PutOp(state_key(group_id), encoded)]
+                if new.generation != state.generation or set(new.members) != set(state.members):
+                    ops.append(PutOp(fence_key(group_id), str(new.generation).encode()))
+            compares = [Compare.mod_revision_is(state_key(group_id), revision)]
+            if self._store.txn(compares, ops).succeeded:
+                if new.generation != state.generation or new.phase != state.phase:
+                    _log.info(
+                        "group_changed",
+                        group=group_id,
+                        phase=new.phase,
+                        generation=new.generation,
+                        members=len(new.members),
+                    )
+                return new
+            time.sleep(random.uniform(0, CAS_BACKOFF_S * (attempt + 1)))
+        raise RebalanceInProgressError(
+            f"group {group_id!r} changed {CAS_ATTEMPTS} times while this request updated it"
+        )
+
+    def _partition_counts(self, topics: set[str]) -> dict[str, int]:
+        def read(view: MetadataView) -> dict[str, int]:
+            return {t: view.topics[t].partition_count for t in topics if t in view.topics}
+
+        return self._cache.read(read)
+
+    def _counts_for(self, state: GroupState, extra: Sequence[str] = ()) -> dict[str, int]:
+        return self._partition_counts(state.topics() | set(extra))
+
+    # --- membership -----------------------------------------------------------------------
+
+    def join(
+        self,
+        group_id: str,
+        member_id: str,
+        *,
+        topics: Sequence[str],
+        session_timeout_ms: int,
+        rebalance_timeout_ms: int,
+        client_id: str,
+        max_wait_ms: int,
+    ) -> JoinOutcome:
+        check_group_id(group_id)
+        wanted = _check_join(topics, session_timeout_ms, rebalance_timeout_ms, client_id)
+        ttl_s = max(1, math.ceil(session_timeout_ms / 1000))
+
+        def member(lease_id: int) -> Member:
+            return Member(
+                member_id=member_id,
+                client_id=client_id,
+                topics=wanted,
+                session_timeout_ms=session_timeout_ms,
+                rebalance_timeout_ms=rebalance_timeout_ms,
+                lease_id=lease_id,
+            )
+
+        if member_id:
+            state, _, alive = self._read(group_id)
+            known = state.members.get(member_id)
+            if known is None or member_id not in alive:
+                raise UnknownMemberIdError(
+                    f"member {member_id!r} is not in group {group_id!r} (its session ended "
+                    "or it left): join with an empty member id"
+                )
+            lease_id = known.lease_id
+            granted_s = self._refresh(group_id, member_id, lease_id)
+        else:
+            state, _, _ = self._read(group_id)
+            if len(state.members) >= MAX_GROUP_MEMBERS:
+                raise GroupMaxSizeReachedError(
+                    f"group {group_id!r} has {len(state.members)} members; the limit is "
+                    f"{MAX_GROUP_MEMBERS}"
+                )
+            member_id = f"{client_id or 'consumer'}-{uuid.uuid4()}"
+            lease = self._store.grant_lease(ttl_s)
+            lease_id, granted_s = lease.id, lease.ttl_s
+            try:
+                self._store.put(session_key(group_id, member_id), b"", lease)
+                return self._join_loop(group_id, member(lease_id), max_wait_ms, granted_s)
+            except BaseException:
+                # Not in the group (refused, or the gateway could not write it): its
+                # session must not outlive the call (the client gets no member id).
+                with contextlib.suppress(TidelogError):
+                    self._store.revoke_lease_id(lease_id)
+                raise
+        return self._join_loop(group_id, member(lease_id), max_wait_ms, granted_s)
+
+    def _join_loop(
+        self, group_id: str, member: Member, max_wait_ms: int, granted_s: int
+    ) -> JoinOutcome:
+        member_id, lease_id = member.member_id, member.lease_id
+        deadline = time.monotonic() + min(self._join_wait_s, max(0, max_wait_ms) / 1000)
+        refreshed_at = time.monotonic()
+        while True:
+
+            def change(state: GroupState, alive: set[str], now_ms: int) -> GroupState:
+                state = group_state.expire(state, alive, now_ms)
+                if member_id not in alive:
+                    raise UnknownMemberIdError(
+                        f"member {member_id!r}'s session ended while it joined: join again"
+                    )
+                if member_id not in state.members and len(state.members) >= MAX_GROUP_MEMBERS:
+                    raise GroupMaxSizeReachedError(
+                        f"group {group_id!r} has {len(state.members)} members; the limit is "
+                        f"{MAX_GROUP_MEMBERS}"
+                    )
+                counts = self._counts_for(state, member.topics)
+                state = group_state.join(state, member, now_ms, counts)
+                return group_state.maybe_complete(state, now_ms, counts)
+
+            state = self._update(group_id, change)
+            if state.phase == "stable" and member_id in state.members:
+                return JoinOutcome(
+                    member_id, state.generation, state.assignment[member_id], granted_s * 1000, None
+                )
+            if time.monotonic() - refreshed_at > granted_s / 3:
+                # A member waiting here sends no heartbeats: waiting keeps it alive.
+                self._refresh(group_id, member_id, lease_id)
+                refreshed_at = time.monotonic()
+            if time.monotonic() >= deadline:
+                missing = len(state.members) - len(state.joined)
+                return JoinOutcome(
+                    member_id,
+                    state.generation,
+                    (),
+                    granted_s * 1000,
+                    RebalanceInProgressError(
+                        f"group {group_id!r} is waiting for {missing} member(s) to join: call again"
+                    ),
+                )
+            time.sleep(JOIN_POLL_S)
+
+    def _refresh(self, group_id: str, member_id: str, lease_id: int) -> int:
+        try:
+            return self._store.refresh_lease_id(lease_id)
+        except LeaseLostError as exc:
+            raise UnknownMemberIdError(
+                f"member {member_id!r}'s session in group {group_id!r} ended: join again"
+            ) from exc
+
+    def heartbeat(self, group_id: str, member_id: str, generation: int) -> TidelogError | None:
+        check_group_id(group_id)
+        state, _, alive = self._read(group_id)
+        known = state.members.get(member_id)
+        if known is None or member_id not in alive:
+            # Let the group go on without it now, rather than at the next other heartbeat.
+            self._update(group_id, group_state.expire)
+            return UnknownMemberIdError(
+                f"member {member_id!r} is not in group {group_id!r} (its session ended or "
+                "it left): join again"
+            )
+        try:
+            self._refresh(group_id, member_id, known.lease_id)
+        except UnknownMemberIdError as exc:
+            return exc
+        outcome: list[TidelogError | None] = [None]
+
+        def change(state: GroupState, alive: set[str], now_ms: int) -> GroupState:
+            state = group_state.expire(state, alive, now_ms)
+            state, outcome[0] = group_state.heartbeat(
+                state, member_id, generation, self._counts_for(state), now_ms
+            )
+            return state
+
+        self._update(group_id, change)
+        return outcome[0]
+
+    def leave(self, group_id: str, member_id: str) -> None:
+        check_group_id(group_id)
+        lease_id: list[int] = []
+
+        def change(state: GroupState, alive: set[str], now_ms: int) -> GroupState:
+            known = state.members.get(member_id)
+            if known is None:
+                raise UnknownMemberIdError(f"member {member_id!r} is not in group {group_id!r}")
+            lease_id[:] = [known.lease_id]
+            return group_state.leave(
+                group_state.expire(state, alive | {member_id}, now_ms), member_id, now_ms
+            )
+
+        self._update(group_id, change)
+        self._store.revoke_lease_id(lease_id[0])
+
+    def describe(self, group_id: str) -> GroupState:
+        """The group as it is now (members whose session ended are dropped first)."""
+        check_group_id(group_id)
+        return self._update(group_id, group_state.expire)
+
+    def list_groups(self) -> list[str]:
+        """Groups with members (a group without any has no state key)."""
+        kvs = self._store.get_prefix(GROUP_STATES_PREFIX)[:MAX_GROUPS_LISTED]
+        return sorted(unquote(kv.key.removeprefix(GROUP_STATES_PREFIX)) for kv in kvs)
+
+    # --- commit fencing -------------------------------------------------------------------
+
+    def commit_guard(self, group_id: str, member_id: str, generation: int) -> list[Compare]:
+        """Check that this member may commit now (``group_state.check_commit``) and return
+        the compares that keep it true in the commit's transaction: the state unchanged,
+        and the member's session alive. Raises the group error otherwise."""
+        # The fence first: a membership change after this read moves it, and the
+        # transaction's compare then fails even if the state read below is newer.
+        fence = self._store.get(fence_key(group_id))
+        state, _, alive = self._read(group_id)
+        state = group_state.expire(state, alive, self._clock_ms())
+        group_state.check_commit(state, member_id, generation)
+        compares = [
+            Compare.mod_revision_is(fence_key(group_id), fence.mod_revision if fence else 0)
+        ]
+        if member_id:
+            compares.append(Compare.exists(session_key(group_id, member_id)))
+        return compares
+
+
+def _check_join(
+    topics: Sequence[str], session_timeout_ms: int, rebalance_timeout_ms: int, client_id: str
+) -> tuple[str, ...]:
+    if not topics:
+        raise InvalidRequestError("a member must subscribe to at least one topic")
+    wanted = tuple(sorted(set(topics)))
+    if len(wanted) > MAX_TOPICS_PER_MEMBER:
+        raise InvalidRequestError(
+            f"{len(wanted)} topics in one subscription; the limit is {MAX_TOPICS_PER_MEMBER}"
+        )
+    for topic in wanted:
+        validate_topic_name(topic)
+    if not MIN_SESSION_TIMEOUT_MS <= session_timeout_ms <= MAX_SESSION_TIMEOUT_MS:
+        raise InvalidSessionTimeoutError(
+            f"session timeout {session_timeout_ms} ms is outside "
+            f"{MIN_SESSION_TIMEOUT_MS}..{MAX_SESSION_TIMEOUT_MS} ms"
+        )
+    if not 1 <= rebalance_timeout_ms <= MAX_REBALANCE_TIMEOUT_MS:
+        raise InvalidRequestError(
+            f"rebalance timeout {rebalance_timeout_ms} ms is outside "
+            f"1..{MAX_REBALANCE_TIMEOUT_MS} ms"
+        )
+    if len(client_id) > MAX_CLIENT_ID_CHARS:
+        raise InvalidRequestError(
+            f"client id of {len(client_id)} characters; the limit is {MAX_CLIENT_ID_CHARS}"
+        )
+    return wanted
+
+
+__all__ = ["GroupCoordinator", "JoinOutcome", "session_key", "state_key"]

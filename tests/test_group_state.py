@@ -1,0 +1,116 @@
+"""The pure core of consumer group membership (services/gateway/group_state.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway import group_state
+from services.gateway.group_state import GroupState, Member
+from tidelog.errors import (
+    IllegalGenerationError,
+    RebalanceInProgressError,
+    UnknownMemberIdError,
+)
+
+
+def member(member_id: str, *topics: str, rebalance_timeout_ms: int = 10_000) -> Member:
+    return Member(
+        member_id=member_id,
+        client_id="c",
+        topics=tuple(sorted(topics or ("t",))),
+        session_timeout_ms=10_000,
+        rebalance_timeout_ms=rebalance_timeout_ms,
+        lease_id=1,
+    )
+
+
+COUNTS = {"t": 6, "u": 3}
+
+
+def test_range_assignor_matches_kafkas() -> None:
+    members = [member("b", "t", "u"), member("a", "t", "u"), member("c", "t")]
+    got = group_state.range_assign(members, {"t": 7, "u": 3})
+    # t: 7 partitions over a, b, c -> 3, 2, 2; u: 3 over a, b -> 2, 1.
+    assert got == {
+        "a": (("t", 0), ("t", 1), ("t", 2), ("u", 0), ("u", 1)),
+        "b": (("t", 3), ("t", 4), ("u", 2)),
+        "c": (("t", 5), ("t", 6)),
+    }
+
+
+def test_first_member_completes_alone_and_a_second_waits_for_the_first() -> None:
+    state = group_state.join(GroupState(), member("a"), 0, COUNTS)
+    assert (state.phase, state.generation) == ("stable", 1)
+    assert state.assignment["a"] == tuple(("t", p) for p in range(6))
+
+    state = group_state.join(state, member("b"), 10, COUNTS)
+    assert (state.phase, state.generation) == ("preparing", 1)
+    # a's heartbeat says: join again. Its commits in generation 1 are still accepted.
+    state, error = group_state.heartbeat(state, "a", 1, COUNTS, 20)
+    assert isinstance(error, RebalanceInProgressError)
+    group_state.check_commit(state, "a", 1)
+
+    state = group_state.join(state, member("a"), 30, COUNTS)
+    assert (state.phase, state.generation) == ("stable", 2)
+    assert state.assignment == {
+        "a": (("t", 0), ("t", 1), ("t", 2)),
+        "b": (("t", 3), ("t", 4), ("t", 5)),
+    }
+    with pytest.raises(IllegalGenerationError):
+        group_state.check_commit(state, "a", 1)
+    group_state.check_commit(state, "a", 2)
+
+
+def test_a_member_that_does_not_rejoin_in_time_is_dropped() -> None:
+    state = group_state.join(GroupState(), member("a", rebalance_timeout_ms=1_000), 0, COUNTS)
+    state = group_state.join(state, member("b", rebalance_timeout_ms=1_000), 100, COUNTS)
+    assert state.phase == "preparing"
+    assert group_state.maybe_complete(state, 1_099, COUNTS).phase == "preparing"
+    state = group_state.maybe_complete(state, 1_100, COUNTS)
+    assert (state.phase, state.generation, list(state.members)) == ("stable", 2, ["b"])
+    state, error = group_state.heartbeat(state, "a", 1, COUNTS, 1_200)
+    assert isinstance(error, UnknownMemberIdError)
+
+
+def test_dead_members_are_expired_and_the_rest_rebalance() -> None:
+    state = group_state.join(GroupState(), member("a"), 0, COUNTS)
+    state = group_state.join(state, member("b"), 0, COUNTS)
+    state = group_state.join(state, member("a"), 0, COUNTS)
+    assert state.phase == "stable"
+    state = group_state.expire(state, {"b"}, 5)
+    assert (state.phase, list(state.members)) == ("preparing", ["b"])
+    state = group_state.join(state, member("b"), 6, COUNTS)
+    assert state.assignment == {"b": tuple(("t", p) for p in range(6))}
+    assert group_state.expire(state, set(), 7).phase == "empty"
+
+
+def test_partition_count_change_starts_a_rebalance() -> None:
+    state = group_state.join(GroupState(), member("a"), 0, COUNTS)
+    same, error = group_state.heartbeat(state, "a", 1, COUNTS, 1)
+    assert error is None and same == state
+    grown, error = group_state.heartbeat(state, "a", 1, {"t": 8}, 1)
+    assert isinstance(error, RebalanceInProgressError)
+    state = group_state.join(grown, member("a"), 2, {"t": 8})
+    assert len(state.assignment["a"]) == 8
+
+
+def test_leave_and_commit_rules() -> None:
+    state = group_state.join(GroupState(), member("a"), 0, COUNTS)
+    with pytest.raises(UnknownMemberIdError):
+        group_state.check_commit(state, "", -1)  # an outsider while the group has members
+    with pytest.raises(UnknownMemberIdError):
+        group_state.check_commit(state, "zzz", 1)
+    with pytest.raises(UnknownMemberIdError):
+        group_state.leave(state, "zzz", 0)
+    state = group_state.leave(state, "a", 0)
+    assert state.phase == "empty" and not state.members
+    group_state.check_commit(state, "", -1)  # no members: offsets for anyone
+
+
+def test_state_round_trips_and_refuses_what_it_cannot_read() -> None:
+    state = group_state.join(GroupState(), member("a", "t", "u"), 0, COUNTS)
+    state = group_state.join(state, member("b"), 5, COUNTS)
+    assert group_state.decode(group_state.encode(state)) == state
+    for bad in (b"{", b'{"version": 9}', b'{"version": 1, "phase": "x"}', b"[]"):
+        with pytest.raises(ValueError):
+            group_state.decode(bad)

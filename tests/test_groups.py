@@ -1,0 +1,502 @@
+"""Consumer group membership end to end: real etcd, controller, brokers and gateway;
+consumers in this process and, to be killed with SIGKILL, in processes of their own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+
+import tidelog
+from tests.support.cluster import GatewayProcess, TestCluster, rpc_error_code, wait_for
+from tidelog.errors import ErrorCode, IllegalGenerationError, UnknownMemberIdError
+from tidelog.v1 import gateway_pb2, gateway_pb2_grpc
+
+FAST = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 300}
+"""Short sessions (etcd's lease minimum is 2 s) so failover tests take seconds."""
+
+
+def _produce(
+    address: str, topic: str, partitions: int, per_partition: int, tag: str = ""
+) -> set[bytes]:
+    values: set[bytes] = set()
+    with tidelog.Producer(address) as producer:
+        for p in range(partitions):
+            batch = [f"{topic}-{p}-{i}{tag}".encode() for i in range(per_partition)]
+            producer.send_batch(topic, batch, partition=p).result(30)
+            values.update(batch)
+    return values
+
+
+def _poll_into(
+    consumers: list[tidelog.Consumer], seen: Counter[bytes], until: int, timeout_s: float = 60
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(seen.values()) < until and time.monotonic() < deadline:
+        for consumer in consumers:
+            for record in consumer.poll(timeout_ms=200):
+                assert record.value is not None
+                seen[record.value] += 1
+
+
+def _join(consumer: tidelog.Consumer) -> None:
+    """Poll until the consumer has joined its group with some partitions."""
+    wait_for(lambda: (consumer.poll(timeout_ms=100), consumer.assignment())[1] or None, 30, "join")
+
+
+def _stable_assignments(consumers: list[tidelog.Consumer], partitions: int) -> None:
+    """Poll every consumer until their assignments split all partitions between them."""
+
+    def split() -> bool | None:
+        for consumer in consumers:
+            consumer.poll(timeout_ms=100)
+        owned = [tp for c in consumers for tp in c.assignment()]
+        return (
+            len(owned) == partitions
+            and len(set(owned)) == partitions
+            and all(c.assignment() for c in consumers)
+        ) or None
+
+    wait_for(split, 60, f"{len(consumers)} members splitting {partitions} partitions")
+
+
+def test_members_split_the_partitions_and_read_every_record_once(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("shared", partitions=6, replication_factor=3)
+    consumers = [
+        tidelog.Consumer(gateway.address, group_id="sharers", auto_offset_reset="earliest", **FAST)
+        for _ in range(3)
+    ]
+    try:
+        for consumer in consumers:
+            consumer.subscribe(["shared"])
+        _stable_assignments(consumers, 6)
+        assert sorted(len(c.assignment()) for c in consumers) == [2, 2, 2]
+        values = _produce(gateway.address, "shared", 6, 50)
+        seen: Counter[bytes] = Counter()
+        _poll_into(consumers, seen, len(values))
+        assert set(seen) == values
+        assert max(seen.values()) == 1  # no partition was read by two members
+        with grpc.insecure_channel(gateway.address) as channel:
+            described = gateway_pb2_grpc.GatewayStub(channel).DescribeGroup(
+                gateway_pb2.DescribeGroupRequest(group_id="sharers"), timeout=10
+            )
+        assert described.state == "Stable"
+        assert len(described.members) == 3
+        assert sorted(
+            (tp.topic, tp.partition) for m in described.members for tp in m.assignment
+        ) == [("shared", p) for p in range(6)]
+    finally:
+        for consumer in consumers:
+            consumer.close()
+
+
+def test_members_on_two_gateways_and_in_direct_mode_form_one_group(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The group lives in etcd, not in a gateway: members talking to different gateways
+    (one of them fetching from the leaders directly) share the partitions."""
+    admin.create_topic("spread", partitions=4, replication_factor=1)
+    other = cluster.start_gateway()
+    consumers = [
+        tidelog.Consumer(
+            gateway.address, group_id="spreaders", auto_offset_reset="earliest", **FAST
+        ),
+        tidelog.Consumer(
+            other.address, group_id="spreaders", auto_offset_reset="earliest", direct=True, **FAST
+        ),
+    ]
+    try:
+        for consumer in consumers:
+            consumer.subscribe(["spread"])
+        _stable_assignments(consumers, 4)
+        values = _produce(gateway.address, "spread", 4, 25)
+        seen: Counter[bytes] = Counter()
+        _poll_into(consumers, seen, len(values))
+        assert set(seen) == values and max(seen.values()) == 1
+    finally:
+        for consumer in consumers:
+            consumer.close()
+
+
+def test_a_member_that_leaves_hands_its_partitions_over_at_once(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """close() commits and leaves: the other member takes the partitions over from the
+    committed offsets, without waiting out a session (45 s by default)."""
+    admin.create_topic("handover", partitions=4, replication_factor=1)
+    stayer = tidelog.Consumer(gateway.address, group_id="handing", auto_offset_reset="earliest")
+    leaver = tidelog.Consumer(gateway.address, group_id="handing", auto_offset_reset="earliest")
+    try:
+        stayer.subscribe(["handover"])
+        leaver.subscribe(["handover"])
+        _stable_assignments([stayer, leaver], 4)
+        values = _produce(gateway.address, "handover", 4, 30)
+        seen: Counter[bytes] = Counter()
+        _poll_into([leaver], seen, 60)  # everything of its two partitions
+        assert len(seen) == 60
+        leaver.close()
+        started = time.monotonic()
+        values |= _produce(gateway.address, "handover", 4, 30, tag="-after")
+        _poll_into([stayer], seen, len(values))
+        assert time.monotonic() - started < 30
+        assert set(seen) == values
+        assert max(seen.values()) == 1  # resumed from the leaver's commits
+        assert len(stayer.assignment()) == 4
+    finally:
+        stayer.close()
+        leaver.close()
+
+
+_MEMBER_SCRIPT = textwrap.dedent(
+    """
+    import sys, tidelog
+    address, group, topic, out = sys.argv[1:5]
+    consumer = tidelog.Consumer(
+        address, group_id=group, auto_offset_reset="earliest",
+        session_timeout_ms=2000, heartbeat_interval_ms=300,
+    )
+    consumer.subscribe([topic])
+    with open(out, "a", buffering=1) as sink:
+        while True:
+            records = consumer.poll(timeout_ms=200)
+            for r in records:
+                sink.write(r.value.decode() + "\\n")
+            if records:
+                consumer.commit()
+                sink.write("COMMITTED\\n")
+    """
+)
+
+
+def test_a_killed_member_is_replaced_after_its_session_and_no_record_is_lost(
+    gateway: GatewayProcess, admin: tidelog.Admin, tmp_path: Path
+) -> None:
+    """kill -9 of a member: no leave, no commit of what it read after its last commit.
+    When its session ends the survivor gets its partitions and reads from the committed
+    offsets: every record is read, and only what the dead member read after its last
+    commit twice."""
+    admin.create_topic("orphaned", partitions=4, replication_factor=3)
+    out = tmp_path / "member.out"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    member = subprocess.Popen(
+        [sys.executable, "-c", _MEMBER_SCRIPT, gateway.address, "orphans", "orphaned", str(out)],
+        env=env,
+    )
+    survivor = tidelog.Consumer(
+        gateway.address, group_id="orphans", auto_offset_reset="earliest", **FAST
+    )
+    try:
+        survivor.subscribe(["orphaned"])
+
+        def split() -> bool | None:
+            survivor.poll(timeout_ms=100)
+            return len(survivor.assignment()) == 2 or None
+
+        wait_for(split, 60, "the survivor holding half the partitions")
+        values = _produce(gateway.address, "orphaned", 4, 40)
+        seen: Counter[bytes] = Counter()
+        _poll_into([survivor], seen, 80)
+        wait_for(
+            lambda: (out.exists() and out.read_text().count("COMMITTED") >= 1) or None,
+            30,
+            "the member to read and commit",
+        )
+        member.send_signal(signal.SIGKILL)
+        member.wait(10)
+        lines = out.read_text().split()
+        read_by_member = {v.encode() for v in lines if v != "COMMITTED"}
+        last_commit = len(lines) - 1 - lines[::-1].index("COMMITTED")
+        committed_by_member = {v.encode() for v in lines[:last_commit] if v != "COMMITTED"}
+        assert committed_by_member
+
+        # The survivor reads every record the member had not committed: nothing is lost.
+        # (What the member read after the last commit the file shows may have been
+        # committed too, by an auto-commit or a commit the kill cut short of its line.)
+        # Records written after the kill: only the survivor can read those of the dead
+        # member's partitions, once its session ended and the group rebalanced.
+        after = _produce(gateway.address, "orphaned", 4, 10, tag="-after")
+        values |= after
+
+        def rest_read() -> bool | None:
+            _poll_into([survivor], seen, sum(seen.values()) + 1, timeout_s=0.5)
+            return (after <= set(seen) and set(seen) | read_by_member == values) or None
+
+        wait_for(rest_read, 60, "the survivor to read the rest")
+        assert len(survivor.assignment()) == 4
+        assert set(seen) | read_by_member == values
+        assert not set(seen) & committed_by_member  # resumed from the member's commits
+        assert max(seen.values()) == 1
+    finally:
+        if member.poll() is None:
+            member.kill()
+        survivor.close()
+
+
+def test_a_member_past_max_poll_interval_is_fenced_from_committing(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A member that stops polling leaves the group (its heartbeat thread does, as
+    Kafka's); its commit afterwards is refused and does not overwrite the next owner's."""
+    admin.create_topic("stalled", partitions=2, replication_factor=1)
+    _produce(gateway.address, "stalled", 2, 10)
+    slow = tidelog.Consumer(
+        gateway.address,
+        group_id="stallers",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        max_poll_interval_ms=1_500,
+        **FAST,
+    )
+    other = tidelog.Consumer(
+        gateway.address, group_id="stallers", auto_offset_reset="earliest", **FAST
+    )
+    try:
+        slow.subscribe(["stalled"])
+        wait_for(lambda: slow.poll(timeout_ms=100) or None, 30, "the slow member to read")
+        generation_records = slow.assignment()
+        assert len(generation_records) == 2
+        other.subscribe(["stalled"])
+        # The slow member does not poll; the other one takes everything over once the
+        # slow one's heartbeat thread leaves (max_poll_interval_ms).
+        wait_for(
+            lambda: (other.poll(timeout_ms=200), len(other.assignment()) == 2)[1] or None,
+            30,
+            "the other member owning both partitions",
+        )
+        _poll_into([other], Counter(), 20)
+        other.commit()
+        committed = other.committed([("stalled", 0), ("stalled", 1)])
+        with pytest.raises((UnknownMemberIdError, IllegalGenerationError)):
+            slow.commit({("stalled", 0): 1, ("stalled", 1): 1})
+        assert other.committed([("stalled", 0), ("stalled", 1)]) == committed
+    finally:
+        slow.close()
+        other.close()
+
+
+def test_an_assigned_consumer_cannot_commit_over_an_active_group(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("guarded", partitions=1, replication_factor=1)
+    member = tidelog.Consumer(gateway.address, group_id="guards", **FAST)
+    outsider = tidelog.Consumer(gateway.address, group_id="guards", enable_auto_commit=False)
+    try:
+        member.subscribe(["guarded"])
+        _join(member)
+        outsider.assign([("guarded", 0)])
+        with pytest.raises(UnknownMemberIdError, match="active members"):
+            outsider.commit({("guarded", 0): 5})
+        assert outsider.committed([("guarded", 0)]) == {("guarded", 0): -1}
+        member.close()  # the group is empty again: offsets may be stored by anyone
+        outsider.commit({("guarded", 0): 5})
+        assert outsider.committed([("guarded", 0)]) == {("guarded", 0): 5}
+    finally:
+        member.close()
+        outsider.close()
+
+
+def test_added_partitions_are_assigned_after_a_rebalance(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("growing", partitions=2, replication_factor=1)
+    consumer = tidelog.Consumer(
+        gateway.address, group_id="growers", auto_offset_reset="earliest", **FAST
+    )
+    try:
+        consumer.subscribe(["growing"])
+        _join(consumer)
+        admin.create_partitions("growing", 4)
+        wait_for(
+            lambda: (consumer.poll(timeout_ms=200), len(consumer.assignment()) == 4)[1] or None,
+            30,
+            "the new partitions assigned",
+        )
+        values = _produce(gateway.address, "growing", 4, 5)
+        seen: Counter[bytes] = Counter()
+        _poll_into([consumer], seen, len(values))
+        assert set(seen) == values
+    finally:
+        consumer.close()
+
+
+def test_group_rpcs_refuse_bad_input_and_change_nothing(gateway: GatewayProcess) -> None:
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def join(**fields: object) -> gateway_pb2.JoinGroupResponse:
+            request = dict(
+                group_id="bad-input",
+                topics=["t"],
+                session_timeout_ms=10_000,
+                rebalance_timeout_ms=10_000,
+            )
+            request.update(fields)
+            return stub.JoinGroup(gateway_pb2.JoinGroupRequest(**request), timeout=10)
+
+        cases = [
+            (
+                {"session_timeout_ms": 10},
+                ErrorCode.INVALID_SESSION_TIMEOUT,
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            ({"topics": []}, ErrorCode.INVALID_REQUEST, grpc.StatusCode.INVALID_ARGUMENT),
+            ({"topics": ["no/slash"]}, ErrorCode.INVALID_TOPIC, grpc.StatusCode.INVALID_ARGUMENT),
+            ({"group_id": ""}, ErrorCode.INVALID_GROUP_ID, grpc.StatusCode.INVALID_ARGUMENT),
+            (
+                {"rebalance_timeout_ms": 0},
+                ErrorCode.INVALID_REQUEST,
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+        ]
+        for fields, code, status in cases:
+            with pytest.raises(grpc.RpcError) as failed:
+                join(**fields)
+            assert rpc_error_code(failed.value) == code, fields
+            assert failed.value.code() == status, fields
+        unknown = join(member_id="nobody")
+        assert unknown.error.code == ErrorCode.UNKNOWN_MEMBER_ID
+        heartbeat = stub.Heartbeat(
+            gateway_pb2.HeartbeatRequest(group_id="bad-input", member_id="nobody", generation_id=1),
+            timeout=10,
+        )
+        assert heartbeat.error.code == ErrorCode.UNKNOWN_MEMBER_ID
+        left = stub.LeaveGroup(
+            gateway_pb2.LeaveGroupRequest(group_id="bad-input", member_id="nobody"), timeout=10
+        )
+        assert left.error.code == ErrorCode.UNKNOWN_MEMBER_ID
+        described = stub.DescribeGroup(
+            gateway_pb2.DescribeGroupRequest(group_id="bad-input"), timeout=10
+        )
+        assert (described.state, described.generation_id, len(described.members)) == ("Empty", 0, 0)
+
+
+def test_revocation_is_told_on_every_way_partitions_are_given_up(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """on_partitions_revoked (Kafka's ConsumerRebalanceListener) hears of every giving
+    up: a rebalance, a new subscription, unsubscribe and close; an empty group then
+    leaves no membership state behind (generation 0 again)."""
+    admin.create_topic("told-a", partitions=2, replication_factor=1)
+    admin.create_topic("told-b", partitions=1, replication_factor=1)
+    events: list[tuple[str, list[tuple[str, int]]]] = []
+
+    def listen(consumer: tidelog.Consumer, topics: list[str]) -> None:
+        consumer.subscribe(
+            topics,
+            on_partitions_revoked=lambda tps: events.append(("revoked", sorted(tps))),
+            on_partitions_assigned=lambda tps: events.append(("assigned", sorted(tps))),
+        )
+
+    consumer = tidelog.Consumer(gateway.address, group_id="tellers", **FAST)
+    try:
+        listen(consumer, ["told-a"])
+        _join(consumer)
+        listen(consumer, ["told-b"])
+        assert events[-1] == ("revoked", [("told-a", 0), ("told-a", 1)])
+        _join(consumer)
+        assert events[-1] == ("assigned", [("told-b", 0)])
+        consumer.unsubscribe()
+        assert events[-1] == ("revoked", [("told-b", 0)])
+        listen(consumer, ["told-a", "told-b"])
+        _join(consumer)
+        consumer.close()
+        assert events[-1] == ("revoked", [("told-a", 0), ("told-a", 1), ("told-b", 0)])
+    finally:
+        consumer.close()
+    described = tidelog.Admin(gateway.address).describe_group_members("tellers")
+    assert (described.state, described.generation, described.members) == ("Empty", 0, ())
+
+
+def test_many_members_joining_at_once_all_get_in(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Concurrent joins contend for the group's state key: they back off and retry (the
+    SDK retries a join the gateway could not write) rather than fail."""
+    admin.create_topic("crowded", partitions=8, replication_factor=1)
+    consumers = [tidelog.Consumer(gateway.address, group_id="crowd", **FAST) for _ in range(8)]
+    try:
+        for consumer in consumers:
+            consumer.subscribe(["crowded"])
+        _stable_assignments(consumers, 8)
+        assert all(len(c.assignment()) == 1 for c in consumers)
+    finally:
+        for consumer in consumers:
+            consumer.close()
+
+
+def test_a_group_too_big_for_its_metadata_is_refused_and_changes_nothing(
+    gateway: GatewayProcess,
+) -> None:
+    """Members naming many long topics would make the group's state larger than etcd
+    takes in one request; the join is refused (not retried for ever) and the members
+    already in are untouched."""
+    topics = [f"{i:04d}" + "t" * 245 for i in range(1000)]  # 1000 names of 249 characters
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def join() -> gateway_pb2.JoinGroupResponse:
+            return stub.JoinGroup(
+                gateway_pb2.JoinGroupRequest(
+                    group_id="bloated",
+                    topics=topics,
+                    session_timeout_ms=10_000,
+                    rebalance_timeout_ms=10_000,
+                    max_wait_ms=0,
+                ),
+                timeout=30,
+            )
+
+        joined = 0
+        with pytest.raises(grpc.RpcError) as refused:
+            for _ in range(10):
+                join()
+                joined += 1
+        assert rpc_error_code(refused.value) == ErrorCode.GROUP_MAX_SIZE_REACHED
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "bytes of metadata" in (refused.value.details() or "")
+        assert joined >= 2
+        described = stub.DescribeGroup(
+            gateway_pb2.DescribeGroupRequest(group_id="bloated"), timeout=10
+        )
+        assert len(described.members) == joined
+
+
+def test_cli_consume_with_a_group_stops_when_others_hold_every_partition(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("held", partitions=1, replication_factor=1)
+    # Member ids start with the client id, and the range assignor gives the only
+    # partition to the first member id: "a-holder-..." sorts before the CLI's.
+    holder = tidelog.Consumer(gateway.address, group_id="holders", client_id="a-holder", **FAST)
+    try:
+        holder.subscribe(["held"])
+        _join(holder)
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        env["TIDELOG_GATEWAY"] = gateway.address
+        ran = subprocess.Popen(
+            [sys.executable, "-m", "tidelog", "consume", "held", "--group", "holders"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        # The holder keeps polling (its heartbeats answer the CLI member's join).
+        deadline = time.monotonic() + 60
+        while ran.poll() is None and time.monotonic() < deadline:
+            holder.poll(timeout_ms=200)
+        assert ran.poll() == 0, "the CLI consumer did not stop"
+        assert "hold every partition" in (ran.stderr.read() if ran.stderr else "")
+    finally:
+        if ran.poll() is None:
+            ran.kill()
+        holder.close()

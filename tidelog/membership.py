@@ -1,0 +1,274 @@
+"""A consumer's membership in its group: Kafka's ``ConsumerCoordinator``, client side.
+
+A consumer with a ``group_id`` that ``subscribe``s is a member of its group: the gateway
+splits the subscribed topics' partitions among the members (Kafka's range assignor) and
+moves them when members come, go or die, or a topic's partition count changes. The
+protocol is Kafka's eager one (docs/SDK.md, consumer groups):
+
+1. ``JoinGroup`` until it answers NONE with this member's partitions. A rebalance waits
+   until every member joined again (or its rebalance timeout passed), so a partition's
+   previous owner has given it up, and committed its position, before the next owner
+   reads the committed offset.
+2. A heartbeat thread sends ``Heartbeat`` every ``heartbeat_interval_ms``. An answer of
+   REBALANCE_IN_PROGRESS, ILLEGAL_GENERATION or UNKNOWN_MEMBER_ID makes the next
+   ``poll`` give up every partition (committing first with auto-commit) and join again.
+   No heartbeat for ``session_timeout_ms`` (a dead process) ends the membership.
+3. A ``poll`` more than ``max_poll_interval_ms`` after the previous one means the
+   application is stuck: the heartbeat thread leaves the group, as Kafka's does, so the
+   partitions move on; the next ``poll`` joins again.
+4. ``close`` and ``unsubscribe`` leave the group at once.
+
+Commits name the member and its generation; the gateway refuses those of a member that
+is no longer in the generation that owns the partitions (Kafka's commit fencing).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from tidelog.client import GatewayConnection
+from tidelog.errors import ErrorCode, TidelogError, error_for_code
+from tidelog.v1 import gateway_pb2
+
+_log = logging.getLogger(__name__)
+
+TopicPartition = tuple[str, int]
+
+REJOIN_CODES: Final = frozenset(
+    {
+        ErrorCode.REBALANCE_IN_PROGRESS,
+        ErrorCode.ILLEGAL_GENERATION,
+        ErrorCode.UNKNOWN_MEMBER_ID,
+    }
+)
+"""Answers that mean "your partitions may be someone else's now: join again"."""
+JOIN_RETRY_BACKOFF_S: Final = 0.1
+
+
+class GroupMembership:
+    """Join, heartbeat and leave for one consumer. ``join`` and ``leave`` run on the
+    consumer's thread; the heartbeat thread only sends heartbeats (and, past
+    ``max_poll_interval_ms``, a leave) and raises the rejoin flag."""
+
+    def __init__(
+        self,
+        conn: GatewayConnection,
+        group_id: str,
+        *,
+        client_id: str,
+        session_timeout_ms: int,
+        rebalance_timeout_ms: int,
+        heartbeat_interval_ms: int,
+        max_poll_interval_ms: int,
+        wake: Callable[[], None],
+    ) -> None:
+        self._conn = conn
+        self.group_id = group_id
+        self._client_id = client_id
+        self._session_timeout_ms = session_timeout_ms
+        self._rebalance_timeout_ms = rebalance_timeout_ms
+        self._heartbeat_s = heartbeat_interval_ms / 1000
+        self._max_poll_interval_s = max_poll_interval_ms / 1000
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._member_id = ""
+        self._generation = -1
+        self._joined = False  # the current generation's assignment is in use
+        # The partitions may be someone else's already (ILLEGAL_GENERATION,
+        # UNKNOWN_MEMBER_ID, or left for max_poll_interval_ms): Kafka's "partitions lost".
+        self._lost = False
+        self._last_poll = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the consumer's thread ------------------------------------------------------------
+
+    @property
+    def member_id(self) -> str:
+        with self._lock:
+            return self._member_id
+
+    @property
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
+
+    def needs_join(self) -> bool:
+        with self._lock:
+            return not self._joined
+
+    def partitions_lost(self) -> bool:
+        """Whether the partitions held may already be another member's (not only about
+        to move): their buffered records must not be handed out, nor commits tried."""
+        with self._lock:
+            return self._lost
+
+    def request_rejoin(self) -> None:
+        with self._lock:
+            self._joined = False
+
+    def polled(self) -> None:
+        self._last_poll = time.monotonic()
+
+    def commit_identity(self) -> tuple[str, int]:
+        """The member id and generation a commit names ("" and -1 when not joined)."""
+        with self._lock:
+            if not self._member_id:
+                return "", -1
+            return self._member_id, self._generation
+
+    def join(self, topics: Sequence[str], deadline: float) -> list[TopicPartition] | None:
+        """Join (again) with ``topics``; this member's partitions, or None when
+        ``deadline`` (monotonic) came first (the next call goes on with the same member id).
+        Raises the gateway's error for a request it refuses (a bad topic name)."""
+        self._start_heartbeats()
+        while True:
+            request = gateway_pb2.JoinGroupRequest(
+                group_id=self.group_id,
+                member_id=self.member_id,
+                topics=list(topics),
+                session_timeout_ms=self._session_timeout_ms,
+                rebalance_timeout_ms=self._rebalance_timeout_ms,
+                client_id=self._client_id,
+                max_wait_ms=max(0, int((deadline - time.monotonic()) * 1000)),
+            )
+            try:
+                response: gateway_pb2.JoinGroupResponse = self._conn.call(
+                    self._conn.stub.JoinGroup, request, f"join group {self.group_id!r}"
+                )
+            except TidelogError as exc:
+                # An unreachable gateway, or a group changing too fast to write: ask again.
+                if not (exc.retriable or exc.code == ErrorCode.REBALANCE_IN_PROGRESS):
+                    raise
+                if time.monotonic() + JOIN_RETRY_BACKOFF_S >= deadline:
+                    return None
+                time.sleep(JOIN_RETRY_BACKOFF_S)
+                continue
+            code = ErrorCode(response.error.code)
+            if code == ErrorCode.NONE:
+                with self._lock:
+                    self._member_id = response.member_id
+                    self._generation = response.generation_id
+                    self._joined = True
+                    self._lost = False
+                assignment = [(tp.topic, tp.partition) for tp in response.assignment]
+                _log.info(
+                    "joined group %r as %s in generation %d: %d partition(s)",
+                    self.group_id,
+                    response.member_id,
+                    response.generation_id,
+                    len(assignment),
+                )
+                return assignment
+            if code == ErrorCode.UNKNOWN_MEMBER_ID:
+                with self._lock:
+                    self._member_id = ""  # join as a new member
+                    self._generation = -1
+            elif code == ErrorCode.REBALANCE_IN_PROGRESS:
+                with self._lock:
+                    self._member_id = response.member_id
+            else:
+                raise error_for_code(
+                    code, f"join group {self.group_id!r}: {response.error.message}"
+                )
+            if time.monotonic() + JOIN_RETRY_BACKOFF_S >= deadline:
+                return None
+            if code == ErrorCode.UNKNOWN_MEMBER_ID:
+                time.sleep(JOIN_RETRY_BACKOFF_S)
+
+    def on_commit_error(self, error: TidelogError) -> None:
+        """A commit was refused by the group: its partitions may be gone; join again."""
+        if error.code in REJOIN_CODES:
+            with self._lock:
+                self._joined = False
+                if error.code != ErrorCode.REBALANCE_IN_PROGRESS:
+                    self._lost = True
+                if error.code == ErrorCode.UNKNOWN_MEMBER_ID:
+                    self._member_id = ""
+                    self._generation = -1
+
+    def leave(self) -> None:
+        """Leave the group now (best effort: a gateway that cannot be reached lets the
+        session end by itself) and stop heartbeating."""
+        self._stopped.set()
+        with self._lock:
+            member_id, self._member_id = self._member_id, ""
+            self._generation = -1
+            self._joined = False
+        if member_id:
+            self._send_leave(member_id)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self._conn.timeout_s)
+
+    def _send_leave(self, member_id: str) -> None:
+        try:
+            self._conn.call(
+                self._conn.stub.LeaveGroup,
+                gateway_pb2.LeaveGroupRequest(group_id=self.group_id, member_id=member_id),
+                f"leave group {self.group_id!r}",
+            )
+        except TidelogError as exc:
+            _log.warning("could not leave group %r (%s); its session will end", self.group_id, exc)
+
+    # --- the heartbeat thread -------------------------------------------------------------
+
+    def _start_heartbeats(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopped.clear()
+        self._thread = threading.Thread(
+            target=self._heartbeat_loop, name=f"tidelog-heartbeat-{self.group_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopped.wait(self._heartbeat_s):
+            with self._lock:
+                member_id, generation = self._member_id, self._generation
+            if not member_id:
+                continue
+            if time.monotonic() - self._last_poll > self._max_poll_interval_s:
+                _log.warning(
+                    "no poll for over max_poll_interval_ms (%d ms): leaving group %r so its "
+                    "partitions move on; the next poll joins again",
+                    int(self._max_poll_interval_s * 1000),
+                    self.group_id,
+                )
+                with self._lock:
+                    if self._member_id == member_id:
+                        self._member_id, self._generation, self._joined = "", -1, False
+                        self._lost = True
+                self._send_leave(member_id)
+                self._wake()
+                continue
+            try:
+                response: gateway_pb2.HeartbeatResponse = self._conn.call(
+                    self._conn.stub.Heartbeat,
+                    gateway_pb2.HeartbeatRequest(
+                        group_id=self.group_id, member_id=member_id, generation_id=generation
+                    ),
+                    f"heartbeat to group {self.group_id!r}",
+                )
+            except TidelogError as exc:
+                # The gateway is unreachable or busy: try again at the next interval (the
+                # session outlives a few missed heartbeats).
+                _log.debug("heartbeat failed: %s", exc)
+                continue
+            code = ErrorCode(response.error.code)
+            if code == ErrorCode.NONE:
+                continue
+            with self._lock:
+                if (self._member_id, self._generation) != (member_id, generation):
+                    continue  # answered about a generation the consumer already left
+                self._joined = False
+                if code != ErrorCode.REBALANCE_IN_PROGRESS:
+                    self._lost = True
+                if code == ErrorCode.UNKNOWN_MEMBER_ID:
+                    self._member_id, self._generation = "", -1
+            _log.info("group %r: %s; joining again", self.group_id, response.error.message)
+            self._wake()
