@@ -315,6 +315,17 @@ def _to_source_schema(
     ]
     names = ["key", "value", "topic", "partition", "offset", "timestamp", "timestampType"]
     if include_headers:
-        columns.append(records.column("headers"))
+        columns.append(_null_when_empty(pa, pc, records.column("headers")))
         names.append("headers")
     return pa.RecordBatch.from_arrays(columns, names=names)
+
+
+def _null_when_empty(pa: Any, pc: Any, headers: Any) -> Any:
+    """A record without headers has ``headers = null``, as in Spark's Kafka source (its
+    row converter gives null for an empty header list), not an empty array. One Arrow
+    kernel per batch: the list's validity is "has at least one header"."""
+    if isinstance(headers, pa.ChunkedArray):
+        headers = headers.combine_chunks()
+    empty = pc.equal(pc.list_value_length(headers), 0)
+    offsets = pc.subtract(headers.offsets, headers.offsets[0])  # a slice's own offsets
+    return pa.ListArray.from_arrays(offsets, headers.flatten(), mask=empty)
