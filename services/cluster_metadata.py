@@ -51,6 +51,26 @@ def committed_offset_owner(kv: KeyValue) -> tuple[str, str | None] | None:
     return parts[1], None if topic_id is None else str(topic_id)
 
 
+def committed_offset_time_ms(kv: KeyValue) -> int | None:
+    """When a ``groups/<group>/<topic>/<p>`` offset was committed (the gateway's wall
+    clock, ms); None when the value has no time (written before commits carried one)."""
+    try:
+        value = json.loads(kv.value).get("commit_time_ms")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def group_of_offset_key(key: str) -> str:
+    """The group part (percent-encoded, as in every group key) of an offset key."""
+    return key.removeprefix(GROUPS_PREFIX).split("/", 1)[0]
+
+
+def group_state_key(encoded_group: str) -> str:
+    """A group's membership state key (1.8), from its percent-encoded id."""
+    return f"{GROUP_STATES_PREFIX}{encoded_group}"
+
+
 def broker_key(broker_id: int) -> str:
     return f"{BROKERS_PREFIX}{broker_id}"
 

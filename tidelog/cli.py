@@ -332,6 +332,22 @@ def _add_controller(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="how often to restore preferred leaders where a broker's leadership imbalance "
         "exceeds 10%% (Kafka's leader.imbalance.check.interval.seconds; default: 300)",
     )
+    parser.add_argument(
+        "--offsets-retention-ms",
+        type=_positive_int,
+        default=7 * 24 * 3600 * 1000,
+        metavar="MS",
+        help="a consumer group without members loses its committed offsets this long after "
+        "its last commit (Kafka's offsets.retention.minutes; default: 7 days)",
+    )
+    parser.add_argument(
+        "--offsets-retention-check-interval-s",
+        type=_positive_float,
+        default=600.0,
+        metavar="S",
+        help="how often to look for expired group offsets "
+        "(Kafka's offsets.retention.check.interval.ms; default: 600)",
+    )
     _add_advertised_host(parser)
     _add_logging(parser)
     parser.set_defaults(handler="services.controller.node:main")

@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
+from urllib.parse import unquote
 
 import structlog
 
@@ -50,6 +51,7 @@ from services.cluster_metadata import (
     CLUSTER_ID_KEY,
     CONTROLLER_KEY,
     DELETIONS_PREFIX,
+    GROUP_STATES_PREFIX,
     GROUPS_PREFIX,
     PARTITIONS_PREFIX,
     PRODUCER_IDS_KEY,
@@ -57,6 +59,7 @@ from services.cluster_metadata import (
     ControllerInfo,
     PendingDeletion,
     committed_offset_owner,
+    committed_offset_time_ms,
     decode_broker,
     decode_cluster_id,
     decode_controller,
@@ -70,6 +73,8 @@ from services.cluster_metadata import (
     encode_partition,
     encode_producer_ids,
     encode_topic,
+    group_of_offset_key,
+    group_state_key,
     partition_key,
     partitions_prefix,
     topic_key,
@@ -86,6 +91,12 @@ from services.controller.channel import (
     PartitionAssignmentState,
 )
 from services.controller.election import ControllerElection
+from services.controller.offset_expiry import (
+    OFFSETS_RETENTION_CHECK_INTERVAL_S,
+    OFFSETS_RETENTION_MS,
+    StoredOffset,
+    expired_groups,
+)
 from services.controller.state import (
     LEADER_IMBALANCE_PERCENTAGE,
     Broker,
@@ -135,6 +146,9 @@ the operations of a transaction (``--max-txn-ops``; ``EtcdProcess`` sets 4096, e
 default is 128). The same bound applies to the total after CreatePartitions."""
 
 PRODUCER_ID_BLOCK_SIZE: Final = 1_000
+EXPIRY_KEYS_PER_TXN: Final = 50
+"""Offsets deleted per transaction: a compare and a delete each, under etcd's default
+--max-txn-ops of 128."""
 """Producer ids per AllocateProducerIds answer (Kafka's block size, KIP-730)."""
 
 MAX_PRODUCER_ID: Final = 2**63 - 1
@@ -173,14 +187,25 @@ class ControllerConfig:
     # Period of the housekeeping pass (resync after failures, deletion clean-up, the
     # imbalance check's clock).
     housekeeping_interval_s: float = 0.25
+    # Kafka's offsets.retention.minutes and offsets.retention.check.interval.ms: a group
+    # without members loses its committed offsets this long after its last commit
+    # (offset_expiry.py), checked this often.
+    offsets_retention_ms: int = OFFSETS_RETENTION_MS
+    offsets_retention_check_interval_s: float = OFFSETS_RETENTION_CHECK_INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.controller_id < 0:
             raise ValueError(f"controller id must be >= 0, got {self.controller_id}")
         if self.session_ttl_s < 1:
             raise ValueError("session_ttl_s must be >= 1")
-        if self.imbalance_check_interval_s <= 0 or self.housekeeping_interval_s <= 0:
+        if (
+            self.imbalance_check_interval_s <= 0
+            or self.housekeeping_interval_s <= 0
+            or self.offsets_retention_check_interval_s <= 0
+        ):
             raise ValueError("intervals must be positive")
+        if self.offsets_retention_ms < 1:
+            raise ValueError("offsets_retention_ms must be >= 1")
         if not 0 <= self.leader_imbalance_percentage <= 100:
             raise ValueError("leader_imbalance_percentage must be within 0..100")
         if not 1 <= self.max_partitions_per_topic <= MAX_PARTITIONS_PER_TOPIC:
@@ -358,6 +383,7 @@ class _Term:
     # False until the first read of etcd completed: requests wait for it (NOT_CONTROLLER).
     ready: bool = False
     next_imbalance_check: float = 0.0
+    next_offset_expiry: float = 0.0
 
 
 def _kv_from_event(event: WatchEvent) -> KeyValue:
@@ -449,6 +475,7 @@ class Controller:
         term = _Term(epoch=epoch, channel=channel)
         term_box.append(term)
         term.next_imbalance_check = time.monotonic() + self.config.imbalance_check_interval_s
+        term.next_offset_expiry = time.monotonic() + self.config.offsets_retention_check_interval_s
         with self._lock:
             self._term = term
         self._log.info("activating", epoch=epoch)
@@ -951,6 +978,11 @@ class Controller:
                     self._log.info("resync", epoch=term.epoch)
                     self._resync(term)
                 self._finish_deletions(term)
+                if time.monotonic() >= term.next_offset_expiry:
+                    term.next_offset_expiry = (
+                        time.monotonic() + self.config.offsets_retention_check_interval_s
+                    )
+                    self._expire_group_offsets(term)
                 if time.monotonic() >= term.next_imbalance_check:
                     term.next_imbalance_check = (
                         time.monotonic() + self.config.imbalance_check_interval_s
@@ -1015,6 +1047,42 @@ class Controller:
                 deleted += 1
         if deleted:
             self._log.info("group_offsets_deleted", topics=sorted(ids), offsets=deleted)
+
+    def _expire_group_offsets(self, term: _Term) -> None:
+        """Delete the committed offsets of groups without members whose last commit is
+        older than ``offsets_retention_ms`` (``offset_expiry``). Each group's offsets go in
+        transactions that compare every key's revision (a commit since the read keeps
+        them) and that the group has no membership state (a member since keeps them)."""
+        with self._lock:
+            if self._term is not term or term.deposed or not term.ready:
+                return
+        offsets = [
+            StoredOffset(
+                key=kv.key,
+                group=group_of_offset_key(kv.key),
+                commit_time_ms=committed_offset_time_ms(kv),
+                mod_revision=kv.mod_revision,
+            )
+            for kv in self._store.get_prefix(GROUPS_PREFIX)
+            if committed_offset_owner(kv) is not None
+        ]
+        with_members = {
+            kv.key.removeprefix(GROUP_STATES_PREFIX)
+            for kv in self._store.get_prefix(GROUP_STATES_PREFIX)
+        }
+        expired = expired_groups(
+            offsets, with_members, int(time.time() * 1000), self.config.offsets_retention_ms
+        )
+        for group, stored in sorted(expired.items()):
+            deleted = 0
+            for start in range(0, len(stored), EXPIRY_KEYS_PER_TXN):
+                chunk = stored[start : start + EXPIRY_KEYS_PER_TXN]
+                compares = [Compare.absent(group_state_key(group))]
+                compares += [Compare.mod_revision_is(o.key, o.mod_revision) for o in chunk]
+                if self._store.txn(compares, [DeleteOp(o.key) for o in chunk]).succeeded:
+                    deleted += len(chunk)
+            if deleted:
+                self._log.info("group_offsets_expired", group=unquote(group), offsets=deleted)
 
     def _auto_rebalance(self, term: _Term) -> None:
         """Kafka's auto.leader.rebalance: preferred elections where a broker is imbalanced."""

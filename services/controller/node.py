@@ -26,6 +26,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.controller.controller import Controller, ControllerConfig
+from services.controller.offset_expiry import (
+    OFFSETS_RETENTION_CHECK_INTERVAL_S,
+    OFFSETS_RETENTION_MS,
+)
 from services.controller.server import ControllerServicer
 from services.metastore import MetaStore
 from services.process import bind, format_address, new_server, serve_until_signal
@@ -59,6 +63,8 @@ class ControllerNodeConfig:
     cluster: str = "default"
     session_ttl_s: int = 10
     imbalance_check_interval_s: float = 300.0
+    offsets_retention_ms: int = OFFSETS_RETENTION_MS
+    offsets_retention_check_interval_s: float = OFFSETS_RETENTION_CHECK_INTERVAL_S
     # The host standbys, gateways and brokers dial to reach this controller; None: the
     # listen host, or this machine's FQDN when listening on a wildcard.
     advertised_host: str | None = None
@@ -70,6 +76,8 @@ class ControllerNodeConfig:
             raise ValueError("--session-ttl-s must be >= 1")
         if self.imbalance_check_interval_s <= 0:
             raise ValueError("--imbalance-check-interval-s must be > 0")
+        if self.offsets_retention_ms < 1 or self.offsets_retention_check_interval_s <= 0:
+            raise ValueError("--offsets-retention-ms and its check interval must be > 0")
 
 
 class ControllerNode:
@@ -120,6 +128,8 @@ class ControllerNode:
                 advertised_address=self.address,
                 session_ttl_s=config.session_ttl_s,
                 imbalance_check_interval_s=config.imbalance_check_interval_s,
+                offsets_retention_ms=config.offsets_retention_ms,
+                offsets_retention_check_interval_s=config.offsets_retention_check_interval_s,
             ),
         )
         controller_pb2_grpc.add_ControllerServicer_to_server(
@@ -174,6 +184,8 @@ def main(args: argparse.Namespace) -> int:
             cluster=args.cluster,
             session_ttl_s=args.session_ttl_s,
             imbalance_check_interval_s=args.imbalance_check_interval_s,
+            offsets_retention_ms=args.offsets_retention_ms,
+            offsets_retention_check_interval_s=args.offsets_retention_check_interval_s,
             advertised_host=getattr(args, "advertised_host", None),
         )
     except (ValueError, TidelogError) as exc:

@@ -36,6 +36,7 @@ from services.cluster_metadata import (
     GROUP_FENCES_PREFIX,
     GROUP_SESSIONS_PREFIX,
     GROUP_STATES_PREFIX,
+    group_state_key,
 )
 from services.gateway import group_state
 from services.gateway.group_state import GroupState, Member, TopicPartition
@@ -87,7 +88,7 @@ MAX_GROUPS_LISTED: Final = 100_000
 
 
 def state_key(group_id: str) -> str:
-    return f"{GROUP_STATES_PREFIX}{quote(group_id, safe='')}"
+    return group_state_key(quote(group_id, safe=""))
 
 
 def fence_key(group_id: str) -> str:

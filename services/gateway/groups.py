@@ -24,6 +24,7 @@ FetchOffsets through any other.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -162,6 +163,8 @@ class OffsetStore:
         # retriable outage).
         puts: dict[str, PutOp] = {}
 
+        now_ms = int(time.time() * 1000)
+
         def check(view: MetadataView) -> None:
             for item in offsets:
                 error: TidelogError | None = None
@@ -188,6 +191,8 @@ class OffsetStore:
                             "metadata": item.metadata,
                             "leader_epoch": item.leader_epoch,
                             "topic_id": topic_id,
+                            # For offset expiry (services/controller/offset_expiry.py).
+                            "commit_time_ms": now_ms,
                         },
                         separators=(",", ":"),
                         sort_keys=True,

@@ -100,6 +100,7 @@ class ControllerProcess(TidelogProcess):
         log_path: Path,
         session_ttl_s: int = 2,
         imbalance_check_interval_s: float = 300.0,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.controller_id = controller_id
         super().__init__(
@@ -117,6 +118,7 @@ class ControllerProcess(TidelogProcess):
                 str(session_ttl_s),
                 "--imbalance-check-interval-s",
                 str(imbalance_check_interval_s),
+                *extra_args,
             ],
             log_path=log_path,
         )
@@ -266,7 +268,11 @@ class TestCluster:
         return node
 
     def start_controller(
-        self, controller_id: int, *, imbalance_check_interval_s: float | None = None
+        self,
+        controller_id: int,
+        *,
+        imbalance_check_interval_s: float | None = None,
+        extra_args: Sequence[str] = (),
     ) -> ControllerProcess:
         interval = imbalance_check_interval_s or self.imbalance_check_interval_s
         process = ControllerProcess(
@@ -276,6 +282,7 @@ class TestCluster:
             log_path=self.base_dir / f"controller-{controller_id}-{len(self._all)}.stderr.log",
             session_ttl_s=self.session_ttl_s,
             imbalance_check_interval_s=interval,
+            extra_args=extra_args,
         )
         self._all.append(process)
         self.controllers[controller_id] = process

@@ -1,0 +1,93 @@
+"""Expiry of committed offsets (Kafka's offsets.retention.minutes): the pure rule, and
+a real cluster whose controller expires them fast."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import tidelog
+from services.controller.offset_expiry import StoredOffset, expired_groups
+from tests.support.cluster import TestCluster, wait_for
+
+RETENTION_MS = 2_000
+
+
+def offset(group: str, time_ms: int | None, key: str = "") -> StoredOffset:
+    return StoredOffset(
+        key=key or f"groups/{group}/t/0", group=group, commit_time_ms=time_ms, mod_revision=1
+    )
+
+
+def test_a_group_expires_whole_when_memberless_and_its_last_commit_is_old() -> None:
+    offsets = [
+        offset("old", 1_000, "groups/old/t/0"),
+        offset("old", 2_000, "groups/old/t/1"),
+        offset("recent", 1_000, "groups/recent/t/0"),
+        offset("recent", 9_500, "groups/recent/t/1"),  # one recent commit keeps all
+        offset("active", 0),
+        offset("legacy", None),  # written before commits carried a time
+    ]
+    got = expired_groups(offsets, {"active"}, now_ms=10_000, retention_ms=8_000)
+    assert sorted(got) == ["old"]
+    assert [o.key for o in got["old"]] == ["groups/old/t/0", "groups/old/t/1"]
+    assert expired_groups(offsets, {"active"}, now_ms=9_999, retention_ms=8_000) == {}
+    assert sorted(expired_groups(offsets, set(), now_ms=10_000, retention_ms=8_000)) == [
+        "active",
+        "old",
+    ]
+
+
+def test_the_controller_expires_memberless_groups_and_keeps_the_others(tmp_path: Path) -> None:
+    cluster = TestCluster(tmp_path)
+    try:
+        cluster.start_broker(0)
+        cluster.start_controller(
+            1,
+            extra_args=(
+                "--offsets-retention-ms",
+                str(RETENTION_MS),
+                "--offsets-retention-check-interval-s",
+                "0.3",
+            ),
+        )
+        cluster.wait_brokers([0])
+        gateway = cluster.start_gateway()
+        admin = tidelog.Admin(gateway.address)
+        admin.create_topic("kept", partitions=2)
+        tp = ("kept", 0)
+        # A standalone consumer that committed once: expires.
+        with tidelog.Consumer(gateway.address, group_id="once") as once:
+            once.assign([tp])
+            once.commit({tp: 3})
+        # A member of a live group that committed once, long enough ago: kept while the
+        # group has members (the session key says so).
+        member = tidelog.Consumer(
+            gateway.address,
+            group_id="alive",
+            enable_auto_commit=False,
+            session_timeout_ms=2_000,
+            heartbeat_interval_ms=300,
+        )
+        member.subscribe(["kept"])
+        wait_for(lambda: (member.poll(timeout_ms=100), member.assignment())[1] or None, 30, "join")
+        member.commit({tp: 5})
+        # A standalone consumer that keeps committing: kept.
+        busy = tidelog.Consumer(gateway.address, group_id="busy")
+        busy.assign([tp])
+        deadline = time.monotonic() + 3 * RETENTION_MS / 1000
+        while time.monotonic() < deadline:
+            busy.commit({tp: 7})
+            member.poll(timeout_ms=300)
+
+        assert "once" not in admin.list_groups()
+        assert admin.describe_group("once") == []
+        assert member.committed([tp]) == {tp: 5}
+        assert busy.committed([tp]) == {tp: 7}
+        assert cluster.controllers[1].log_path.read_text().count("group_offsets_expired") >= 1
+
+        member.close()  # the group is empty now: its offsets go a retention later
+        wait_for(lambda: admin.describe_group("alive") == [] or None, 30, "alive's expiry")
+        busy.close()
+    finally:
+        cluster.close()
