@@ -66,7 +66,7 @@ import logging
 import queue
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, NamedTuple
 
@@ -82,7 +82,7 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
     error_for_code,
 )
-from tidelog.formats import INT32_MAX
+from tidelog.formats import INT32_MAX, INT64_MAX
 from tidelog.leaders import LeaderDirectory, directory_for
 from tidelog.membership import GroupMembership
 from tidelog.metrics import ClientMetrics
@@ -201,6 +201,11 @@ def _consumer_schema(pa: Any) -> Any:
 RebalanceCallback = Callable[[list[TopicPartition]], None]
 
 
+class OffsetAndTimestamp(NamedTuple):
+    offset: int
+    timestamp_ms: int
+
+
 class GroupMetadata(NamedTuple):
     group_id: str
     member_id: str
@@ -286,6 +291,7 @@ class Consumer:
         self._partition_max_bytes = max_partition_fetch_bytes
         self._max_poll_records = max_poll_records
         self._assignment: list[TopicPartition] = []
+        self._paused_tps: set[TopicPartition] = set()  # pause(): not fetched, not handed out
         self._rotation = 0  # where _send_fetches starts in the assignment (it rotates)
         self._subscription: list[str] = []
         self._positions: dict[TopicPartition, int] = {}
@@ -574,6 +580,7 @@ class Consumer:
         self._assignment = partitions
         self._positions = {tp: o for tp, o in self._positions.items() if tp in keep}
         self._needs_position = {tp for tp in partitions if tp not in self._positions}
+        self._paused_tps &= keep
         self._leaders = {
             (t, p): leaders[t][p] if t in leaders and p < len(leaders[t]) else -1
             for t, p in partitions
@@ -581,6 +588,34 @@ class Consumer:
 
     def assignment(self) -> list[TopicPartition]:
         return list(self._assignment)
+
+    def subscription(self) -> list[str]:
+        """The topics ``subscribe`` was given (empty after ``assign`` or ``unsubscribe``)."""
+        return list(self._subscription)
+
+    def partitions_for(self, topic: str) -> list[int]:
+        """The partition ids of ``topic`` (UnknownTopicOrPartitionError if it does not
+        exist), as the producer's ``partitions_for``."""
+        return list(range(self._conn.partition_counts([topic])[topic]))
+
+    # --- flow control (Kafka's pause / resume) --------------------------------------------
+
+    def pause(self, partitions: Iterable[TopicPartition]) -> None:
+        """Fetch nothing more for these assigned partitions and hand out none of their
+        records until ``resume``; their positions stay where they are. What was already
+        fetched for them is dropped (fetched again after ``resume``). A rebalance or a
+        new assignment forgets the pause of partitions it takes away."""
+        tps = {self._check_assigned(tp) for tp in partitions}
+        self._paused_tps |= tps
+        self._drop_buffered(tps)
+
+    def resume(self, partitions: Iterable[TopicPartition]) -> None:
+        """Fetch these paused partitions again (from their positions)."""
+        tps = {self._check_assigned(tp) for tp in partitions}
+        self._paused_tps -= tps
+
+    def paused(self) -> list[TopicPartition]:
+        return sorted(self._paused_tps)
 
     def unsubscribe(self) -> None:
         self._commit_before_reassigning()
@@ -638,6 +673,29 @@ class Consumer:
         """The first offset still retained in each partition."""
         found = self._conn.list_offsets(list(partitions), common_pb2.EARLIEST)
         return {tp: offset for tp, (offset, _) in found.items()}
+
+    def offsets_for_times(
+        self, timestamps: Mapping[TopicPartition, int]
+    ) -> dict[TopicPartition, OffsetAndTimestamp | None]:
+        """Per partition, the first offset whose record timestamp is >= the given one
+        (ms since the epoch), with that record's timestamp; None where no record is that
+        recent (Kafka's ``offsetsForTimes``). The partitions need not be assigned."""
+        by_time: dict[int, list[TopicPartition]] = {}
+        for (topic, partition), timestamp_ms in timestamps.items():
+            if isinstance(timestamp_ms, bool) or not isinstance(timestamp_ms, int):
+                raise ConfigError(f"timestamp for {topic}-{partition} must be an int (ms)")
+            if not 0 <= timestamp_ms <= INT64_MAX:
+                raise ConfigError(
+                    f"timestamp {timestamp_ms} for {topic}-{partition} is outside 0..{INT64_MAX}"
+                )
+            by_time.setdefault(timestamp_ms, []).append((str(topic), int(partition)))
+        result: dict[TopicPartition, OffsetAndTimestamp | None] = {}
+        for timestamp_ms, tps in by_time.items():
+            found = self._conn.list_offsets(tps, common_pb2.BY_TIMESTAMP, timestamp_ms)
+            for tp in tps:
+                offset, found_ms = found[tp]
+                result[tp] = None if offset < 0 else OffsetAndTimestamp(offset, found_ms)
+        return result
 
     def position(self, tp: TopicPartition) -> int:
         """The offset of the next record ``poll`` returns for ``tp``."""
@@ -887,6 +945,8 @@ class Consumer:
             else:
                 leaderless = True
                 continue
+            if tp in self._paused_tps:
+                continue  # paused by the application (pause / resume)
             position = self._positions.get(tp)
             if group in self._fetches or group in paused or position is None or tp in busy:
                 continue  # it joins its group's next fetch

@@ -94,6 +94,8 @@ ATTR_KNOWN_BITS: Final = 0x7F
 
 INT32_MAX: Final = (1 << 31) - 1
 """The largest value of an int32 field (protobuf or batch header)."""
+INT64_MAX: Final = (1 << 63) - 1
+"""The largest value of an int64 field (offsets, timestamps)."""
 MAX_BATCH_BYTES: Final = INT32_MAX
 """Hard ceiling from the i32 length field; configured limits are far lower."""
 

@@ -110,7 +110,6 @@ ZSTD_LEVEL: Final = 3
 _ZEROS: Final = bytes(ALIGNMENT)
 _I32_ZERO: Final = bytes(4)
 _INT64_MIN: Final = -(1 << 63)
-_INT64_MAX: Final = (1 << 63) - 1
 _ZERO_ONE_TO_ASCII: Final = bytes.maketrans(b"\x00\x01", b"01")
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _CONTINUATION_BYTE: Final = re.compile(rb"[\x80-\xbf]")
@@ -922,7 +921,7 @@ def _parse_body(
 ) -> _Body:
     """Locate and validate every section of a CRC-verified batch's body."""
     where = f"batch at position {position}"
-    if not 0 <= header.base_offset <= header.last_offset <= _INT64_MAX:
+    if not 0 <= header.base_offset <= header.last_offset <= f.INT64_MAX:
         # The broker-owned fields are covered only by a CRC anyone can compute.
         raise CorruptBatchError(f"{where}: offsets {header.base_offset}.. do not fit in int64")
     region = batch[f.BATCH_HEADER_SIZE :]
@@ -1004,7 +1003,7 @@ def _check_timestamps(header: BatchHeader, deltas: array.array[int] | None, wher
         return  # every record's timestamp is the broker's append time, max_timestamp
     low, high = (min(deltas), max(deltas)) if deltas is not None else (0, 0)
     base = header.base_timestamp
-    if not _INT64_MIN <= base + low <= base + high <= _INT64_MAX:
+    if not _INT64_MIN <= base + low <= base + high <= f.INT64_MAX:
         raise CorruptBatchError(f"{where}: a record timestamp overflows int64")
     if header.max_timestamp != base + high:
         raise CorruptBatchError(

@@ -1,0 +1,66 @@
+"""Kafka consumer calls beyond poll and commit: pause / resume, offsets_for_times,
+partitions_for, subscription (a real cluster)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import tidelog
+from tests.support.cluster import GatewayProcess, poll_records
+from tidelog.errors import ConfigError, UnknownTopicOrPartitionError
+
+
+def test_paused_partitions_are_not_read_until_resumed(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("pausing", partitions=2, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(2):
+            producer.send_batch("pausing", [f"{p}-{i}".encode() for i in range(20)], partition=p)
+        producer.flush()
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([("pausing", 0), ("pausing", 1)])
+        consumer.pause([("pausing", 1)])
+        assert consumer.paused() == [("pausing", 1)]
+        got = poll_records(consumer, 20, timeout_s=20)
+        deadline = time.monotonic() + 1.5  # nothing of the paused partition comes
+        while time.monotonic() < deadline:
+            got += [(r.offset, r.value) for r in consumer.poll(timeout_ms=200)]
+        assert sorted(v for _, v in got) == sorted(f"0-{i}".encode() for i in range(20))
+        assert consumer.position(("pausing", 1)) == 0
+        consumer.resume([("pausing", 1)])
+        assert consumer.paused() == []
+        rest = poll_records(consumer, 20, timeout_s=20)
+        assert sorted(v for _, v in rest) == sorted(f"1-{i}".encode() for i in range(20))
+        with pytest.raises(ConfigError, match="not assigned"):
+            consumer.pause([("pausing", 7)])
+        consumer.pause([("pausing", 0)])
+        consumer.assign([("pausing", 1)])  # a new assignment forgets the pause
+        assert consumer.paused() == []
+
+
+def test_offsets_for_times_partitions_for_and_subscription(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("timed", partitions=2, replication_factor=1)
+    base_ms = int(time.time() * 1000) - 60_000
+    with tidelog.Producer(gateway.address) as producer:
+        for i in range(10):
+            producer.send("timed", f"v{i}".encode(), partition=0, timestamp_ms=base_ms + i * 1000)
+        producer.flush()
+    with tidelog.Consumer(gateway.address) as consumer:
+        found = consumer.offsets_for_times({("timed", 0): base_ms + 4_500, ("timed", 1): base_ms})
+        assert found[("timed", 0)] == (5, base_ms + 5_000)
+        assert found[("timed", 1)] is None  # nothing there that recent
+        assert consumer.offsets_for_times({("timed", 0): base_ms + 60_000}) == {("timed", 0): None}
+        with pytest.raises(ConfigError, match="outside"):
+            consumer.offsets_for_times({("timed", 0): -1})
+        assert consumer.partitions_for("timed") == [0, 1]
+        with pytest.raises(UnknownTopicOrPartitionError):
+            consumer.partitions_for("no-such-topic")
+        consumer.subscribe(["timed"])
+        assert consumer.subscription() == ["timed"]
+        consumer.assign([("timed", 1)])
+        assert consumer.subscription() == []
