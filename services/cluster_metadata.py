@@ -32,6 +32,8 @@ GROUP_SESSIONS_PREFIX: Final = "group-sessions/"
 # Rewritten with a group's state whenever its members or generation change: commits
 # compare it, so the many state writes of a rebalance (each member's join) do not fail them.
 GROUP_FENCES_PREFIX: Final = "group-fences/"
+# A rebalance's deadline: bound to a lease of the rebalance timeout, gone when it passed.
+GROUP_REBALANCES_PREFIX: Final = "group-rebalances/"
 CLUSTER_ID_KEY: Final = "cluster_id"
 PRODUCER_IDS_KEY: Final = "producer_ids"
 

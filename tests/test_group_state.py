@@ -7,6 +7,7 @@ import pytest
 from services.gateway import group_state
 from services.gateway.group_state import GroupState, Member
 from tidelog.errors import (
+    FencedInstanceIdError,
     IllegalGenerationError,
     RebalanceInProgressError,
     UnknownMemberIdError,
@@ -39,18 +40,18 @@ def test_range_assignor_matches_kafkas() -> None:
 
 
 def test_first_member_completes_alone_and_a_second_waits_for_the_first() -> None:
-    state = group_state.join(GroupState(), member("a"), 0, COUNTS)
+    state = group_state.join(GroupState(), member("a"), COUNTS)
     assert (state.phase, state.generation) == ("stable", 1)
     assert state.assignment["a"] == tuple(("t", p) for p in range(6))
 
-    state = group_state.join(state, member("b"), 10, COUNTS)
+    state = group_state.join(state, member("b"), COUNTS)
     assert (state.phase, state.generation) == ("preparing", 1)
     # a's heartbeat says: join again. Its commits in generation 1 are still accepted.
-    state, error = group_state.heartbeat(state, "a", 1, COUNTS, 20)
+    state, error = group_state.heartbeat(state, "a", 1, COUNTS)
     assert isinstance(error, RebalanceInProgressError)
     group_state.check_commit(state, "a", 1)
 
-    state = group_state.join(state, member("a"), 30, COUNTS)
+    state = group_state.join(state, member("a"), COUNTS)
     assert (state.phase, state.generation) == ("stable", 2)
     assert state.assignment == {
         "a": (("t", 0), ("t", 1), ("t", 2)),
@@ -62,55 +63,99 @@ def test_first_member_completes_alone_and_a_second_waits_for_the_first() -> None
 
 
 def test_a_member_that_does_not_rejoin_in_time_is_dropped() -> None:
-    state = group_state.join(GroupState(), member("a", rebalance_timeout_ms=1_000), 0, COUNTS)
-    state = group_state.join(state, member("b", rebalance_timeout_ms=1_000), 100, COUNTS)
+    state = group_state.join(GroupState(), member("a", rebalance_timeout_ms=1_000), COUNTS)
+    state = group_state.join(state, member("b", rebalance_timeout_ms=1_000), COUNTS)
     assert state.phase == "preparing"
-    assert group_state.maybe_complete(state, 1_099, COUNTS).phase == "preparing"
-    state = group_state.maybe_complete(state, 1_100, COUNTS)
+    assert group_state.maybe_complete(state, COUNTS, deadline_passed=False).phase == "preparing"
+    # The deadline passing is what the coordinator's etcd timer says, not a clock here.
+    after = group_state.maybe_complete(state, COUNTS, deadline_passed=True)
+    # A heartbeat that finds the deadline passed completes it too, and tells a member it
+    # left out to join anew.
+    _, dropped = group_state.heartbeat(state, "a", 1, COUNTS, deadline_passed=True)
+    assert isinstance(dropped, UnknownMemberIdError)
+    state = after
     assert (state.phase, state.generation, list(state.members)) == ("stable", 2, ["b"])
-    state, error = group_state.heartbeat(state, "a", 1, COUNTS, 1_200)
+    state, error = group_state.heartbeat(state, "a", 1, COUNTS)
     assert isinstance(error, UnknownMemberIdError)
 
 
 def test_dead_members_are_expired_and_the_rest_rebalance() -> None:
-    state = group_state.join(GroupState(), member("a"), 0, COUNTS)
-    state = group_state.join(state, member("b"), 0, COUNTS)
-    state = group_state.join(state, member("a"), 0, COUNTS)
+    state = group_state.join(GroupState(), member("a"), COUNTS)
+    state = group_state.join(state, member("b"), COUNTS)
+    state = group_state.join(state, member("a"), COUNTS)
     assert state.phase == "stable"
-    state = group_state.expire(state, {"b"}, 5)
+    state = group_state.expire(state, {"b"})
     assert (state.phase, list(state.members)) == ("preparing", ["b"])
-    state = group_state.join(state, member("b"), 6, COUNTS)
+    state = group_state.join(state, member("b"), COUNTS)
     assert state.assignment == {"b": tuple(("t", p) for p in range(6))}
-    assert group_state.expire(state, set(), 7).phase == "empty"
+    assert group_state.expire(state, set()).phase == "empty"
 
 
 def test_partition_count_change_starts_a_rebalance() -> None:
-    state = group_state.join(GroupState(), member("a"), 0, COUNTS)
-    same, error = group_state.heartbeat(state, "a", 1, COUNTS, 1)
+    state = group_state.join(GroupState(), member("a"), COUNTS)
+    same, error = group_state.heartbeat(state, "a", 1, COUNTS)
     assert error is None and same == state
-    grown, error = group_state.heartbeat(state, "a", 1, {"t": 8}, 1)
+    grown, error = group_state.heartbeat(state, "a", 1, {"t": 8})
     assert isinstance(error, RebalanceInProgressError)
-    state = group_state.join(grown, member("a"), 2, {"t": 8})
+    state = group_state.join(grown, member("a"), {"t": 8})
     assert len(state.assignment["a"]) == 8
 
 
 def test_leave_and_commit_rules() -> None:
-    state = group_state.join(GroupState(), member("a"), 0, COUNTS)
+    state = group_state.join(GroupState(), member("a"), COUNTS)
     with pytest.raises(UnknownMemberIdError):
         group_state.check_commit(state, "", -1)  # an outsider while the group has members
     with pytest.raises(UnknownMemberIdError):
         group_state.check_commit(state, "zzz", 1)
     with pytest.raises(UnknownMemberIdError):
-        group_state.leave(state, "zzz", 0)
-    state = group_state.leave(state, "a", 0)
+        group_state.leave(state, "zzz")
+    state = group_state.leave(state, "a")
     assert state.phase == "empty" and not state.members
     group_state.check_commit(state, "", -1)  # no members: offsets for anyone
 
 
 def test_state_round_trips_and_refuses_what_it_cannot_read() -> None:
-    state = group_state.join(GroupState(), member("a", "t", "u"), 0, COUNTS)
-    state = group_state.join(state, member("b"), 5, COUNTS)
+    state = group_state.join(GroupState(), member("a", "t", "u"), COUNTS)
+    state = group_state.join(state, member("b"), COUNTS)
     assert group_state.decode(group_state.encode(state)) == state
     for bad in (b"{", b'{"version": 9}', b'{"version": 1, "phase": "x"}', b"[]"):
         with pytest.raises(ValueError):
             group_state.decode(bad)
+
+
+def static(member_id: str, instance_id: str, *topics: str) -> Member:
+    return Member(
+        member_id=member_id,
+        client_id="c",
+        topics=tuple(sorted(topics or ("t",))),
+        session_timeout_ms=10_000,
+        rebalance_timeout_ms=10_000,
+        lease_id=1,
+        instance_id=instance_id,
+    )
+
+
+def test_a_restarted_static_member_takes_its_place_back_without_a_rebalance() -> None:
+    state = group_state.join(GroupState(), static("a1", "a"), COUNTS)
+    state = group_state.join(state, static("b1", "b"), COUNTS)
+    state = group_state.join(state, static("a1", "a"), COUNTS)
+    assert (state.phase, state.generation) == ("stable", 2)
+    before = state.assignment["a1"]
+
+    restarted = group_state.join(state, static("a2", "a"), COUNTS)
+    assert (restarted.phase, restarted.generation) == ("stable", 2)  # no rebalance
+    assert restarted.assignment["a2"] == before and "a1" not in restarted.members
+    assert restarted.assignment["b1"] == state.assignment["b1"]
+    # The old incarnation is fenced everywhere; the others carry on.
+    _, error = group_state.heartbeat(restarted, "a1", 2, COUNTS, instance_id="a")
+    assert isinstance(error, FencedInstanceIdError)
+    with pytest.raises(FencedInstanceIdError):
+        group_state.check_commit(restarted, "a1", 2, "a")
+    with pytest.raises(FencedInstanceIdError):
+        group_state.leave(restarted, "a1", "a")
+    assert group_state.heartbeat(restarted, "b1", 2, COUNTS, instance_id="b")[1] is None
+    assert group_state.decode(group_state.encode(restarted)) == restarted
+
+    # Restarted with other topics: it takes the place, and the group rebalances.
+    moved = group_state.join(state, static("a3", "a", "u"), COUNTS)
+    assert moved.phase == "preparing" and "a3" in moved.joined and "a1" not in moved.members

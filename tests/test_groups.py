@@ -17,7 +17,12 @@ import pytest
 
 import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, rpc_error_code, wait_for
-from tidelog.errors import ErrorCode, IllegalGenerationError, UnknownMemberIdError
+from tidelog.errors import (
+    ErrorCode,
+    FencedInstanceIdError,
+    IllegalGenerationError,
+    UnknownMemberIdError,
+)
 from tidelog.v1 import gateway_pb2, gateway_pb2_grpc
 
 FAST = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 300}
@@ -500,3 +505,138 @@ def test_cli_consume_with_a_group_stops_when_others_hold_every_partition(
         if ran.poll() is None:
             ran.kill()
         holder.close()
+
+
+def test_a_static_member_restarted_within_its_session_keeps_its_partitions(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """group_instance_id (KIP-345): a restart (close, then a new consumer with the same
+    instance id within the session) takes the old place back: same partitions, same
+    generation, nothing revoked from the other member; the place's previous holder, if
+    still running, is fenced."""
+    admin.create_topic("static", partitions=4, replication_factor=1)
+    session = {"session_timeout_ms": 6_000, "heartbeat_interval_ms": 300}
+    revoked: list[list[tuple[str, int]]] = []
+
+    def static(instance: str) -> tidelog.Consumer:
+        return tidelog.Consumer(
+            gateway.address,
+            group_id="statics",
+            group_instance_id=instance,
+            auto_offset_reset="earliest",
+            **session,
+        )
+
+    a, b = static("a"), static("b")
+    try:
+        a.subscribe(["static"])
+        b.subscribe(["static"], on_partitions_revoked=revoked.append)
+        _stable_assignments([a, b], 4)
+        revoked.clear()
+        held, generation = a.assignment(), a.group_metadata()
+        assert generation is not None
+        a.close()  # a static member does not leave
+        a = static("a")
+        a.subscribe(["static"])
+        _join(a)
+        now = a.group_metadata()
+        assert now is not None
+        assert a.assignment() == held and now.generation_id == generation.generation_id
+        for _ in range(5):  # b keeps its partitions: nothing revoked, no rebalance
+            b.poll(timeout_ms=200)
+        assert revoked == []
+
+        # A second live consumer with instance id "a" takes the place; the running one
+        # is fenced (fatal for it) instead of taking it back.
+        twin = static("a")
+        twin.subscribe(["static"])
+        _join(twin)
+        assert twin.assignment() == held
+        with pytest.raises(FencedInstanceIdError):
+            for _ in range(50):
+                a.poll(timeout_ms=200)
+        twin.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_static_member_that_does_not_come_back_loses_its_partitions_after_its_session(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("static-gone", partitions=2, replication_factor=1)
+
+    def static(instance: str) -> tidelog.Consumer:
+        return tidelog.Consumer(
+            gateway.address, group_id="static-gone", group_instance_id=instance, **FAST
+        )
+
+    a, b = static("a"), static("b")
+    try:
+        a.subscribe(["static-gone"])
+        b.subscribe(["static-gone"])
+        _stable_assignments([a, b], 2)
+        a.close()
+        started = time.monotonic()
+        wait_for(
+            lambda: (b.poll(timeout_ms=200), len(b.assignment()) == 2)[1] or None,
+            30,
+            "b owning both partitions",
+        )
+        # Not at once (no LeaveGroup), but once the session (2 s) ended.
+        assert time.monotonic() - started >= 1.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_rebalance_completes_without_a_member_that_does_not_rejoin_in_time(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The rebalance deadline is an etcd lease of the rebalance timeout (no gateway's
+    clock): a member that keeps heartbeating but does not join again is left out once
+    it passed, and told so."""
+    admin.create_topic("late", partitions=2, replication_factor=1)
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def join(member_id: str = "") -> gateway_pb2.JoinGroupResponse:
+            return stub.JoinGroup(
+                gateway_pb2.JoinGroupRequest(
+                    group_id="latecomers",
+                    member_id=member_id,
+                    topics=["late"],
+                    session_timeout_ms=10_000,
+                    rebalance_timeout_ms=2_000,
+                    max_wait_ms=3_000,
+                ),
+                timeout=30,
+            )
+
+        first = join()
+        assert first.error.code == ErrorCode.NONE and len(first.assignment) == 2
+        started = time.monotonic()
+        second = join()  # waits for the first, which only heartbeats
+        while second.error.code == ErrorCode.REBALANCE_IN_PROGRESS:
+            beat = stub.Heartbeat(
+                gateway_pb2.HeartbeatRequest(
+                    group_id="latecomers",
+                    member_id=first.member_id,
+                    generation_id=first.generation_id,
+                ),
+                timeout=10,
+            )
+            assert beat.error.code in (ErrorCode.REBALANCE_IN_PROGRESS, ErrorCode.UNKNOWN_MEMBER_ID)
+            second = join(second.member_id)
+        waited = time.monotonic() - started
+        assert second.error.code == ErrorCode.NONE and len(second.assignment) == 2
+        assert 1.5 <= waited < 15, waited
+        beat = stub.Heartbeat(
+            gateway_pb2.HeartbeatRequest(
+                group_id="latecomers",
+                member_id=first.member_id,
+                generation_id=first.generation_id,
+            ),
+            timeout=10,
+        )
+        assert beat.error.code == ErrorCode.UNKNOWN_MEMBER_ID

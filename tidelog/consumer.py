@@ -238,6 +238,7 @@ class Consumer:
         session_timeout_ms: int = 45_000,
         heartbeat_interval_ms: int = 3_000,
         max_poll_interval_ms: int = 300_000,
+        group_instance_id: str | None = None,
     ) -> None:
         if auto_offset_reset not in AUTO_OFFSET_RESETS:
             raise ConfigError(
@@ -336,6 +337,9 @@ class Consumer:
         self._heartbeat_interval_ms = heartbeat_interval_ms
         self._max_poll_interval_ms = max_poll_interval_ms
         self._membership: GroupMembership | None = None
+        if group_instance_id is not None and (group_id is None or not group_instance_id):
+            raise ConfigError("group_instance_id needs a group_id and must not be empty")
+        self._instance_id = group_instance_id or ""
         self._on_revoked: RebalanceCallback | None = None
         self._on_assigned: RebalanceCallback | None = None
         self._metrics = ClientMetrics(
@@ -408,6 +412,7 @@ class Consumer:
                 heartbeat_interval_ms=self._heartbeat_interval_ms,
                 max_poll_interval_ms=self._max_poll_interval_ms,
                 wake=lambda: self._answered.put(_WAKE),
+                instance_id=self._instance_id,
             )
         self._subscription = wanted
         self._set_assignment([], {})
@@ -796,6 +801,7 @@ class Consumer:
             )
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
         if self._membership is not None:
+            self._membership.raise_if_fenced()
             self._membership.polled()
             if self._membership.needs_join():
                 self._rejoin(deadline)
@@ -808,6 +814,7 @@ class Consumer:
         while True:
             self._decode_answered()
             if self._membership is not None and self._membership.needs_join():
+                self._membership.raise_if_fenced()
                 if self._buffer and not self._membership.partitions_lost():
                     # Still this member's until it joins again: hand these out first (the
                     # next poll commits them and gives the partitions up). Lost ones'
@@ -1187,6 +1194,7 @@ class Consumer:
                 group_id=self.group_id,
                 member_id=member_id,
                 generation_id=generation,
+                group_instance_id=self._instance_id if member_id else "",
                 offsets=[
                     gateway_pb2.CommitOffset(
                         topic=t, partition=p, offset=o, leader_epoch=epoch_of((t, p), o)

@@ -68,6 +68,7 @@ class ErrorCode(IntEnum):
     STALE_BROKER_EPOCH = 77
     OFFSET_NOT_AVAILABLE = 78
     GROUP_MAX_SIZE_REACHED = 81
+    FENCED_INSTANCE_ID = 82
     ELIGIBLE_LEADERS_NOT_AVAILABLE = 83
     ELECTION_NOT_NEEDED = 84
     INVALID_RECORD = 87
@@ -222,6 +223,13 @@ class RebalanceInProgressError(TidelogError):
 
 class GroupMaxSizeReachedError(TidelogError):
     code = ErrorCode.GROUP_MAX_SIZE_REACHED
+
+
+class FencedInstanceIdError(TidelogError):
+    """Another consumer with the same ``group_instance_id`` joined the group and took this
+    one's place (Kafka's FencedInstanceIdException): fatal for this consumer."""
+
+    code = ErrorCode.FENCED_INSTANCE_ID
 
 
 class InvalidTimestampError(TidelogError):

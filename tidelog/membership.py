@@ -18,6 +18,13 @@ protocol is Kafka's eager one (docs/SDK.md, consumer groups):
    partitions move on; the next ``poll`` joins again.
 4. ``close`` and ``unsubscribe`` leave the group at once.
 
+Static membership (``group_instance_id``, Kafka's group.instance.id, KIP-345): the member
+keeps its place across restarts. It never sends LeaveGroup (not on ``close``, nor past
+``max_poll_interval_ms``: it stops heartbeating and its session ends); a consumer joining
+with the same instance id while the place is held takes it over with its partitions and
+no rebalance, and the previous one is fenced (``FencedInstanceIdError``, fatal). A
+rolling restart of static members within their session timeout moves no partition.
+
 Commits name the member and its generation; the gateway refuses those of a member that
 is no longer in the generation that owns the partitions (Kafka's commit fencing).
 """
@@ -65,8 +72,10 @@ class GroupMembership:
         heartbeat_interval_ms: int,
         max_poll_interval_ms: int,
         wake: Callable[[], None],
+        instance_id: str = "",
     ) -> None:
         self._conn = conn
+        self.instance_id = instance_id
         self.group_id = group_id
         self._client_id = client_id
         self._session_timeout_ms = session_timeout_ms
@@ -82,6 +91,7 @@ class GroupMembership:
         # UNKNOWN_MEMBER_ID, or left for max_poll_interval_ms): Kafka's "partitions lost".
         self._lost = False
         self._last_poll = time.monotonic()
+        self._fenced: TidelogError | None = None  # FENCED_INSTANCE_ID: fatal
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -100,6 +110,14 @@ class GroupMembership:
     def needs_join(self) -> bool:
         with self._lock:
             return not self._joined
+
+    def raise_if_fenced(self) -> None:
+        """Raise FencedInstanceIdError once another consumer took this static member's
+        place: it must stop (joining again would take the place back and forth)."""
+        with self._lock:
+            fenced = self._fenced
+        if fenced is not None:
+            raise fenced
 
     def partitions_lost(self) -> bool:
         """Whether the partitions held may already be another member's (not only about
@@ -135,6 +153,7 @@ class GroupMembership:
                 rebalance_timeout_ms=self._rebalance_timeout_ms,
                 client_id=self._client_id,
                 max_wait_ms=max(0, int((deadline - time.monotonic()) * 1000)),
+                group_instance_id=self.instance_id,
             )
             try:
                 response: gateway_pb2.JoinGroupResponse = self._conn.call(
@@ -142,6 +161,8 @@ class GroupMembership:
                 )
             except TidelogError as exc:
                 # An unreachable gateway, or a group changing too fast to write: ask again.
+                if exc.code == ErrorCode.FENCED_INSTANCE_ID:
+                    self._fence(exc)
                 if not (exc.retriable or exc.code == ErrorCode.REBALANCE_IN_PROGRESS):
                     raise
                 if time.monotonic() + JOIN_RETRY_BACKOFF_S >= deadline:
@@ -180,8 +201,19 @@ class GroupMembership:
             if code == ErrorCode.UNKNOWN_MEMBER_ID:
                 time.sleep(JOIN_RETRY_BACKOFF_S)
 
+    def _fence(self, error: TidelogError) -> None:
+        with self._lock:
+            self._fenced = error
+            self._joined = False
+            self._lost = True
+            self._member_id, self._generation = "", -1
+        self._stopped.set()  # no more heartbeats for a place another consumer holds
+
     def on_commit_error(self, error: TidelogError) -> None:
         """A commit was refused by the group: its partitions may be gone; join again."""
+        if error.code == ErrorCode.FENCED_INSTANCE_ID:
+            self._fence(error)
+            return
         if error.code in REJOIN_CODES:
             with self._lock:
                 self._joined = False
@@ -199,7 +231,9 @@ class GroupMembership:
             member_id, self._member_id = self._member_id, ""
             self._generation = -1
             self._joined = False
-        if member_id:
+        if member_id and not self.instance_id:
+            # A static member does not leave: its place (and partitions) wait for it to
+            # come back until its session ends (KIP-345).
             self._send_leave(member_id)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -209,7 +243,11 @@ class GroupMembership:
         try:
             self._conn.call(
                 self._conn.stub.LeaveGroup,
-                gateway_pb2.LeaveGroupRequest(group_id=self.group_id, member_id=member_id),
+                gateway_pb2.LeaveGroupRequest(
+                    group_id=self.group_id,
+                    member_id=member_id,
+                    group_instance_id=self.instance_id,
+                ),
                 f"leave group {self.group_id!r}",
             )
         except TidelogError as exc:
@@ -243,14 +281,18 @@ class GroupMembership:
                     if self._member_id == member_id:
                         self._member_id, self._generation, self._joined = "", -1, False
                         self._lost = True
-                self._send_leave(member_id)
+                if not self.instance_id:
+                    self._send_leave(member_id)  # (a static member's session just ends)
                 self._wake()
                 continue
             try:
                 response: gateway_pb2.HeartbeatResponse = self._conn.call(
                     self._conn.stub.Heartbeat,
                     gateway_pb2.HeartbeatRequest(
-                        group_id=self.group_id, member_id=member_id, generation_id=generation
+                        group_id=self.group_id,
+                        member_id=member_id,
+                        generation_id=generation,
+                        group_instance_id=self.instance_id,
                     ),
                     f"heartbeat to group {self.group_id!r}",
                 )
@@ -262,6 +304,10 @@ class GroupMembership:
             code = ErrorCode(response.error.code)
             if code == ErrorCode.NONE:
                 continue
+            if code == ErrorCode.FENCED_INSTANCE_ID:
+                self._fence(error_for_code(code, response.error.message))
+                self._wake()
+                return
             with self._lock:
                 if (self._member_id, self._generation) != (member_id, generation):
                     continue  # answered about a generation the consumer already left

@@ -14,10 +14,13 @@ membership) and every change is a compare-and-swap on its state key:
 The state key is read before the session keys: a member is written into the state only
 after its session key exists, so a reader never takes a member it just read for dead.
 
-Rebalances complete without a timer: members joining call ``join`` again until it
-answers (each call waits up to ``JOIN_WAIT_S``), and each call completes the rebalance
-once everyone joined or the deadline passed. The only wall-clock time used is that
-deadline (gateways of a cluster keep NTP time; a skew moves it by the skew).
+Rebalances complete without a timer thread: members joining call ``join`` again until it
+answers (each call waits up to ``JOIN_WAIT_S``), and each call (and each heartbeat)
+completes the rebalance once everyone joined or its deadline passed. The deadline is
+etcd's too: ``group-rebalances/<group>``, written with the state when a rebalance begins,
+is bound to a lease whose TTL is the rebalance timeout; the deadline has passed when the
+key is gone. No gateway's wall clock decides it (a gateway whose clock ran ahead used to
+complete rebalances at once and evict every member still rejoining).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,6 +38,7 @@ from urllib.parse import quote, unquote
 
 from services.cluster_metadata import (
     GROUP_FENCES_PREFIX,
+    GROUP_REBALANCES_PREFIX,
     GROUP_SESSIONS_PREFIX,
     GROUP_STATES_PREFIX,
     group_state_key,
@@ -52,6 +57,7 @@ from services.metastore import (
     TxnOp,
 )
 from tidelog.errors import (
+    FencedInstanceIdError,
     GroupMaxSizeReachedError,
     InvalidRequestError,
     InvalidSessionTimeoutError,
@@ -95,6 +101,10 @@ def fence_key(group_id: str) -> str:
     return f"{GROUP_FENCES_PREFIX}{quote(group_id, safe='')}"
 
 
+def timer_key(group_id: str) -> str:
+    return f"{GROUP_REBALANCES_PREFIX}{quote(group_id, safe='')}"
+
+
 def session_prefix(group_id: str) -> str:
     return f"{GROUP_SESSIONS_PREFIX}{quote(group_id, safe='')}/"
 
@@ -112,10 +122,6 @@ class JoinOutcome:
     error: TidelogError | None  # RebalanceInProgressError: ask again with member_id
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 class GroupCoordinator:
     """Join, heartbeat, leave, describe and commit fencing for every group. Thread-safe:
     all state is in etcd, every write a compare-and-swap."""
@@ -125,23 +131,31 @@ class GroupCoordinator:
         store: MetaStore,
         cache: MetadataCache,
         *,
-        clock_ms: Callable[[], int] = _now_ms,
         join_wait_s: float = JOIN_WAIT_S,
     ) -> None:
         self._store = store
         self._cache = cache
-        self._clock_ms = clock_ms
         self._join_wait_s = join_wait_s
 
     # --- reads and compare-and-swap -------------------------------------------------------
 
     def _read(self, group_id: str) -> tuple[GroupState, int, set[str]]:
         """The state, its mod revision (0: absent) and the members whose session lives."""
+        state, revision, alive, _ = self._read_all(group_id)
+        return state, revision, alive
+
+    def _read_all(self, group_id: str) -> tuple[GroupState, int, set[str], bool]:
+        """``_read`` and whether a ``preparing`` state's deadline has passed (its timer
+        key is gone). Read in this order: keys written with the state exist by the time
+        the state is read, so a reader never takes a fresh member or timer for gone."""
         kv = self._store.get(state_key(group_id))
         state = self._decode(group_id, kv)
         prefix = session_prefix(group_id)
         alive = {unquote(s.key.removeprefix(prefix)) for s in self._store.get_prefix(prefix)}
-        return state, (kv.mod_revision if kv is not None else 0), alive
+        deadline_passed = (
+            state.phase == "preparing" and self._store.get(timer_key(group_id)) is None
+        )
+        return state, (kv.mod_revision if kv is not None else 0), alive, deadline_passed
 
     @staticmethod
     def _decode(group_id: str, kv: KeyValue | None) -> GroupState:
@@ -154,22 +168,29 @@ class GroupCoordinator:
             raise StorageError(f"group {group_id!r}: {exc}") from exc
 
     def _update(
-        self, group_id: str, change: Callable[[GroupState, set[str], int], GroupState]
+        self, group_id: str, change: Callable[[GroupState, set[str], bool], GroupState]
     ) -> GroupState:
-        """Apply ``change(state, alive, now_ms)`` with compare-and-swap; write only when
-        it changed something. Exceptions from ``change`` propagate, nothing written.
+        """Apply ``change(state, alive, deadline_passed)`` with compare-and-swap; write only
+        when it changed something. Exceptions from ``change`` propagate, nothing written.
 
         The fence key is rewritten in the same transaction when the members or the
-        generation change (what ``check_commit`` depends on); a group left without
-        members is deleted (state and fence), so abandoned group ids leave no keys."""
+        generation change (what ``check_commit`` depends on); a rebalance that begins
+        writes its timer key (on a new lease of its rebalance timeout); a group left
+        without members is deleted (state, fence and timer), so abandoned group ids leave
+        no keys."""
         for attempt in range(CAS_ATTEMPTS):
-            state, revision, alive = self._read(group_id)
-            new = change(state, alive, self._clock_ms())
+            state, revision, alive, deadline_passed = self._read_all(group_id)
+            new = change(state, alive, deadline_passed)
             if new == state:
                 return state
             ops: list[TxnOp]
+            timer: int | None = None  # a lease granted for this attempt's timer key
             if not new.members:
-                ops = [DeleteOp(state_key(group_id)), DeleteOp(fence_key(group_id))]
+                ops = [
+                    DeleteOp(state_key(group_id)),
+                    DeleteOp(fence_key(group_id)),
+                    DeleteOp(timer_key(group_id)),
+                ]
                 new = GroupState()
             else:
                 encoded = group_state.encode(new)
@@ -181,8 +202,20 @@ class GroupCoordinator:
                 ops = [PutOp(state_key(group_id), encoded)]
                 if new.generation != state.generation or set(new.members) != set(state.members):
                     ops.append(PutOp(fence_key(group_id), str(new.generation).encode()))
+                if new.phase == "preparing" and state.phase != "preparing":
+                    lease = self._store.grant_lease(
+                        max(1, math.ceil(new.rebalance_timeout_ms() / 1000))
+                    )
+                    timer = lease.id
+                    ops.append(PutOp(timer_key(group_id), b"", lease))
+                elif new.phase != "preparing" and state.phase == "preparing":
+                    ops.append(DeleteOp(timer_key(group_id)))
             compares = [Compare.mod_revision_is(state_key(group_id), revision)]
-            if self._store.txn(compares, ops).succeeded:
+            if not self._store.txn(compares, ops).succeeded:
+                if timer is not None:
+                    with contextlib.suppress(TidelogError):
+                        self._store.revoke_lease_id(timer)
+            else:
                 if new.generation != state.generation or new.phase != state.phase:
                     _log.info(
                         "group_changed",
@@ -218,9 +251,11 @@ class GroupCoordinator:
         rebalance_timeout_ms: int,
         client_id: str,
         max_wait_ms: int,
+        instance_id: str = "",
     ) -> JoinOutcome:
         check_group_id(group_id)
         wanted = _check_join(topics, session_timeout_ms, rebalance_timeout_ms, client_id)
+        _check_instance_id(instance_id)
         ttl_s = max(1, math.ceil(session_timeout_ms / 1000))
 
         def member(lease_id: int) -> Member:
@@ -231,10 +266,12 @@ class GroupCoordinator:
                 session_timeout_ms=session_timeout_ms,
                 rebalance_timeout_ms=rebalance_timeout_ms,
                 lease_id=lease_id,
+                instance_id=instance_id,
             )
 
         if member_id:
             state, _, alive = self._read(group_id)
+            group_state.check_instance(state, member_id, instance_id)
             known = state.members.get(member_id)
             if known is None or member_id not in alive:
                 raise UnknownMemberIdError(
@@ -245,7 +282,7 @@ class GroupCoordinator:
             granted_s = self._refresh(group_id, member_id, lease_id)
         else:
             state, _, _ = self._read(group_id)
-            if len(state.members) >= MAX_GROUP_MEMBERS:
+            if len(state.members) >= MAX_GROUP_MEMBERS and not state.static_member(instance_id):
                 raise GroupMaxSizeReachedError(
                     f"group {group_id!r} has {len(state.members)} members; the limit is "
                     f"{MAX_GROUP_MEMBERS}"
@@ -268,26 +305,39 @@ class GroupCoordinator:
         self, group_id: str, member: Member, max_wait_ms: int, granted_s: int
     ) -> JoinOutcome:
         member_id, lease_id = member.member_id, member.lease_id
+        replaced: list[int] = []  # the lease of a static member this one took over
         deadline = time.monotonic() + min(self._join_wait_s, max(0, max_wait_ms) / 1000)
         refreshed_at = time.monotonic()
         while True:
 
-            def change(state: GroupState, alive: set[str], now_ms: int) -> GroupState:
-                state = group_state.expire(state, alive, now_ms)
+            def change(state: GroupState, alive: set[str], deadline_passed: bool) -> GroupState:
+                state = group_state.expire(state, alive)
                 if member_id not in alive:
                     raise UnknownMemberIdError(
                         f"member {member_id!r}'s session ended while it joined: join again"
                     )
-                if member_id not in state.members and len(state.members) >= MAX_GROUP_MEMBERS:
+                holder = state.static_member(member.instance_id)
+                replaced[:] = [holder.lease_id] if holder and holder.member_id != member_id else []
+                if (
+                    member_id not in state.members
+                    and holder is None
+                    and len(state.members) >= MAX_GROUP_MEMBERS
+                ):
                     raise GroupMaxSizeReachedError(
                         f"group {group_id!r} has {len(state.members)} members; the limit is "
                         f"{MAX_GROUP_MEMBERS}"
                     )
                 counts = self._counts_for(state, member.topics)
-                state = group_state.join(state, member, now_ms, counts)
-                return group_state.maybe_complete(state, now_ms, counts)
+                state = group_state.join(state, member, counts, deadline_passed=deadline_passed)
+                return group_state.maybe_complete(state, counts, deadline_passed=deadline_passed)
 
             state = self._update(group_id, change)
+            for old_lease in replaced:
+                # The restarted static member's previous incarnation: its session ends
+                # now (its key would otherwise linger until its TTL, harmlessly).
+                with contextlib.suppress(TidelogError):
+                    self._store.revoke_lease_id(old_lease)
+            replaced.clear()
             if state.phase == "stable" and member_id in state.members:
                 return JoinOutcome(
                     member_id, state.generation, state.assignment[member_id], granted_s * 1000, None
@@ -317,13 +367,19 @@ class GroupCoordinator:
                 f"member {member_id!r}'s session in group {group_id!r} ended: join again"
             ) from exc
 
-    def heartbeat(self, group_id: str, member_id: str, generation: int) -> TidelogError | None:
+    def heartbeat(
+        self, group_id: str, member_id: str, generation: int, instance_id: str = ""
+    ) -> TidelogError | None:
         check_group_id(group_id)
         state, _, alive = self._read(group_id)
+        try:
+            group_state.check_instance(state, member_id, instance_id)
+        except FencedInstanceIdError as exc:
+            return exc
         known = state.members.get(member_id)
         if known is None or member_id not in alive:
             # Let the group go on without it now, rather than at the next other heartbeat.
-            self._update(group_id, group_state.expire)
+            self._update(group_id, lambda s, alive, _: group_state.expire(s, alive))
             return UnknownMemberIdError(
                 f"member {member_id!r} is not in group {group_id!r} (its session ended or "
                 "it left): join again"
@@ -334,27 +390,33 @@ class GroupCoordinator:
             return exc
         outcome: list[TidelogError | None] = [None]
 
-        def change(state: GroupState, alive: set[str], now_ms: int) -> GroupState:
-            state = group_state.expire(state, alive, now_ms)
+        def change(state: GroupState, alive: set[str], deadline_passed: bool) -> GroupState:
+            state = group_state.expire(state, alive)
             state, outcome[0] = group_state.heartbeat(
-                state, member_id, generation, self._counts_for(state), now_ms
+                state,
+                member_id,
+                generation,
+                self._counts_for(state),
+                deadline_passed=deadline_passed,
+                instance_id=instance_id,
             )
             return state
 
         self._update(group_id, change)
         return outcome[0]
 
-    def leave(self, group_id: str, member_id: str) -> None:
+    def leave(self, group_id: str, member_id: str, instance_id: str = "") -> None:
         check_group_id(group_id)
         lease_id: list[int] = []
 
-        def change(state: GroupState, alive: set[str], now_ms: int) -> GroupState:
+        def change(state: GroupState, alive: set[str], _deadline_passed: bool) -> GroupState:
+            group_state.check_instance(state, member_id, instance_id)
             known = state.members.get(member_id)
             if known is None:
                 raise UnknownMemberIdError(f"member {member_id!r} is not in group {group_id!r}")
             lease_id[:] = [known.lease_id]
             return group_state.leave(
-                group_state.expire(state, alive | {member_id}, now_ms), member_id, now_ms
+                group_state.expire(state, alive | {member_id}), member_id, instance_id
             )
 
         self._update(group_id, change)
@@ -363,7 +425,7 @@ class GroupCoordinator:
     def describe(self, group_id: str) -> GroupState:
         """The group as it is now (members whose session ended are dropped first)."""
         check_group_id(group_id)
-        return self._update(group_id, group_state.expire)
+        return self._update(group_id, lambda s, alive, _: group_state.expire(s, alive))
 
     def list_groups(self) -> list[str]:
         """Groups with members (a group without any has no state key)."""
@@ -372,7 +434,9 @@ class GroupCoordinator:
 
     # --- commit fencing -------------------------------------------------------------------
 
-    def commit_guard(self, group_id: str, member_id: str, generation: int) -> list[Compare]:
+    def commit_guard(
+        self, group_id: str, member_id: str, generation: int, instance_id: str = ""
+    ) -> list[Compare]:
         """Check that this member may commit now (``group_state.check_commit``) and return
         the compares that keep it true in the commit's transaction: the state unchanged,
         and the member's session alive. Raises the group error otherwise."""
@@ -380,14 +444,26 @@ class GroupCoordinator:
         # transaction's compare then fails even if the state read below is newer.
         fence = self._store.get(fence_key(group_id))
         state, _, alive = self._read(group_id)
-        state = group_state.expire(state, alive, self._clock_ms())
-        group_state.check_commit(state, member_id, generation)
+        state = group_state.expire(state, alive)
+        group_state.check_commit(state, member_id, generation, instance_id)
         compares = [
             Compare.mod_revision_is(fence_key(group_id), fence.mod_revision if fence else 0)
         ]
         if member_id:
             compares.append(Compare.exists(session_key(group_id, member_id)))
         return compares
+
+
+_INSTANCE_ID = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+
+
+def _check_instance_id(instance_id: str) -> None:
+    """Kafka's rule for group.instance.id: a topic name's characters and length."""
+    if instance_id and (not _INSTANCE_ID.fullmatch(instance_id) or instance_id in (".", "..")):
+        raise InvalidRequestError(
+            f"group instance id {instance_id[:64]!r} must be 1-249 characters of "
+            "[a-zA-Z0-9._-], not '.' or '..'"
+        )
 
 
 def _check_join(

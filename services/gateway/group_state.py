@@ -19,8 +19,10 @@ Invariants:
   read them in (Kafka accepts those commits, and the next owner must see them).
 - In ``stable`` every member has an assignment and no partition is in two of them.
 - In ``preparing``, ``joined`` holds the members that asked to join since it began; the
-  rebalance completes when every member has, or at ``deadline_ms`` without the others
-  (a member that does not rejoin in its rebalance timeout is out, as in Kafka).
+  rebalance completes when every member has, or without the others once its deadline
+  passed (a member that does not rejoin in its rebalance timeout is out, as in Kafka).
+  The deadline is timed outside (``deadline_passed``): the coordinator uses an etcd lease
+  of ``rebalance_timeout_ms()``, so gateways' wall clocks never decide it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 from tidelog.errors import (
+    FencedInstanceIdError,
     IllegalGenerationError,
     RebalanceInProgressError,
     TidelogError,
@@ -51,6 +54,9 @@ class Member:
     session_timeout_ms: int
     rebalance_timeout_ms: int
     lease_id: int  # the etcd lease whose key says the member is alive
+    # group.instance.id (KIP-345): a static member keeps its partitions across restarts;
+    # "" for a dynamic member.
+    instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,57 +69,105 @@ class GroupState:
     # Partition counts of the subscribed topics when the assignment was made.
     partition_counts: Mapping[str, int] = field(default_factory=dict)
     joined: frozenset[str] = frozenset()
-    deadline_ms: int = 0  # when ``preparing`` completes without the missing members
+
+    def rebalance_timeout_ms(self) -> int:
+        """How long ``preparing`` waits for its members: the largest of their timeouts."""
+        return max((m.rebalance_timeout_ms for m in self.members.values()), default=0)
 
     def topics(self) -> set[str]:
         return {t for m in self.members.values() for t in m.topics}
+
+    def static_member(self, instance_id: str) -> Member | None:
+        """The member holding the static ``instance_id`` now, if any."""
+        if not instance_id:
+            return None
+        return next((m for m in self.members.values() if m.instance_id == instance_id), None)
 
 
 # ----------------------------------------------------------------------- transitions
 
 
-def begin_rebalance(state: GroupState, now_ms: int) -> GroupState:
+def begin_rebalance(state: GroupState) -> GroupState:
     """Start (or keep) ``preparing``: every member must join again."""
     if not state.members:
-        return replace(state, phase="empty", joined=frozenset(), deadline_ms=0)
+        return replace(state, phase="empty", joined=frozenset())
     if state.phase == "preparing":
         return state
-    timeout_ms = max(m.rebalance_timeout_ms for m in state.members.values())
-    return replace(state, phase="preparing", joined=frozenset(), deadline_ms=now_ms + timeout_ms)
+    return replace(state, phase="preparing", joined=frozenset())
 
 
-def expire(state: GroupState, alive: Iterable[str], now_ms: int) -> GroupState:
+def expire(state: GroupState, alive: Iterable[str]) -> GroupState:
     """Drop members whose session ended; the others rebalance without them."""
     alive_ids = set(alive)
     dead = [m for m in state.members if m not in alive_ids]
     if not dead:
         return state
-    return _without(state, dead, now_ms)
+    return _without(state, dead)
 
 
 def join(
-    state: GroupState, member: Member, now_ms: int, partition_counts: Mapping[str, int]
+    state: GroupState,
+    member: Member,
+    partition_counts: Mapping[str, int],
+    *,
+    deadline_passed: bool = False,
 ) -> GroupState:
     """``member`` asks to join (new, or a member rejoining). A stable member rejoining
-    with the same topics changes nothing (it gets the generation's assignment again)."""
+    with the same topics changes nothing (it gets the generation's assignment again).
+
+    A static member (``instance_id``) joining under a new member id while its instance
+    is in the group is the same consumer restarted (KIP-345): it takes over the old
+    member's place and partitions, without a rebalance when its topics are the same;
+    the old member id is fenced from then on (``check_instance``)."""
+    holder = state.static_member(member.instance_id)
+    if holder is not None and holder.member_id != member.member_id:
+        state = _replace_member(state, holder.member_id, member)
+        if holder.topics != member.topics:
+            state = begin_rebalance(state)
+        elif state.phase == "stable":
+            return state
     known = state.members.get(member.member_id)
     if known is not None and known.topics == member.topics and state.phase == "stable":
         return state
     members = dict(state.members)
     members[member.member_id] = member
-    state = begin_rebalance(replace(state, members=members), now_ms)
+    state = begin_rebalance(replace(state, members=members))
     state = replace(state, joined=state.joined | {member.member_id})
-    return maybe_complete(state, now_ms, partition_counts)
+    return maybe_complete(state, partition_counts, deadline_passed=deadline_passed)
+
+
+def _replace_member(state: GroupState, old_id: str, member: Member) -> GroupState:
+    members = {k: v for k, v in state.members.items() if k != old_id}
+    members[member.member_id] = member
+    assignment = {k: v for k, v in state.assignment.items() if k != old_id}
+    if old_id in state.assignment:
+        assignment[member.member_id] = state.assignment[old_id]
+    joined = state.joined - {old_id}
+    if old_id in state.joined:
+        joined |= {member.member_id}
+    return replace(state, members=members, assignment=assignment, joined=joined)
+
+
+def check_instance(state: GroupState, member_id: str, instance_id: str) -> None:
+    """A request from a static member whose instance another member id holds now: a
+    newer process with the same group.instance.id replaced it (Kafka's FENCED_INSTANCE_ID;
+    the old one must stop, not join again and take the place back)."""
+    holder = state.static_member(instance_id)
+    if holder is not None and holder.member_id != member_id:
+        raise FencedInstanceIdError(
+            f"group.instance.id {instance_id!r} is held by member {holder.member_id!r} now: "
+            "another consumer with the same instance id replaced this one"
+        )
 
 
 def maybe_complete(
-    state: GroupState, now_ms: int, partition_counts: Mapping[str, int]
+    state: GroupState, partition_counts: Mapping[str, int], *, deadline_passed: bool
 ) -> GroupState:
     """Complete ``preparing`` when every member joined or the deadline passed."""
     if state.phase != "preparing":
         return state
     missing = [m for m in state.members if m not in state.joined]
-    if missing and now_ms < state.deadline_ms:
+    if missing and not deadline_passed:
         return state
     members = {k: v for k, v in state.members.items() if k not in missing}
     if not members:
@@ -132,13 +186,14 @@ def maybe_complete(
     )
 
 
-def leave(state: GroupState, member_id: str, now_ms: int) -> GroupState:
+def leave(state: GroupState, member_id: str, instance_id: str = "") -> GroupState:
+    check_instance(state, member_id, instance_id)
     if member_id not in state.members:
         raise UnknownMemberIdError(f"member {member_id!r} is not in the group")
-    return _without(state, [member_id], now_ms)
+    return _without(state, [member_id])
 
 
-def _without(state: GroupState, gone: Iterable[str], now_ms: int) -> GroupState:
+def _without(state: GroupState, gone: Iterable[str]) -> GroupState:
     gone_ids = set(gone)
     members = {k: v for k, v in state.members.items() if k not in gone_ids}
     state = replace(
@@ -148,8 +203,8 @@ def _without(state: GroupState, gone: Iterable[str], now_ms: int) -> GroupState:
         assignment={k: v for k, v in state.assignment.items() if k not in gone_ids},
     )
     if not members:
-        return replace(state, phase="empty", assignment={}, joined=frozenset(), deadline_ms=0)
-    return begin_rebalance(state, now_ms)
+        return replace(state, phase="empty", assignment={}, joined=frozenset())
+    return begin_rebalance(state)
 
 
 def heartbeat(
@@ -157,20 +212,30 @@ def heartbeat(
     member_id: str,
     generation: int,
     partition_counts: Mapping[str, int],
-    now_ms: int,
+    *,
+    deadline_passed: bool = False,
+    instance_id: str = "",
 ) -> tuple[GroupState, TidelogError | None]:
     """A member's heartbeat: the state (a rebalance begins when the subscribed topics'
     partition counts changed) and the error the member must act on, or None."""
+    try:
+        check_instance(state, member_id, instance_id)
+    except FencedInstanceIdError as exc:
+        return state, exc
     if member_id not in state.members:
         return state, UnknownMemberIdError(
             f"member {member_id!r} is not in the group (its session ended or it left): join again"
         )
     if state.phase == "stable" and _counts_changed(state, partition_counts):
-        state = begin_rebalance(state, now_ms)
+        state = begin_rebalance(state)
     if state.phase == "preparing":
-        return maybe_complete(state, now_ms, partition_counts), RebalanceInProgressError(
-            "the group is rebalancing: join again"
-        )
+        state = maybe_complete(state, partition_counts, deadline_passed=deadline_passed)
+        if member_id not in state.members:
+            # Completed without it (it did not join again in time): it must join anew.
+            return state, UnknownMemberIdError(
+                f"member {member_id!r} did not join the rebalance in time: join again"
+            )
+        return state, RebalanceInProgressError("the group is rebalancing: join again")
     if generation != state.generation:
         return state, IllegalGenerationError(
             f"generation {generation} is not the group's current one ({state.generation})"
@@ -183,12 +248,13 @@ def _counts_changed(state: GroupState, partition_counts: Mapping[str, int]) -> b
     return now != dict(state.partition_counts)
 
 
-def check_commit(state: GroupState, member_id: str, generation: int) -> None:
+def check_commit(state: GroupState, member_id: str, generation: int, instance_id: str = "") -> None:
     """Kafka's rule for OffsetCommit: a commit by no member (empty ``member_id``) is
     allowed only while the group has no members (offsets stored for a consumer that
     assigns itself);
     a member commits in its generation, also while a rebalance is being prepared (it
     commits what it read before giving up its partitions)."""
+    check_instance(state, member_id, instance_id)
     if not member_id:
         if state.members:
             raise UnknownMemberIdError(
@@ -245,6 +311,7 @@ def encode(state: GroupState) -> bytes:
                 "session_timeout_ms": m.session_timeout_ms,
                 "rebalance_timeout_ms": m.rebalance_timeout_ms,
                 "lease_id": m.lease_id,
+                "instance_id": m.instance_id,
             }
             for m in state.members.values()
         },
@@ -254,7 +321,6 @@ def encode(state: GroupState) -> bytes:
         "assignment": {k: _by_topic(v) for k, v in state.assignment.items()},
         "partition_counts": dict(state.partition_counts),
         "joined": sorted(state.joined),
-        "deadline_ms": state.deadline_ms,
     }
     return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
 
@@ -283,6 +349,7 @@ def decode(value: bytes) -> GroupState:
                 session_timeout_ms=int(m["session_timeout_ms"]),
                 rebalance_timeout_ms=int(m["rebalance_timeout_ms"]),
                 lease_id=int(m["lease_id"]),
+                instance_id=str(m.get("instance_id", "")),
             )
             for member_id, m in doc["members"].items()
         }
@@ -296,7 +363,6 @@ def decode(value: bytes) -> GroupState:
             },
             partition_counts={str(k): int(v) for k, v in doc["partition_counts"].items()},
             joined=frozenset(str(j) for j in doc["joined"]),
-            deadline_ms=int(doc["deadline_ms"]),
         )
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"unreadable group state: {exc!r}") from exc

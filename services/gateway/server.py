@@ -31,6 +31,7 @@ from services.gateway.router import DEADLINE_MARGIN_S
 from services.process import add_servicer_answering_encoded
 from services.status import abort, partition_results, to_error_proto, unary_errors
 from tidelog.errors import (
+    FencedInstanceIdError,
     InvalidRequestError,
     TidelogError,
     UnknownMemberIdError,
@@ -366,13 +367,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         self, request: gateway_pb2.CommitOffsetsRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.CommitOffsetsResponse:
         group_id, member_id, generation = request.group_id, request.member_id, request.generation_id
+        instance_id = request.group_instance_id
         outcomes = self._offsets.commit(
             group_id,
             [
                 Committed(o.topic, o.partition, o.offset, o.metadata, o.leader_epoch)
                 for o in request.offsets
             ],
-            guard=lambda: self._groups.commit_guard(group_id, member_id, generation),
+            guard=lambda: self._groups.commit_guard(group_id, member_id, generation, instance_id),
         )
         return gateway_pb2.CommitOffsetsResponse(
             partitions=partition_results(outcomes, [o.error for o in outcomes])
@@ -419,6 +421,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
                 rebalance_timeout_ms=request.rebalance_timeout_ms,
                 client_id=request.client_id,
                 max_wait_ms=request.max_wait_ms,
+                instance_id=request.group_instance_id,
             )
         except UnknownMemberIdError as exc:
             return gateway_pb2.JoinGroupResponse(error=to_error_proto(exc))
@@ -436,7 +439,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def Heartbeat(  # noqa: N802 - gRPC's method name
         self, request: gateway_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.HeartbeatResponse:
-        error = self._groups.heartbeat(request.group_id, request.member_id, request.generation_id)
+        error = self._groups.heartbeat(
+            request.group_id,
+            request.member_id,
+            request.generation_id,
+            request.group_instance_id,
+        )
         return gateway_pb2.HeartbeatResponse(error=to_error_proto(error))
 
     @unary_errors
@@ -444,8 +452,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         self, request: gateway_pb2.LeaveGroupRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.LeaveGroupResponse:
         try:
-            self._groups.leave(request.group_id, request.member_id)
-        except UnknownMemberIdError as exc:
+            self._groups.leave(request.group_id, request.member_id, request.group_instance_id)
+        except (UnknownMemberIdError, FencedInstanceIdError) as exc:
             return gateway_pb2.LeaveGroupResponse(error=to_error_proto(exc))
         return gateway_pb2.LeaveGroupResponse()
 
@@ -462,6 +470,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
                 gateway_pb2.GroupMember(
                     member_id=m.member_id,
                     client_id=m.client_id,
+                    group_instance_id=m.instance_id,
                     topics=list(m.topics),
                     assignment=[
                         common_pb2.TopicPartition(topic=t, partition=p)

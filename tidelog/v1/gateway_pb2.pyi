@@ -122,16 +122,18 @@ class DescribeTopicsResponse(_message.Message):
     def __init__(self, topics: _Optional[_Iterable[_Union[DescribedTopic, _Mapping]]] = ...) -> None: ...
 
 class CommitOffsetsRequest(_message.Message):
-    __slots__ = ("group_id", "offsets", "member_id", "generation_id")
+    __slots__ = ("group_id", "offsets", "member_id", "generation_id", "group_instance_id")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     offsets: _containers.RepeatedCompositeFieldContainer[CommitOffset]
     member_id: str
     generation_id: int
-    def __init__(self, group_id: _Optional[str] = ..., offsets: _Optional[_Iterable[_Union[CommitOffset, _Mapping]]] = ..., member_id: _Optional[str] = ..., generation_id: _Optional[int] = ...) -> None: ...
+    group_instance_id: str
+    def __init__(self, group_id: _Optional[str] = ..., offsets: _Optional[_Iterable[_Union[CommitOffset, _Mapping]]] = ..., member_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., group_instance_id: _Optional[str] = ...) -> None: ...
 
 class CommitOffset(_message.Message):
     __slots__ = ("topic", "partition", "offset", "metadata", "leader_epoch")
@@ -194,7 +196,7 @@ class ListGroupsResponse(_message.Message):
     def __init__(self, group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JoinGroupRequest(_message.Message):
-    __slots__ = ("group_id", "member_id", "topics", "session_timeout_ms", "rebalance_timeout_ms", "client_id", "max_wait_ms")
+    __slots__ = ("group_id", "member_id", "topics", "session_timeout_ms", "rebalance_timeout_ms", "client_id", "max_wait_ms", "group_instance_id")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     TOPICS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +204,7 @@ class JoinGroupRequest(_message.Message):
     REBALANCE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     member_id: str
     topics: _containers.RepeatedScalarFieldContainer[str]
@@ -209,7 +212,8 @@ class JoinGroupRequest(_message.Message):
     rebalance_timeout_ms: int
     client_id: str
     max_wait_ms: int
-    def __init__(self, group_id: _Optional[str] = ..., member_id: _Optional[str] = ..., topics: _Optional[_Iterable[str]] = ..., session_timeout_ms: _Optional[int] = ..., rebalance_timeout_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
+    group_instance_id: str
+    def __init__(self, group_id: _Optional[str] = ..., member_id: _Optional[str] = ..., topics: _Optional[_Iterable[str]] = ..., session_timeout_ms: _Optional[int] = ..., rebalance_timeout_ms: _Optional[int] = ..., client_id: _Optional[str] = ..., max_wait_ms: _Optional[int] = ..., group_instance_id: _Optional[str] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
     __slots__ = ("error", "member_id", "generation_id", "assignment", "session_timeout_ms")
@@ -226,14 +230,16 @@ class JoinGroupResponse(_message.Message):
     def __init__(self, error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., member_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., assignment: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ..., session_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("group_id", "member_id", "generation_id")
+    __slots__ = ("group_id", "member_id", "generation_id", "group_instance_id")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     member_id: str
     generation_id: int
-    def __init__(self, group_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation_id: _Optional[int] = ...) -> None: ...
+    group_instance_id: str
+    def __init__(self, group_id: _Optional[str] = ..., member_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., group_instance_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("error",)
@@ -242,12 +248,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ...) -> None: ...
 
 class LeaveGroupRequest(_message.Message):
-    __slots__ = ("group_id", "member_id")
+    __slots__ = ("group_id", "member_id", "group_instance_id")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     member_id: str
-    def __init__(self, group_id: _Optional[str] = ..., member_id: _Optional[str] = ...) -> None: ...
+    group_instance_id: str
+    def __init__(self, group_id: _Optional[str] = ..., member_id: _Optional[str] = ..., group_instance_id: _Optional[str] = ...) -> None: ...
 
 class LeaveGroupResponse(_message.Message):
     __slots__ = ("error",)
@@ -262,16 +270,18 @@ class DescribeGroupRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ...) -> None: ...
 
 class GroupMember(_message.Message):
-    __slots__ = ("member_id", "client_id", "topics", "assignment")
+    __slots__ = ("member_id", "client_id", "topics", "assignment", "group_instance_id")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOPICS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     client_id: str
     topics: _containers.RepeatedScalarFieldContainer[str]
     assignment: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopicPartition]
-    def __init__(self, member_id: _Optional[str] = ..., client_id: _Optional[str] = ..., topics: _Optional[_Iterable[str]] = ..., assignment: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ...) -> None: ...
+    group_instance_id: str
+    def __init__(self, member_id: _Optional[str] = ..., client_id: _Optional[str] = ..., topics: _Optional[_Iterable[str]] = ..., assignment: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ..., group_instance_id: _Optional[str] = ...) -> None: ...
 
 class DescribeGroupResponse(_message.Message):
     __slots__ = ("group_id", "state", "generation_id", "members")
