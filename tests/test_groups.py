@@ -16,11 +16,15 @@ import grpc
 import pytest
 
 import tidelog
+from services.gateway.groups import Committed, OffsetStore
+from services.gateway.metadata_cache import MetadataCache
+from services.metastore import MetaStore
 from tests.support.cluster import GatewayProcess, TestCluster, rpc_error_code, wait_for
 from tidelog.errors import (
     ErrorCode,
     FencedInstanceIdError,
     IllegalGenerationError,
+    RequestTimedOutError,
     UnknownMemberIdError,
 )
 from tidelog.v1 import gateway_pb2, gateway_pb2_grpc
@@ -50,6 +54,21 @@ def _poll_into(
             for record in consumer.poll(timeout_ms=200):
                 assert record.value is not None
                 seen[record.value] += 1
+
+
+def _join_twice(
+    stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.JoinGroupRequest
+) -> gateway_pb2.JoinGroupResponse:
+    """JoinGroup as a client does it (KIP-394): a first join without a member id only
+    hands one out (MEMBER_ID_REQUIRED); the join that names it enters the group."""
+    response: gateway_pb2.JoinGroupResponse = stub.JoinGroup(request, timeout=30)
+    if request.member_id or response.error.code != ErrorCode.MEMBER_ID_REQUIRED:
+        return response
+    named = gateway_pb2.JoinGroupRequest()
+    named.CopyFrom(request)
+    named.member_id = response.member_id
+    again: gateway_pb2.JoinGroupResponse = stub.JoinGroup(named, timeout=30)
+    return again
 
 
 def _join(consumer: tidelog.Consumer) -> None:
@@ -450,16 +469,14 @@ def test_a_group_too_big_for_its_metadata_is_refused_and_changes_nothing(
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def join() -> gateway_pb2.JoinGroupResponse:
-            return stub.JoinGroup(
-                gateway_pb2.JoinGroupRequest(
-                    group_id="bloated",
-                    topics=topics,
-                    session_timeout_ms=10_000,
-                    rebalance_timeout_ms=10_000,
-                    max_wait_ms=0,
-                ),
-                timeout=30,
+            request = gateway_pb2.JoinGroupRequest(
+                group_id="bloated",
+                topics=topics,
+                session_timeout_ms=10_000,
+                rebalance_timeout_ms=10_000,
+                max_wait_ms=0,
             )
+            return _join_twice(stub, request)
 
         joined = 0
         with pytest.raises(grpc.RpcError) as refused:
@@ -601,17 +618,15 @@ def test_a_rebalance_completes_without_a_member_that_does_not_rejoin_in_time(
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def join(member_id: str = "") -> gateway_pb2.JoinGroupResponse:
-            return stub.JoinGroup(
-                gateway_pb2.JoinGroupRequest(
-                    group_id="latecomers",
-                    member_id=member_id,
-                    topics=["late"],
-                    session_timeout_ms=10_000,
-                    rebalance_timeout_ms=2_000,
-                    max_wait_ms=3_000,
-                ),
-                timeout=30,
+            request = gateway_pb2.JoinGroupRequest(
+                group_id="latecomers",
+                member_id=member_id,
+                topics=["late"],
+                session_timeout_ms=10_000,
+                rebalance_timeout_ms=2_000,
+                max_wait_ms=3_000,
             )
+            return _join_twice(stub, request)
 
         first = join()
         assert first.error.code == ErrorCode.NONE and len(first.assignment) == 2
@@ -640,3 +655,57 @@ def test_a_rebalance_completes_without_a_member_that_does_not_rejoin_in_time(
             timeout=10,
         )
         assert beat.error.code == ErrorCode.UNKNOWN_MEMBER_ID
+
+
+def test_a_first_join_only_hands_out_a_member_id(gateway: GatewayProcess) -> None:
+    """KIP-394: a client that never comes back after its first JoinGroup (its gateway
+    died, or the answer was lost) leaves no member in the group holding partitions."""
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        first = stub.JoinGroup(
+            gateway_pb2.JoinGroupRequest(
+                group_id="first-joins",
+                topics=["t"],
+                session_timeout_ms=10_000,
+                rebalance_timeout_ms=10_000,
+            ),
+            timeout=30,
+        )
+        assert first.error.code == ErrorCode.MEMBER_ID_REQUIRED and first.member_id
+        described = stub.DescribeGroup(
+            gateway_pb2.DescribeGroupRequest(group_id="first-joins"), timeout=10
+        )
+        assert (described.state, len(described.members)) == ("Empty", 0)
+
+
+def test_a_commit_whose_deadline_passed_writes_nothing(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A commit the client gave up on must not land late, after a newer commit of the
+    same member, with older offsets (the second group audit's finding): no transaction
+    starts once the call's deadline passed, and each partition says so."""
+    admin.create_topic("late-commit", partitions=1, replication_factor=1)
+    store = MetaStore(cluster.etcd.endpoint, cluster=cluster.cluster)
+    cache = MetadataCache(store)
+    try:
+        cache.start(10)
+        offsets = OffsetStore(store, cache)
+        outcomes = offsets.commit(
+            "late-committers",
+            [Committed("late-commit", 0, 5)],
+            guard=lambda: [],
+            deadline=time.monotonic() - 1,
+        )
+        assert [type(o.error) for o in outcomes] == [RequestTimedOutError]
+        assert offsets.fetch("late-committers", [("late-commit", 0)])[0].offset == -1
+        outcomes = offsets.commit(
+            "late-committers",
+            [Committed("late-commit", 0, 5)],
+            guard=lambda: [],
+            deadline=time.monotonic() + 10,
+        )
+        assert [o.error for o in outcomes] == [None]
+        assert offsets.fetch("late-committers", [("late-commit", 0)])[0].offset == 5
+    finally:
+        cache.stop()
+        store.close()

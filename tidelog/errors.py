@@ -67,6 +67,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_LEADER_EPOCH = 75
     STALE_BROKER_EPOCH = 77
     OFFSET_NOT_AVAILABLE = 78
+    MEMBER_ID_REQUIRED = 79
     GROUP_MAX_SIZE_REACHED = 81
     FENCED_INSTANCE_ID = 82
     ELIGIBLE_LEADERS_NOT_AVAILABLE = 83
@@ -223,6 +224,12 @@ class RebalanceInProgressError(TidelogError):
 
 class GroupMaxSizeReachedError(TidelogError):
     code = ErrorCode.GROUP_MAX_SIZE_REACHED
+
+
+class MemberIdRequiredError(TidelogError):
+    """A first JoinGroup's answer: join again naming the member id it carries (KIP-394)."""
+
+    code = ErrorCode.MEMBER_ID_REQUIRED
 
 
 class FencedInstanceIdError(TidelogError):

@@ -189,9 +189,11 @@ class GroupMembership:
                 with self._lock:
                     self._member_id = ""  # join as a new member
                     self._generation = -1
-            elif code == ErrorCode.REBALANCE_IN_PROGRESS:
+            elif code in (ErrorCode.REBALANCE_IN_PROGRESS, ErrorCode.MEMBER_ID_REQUIRED):
                 with self._lock:
                     self._member_id = response.member_id
+                if code == ErrorCode.MEMBER_ID_REQUIRED:
+                    continue  # join again at once, naming it (KIP-394)
             else:
                 raise error_for_code(
                     code, f"join group {self.group_id!r}: {response.error.message}"

@@ -61,6 +61,7 @@ from tidelog.errors import (
     GroupMaxSizeReachedError,
     InvalidRequestError,
     InvalidSessionTimeoutError,
+    MemberIdRequiredError,
     RebalanceInProgressError,
     StorageError,
     TidelogError,
@@ -269,18 +270,11 @@ class GroupCoordinator:
                 instance_id=instance_id,
             )
 
-        if member_id:
-            state, _, alive = self._read(group_id)
-            group_state.check_instance(state, member_id, instance_id)
-            known = state.members.get(member_id)
-            if known is None or member_id not in alive:
-                raise UnknownMemberIdError(
-                    f"member {member_id!r} is not in group {group_id!r} (its session ended "
-                    "or it left): join with an empty member id"
-                )
-            lease_id = known.lease_id
-            granted_s = self._refresh(group_id, member_id, lease_id)
-        else:
+        if not member_id:
+            # KIP-394: the first join only hands out a member id (and starts its session);
+            # the member enters the group when it joins naming it. A gateway that dies, or
+            # an answer lost, before the client learns its id then leaves no member in the
+            # group holding partitions nobody reads until its session ends.
             state, _, _ = self._read(group_id)
             if len(state.members) >= MAX_GROUP_MEMBERS and not state.static_member(instance_id):
                 raise GroupMaxSizeReachedError(
@@ -289,16 +283,32 @@ class GroupCoordinator:
                 )
             member_id = f"{client_id or 'consumer'}-{uuid.uuid4()}"
             lease = self._store.grant_lease(ttl_s)
-            lease_id, granted_s = lease.id, lease.ttl_s
-            try:
-                self._store.put(session_key(group_id, member_id), b"", lease)
-                return self._join_loop(group_id, member(lease_id), max_wait_ms, granted_s)
-            except BaseException:
-                # Not in the group (refused, or the gateway could not write it): its
-                # session must not outlive the call (the client gets no member id).
-                with contextlib.suppress(TidelogError):
-                    self._store.revoke_lease_id(lease_id)
-                raise
+            self._store.put(session_key(group_id, member_id), str(lease.id).encode(), lease)
+            if instance_id:
+                # A static member joins at once (as in Kafka): a retry after a lost answer
+                # names the same instance and takes the place over, so no phantom stays.
+                return self._join_loop(group_id, member(lease.id), max_wait_ms, lease.ttl_s)
+            return JoinOutcome(
+                member_id,
+                -1,
+                (),
+                lease.ttl_s * 1000,
+                MemberIdRequiredError("join again with the member id given"),
+            )
+        state, _, alive = self._read(group_id)
+        group_state.check_instance(state, member_id, instance_id)
+        known = state.members.get(member_id)
+        pending = None if known is not None else self._store.get(session_key(group_id, member_id))
+        if known is not None and member_id in alive:
+            lease_id = known.lease_id
+        elif pending is not None and pending.value.isdigit():
+            lease_id = int(pending.value)  # the id a first join handed out
+        else:
+            raise UnknownMemberIdError(
+                f"member {member_id!r} is not in group {group_id!r} (its session ended "
+                "or it left): join with an empty member id"
+            )
+        granted_s = self._refresh(group_id, member_id, lease_id)
         return self._join_loop(group_id, member(lease_id), max_wait_ms, granted_s)
 
     def _join_loop(

@@ -39,6 +39,7 @@ from tidelog.errors import (
     InvalidTopicError,
     OffsetMetadataTooLargeError,
     RebalanceInProgressError,
+    RequestTimedOutError,
     TidelogError,
 )
 from tidelog.logging import get_logger
@@ -145,13 +146,18 @@ class OffsetStore:
         group_id: str,
         offsets: Sequence[Committed],
         guard: Callable[[], list[Compare]] | None = None,
+        deadline: float | None = None,
     ) -> list[CommitOutcome]:
         """Validate each partition, write the valid ones; one outcome per input.
 
         ``guard`` (group membership fencing, ``GroupCoordinator.commit_guard``) raises the
         group's error when the committer may not commit, else returns compares that keep
         that true; each transaction carries them, and when they no longer hold the guard
-        is asked again (the group changed meanwhile: it may now refuse)."""
+        is asked again (the group changed meanwhile: it may now refuse).
+
+        ``deadline`` (monotonic): no transaction starts after it (the caller's deadline).
+        A commit the client gave up on must not land late, after a newer one of the same
+        member: its older offsets would overwrite the newer ones."""
         check_group_id(group_id)
         if len(offsets) > MAX_PARTITIONS_PER_COMMIT:
             raise InvalidRequestError(
@@ -205,7 +211,7 @@ class OffsetStore:
         writes = list(puts.values())
         for start in range(0, len(writes), OPS_PER_TXN):
             try:
-                self._write_guarded(writes[start : start + OPS_PER_TXN], guard)
+                self._write_guarded(writes[start : start + OPS_PER_TXN], guard, deadline)
             except (MetaStoreError, GroupFencedError) as exc:
                 error: TidelogError = exc.error if isinstance(exc, GroupFencedError) else exc
                 if start == 0 and isinstance(exc, MetaStoreError):
@@ -224,7 +230,16 @@ class OffsetStore:
                 ]
         return outcomes
 
-    def _write_guarded(self, ops: list[PutOp], guard: Callable[[], list[Compare]] | None) -> None:
+    def _write_guarded(
+        self,
+        ops: list[PutOp],
+        guard: Callable[[], list[Compare]] | None,
+        deadline: float | None = None,
+    ) -> None:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise GroupFencedError(
+                RequestTimedOutError("the commit's deadline passed before it was written")
+            )
         if guard is None:
             self._store.txn([], ops)
             return
@@ -235,6 +250,10 @@ class OffsetStore:
                 raise GroupFencedError(exc) from exc
             if self._store.txn(compares, ops).succeeded:
                 return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise GroupFencedError(
+                    RequestTimedOutError("the commit's deadline passed before it was written")
+                )
         raise GroupFencedError(
             RebalanceInProgressError("the group kept changing while the offsets were committed")
         )

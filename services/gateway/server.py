@@ -375,6 +375,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
                 for o in request.offsets
             ],
             guard=lambda: self._groups.commit_guard(group_id, member_id, generation, instance_id),
+            deadline=time.monotonic() + _budget_s(context, COMMIT_TIMEOUT_S),
         )
         return gateway_pb2.CommitOffsetsResponse(
             partitions=partition_results(outcomes, [o.error for o in outcomes])
@@ -497,6 +498,9 @@ _KAFKA_GROUP_STATES: Final = {
     "preparing": "PreparingRebalance",
     "stable": "Stable",
 }
+
+COMMIT_TIMEOUT_S: Final = 30.0
+"""The longest a CommitOffsets keeps starting transactions (or less: the call's deadline)."""
 
 LEADER_CALL_TIMEOUT_S: Final = 10.0
 """The longest a ListOffsets or DescribeTopics waits for the leaders' answers."""
