@@ -89,6 +89,7 @@ chaos: sysdeps venv
 	TIDELOG_FUZZ_EXAMPLES=300 $(BIN)/pytest -q tests/test_hostile_input.py
 	TIDELOG_CRASH_IMAGE_SEEDS=200 $(BIN)/pytest -q tests/test_crash_images.py
 	PYTHONPATH=. $(BIN)/python -m tests.chaos --seeds 1-16 --rounds 3 --negative-seeds 1-2 --write-docs
+	PYTHONPATH=. $(BIN)/python -m tests.chaos.groups --seeds 1-3 --seconds 120 --mode both
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache
