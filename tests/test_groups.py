@@ -709,3 +709,59 @@ def test_a_commit_whose_deadline_passed_writes_nothing(
     finally:
         cache.stop()
         store.close()
+
+
+def test_an_iterating_member_gives_its_partitions_up_promptly(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """``for record in consumer`` hands records out one by one from a large buffer: a
+    rebalance must not wait until the whole buffer is handed out, and a loop taking
+    records is not "stuck" for max_poll_interval_ms."""
+    admin.create_topic("iterated", partitions=4, replication_factor=1)
+    values = _produce(gateway.address, "iterated", 4, 500)
+    a = tidelog.Consumer(
+        gateway.address,
+        group_id="iterators",
+        auto_offset_reset="earliest",
+        max_poll_interval_ms=3_000,
+        **FAST,
+    )
+    b = tidelog.Consumer(
+        gateway.address, group_id="iterators", auto_offset_reset="earliest", **FAST
+    )
+    try:
+        a.subscribe(["iterated"])
+        records = iter(a)
+        seen: Counter[bytes] = Counter()
+        for _ in range(10):
+            record = next(records)
+            assert record.value is not None
+            seen[record.value] += 1
+        before = a.group_metadata()
+        assert before is not None and before.member_id
+        b.subscribe(["iterated"])
+        started = time.monotonic()
+        # a keeps taking records slowly (longer in all than max_poll_interval_ms):
+        # it gives two partitions up once b asks, and is never dropped for being stuck.
+        while len(a.assignment()) != 2 and time.monotonic() - started < 30:
+            record = next(records)
+            assert record.value is not None
+            seen[record.value] += 1
+            b.poll(timeout_ms=0)
+            time.sleep(0.005)
+        assert len(a.assignment()) == 2, a.assignment()
+        assert time.monotonic() - started < 15
+        meta = a.group_metadata()
+        # The same member, rebalanced: not dropped for max_poll_interval_ms and back.
+        assert meta is not None and meta.member_id == before.member_id
+        del records
+        # Nothing is lost across the rebalance: a committed what it had handed out
+        # before giving its partitions up, and the rest is read by whoever owns them.
+        rest: Counter[bytes] = Counter()
+        deadline = time.monotonic() + 60
+        while set(seen) | set(rest) != values and time.monotonic() < deadline:
+            _poll_into([a, b], rest, sum(rest.values()) + 1, timeout_s=0.5)
+        assert set(seen) | set(rest) == values
+    finally:
+        a.close()
+        b.close()

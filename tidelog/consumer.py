@@ -1150,10 +1150,13 @@ class Consumer:
         it."""
         while not self._closed:
             self._wait_for_data(ITERATOR_POLL_TIMEOUT_MS)
+            membership = self._membership
             while self._buffer and not (
-                # Records of partitions that may be another member's now are not handed
-                # out (the next wait drops them and joins again).
-                self._membership is not None and self._membership.partitions_lost()
+                # A rebalance: the next wait commits what was handed out and joins again
+                # at once, rather than after the whole buffer (the group waits for this
+                # member); records of partitions that may be another member's already
+                # are never handed out.
+                membership is not None and membership.needs_join()
             ):
                 chunk = self._buffer[0]
                 records = chunk.records()
@@ -1165,6 +1168,8 @@ class Consumer:
                 self._position_epoch[chunk.tp] = chunk.batch.header.partition_leader_epoch
                 self._metrics.add("records-consumed-total", 1)
                 yield record
+                if membership is not None:
+                    membership.polled()  # a loop taking records is not stuck
                 self._maybe_auto_commit()
 
     # --- group offsets --------------------------------------------------------------------
