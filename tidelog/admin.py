@@ -396,6 +396,38 @@ class Admin:
             ),
         )
 
+    def list_offsets(
+        self, partitions: Iterable[tuple[str, int]], spec: str | int
+    ) -> dict[tuple[str, int], int]:
+        """Kafka's listOffsets: per partition, the offset for ``spec``: "earliest" (log
+        start), "latest" (high watermark), or a timestamp in ms (the first record at or
+        after it; -1 where no record is that recent)."""
+        tps = [(str(t), int(p)) for t, p in partitions]
+        if spec == "earliest":
+            found = self._conn.list_offsets(tps, common_pb2.EARLIEST)
+        elif spec == "latest":
+            found = self._conn.list_offsets(tps, common_pb2.LATEST)
+        elif isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0:
+            found = self._conn.list_offsets(tps, common_pb2.BY_TIMESTAMP, spec)
+        else:
+            raise ConfigError(f"spec {spec!r} must be 'earliest', 'latest' or a timestamp >= 0")
+        return {tp: offset for tp, (offset, _) in found.items()}
+
+    def delete_group(self, group_id: str) -> int:
+        """Delete a group's committed offsets (Kafka's deleteConsumerGroups); how many.
+        NonEmptyGroupError while it has members, GroupIdNotFoundError when it has none."""
+        response: gateway_pb2.DeleteGroupResponse = self._conn.call(
+            self._conn.stub.DeleteGroup,
+            gateway_pb2.DeleteGroupRequest(group_id=_text("group_id", group_id)),
+            f"delete group {group_id!r}",
+        )
+        return int(response.offsets_deleted)
+
+    def alter_group_offsets(self, group_id: str, offsets: Mapping[tuple[str, int], int]) -> None:
+        """Set a group's committed offsets (Kafka's alterConsumerGroupOffsets): refused
+        while the group has members (UnknownMemberIdError: only they may commit)."""
+        self._conn.commit_offsets(_text("group_id", group_id), dict(offsets))
+
     # --- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -541,7 +541,48 @@ def _add_groups(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         "members", help="the group's state, generation, members and their partitions"
     )
     members.add_argument("group", metavar="GROUP")
-    for sub in (listing, describe, members):
+    delete = actions.add_parser(
+        "delete", help="delete a group's committed offsets (it must have no members)"
+    )
+    delete.add_argument("group", metavar="GROUP")
+    reset = actions.add_parser(
+        "reset-offsets",
+        help="set a group's committed offsets of a topic (dry run unless --execute; the "
+        "group must have no members)",
+    )
+    reset.add_argument("group", metavar="GROUP")
+    reset.add_argument("--topic", required=True, metavar="TOPIC")
+    reset.add_argument(
+        "--partition",
+        type=_non_negative_int32,
+        default=None,
+        metavar="N",
+        help="only this partition (default: every partition of the topic)",
+    )
+    to = reset.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-earliest", action="store_true", help="the log start")
+    to.add_argument("--to-latest", action="store_true", help="the end (the high watermark)")
+    to.add_argument(
+        "--to-offset",
+        type=_non_negative_int,
+        metavar="N",
+        help="this offset (clamped to the partition's range)",
+    )
+    to.add_argument(
+        "--to-datetime",
+        metavar="ISO8601",
+        help="the first record at or after this time, e.g. 2026-11-26T10:00:00Z",
+    )
+    to.add_argument(
+        "--shift-by",
+        type=int,
+        metavar="N",
+        help="the committed offset plus N (negative: back), clamped to the range",
+    )
+    reset.add_argument(
+        "--execute", action="store_true", help="commit the new offsets (else only show them)"
+    )
+    for sub in (listing, describe, members, delete, reset):
         _add_client_options(sub)
     parser.set_defaults(handler="tidelog.commands:cmd_groups")
 

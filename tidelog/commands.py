@@ -10,6 +10,7 @@ line, never a traceback.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -428,6 +429,15 @@ def cmd_groups(args: argparse.Namespace) -> int:
                 for group in groups:
                     print(group)
             return 0
+        if args.action == "delete":
+            deleted = admin.delete_group(args.group)
+            if args.output == "json":
+                _json({"group": args.group, "offsets_deleted": deleted})
+            else:
+                print(f"deleted group {args.group} ({deleted} committed offsets)")
+            return 0
+        if args.action == "reset-offsets":
+            return _reset_offsets(admin, args)
         if args.action == "members":
             described = admin.describe_group_members(args.group)
             if args.output == "json":
@@ -504,6 +514,83 @@ def cmd_groups(args: argparse.Namespace) -> int:
         return 0
 
     return run("groups", body, args)
+
+
+def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
+    """Kafka's kafka-consumer-groups --reset-offsets: the new offsets, clamped to each
+    partition's [log start, high watermark], shown, and committed with --execute (which
+    the gateway refuses while the group has members)."""
+    described = admin.describe_topic(args.topic)
+    partitions = [p.partition for p in described.partitions]
+    if args.partition is not None:
+        if args.partition not in partitions:
+            raise ConfigError(
+                f"topic {echo(args.topic)} has {len(partitions)} partitions; partition "
+                f"{args.partition} does not exist"
+            )
+        partitions = [args.partition]
+    tps = [(args.topic, p) for p in partitions]
+    earliest = admin.list_offsets(tps, "earliest")
+    latest = admin.list_offsets(tps, "latest")
+    current = {
+        (o.topic, o.partition): o.committed_offset
+        for o in admin.describe_group(args.group)
+        if (o.topic, o.partition) in earliest
+    }
+    if args.to_earliest:
+        wanted = dict(earliest)
+    elif args.to_latest:
+        wanted = dict(latest)
+    elif args.to_offset is not None:
+        wanted = dict.fromkeys(tps, args.to_offset)
+    elif args.to_datetime is not None:
+        at_ms = _parse_datetime_ms(args.to_datetime)
+        found = admin.list_offsets(tps, at_ms)
+        # No record that recent: the end, as Kafka's --to-datetime.
+        wanted = {tp: found[tp] if found[tp] >= 0 else latest[tp] for tp in tps}
+    else:
+        missing = [f"{t}-{p}" for t, p in tps if current.get((t, p), -1) < 0]
+        if missing:
+            raise ConfigError(
+                f"group {echo(args.group)} has no committed offset to shift for "
+                f"{', '.join(missing)}"
+            )
+        wanted = {tp: current[tp] + args.shift_by for tp in tps}
+    new = {tp: min(max(wanted[tp], earliest[tp]), latest[tp]) for tp in tps}
+    if args.execute:
+        admin.alter_group_offsets(args.group, new)
+    rows = [(t, p, current.get((t, p), -1), new[(t, p)]) for t, p in tps]
+    if args.output == "json":
+        _json(
+            {
+                "group": args.group,
+                "executed": bool(args.execute),
+                "offsets": [
+                    {"topic": t, "partition": p, "current": c, "new": n} for t, p, c, n in rows
+                ],
+            }
+        )
+    else:
+        _print_table(["TOPIC", "PARTITION", "CURRENT", "NEW"], [list(r) for r in rows])
+        if not args.execute:
+            print("(dry run: add --execute to commit these offsets)", file=sys.stderr)
+    return 0
+
+
+def _parse_datetime_ms(text: str) -> int:
+    """An ISO 8601 time (a missing zone means UTC) as ms since the epoch."""
+    try:
+        moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise ConfigError(
+            f"--to-datetime {echo(text)} is not an ISO 8601 time (e.g. 2026-11-26T10:00:00Z)"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    ms = int(moment.timestamp() * 1000)
+    if ms < 0:
+        raise ConfigError(f"--to-datetime {echo(text)} is before 1970")
+    return ms
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

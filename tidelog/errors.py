@@ -65,6 +65,8 @@ class ErrorCode(IntEnum):
     UNKNOWN_PRODUCER_ID = 59
     FENCED_LEADER_EPOCH = 74
     UNKNOWN_LEADER_EPOCH = 75
+    NON_EMPTY_GROUP = 68
+    GROUP_ID_NOT_FOUND = 69
     STALE_BROKER_EPOCH = 77
     OFFSET_NOT_AVAILABLE = 78
     MEMBER_ID_REQUIRED = 79
@@ -224,6 +226,17 @@ class RebalanceInProgressError(TidelogError):
 
 class GroupMaxSizeReachedError(TidelogError):
     code = ErrorCode.GROUP_MAX_SIZE_REACHED
+
+
+class NonEmptyGroupError(TidelogError):
+    """The group has members: an operation that needs it inactive (deleting it,
+    resetting its offsets) waits until they stop."""
+
+    code = ErrorCode.NON_EMPTY_GROUP
+
+
+class GroupIdNotFoundError(TidelogError):
+    code = ErrorCode.GROUP_ID_NOT_FOUND
 
 
 class MemberIdRequiredError(TidelogError):

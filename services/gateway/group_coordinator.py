@@ -62,6 +62,7 @@ from tidelog.errors import (
     InvalidRequestError,
     InvalidSessionTimeoutError,
     MemberIdRequiredError,
+    NonEmptyGroupError,
     RebalanceInProgressError,
     StorageError,
     TidelogError,
@@ -443,6 +444,21 @@ class GroupCoordinator:
         return sorted(unquote(kv.key.removeprefix(GROUP_STATES_PREFIX)) for kv in kvs)
 
     # --- commit fencing -------------------------------------------------------------------
+
+    def inactive_guard(self, group_id: str) -> list[Compare]:
+        """For operations that need the group without members (deleting its offsets):
+        NonEmptyGroupError if it has some (whose session lives), else the compare that
+        keeps it so (its state key absent: a group has one exactly while it has members)."""
+        state, revision, alive = self._read(group_id)
+        state = group_state.expire(state, alive)
+        if state.members:
+            raise NonEmptyGroupError(
+                f"group {group_id!r} has {len(state.members)} member(s): stop its consumers first"
+            )
+        if revision:
+            # Members whose sessions just ended: write that down, then compare on absence.
+            self._update(group_id, lambda s, alive, _: group_state.expire(s, alive))
+        return [Compare.absent(state_key(group_id))]
 
     def commit_guard(
         self, group_id: str, member_id: str, generation: int, instance_id: str = ""

@@ -32,8 +32,9 @@ from urllib.parse import quote, unquote
 
 from services.cluster_metadata import GROUPS_PREFIX
 from services.gateway.metadata_cache import MetadataCache, MetadataView
-from services.metastore import Compare, KeyValue, MetaStore, MetaStoreError, PutOp
+from services.metastore import Compare, DeleteOp, KeyValue, MetaStore, MetaStoreError, PutOp
 from tidelog.errors import (
+    GroupIdNotFoundError,
     InvalidGroupIdError,
     InvalidRequestError,
     InvalidTopicError,
@@ -84,6 +85,8 @@ def offset_key(group_id: str, topic: str, partition: int) -> str:
 
 
 GUARD_ATTEMPTS: Final = 10
+DELETE_KEYS_PER_TXN: Final = 50
+"""A compare and a delete each, under etcd's default --max-txn-ops of 128."""
 
 
 class GroupFencedError(Exception):
@@ -276,6 +279,35 @@ class OffsetStore:
         if not partitions:
             return sorted(committed.values(), key=lambda c: (c.topic, c.partition))
         return [committed.get((t, p)) or _nothing_committed(t, p) for t, p in partitions]
+
+    def delete_group(self, group_id: str, guard: Callable[[], list[Compare]]) -> int:
+        """Delete every committed offset of the group (Kafka's DeleteGroups); how many.
+
+        ``guard`` (``GroupCoordinator.inactive_guard``) raises NonEmptyGroupError while
+        the group has members and gives the compare that keeps it memberless; each
+        transaction also compares every key's revision (a commit landing meanwhile
+        keeps its offset, and the call says so)."""
+        check_group_id(group_id)
+        compares = guard()
+        kvs = self._store.get_prefix(group_prefix(group_id))
+        if not kvs:
+            raise GroupIdNotFoundError(f"group {group_id!r} has no committed offsets")
+        deleted = 0
+        for start in range(0, len(kvs), DELETE_KEYS_PER_TXN):
+            chunk = kvs[start : start + DELETE_KEYS_PER_TXN]
+            checks = [
+                *compares,
+                *(Compare.mod_revision_is(kv.key, kv.mod_revision) for kv in chunk),
+            ]
+            if not self._store.txn(checks, [DeleteOp(kv.key) for kv in chunk]).succeeded:
+                guard()  # the group got members: say so; else a commit raced this call
+                raise RebalanceInProgressError(
+                    f"group {group_id!r} committed while it was deleted ({deleted} offsets "
+                    "deleted): try again"
+                )
+            deleted += len(chunk)
+        _log.info("group_deleted", group=group_id, offsets=deleted)
+        return deleted
 
     def list_groups(self) -> list[str]:
         groups: set[str] = set()

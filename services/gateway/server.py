@@ -459,6 +459,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         return gateway_pb2.LeaveGroupResponse()
 
     @unary_errors
+    def DeleteGroup(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.DeleteGroupRequest, context: grpc.ServicerContext
+    ) -> gateway_pb2.DeleteGroupResponse:
+        group_id = request.group_id
+        deleted = self._offsets.delete_group(
+            group_id, lambda: self._groups.inactive_guard(group_id)
+        )
+        return gateway_pb2.DeleteGroupResponse(offsets_deleted=deleted)
+
+    @unary_errors
     def DescribeGroup(  # noqa: N802 - gRPC's method name
         self, request: gateway_pb2.DescribeGroupRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.DescribeGroupResponse:

@@ -295,6 +295,18 @@ class DescribeGroupResponse(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[GroupMember]
     def __init__(self, group_id: _Optional[str] = ..., state: _Optional[str] = ..., generation_id: _Optional[int] = ..., members: _Optional[_Iterable[_Union[GroupMember, _Mapping]]] = ...) -> None: ...
 
+class DeleteGroupRequest(_message.Message):
+    __slots__ = ("group_id",)
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    def __init__(self, group_id: _Optional[str] = ...) -> None: ...
+
+class DeleteGroupResponse(_message.Message):
+    __slots__ = ("offsets_deleted",)
+    OFFSETS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    offsets_deleted: int
+    def __init__(self, offsets_deleted: _Optional[int] = ...) -> None: ...
+
 class InitProducerIdRequest(_message.Message):
     __slots__ = ("client_id",)
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]

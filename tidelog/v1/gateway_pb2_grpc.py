@@ -127,6 +127,11 @@ class GatewayStub:
                 request_serializer=tidelog_dot_v1_dot_gateway__pb2.DescribeGroupRequest.SerializeToString,
                 response_deserializer=tidelog_dot_v1_dot_gateway__pb2.DescribeGroupResponse.FromString,
                 _registered_method=True)
+        self.DeleteGroup = channel.unary_unary(
+                '/tidelog.v1.Gateway/DeleteGroup',
+                request_serializer=tidelog_dot_v1_dot_gateway__pb2.DeleteGroupRequest.SerializeToString,
+                response_deserializer=tidelog_dot_v1_dot_gateway__pb2.DeleteGroupResponse.FromString,
+                _registered_method=True)
         self.InitProducerId = channel.unary_unary(
                 '/tidelog.v1.Gateway/InitProducerId',
                 request_serializer=tidelog_dot_v1_dot_gateway__pb2.InitProducerIdRequest.SerializeToString,
@@ -270,6 +275,14 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteGroup(self, request, context):
+        """Delete a group's committed offsets (Kafka's DeleteGroups): NON_EMPTY_GROUP while it
+        has members, GROUP_ID_NOT_FOUND when it has nothing to delete.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def InitProducerId(self, request, context):
         """A producer id and epoch for an idempotent producer (Kafka's InitProducerId), handed out
         from a block the gateway obtains from the controller (AllocateProducerIds).
@@ -370,6 +383,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.DescribeGroup,
                     request_deserializer=tidelog_dot_v1_dot_gateway__pb2.DescribeGroupRequest.FromString,
                     response_serializer=tidelog_dot_v1_dot_gateway__pb2.DescribeGroupResponse.SerializeToString,
+            ),
+            'DeleteGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteGroup,
+                    request_deserializer=tidelog_dot_v1_dot_gateway__pb2.DeleteGroupRequest.FromString,
+                    response_serializer=tidelog_dot_v1_dot_gateway__pb2.DeleteGroupResponse.SerializeToString,
             ),
             'InitProducerId': grpc.unary_unary_rpc_method_handler(
                     servicer.InitProducerId,
@@ -864,6 +882,33 @@ class Gateway:
             '/tidelog.v1.Gateway/DescribeGroup',
             tidelog_dot_v1_dot_gateway__pb2.DescribeGroupRequest.SerializeToString,
             tidelog_dot_v1_dot_gateway__pb2.DescribeGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidelog.v1.Gateway/DeleteGroup',
+            tidelog_dot_v1_dot_gateway__pb2.DeleteGroupRequest.SerializeToString,
+            tidelog_dot_v1_dot_gateway__pb2.DeleteGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
