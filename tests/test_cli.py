@@ -271,6 +271,56 @@ def test_consume_with_a_group_commits_only_what_it_printed(dev: DevProcess) -> N
     assert rest.stdout.split() == ["m2", "m3", "m4"]
 
 
+def test_groups_reset_offsets_and_delete(dev: DevProcess) -> None:
+    """Kafka's kafka-consumer-groups --reset-offsets (a dry run unless --execute) and
+    --delete, both refused in one line while the group has members."""
+    g = dev.gateway
+    tidelog("topics", "create", "resettable", "--partitions", "2", gateway=g)
+    tidelog("produce", "resettable", "--partition", "0", gateway=g, stdin="a\nb\nc\nd\n")
+    tidelog("consume", "resettable", "--group", "resetters", "--from-beginning", gateway=g)
+
+    def committed() -> dict[int, int]:
+        rows = json.loads(
+            tidelog("groups", "describe", "resetters", "--output", "json", gateway=g).stdout
+        )
+        return {r["partition"]: r["committed_offset"] for r in rows}
+
+    def reset(*how: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        command = ("groups", "reset-offsets", "resetters", "--topic", "resettable", *how)
+        return tidelog(*command, gateway=g, check=check)
+
+    assert committed() == {0: 4, 1: 0}
+    shown = reset("--shift-by", "-3")
+    assert "dry run" in shown.stderr and committed() == {0: 4, 1: 0}
+    assert [line.split() for line in shown.stdout.splitlines()[1:]] == [
+        ["resettable", "0", "4", "1"],
+        ["resettable", "1", "0", "0"],
+    ]
+    reset("--partition", "0", "--to-offset", "99", "--execute")
+    assert committed() == {0: 4, 1: 0}  # clamped to the high watermark
+    reset("--to-earliest", "--execute")
+    assert committed() == {0: 0, 1: 0}
+    again = tidelog("consume", "resettable", "--group", "resetters", gateway=g)
+    assert again.stdout.split() == ["a", "b", "c", "d"]
+
+    with tidelog_sdk.Consumer(g, group_id="resetters", session_timeout_ms=10_000) as member:
+        member.subscribe(["resettable"])
+        deadline = time.monotonic() + 30
+        while not member.assignment() and time.monotonic() < deadline:
+            member.poll(timeout_ms=100)
+        for refused in (
+            tidelog("groups", "delete", "resetters", gateway=g, check=False),
+            reset("--to-latest", "--execute", check=False),
+        ):
+            assert refused.returncode == 1, refused.args
+            assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+            assert "member" in refused.stderr and "Traceback" not in refused.stderr
+    deleted = tidelog("groups", "delete", "resetters", gateway=g)
+    assert "deleted group resetters (2 committed offsets)" in deleted.stdout
+    gone = tidelog("groups", "delete", "resetters", gateway=g, check=False)
+    assert gone.returncode == 1 and "no committed offsets" in gone.stderr
+
+
 def test_dev_with_a_file_for_its_data_directory_is_one_line(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "afile"
     not_a_dir.write_text("")
@@ -372,53 +422,3 @@ def test_dev_killed_outright_leaves_no_child_running(tmp_path: Path) -> None:
     finally:
         for pid in filter(_running, children):  # a failed run leaves no cluster behind
             os.kill(pid, signal.SIGKILL)
-
-
-def test_groups_reset_offsets_and_delete(dev: DevProcess) -> None:
-    """Kafka's kafka-consumer-groups --reset-offsets (a dry run unless --execute) and
-    --delete, both refused in one line while the group has members."""
-    g = dev.gateway
-    tidelog("topics", "create", "resettable", "--partitions", "2", gateway=g)
-    tidelog("produce", "resettable", "--partition", "0", gateway=g, stdin="a\nb\nc\nd\n")
-    tidelog("consume", "resettable", "--group", "resetters", "--from-beginning", gateway=g)
-
-    def committed() -> dict[int, int]:
-        rows = json.loads(
-            tidelog("groups", "describe", "resetters", "--output", "json", gateway=g).stdout
-        )
-        return {r["partition"]: r["committed_offset"] for r in rows}
-
-    def reset(*how: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        command = ("groups", "reset-offsets", "resetters", "--topic", "resettable", *how)
-        return tidelog(*command, gateway=g, check=check)
-
-    assert committed() == {0: 4, 1: 0}
-    shown = reset("--shift-by", "-3")
-    assert "dry run" in shown.stderr and committed() == {0: 4, 1: 0}
-    assert [line.split() for line in shown.stdout.splitlines()[1:]] == [
-        ["resettable", "0", "4", "1"],
-        ["resettable", "1", "0", "0"],
-    ]
-    reset("--partition", "0", "--to-offset", "99", "--execute")
-    assert committed() == {0: 4, 1: 0}  # clamped to the high watermark
-    reset("--to-earliest", "--execute")
-    assert committed() == {0: 0, 1: 0}
-    again = tidelog("consume", "resettable", "--group", "resetters", gateway=g)
-    assert again.stdout.split() == ["a", "b", "c", "d"]
-
-    with tidelog_sdk.Consumer(g, group_id="resetters", session_timeout_ms=10_000) as member:
-        member.subscribe(["resettable"])
-        deadline = time.monotonic() + 30
-        while not member.assignment() and time.monotonic() < deadline:
-            member.poll(timeout_ms=100)
-        for refused in (
-            tidelog("groups", "delete", "resetters", gateway=g, check=False),
-            reset("--to-latest", "--execute", check=False),
-        ):
-            assert refused.returncode == 1, refused.args
-            assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
-            assert "member" in refused.stderr and "Traceback" not in refused.stderr
-    deleted = tidelog("groups", "delete", "resetters", gateway=g)
-    assert "deleted group resetters (2 committed offsets)" in deleted.stdout
-    gone = tidelog("groups", "delete", "resetters", gateway=g, check=False)
-    assert gone.returncode == 1 and "no committed offsets" in gone.stderr
