@@ -10,7 +10,10 @@ reads. The rules are those of Spark's Kafka source so results match users' exper
   latest offset is an error, below the earliest (removed by retention) is data loss.
 - ``resume_offsets`` checks where a streaming query resumes (its checkpoint) against what
   the partitions hold now: offsets deleted by retention, a latest offset below the
-  checkpoint (topic re-created, log truncated) or a partition gone are data loss.
+  checkpoint (log truncated), a topic deleted and created again since the checkpoint (its
+  topic id changed: Spark's Kafka source cannot see this when the new topic has grown
+  past the checkpoint's offsets, and reads on from there) or a partition gone are data
+  loss.
 - Data loss (``DataLoss``) follows Spark's Kafka source: with ``failOnDataLoss`` (the
   default) the query fails with a message saying data may have been lost; without, the
   losses are returned for the caller to log and reading goes on from the earliest
@@ -21,7 +24,9 @@ reads. The rules are those of Spark's Kafka source so results match users' exper
 - ``split_ranges`` cuts large ranges so that there are at least ``minPartitions`` tasks.
 
 Offsets here are dicts keyed by ``(topic, partition)``; ``to_json_offsets`` /
-``from_json_offsets`` convert to the ``{"topic": {"0": 23}}`` form Spark checkpoints.
+``from_json_offsets`` convert to the ``{"topic": {"0": 23}}`` form Spark checkpoints,
+plus ``{"$topicIds": {"topic": "<id>"}}`` naming the incarnation of each topic the offsets
+belong to (``$`` is in no topic name; checkpoints written without it are not checked).
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Final
 
 from tidelog.errors import ConfigError, OffsetOutOfRangeError
 from tidelog.spark.options import EARLIEST, LATEST, OffsetSpec
 
 TopicPartition = tuple[str, int]
+
+TOPIC_IDS_KEY: Final = "$topicIds"
+"""The checkpoint's entry naming each topic's incarnation (no topic name has a ``$``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +172,8 @@ def resume_offsets(
     bounds: Mapping[TopicPartition, Bounds],
     *,
     fail_on_data_loss: bool,
+    checkpoint_ids: Mapping[str, str] | None = None,
+    topic_ids: Mapping[str, str] | None = None,
 ) -> tuple[dict[TopicPartition, int], list[DataLoss]]:
     """Where a streaming query goes on reading each partition in ``bounds``, from the
     offsets it reached (``starts``, its checkpoint), and the data lost on the way.
@@ -174,15 +185,35 @@ def resume_offsets(
     truncated, so the offsets no longer name the records read: resume at ``latest``, as
     Kafka's source does); a partition of ``starts`` is no longer there (dropped). With
     ``fail_on_data_loss`` any loss raises OffsetOutOfRangeError instead.
+
+    A topic whose id (``topic_ids``, now) is not the one the checkpoint names
+    (``checkpoint_ids``) was deleted and created again: the checkpoint's offsets name
+    records of the old topic, whatever the new one's bounds. What the old one held past
+    them is lost; the new one is read from its earliest offset (none of it was read).
     """
     result: dict[TopicPartition, int] = {}
     losses: list[DataLoss] = []
+    old, new = checkpoint_ids or {}, topic_ids or {}
+    reborn = {t for t, i in old.items() if i and new.get(t) and new[t] != i}
     for tp in sorted(set(starts) - set(bounds)):
         losses.append(
             DataLoss(tp[0], tp[1], "the partition no longer exists (topic deleted?)", None)
         )
     for tp, b in sorted(bounds.items()):
         start = starts.get(tp, 0)
+        if tp[0] in reborn:
+            losses.append(
+                DataLoss(
+                    tp[0],
+                    tp[1],
+                    "the topic was deleted and created again since the checkpoint (topic id "
+                    f"{old[tp[0]]} is now {new[tp[0]]}): what the old topic held past offset "
+                    f"{start} was not read",
+                    b.earliest,
+                )
+            )
+            result[tp] = b.earliest
+            continue
         if start > b.latest:
             losses.append(
                 DataLoss(
@@ -259,21 +290,36 @@ def split_ranges(ranges: Sequence[OffsetRange], min_partitions: int | None) -> l
     return result
 
 
-def to_json_offsets(offsets: Mapping[TopicPartition, int]) -> dict[str, dict[str, int]]:
-    """``{(t, p): o}`` -> ``{"t": {"p": o}}`` (what Spark writes to its checkpoint)."""
-    result: dict[str, dict[str, int]] = {}
+def to_json_offsets(
+    offsets: Mapping[TopicPartition, int], topic_ids: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``{(t, p): o}`` -> ``{"t": {"p": o}}`` (what Spark writes to its checkpoint), with
+    ``{"$topicIds": {"t": id}}`` for the topics whose id is given."""
+    result: dict[str, Any] = {}
     for (topic, partition), offset in sorted(offsets.items()):
         result.setdefault(topic, {})[str(partition)] = offset
+    ids = {t: i for t, i in sorted((topic_ids or {}).items()) if t in result and i}
+    if ids:
+        result[TOPIC_IDS_KEY] = ids
     return result
 
 
-def from_json_offsets(data: Mapping[str, Mapping[str, int]]) -> dict[TopicPartition, int]:
-    """The inverse of ``to_json_offsets``."""
+def from_json_offsets(data: Mapping[str, Mapping[str, Any]]) -> dict[TopicPartition, int]:
+    """The inverse of ``to_json_offsets`` (the topic ids apart: ``topic_ids_of``)."""
     return {
         (topic, int(partition)): int(offset)
         for topic, partitions in data.items()
+        if topic != TOPIC_IDS_KEY
         for partition, offset in partitions.items()
     }
+
+
+def topic_ids_of(data: Mapping[str, Any]) -> dict[str, str]:
+    """The topic ids a checkpoint's offsets name (none in those written before)."""
+    ids = data.get(TOPIC_IDS_KEY)
+    if not isinstance(ids, Mapping):
+        return {}
+    return {str(t): str(i) for t, i in ids.items()}
 
 
 def _names(tps: Iterable[TopicPartition]) -> str:

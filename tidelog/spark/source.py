@@ -11,7 +11,7 @@ planned (``tidelog.spark.direct``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from pyspark.sql.datasource import (
@@ -217,7 +217,16 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             starts, bounds, fail_on_data_loss=options.fail_on_data_loss
         )
         reader.warn_data_loss(losses)
-        return planning.to_json_offsets(starts)
+        return planning.to_json_offsets(starts, self._topic_ids(starts))
+
+    def _topic_ids(self, partitions: Iterable[TopicPartition]) -> dict[str, str]:
+        """The current id of each topic of ``partitions`` (the incarnation the offsets
+        written to the checkpoint belong to); a topic gone meanwhile has none."""
+        topics = sorted({t for t, _ in partitions})
+        if not topics:
+            return {}
+        response = self._connection().metadata(topics)
+        return {t.name: t.topic_id for t in response.topics if t.error.code == 0 and t.topic_id}
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.options.max_offsets_per_trigger is None:
@@ -229,19 +238,26 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, dict[str, int]]:
         bounds = self._bounds()
+        topic_ids = self._topic_ids(bounds)
         # ``start`` is where the checkpoint says the query got to; what was lost since
         # (retention, a re-created topic) fails the query here, before any task runs, or
         # with failOnDataLoss=false moves the start to what is still there.
         checkpointed = planning.from_json_offsets(start)
         starts, losses = planning.resume_offsets(
-            checkpointed, bounds, fail_on_data_loss=self.options.fail_on_data_loss
+            checkpointed,
+            bounds,
+            fail_on_data_loss=self.options.fail_on_data_loss,
+            checkpoint_ids=planning.topic_ids_of(start),
+            topic_ids=topic_ids,
         )
         reader.warn_data_loss([loss for loss in losses if loss not in self._reported])
         self._reported.update(losses)
+        # Where reading resumes elsewhere than the checkpoint says: past deleted offsets,
+        # or at the start of a topic created again since (below the checkpoint's offset).
         self._skipped = {
             tp: (checkpointed.get(tp, 0), offset)
             for tp, offset in starts.items()
-            if offset > checkpointed.get(tp, 0)
+            if offset != checkpointed.get(tp, 0)
         }
         # Spark plans the next micro-batch only after the previous one completed, so
         # ``start`` is processed data: the group sees it now rather than when Spark gets
@@ -260,18 +276,27 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ends = {tp: max(latest.get(tp, offset), offset) for tp, offset in starts.items()}
         if isinstance(limit, ReadMaxRows):
             ends = planning.rate_limit(starts, ends, limit.max_rows)
-        return planning.to_json_offsets(ends)
+        return planning.to_json_offsets(ends, topic_ids)
 
     def reportLatestOffset(self) -> dict[str, dict[str, int]] | None:
         return planning.to_json_offsets(self._latest())
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
-        starts = planning.from_json_offsets(start)
-        # Where the plan of this micro-batch skipped deleted offsets, its tasks start at
-        # what is left rather than fetch the deleted ones (out of range) first. A replay
-        # after a restart has no such plan: its tasks find the deletion themselves.
-        for tp, (checkpointed, resumed) in self._skipped.items():
-            if starts.get(tp, 0) == checkpointed:
+        checkpointed = planning.from_json_offsets(start)
+        starts = dict(checkpointed)
+        # A topic whose id differs between the two ends was created again in between:
+        # the end's offsets are the new topic's, read from its beginning.
+        start_ids, end_ids = planning.topic_ids_of(start), planning.topic_ids_of(end)
+        for tp in starts:
+            old, new = start_ids.get(tp[0]), end_ids.get(tp[0])
+            if old and new and old != new:
+                starts[tp] = 0
+        # Where the plan of this micro-batch skipped deleted offsets (or a re-created
+        # topic's), its tasks start at what is left rather than fetch the deleted ones
+        # (out of range) first. A replay after a restart has no such plan: its tasks
+        # find the deletion themselves.
+        for tp, (at, resumed) in self._skipped.items():
+            if checkpointed.get(tp, 0) == at:
                 starts[tp] = resumed
         ranges = planning.ranges_between(starts, planning.from_json_offsets(end))
         return _range_partitions(
