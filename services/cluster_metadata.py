@@ -73,6 +73,19 @@ def group_state_key(encoded_group: str) -> str:
     return f"{GROUP_STATES_PREFIX}{encoded_group}"
 
 
+def group_fence_key(encoded_group: str) -> str:
+    return f"{GROUP_FENCES_PREFIX}{encoded_group}"
+
+
+def group_timer_key(encoded_group: str) -> str:
+    return f"{GROUP_REBALANCES_PREFIX}{encoded_group}"
+
+
+def group_of_session_key(key: str) -> str:
+    """The group part (percent-encoded) of a ``group-sessions/<group>/<member>`` key."""
+    return key.removeprefix(GROUP_SESSIONS_PREFIX).split("/", 1)[0]
+
+
 def broker_key(broker_id: int) -> str:
     return f"{BROKERS_PREFIX}{broker_id}"
 

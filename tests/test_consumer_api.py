@@ -57,6 +57,12 @@ def test_offsets_for_times_partitions_for_and_subscription(
         assert consumer.offsets_for_times({("timed", 0): base_ms + 60_000}) == {("timed", 0): None}
         with pytest.raises(ConfigError, match="outside"):
             consumer.offsets_for_times({("timed", 0): -1})
+        started = time.monotonic()
+        with pytest.raises(UnknownTopicOrPartitionError):
+            consumer.offsets_for_times({("no-such-topic", 0): base_ms})
+        with pytest.raises(UnknownTopicOrPartitionError, match="partition 9"):
+            consumer.offsets_for_times({("timed", 9): base_ms})
+        assert time.monotonic() - started < 10  # at once, not after the request timeout
         assert consumer.partitions_for("timed") == [0, 1]
         with pytest.raises(UnknownTopicOrPartitionError):
             consumer.partitions_for("no-such-topic")

@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -765,3 +767,92 @@ def test_an_iterating_member_gives_its_partitions_up_promptly(
     finally:
         a.close()
         b.close()
+
+
+def test_a_static_member_replaced_while_it_waits_to_join_is_fenced(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The third group audit's repro: static member A waits in a rebalance's JoinGroup
+    when a newer process B with the same instance id takes the place. A must be told
+    FENCED_INSTANCE_ID (it was told UNKNOWN_MEMBER_ID, joined anew and took the place
+    back from B, which was then fenced: the wrong process survived)."""
+    admin.create_topic("pingpong", partitions=3, replication_factor=1)
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def join(member_id: str = "", instance: str = "", wait_ms: int = 3_000) -> Any:
+            request = gateway_pb2.JoinGroupRequest(
+                group_id="pingpongs",
+                member_id=member_id,
+                topics=["pingpong"],
+                session_timeout_ms=10_000,
+                rebalance_timeout_ms=20_000,
+                max_wait_ms=wait_ms,
+                group_instance_id=instance,
+            )
+            try:
+                return _join_twice(stub, request)
+            except grpc.RpcError as exc:
+                return exc
+
+        a = join(instance="x")
+        d = join(wait_ms=300)
+        a = join(a.member_id, "x")
+        d = join(d.member_id)
+        assert a.error.code == d.error.code == ErrorCode.NONE
+        join(wait_ms=200)  # a third member: a rebalance begins
+        waiting: dict[str, Any] = {}
+        rejoin = threading.Thread(
+            target=lambda: waiting.setdefault("a", join(a.member_id, "x", 3_000))
+        )
+        rejoin.start()
+        time.sleep(0.7)
+        b = join(instance="x", wait_ms=300)
+        rejoin.join()
+        fenced = waiting["a"]
+        assert isinstance(fenced, grpc.RpcError), fenced
+        assert rpc_error_code(fenced) == ErrorCode.FENCED_INSTANCE_ID
+        # B holds the place: its next join is not fenced.
+        again = join(b.member_id, "x", 300)
+        assert not isinstance(again, grpc.RpcError), again
+        assert again.error.code in (ErrorCode.NONE, ErrorCode.REBALANCE_IN_PROGRESS)
+
+
+def test_a_member_that_lost_its_partitions_does_not_commit_them_on_close(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """From the third group audit: a member dropped for max_poll_interval_ms committed
+    its stale positions on close() with auto-commit, as an outsider (it had no member
+    id any more), which the group accepts once empty: the next owner's progress was
+    overwritten."""
+    admin.create_topic("stale", partitions=1, replication_factor=1)
+    _produce(gateway.address, "stale", 1, 30)
+    slow = tidelog.Consumer(
+        gateway.address,
+        group_id="stale-closers",
+        auto_offset_reset="earliest",
+        max_poll_interval_ms=1_500,
+        **FAST,
+    )
+    other = tidelog.Consumer(
+        gateway.address, group_id="stale-closers", auto_offset_reset="earliest", **FAST
+    )
+    try:
+        slow.subscribe(["stale"])
+        wait_for(lambda: slow.poll(max_records=5, timeout_ms=200) or None, 30, "slow reads")
+        other.subscribe(["stale"])
+        wait_for(
+            lambda: (other.poll(timeout_ms=200), other.assignment())[1] or None,
+            30,
+            "the other member owning the partition",
+        )
+        _poll_into([other], Counter(), 25)
+        other.close()  # commits its position (30) and leaves: the group is empty
+        assert other.committed([("stale", 0)]) == {("stale", 0): 30}
+        with pytest.raises(UnknownMemberIdError):
+            slow.commit()
+        slow.close()  # auto-commit on: must not write its stale position (5)
+        assert other.committed([("stale", 0)]) == {("stale", 0): 30}
+    finally:
+        slow.close()
+        other.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import tidelog
 from services.controller.offset_expiry import StoredOffset, expired_groups
-from tests.support.cluster import TestCluster, wait_for
+from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 
 RETENTION_MS = 2_000
 
@@ -17,6 +17,23 @@ def offset(group: str, time_ms: int | None, key: str = "") -> StoredOffset:
     return StoredOffset(
         key=key or f"groups/{group}/t/0", group=group, commit_time_ms=time_ms, mod_revision=1
     )
+
+
+def _fast_expiry(cluster: TestCluster) -> GatewayProcess:
+    """One broker, a controller expiring offsets after RETENTION_MS (looking every
+    0.3 s), a gateway."""
+    cluster.start_broker(0)
+    cluster.start_controller(
+        1,
+        extra_args=(
+            "--offsets-retention-ms",
+            str(RETENTION_MS),
+            "--offsets-retention-check-interval-s",
+            "0.3",
+        ),
+    )
+    cluster.wait_brokers([0])
+    return cluster.start_gateway()
 
 
 def test_a_group_expires_whole_when_memberless_and_its_last_commit_is_old() -> None:
@@ -41,18 +58,7 @@ def test_a_group_expires_whole_when_memberless_and_its_last_commit_is_old() -> N
 def test_the_controller_expires_memberless_groups_and_keeps_the_others(tmp_path: Path) -> None:
     cluster = TestCluster(tmp_path)
     try:
-        cluster.start_broker(0)
-        cluster.start_controller(
-            1,
-            extra_args=(
-                "--offsets-retention-ms",
-                str(RETENTION_MS),
-                "--offsets-retention-check-interval-s",
-                "0.3",
-            ),
-        )
-        cluster.wait_brokers([0])
-        gateway = cluster.start_gateway()
+        gateway = _fast_expiry(cluster)
         admin = tidelog.Admin(gateway.address)
         admin.create_topic("kept", partitions=2)
         tp = ("kept", 0)
@@ -89,5 +95,41 @@ def test_the_controller_expires_memberless_groups_and_keeps_the_others(tmp_path:
         member.close()  # the group is empty now: its offsets go a retention later
         wait_for(lambda: admin.describe_group("alive") == [] or None, 30, "alive's expiry")
         busy.close()
+    finally:
+        cluster.close()
+
+
+def test_groups_whose_members_never_left_expire_once_their_sessions_ended(
+    tmp_path: Path,
+) -> None:
+    """Static members do not leave (nor do killed ones): the group keeps a membership
+    state nobody touches again. The third group audit found such groups' offsets kept
+    for ever; the controller now counts members by live sessions and clears the stale
+    state too."""
+    cluster = TestCluster(tmp_path)
+    try:
+        gateway = _fast_expiry(cluster)
+        admin = tidelog.Admin(gateway.address)
+        admin.create_topic("statics", partitions=1)
+        tp = ("statics", 0)
+        member = tidelog.Consumer(
+            gateway.address,
+            group_id="static-group",
+            group_instance_id="s1",
+            session_timeout_ms=2_000,
+            heartbeat_interval_ms=300,
+        )
+        member.subscribe(["statics"])
+        wait_for(lambda: (member.poll(timeout_ms=100), member.assignment())[1] or None, 30, "join")
+        member.commit({tp: 2})
+        member.close()  # a static member: no LeaveGroup
+        assert cluster.store.get("group-states/static-group") is not None
+        wait_for(
+            lambda: admin.describe_group("static-group") == [] or None,
+            30,
+            "the static group's offsets to expire",
+        )
+        assert cluster.store.get("group-states/static-group") is None
+        assert "static-group" not in admin.list_groups()
     finally:
         cluster.close()

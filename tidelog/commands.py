@@ -22,8 +22,10 @@ from tidelog.cli import cut_echoes, echo
 from tidelog.consumer import Consumer
 from tidelog.errors import (
     ConfigError,
+    NonEmptyGroupError,
     OffsetOutOfRangeError,
     TidelogError,
+    UnknownMemberIdError,
     UnknownServerError,
     UnknownTopicOrPartitionError,
 )
@@ -558,7 +560,13 @@ def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
         wanted = {tp: current[tp] + args.shift_by for tp in tps}
     new = {tp: min(max(wanted[tp], earliest[tp]), latest[tp]) for tp in tps}
     if args.execute:
-        admin.alter_group_offsets(args.group, new)
+        try:
+            admin.alter_group_offsets(args.group, new)
+        except UnknownMemberIdError:
+            # The commit fencing's answer to an outsider: say what an operator must do.
+            raise NonEmptyGroupError(
+                f"group {echo(args.group)} has members: stop its consumers first"
+            ) from None
     rows = [(t, p, current.get((t, p), -1), new[(t, p)]) for t, p in tps]
     if args.output == "json":
         _json(

@@ -79,6 +79,7 @@ from tidelog.errors import (
     ErrorCode,
     OffsetOutOfRangeError,
     TidelogError,
+    UnknownMemberIdError,
     UnknownTopicOrPartitionError,
     error_for_code,
 )
@@ -499,7 +500,7 @@ class Consumer:
         is replaced, as Kafka's assign and subscribe do: a partition dropped from it
         takes its position along, and whoever reads it next would read again what this
         consumer read since the last auto-commit."""
-        if self._auto_commit:
+        if self._auto_commit and not self._group_partitions_lost():
             self._last_commit = 0.0
             self._maybe_auto_commit()
 
@@ -694,6 +695,16 @@ class Consumer:
                     f"timestamp {timestamp_ms} for {topic}-{partition} is outside 0..{INT64_MAX}"
                 )
             by_time.setdefault(timestamp_ms, []).append((str(topic), int(partition)))
+        # Unknown topics and partitions fail here at once (ListOffsets would retry them
+        # as "not propagated yet" for the whole request timeout).
+        wanted = [tp for tps in by_time.values() for tp in tps]
+        counts = self._conn.partition_counts(sorted({t for t, _ in wanted}))
+        for topic, partition in wanted:
+            if not 0 <= partition < counts[topic]:
+                raise UnknownTopicOrPartitionError(
+                    f"topic {topic!r} has {counts[topic]} partitions; partition {partition} "
+                    "does not exist"
+                )
         result: dict[TopicPartition, OffsetAndTimestamp | None] = {}
         for timestamp_ms, tps in by_time.items():
             found = self._conn.list_offsets(tps, common_pb2.BY_TIMESTAMP, timestamp_ms)
@@ -1179,6 +1190,16 @@ class Consumer:
         current positions of every assigned partition."""
         if self.group_id is None:
             raise ConfigError("commit needs a consumer with a group_id")
+        if self._membership is not None:
+            self._membership.raise_if_fenced()
+            if self._membership.partitions_lost():
+                # Kafka's CommitFailedException: without a member id the commit would go
+                # as an outsider's and, the group being empty meanwhile, overwrite what
+                # the partitions' next owner committed.
+                raise UnknownMemberIdError(
+                    "this consumer's partitions may belong to another member now (it left "
+                    "or was dropped from the group); it joins again at its next poll"
+                )
         if offsets is None:
             offsets = {tp: self._positions[tp] for tp in self._assignment if tp in self._positions}
         if not offsets:
@@ -1243,8 +1264,14 @@ class Consumer:
         )
         return {(o.topic, o.partition): (o.offset, o.leader_epoch) for o in response.offsets}
 
+    def _group_partitions_lost(self) -> bool:
+        """The group may have given this member's partitions to another member (it was
+        fenced, dropped, or left for max_poll_interval_ms): its positions must not be
+        committed over the new owner's."""
+        return self._membership is not None and self._membership.partitions_lost()
+
     def _maybe_auto_commit(self) -> None:
-        if not self._auto_commit:
+        if not self._auto_commit or self._group_partitions_lost():
             return
         if time.monotonic() - self._last_commit < self._auto_commit_interval_s:
             return

@@ -51,6 +51,7 @@ from services.cluster_metadata import (
     CLUSTER_ID_KEY,
     CONTROLLER_KEY,
     DELETIONS_PREFIX,
+    GROUP_SESSIONS_PREFIX,
     GROUP_STATES_PREFIX,
     GROUPS_PREFIX,
     PARTITIONS_PREFIX,
@@ -73,8 +74,11 @@ from services.cluster_metadata import (
     encode_partition,
     encode_producer_ids,
     encode_topic,
+    group_fence_key,
     group_of_offset_key,
+    group_of_session_key,
     group_state_key,
+    group_timer_key,
     partition_key,
     partitions_prefix,
     topic_key,
@@ -1052,10 +1056,32 @@ class Controller:
         """Delete the committed offsets of groups without members whose last commit is
         older than ``offsets_retention_ms`` (``offset_expiry``). Each group's offsets go in
         transactions that compare every key's revision (a commit since the read keeps
-        them) and that the group has no membership state (a member since keeps them)."""
+        them) and that the group has no membership state (a member since keeps them).
+
+        First, groups whose members' sessions all ended without anyone touching the group
+        since (static members never leave; a killed member does not either) lose their
+        membership state, as the gateway would drop them at the group's next request:
+        a group's members are those with a live session key."""
         with self._lock:
             if self._term is not term or term.deposed or not term.ready:
                 return
+        live = {
+            group_of_session_key(kv.key) for kv in self._store.get_prefix(GROUP_SESSIONS_PREFIX)
+        }
+        for kv in self._store.get_prefix(GROUP_STATES_PREFIX):
+            group = kv.key.removeprefix(GROUP_STATES_PREFIX)
+            if group in live:
+                continue
+            emptied = self._store.txn(
+                [Compare.mod_revision_is(kv.key, kv.mod_revision)],
+                [
+                    DeleteOp(kv.key),
+                    DeleteOp(group_fence_key(group)),
+                    DeleteOp(group_timer_key(group)),
+                ],
+            )
+            if emptied.succeeded:
+                self._log.info("group_sessions_all_ended", group=unquote(group))
         offsets = [
             StoredOffset(
                 key=kv.key,
@@ -1066,12 +1092,8 @@ class Controller:
             for kv in self._store.get_prefix(GROUPS_PREFIX)
             if committed_offset_owner(kv) is not None
         ]
-        with_members = {
-            kv.key.removeprefix(GROUP_STATES_PREFIX)
-            for kv in self._store.get_prefix(GROUP_STATES_PREFIX)
-        }
         expired = expired_groups(
-            offsets, with_members, int(time.time() * 1000), self.config.offsets_retention_ms
+            offsets, live, int(time.time() * 1000), self.config.offsets_retention_ms
         )
         for group, stored in sorted(expired.items()):
             deleted = 0

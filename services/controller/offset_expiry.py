@@ -5,10 +5,13 @@ in etcd for ever, one key per partition for every group ever used (a CLI ``consu
 --group`` tried once leaves its offsets too). Kafka (KIP-211) expires a group's offsets
 once the group has had no members for ``offsets.retention.minutes`` (7 days), and a
 standalone consumer's (one that only stores offsets) that long after its last commit.
-Here a group's membership state key exists exactly while it has members (1.8), and a
-group leaving commits its positions as it goes, so both rules come to one: a group
-without members whose latest commit is older than the retention loses all its offsets
-together. Offsets written before commits carried their time never expire.
+Here a group has members while any of its session keys lives (1.8: each member's key
+is on a lease of its session timeout), and a group whose members leave commits its
+positions as they go, so both rules come to one: a group without a live session whose
+latest commit is older than the retention loses all its offsets together. (Members that
+never left, static ones or killed ones, count until their sessions end; the controller
+then also deletes the group's stale membership state.) Offsets written before commits
+carried their time never expire.
 
 Pure (DESIGN §7): the controller reads the keys and deletes, with compares that keep the
 decision true (no member joined, no commit landed since the read).

@@ -37,11 +37,11 @@ from typing import Final
 from urllib.parse import quote, unquote
 
 from services.cluster_metadata import (
-    GROUP_FENCES_PREFIX,
-    GROUP_REBALANCES_PREFIX,
     GROUP_SESSIONS_PREFIX,
     GROUP_STATES_PREFIX,
+    group_fence_key,
     group_state_key,
+    group_timer_key,
 )
 from services.gateway import group_state
 from services.gateway.group_state import GroupState, Member, TopicPartition
@@ -100,11 +100,11 @@ def state_key(group_id: str) -> str:
 
 
 def fence_key(group_id: str) -> str:
-    return f"{GROUP_FENCES_PREFIX}{quote(group_id, safe='')}"
+    return group_fence_key(quote(group_id, safe=""))
 
 
 def timer_key(group_id: str) -> str:
-    return f"{GROUP_REBALANCES_PREFIX}{quote(group_id, safe='')}"
+    return group_timer_key(quote(group_id, safe=""))
 
 
 def session_prefix(group_id: str) -> str:
@@ -288,7 +288,9 @@ class GroupCoordinator:
             if instance_id:
                 # A static member joins at once (as in Kafka): a retry after a lost answer
                 # names the same instance and takes the place over, so no phantom stays.
-                return self._join_loop(group_id, member(lease.id), max_wait_ms, lease.ttl_s)
+                return self._join_loop(
+                    group_id, member(lease.id), max_wait_ms, lease.ttl_s, may_take_over=True
+                )
             return JoinOutcome(
                 member_id,
                 -1,
@@ -310,10 +312,20 @@ class GroupCoordinator:
                 "or it left): join with an empty member id"
             )
         granted_s = self._refresh(group_id, member_id, lease_id)
-        return self._join_loop(group_id, member(lease_id), max_wait_ms, granted_s)
+        # A static member takes its instance's place over on its first join only (a
+        # pending member id); one that was in the group and lost the place is fenced.
+        return self._join_loop(
+            group_id, member(lease_id), max_wait_ms, granted_s, may_take_over=known is None
+        )
 
     def _join_loop(
-        self, group_id: str, member: Member, max_wait_ms: int, granted_s: int
+        self,
+        group_id: str,
+        member: Member,
+        max_wait_ms: int,
+        granted_s: int,
+        *,
+        may_take_over: bool,
     ) -> JoinOutcome:
         member_id, lease_id = member.member_id, member.lease_id
         replaced: list[int] = []  # the lease of a static member this one took over
@@ -322,6 +334,11 @@ class GroupCoordinator:
         while True:
 
             def change(state: GroupState, alive: set[str], deadline_passed: bool) -> GroupState:
+                if not may_take_over:
+                    # Replaced by a newer process with the same instance id while waiting
+                    # here (its takeover revoked this member's session): fenced, not
+                    # "unknown", or it would join anew and take the place back.
+                    group_state.check_instance(state, member_id, member.instance_id)
                 state = group_state.expire(state, alive)
                 if member_id not in alive:
                     raise UnknownMemberIdError(
@@ -339,7 +356,13 @@ class GroupCoordinator:
                         f"{MAX_GROUP_MEMBERS}"
                     )
                 counts = self._counts_for(state, member.topics)
-                state = group_state.join(state, member, counts, deadline_passed=deadline_passed)
+                state = group_state.join(
+                    state,
+                    member,
+                    counts,
+                    deadline_passed=deadline_passed,
+                    may_take_over=may_take_over,
+                )
                 return group_state.maybe_complete(state, counts, deadline_passed=deadline_passed)
 
             state = self._update(group_id, change)

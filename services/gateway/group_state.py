@@ -111,6 +111,7 @@ def join(
     partition_counts: Mapping[str, int],
     *,
     deadline_passed: bool = False,
+    may_take_over: bool = True,
 ) -> GroupState:
     """``member`` asks to join (new, or a member rejoining). A stable member rejoining
     with the same topics changes nothing (it gets the generation's assignment again).
@@ -118,9 +119,15 @@ def join(
     A static member (``instance_id``) joining under a new member id while its instance
     is in the group is the same consumer restarted (KIP-345): it takes over the old
     member's place and partitions, without a rebalance when its topics are the same;
-    the old member id is fenced from then on (``check_instance``)."""
+    the old member id is fenced from then on (``check_instance``). Only a member joining
+    for the first time (``may_take_over``) may do that: a member that was in the group
+    and whose instance another member id holds now was replaced, and is fenced, rather
+    than take the place back (two processes with one instance id would otherwise pass
+    it back and forth)."""
     holder = state.static_member(member.instance_id)
     if holder is not None and holder.member_id != member.member_id:
+        if not may_take_over:
+            check_instance(state, member.member_id, member.instance_id)  # raises Fenced
         state = _replace_member(state, holder.member_id, member)
         if holder.topics != member.topics:
             state = begin_rebalance(state)
