@@ -21,6 +21,7 @@ import structlog
 
 from services.allocator import retain_freed_memory
 from tidelog.errors import TidelogError
+from tidelog.stop_flag import StopFlag
 
 _log = structlog.get_logger("tidelog.process")
 
@@ -277,15 +278,11 @@ class ServiceNode(Protocol):
 def serve_until_signal(command: str, node: ServiceNode, announce: str) -> int:
     """Start ``node``, print ``announce`` (it must contain ``listening on {address}``),
     serve until SIGTERM or SIGINT, then stop it. Returns the process exit status."""
-    stop_requested = threading.Event()
-    received: list[int] = []
+    stop_requested = StopFlag()  # not a threading.Event: see tidelog.stop_flag
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
-        # Only set flags here: the handler may interrupt the main thread anywhere, even
-        # inside a write of a log line.
         del frame
-        received.append(signum)
-        stop_requested.set()
+        stop_requested.set(signum)
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
@@ -303,10 +300,11 @@ def serve_until_signal(command: str, node: ServiceNode, announce: str) -> int:
         node.stop()
         return 1
     print(announce.format(address=node.address), flush=True)
-    # A timeout keeps the main thread returning to the interpreter, where signal
+    # Short sleeps keep the main thread returning to the interpreter, where signal
     # handlers run.
     while not stop_requested.wait(1.0):
         pass
-    _log.info("signal_received", signal=signal.Signals(received[0]).name if received else None)
+    first = stop_requested.first_signal
+    _log.info("signal_received", signal=signal.Signals(first).name if first else None)
     node.stop()
     return 0

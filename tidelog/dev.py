@@ -40,6 +40,7 @@ from tidelog.admin import Admin
 from tidelog.child_process import end_with_parent
 from tidelog.errors import TidelogError
 from tidelog.etcd_launcher import EtcdLaunchError, EtcdProcess
+from tidelog.stop_flag import StopFlag
 from tidelog.v1 import controller_pb2, controller_pb2_grpc
 
 _LISTENING: Final = re.compile(r"listening on (?P<address>\S+)")
@@ -119,11 +120,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"tidelog dev: error: cannot use --data-dir {data_dir}: {exc}", file=sys.stderr)
         return 1
     _python_path_env()
-    stop = threading.Event()
+    stop = StopFlag()  # not a threading.Event: see tidelog.stop_flag
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
-        del signum, frame
-        stop.set()
+        del frame
+        stop.set(signum)
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
@@ -199,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
         print("tidelog dev stopped", flush=True)
 
 
-def _wait_usable(address: str, brokers: int, stop: threading.Event) -> bool:
+def _wait_usable(address: str, brokers: int, stop: StopFlag) -> bool:
     """Until every broker is registered and every partition has a leader that knows it
     (on a restart, elections and recovery take a moment after the processes are up)."""
     admin = Admin(address, timeout_ms=5_000)
