@@ -58,6 +58,13 @@ def _poll_into(
                 seen[record.value] += 1
 
 
+def _member(address: str, group_id: str, **options: Any) -> tidelog.Consumer:
+    """A group member reading from the earliest offset with FAST sessions (``options``
+    override)."""
+    settings: dict[str, Any] = {"auto_offset_reset": "earliest", **FAST, **options}
+    return tidelog.Consumer(address, group_id=group_id, **settings)
+
+
 def _join_twice(
     stub: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.JoinGroupRequest
 ) -> gateway_pb2.JoinGroupResponse:
@@ -98,10 +105,7 @@ def test_members_split_the_partitions_and_read_every_record_once(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
     admin.create_topic("shared", partitions=6, replication_factor=3)
-    consumers = [
-        tidelog.Consumer(gateway.address, group_id="sharers", auto_offset_reset="earliest", **FAST)
-        for _ in range(3)
-    ]
+    consumers = [_member(gateway.address, "sharers") for _ in range(3)]
     try:
         for consumer in consumers:
             consumer.subscribe(["shared"])
@@ -134,9 +138,7 @@ def test_members_on_two_gateways_and_in_direct_mode_form_one_group(
     admin.create_topic("spread", partitions=4, replication_factor=1)
     other = cluster.start_gateway()
     consumers = [
-        tidelog.Consumer(
-            gateway.address, group_id="spreaders", auto_offset_reset="earliest", **FAST
-        ),
+        _member(gateway.address, "spreaders"),
         tidelog.Consumer(
             other.address, group_id="spreaders", auto_offset_reset="earliest", direct=True, **FAST
         ),
@@ -218,9 +220,7 @@ def test_a_killed_member_is_replaced_after_its_session_and_no_record_is_lost(
         [sys.executable, "-c", _MEMBER_SCRIPT, gateway.address, "orphans", "orphaned", str(out)],
         env=env,
     )
-    survivor = tidelog.Consumer(
-        gateway.address, group_id="orphans", auto_offset_reset="earliest", **FAST
-    )
+    survivor = _member(gateway.address, "orphans")
     try:
         survivor.subscribe(["orphaned"])
 
@@ -275,17 +275,10 @@ def test_a_member_past_max_poll_interval_is_fenced_from_committing(
     Kafka's); its commit afterwards is refused and does not overwrite the next owner's."""
     admin.create_topic("stalled", partitions=2, replication_factor=1)
     _produce(gateway.address, "stalled", 2, 10)
-    slow = tidelog.Consumer(
-        gateway.address,
-        group_id="stallers",
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        max_poll_interval_ms=1_500,
-        **FAST,
+    slow = _member(
+        gateway.address, "stallers", enable_auto_commit=False, max_poll_interval_ms=1_500
     )
-    other = tidelog.Consumer(
-        gateway.address, group_id="stallers", auto_offset_reset="earliest", **FAST
-    )
+    other = _member(gateway.address, "stallers")
     try:
         slow.subscribe(["stalled"])
         wait_for(lambda: slow.poll(timeout_ms=100) or None, 30, "the slow member to read")
@@ -335,9 +328,7 @@ def test_added_partitions_are_assigned_after_a_rebalance(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
     admin.create_topic("growing", partitions=2, replication_factor=1)
-    consumer = tidelog.Consumer(
-        gateway.address, group_id="growers", auto_offset_reset="earliest", **FAST
-    )
+    consumer = _member(gateway.address, "growers")
     try:
         consumer.subscribe(["growing"])
         _join(consumer)
@@ -721,16 +712,8 @@ def test_an_iterating_member_gives_its_partitions_up_promptly(
     records is not "stuck" for max_poll_interval_ms."""
     admin.create_topic("iterated", partitions=4, replication_factor=1)
     values = _produce(gateway.address, "iterated", 4, 500)
-    a = tidelog.Consumer(
-        gateway.address,
-        group_id="iterators",
-        auto_offset_reset="earliest",
-        max_poll_interval_ms=3_000,
-        **FAST,
-    )
-    b = tidelog.Consumer(
-        gateway.address, group_id="iterators", auto_offset_reset="earliest", **FAST
-    )
+    a = _member(gateway.address, "iterators", max_poll_interval_ms=3_000)
+    b = _member(gateway.address, "iterators")
     try:
         a.subscribe(["iterated"])
         records = iter(a)
@@ -827,16 +810,8 @@ def test_a_member_that_lost_its_partitions_does_not_commit_them_on_close(
     overwritten."""
     admin.create_topic("stale", partitions=1, replication_factor=1)
     _produce(gateway.address, "stale", 1, 30)
-    slow = tidelog.Consumer(
-        gateway.address,
-        group_id="stale-closers",
-        auto_offset_reset="earliest",
-        max_poll_interval_ms=1_500,
-        **FAST,
-    )
-    other = tidelog.Consumer(
-        gateway.address, group_id="stale-closers", auto_offset_reset="earliest", **FAST
-    )
+    slow = _member(gateway.address, "stale-closers", max_poll_interval_ms=1_500)
+    other = _member(gateway.address, "stale-closers")
     try:
         slow.subscribe(["stale"])
         wait_for(lambda: slow.poll(max_records=5, timeout_ms=200) or None, 30, "slow reads")
