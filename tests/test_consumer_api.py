@@ -1,15 +1,17 @@
 """Kafka consumer calls beyond poll and commit: pause / resume, offsets_for_times,
-partitions_for, subscription (a real cluster)."""
+partitions_for, subscription, wakeup (a real cluster)."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import pytest
 
 import tidelog
 from tests.support.cluster import GatewayProcess, poll_records
-from tidelog.errors import ConfigError, UnknownTopicOrPartitionError
+from tidelog.errors import ConfigError, UnknownTopicOrPartitionError, WakeupError
 
 
 def test_paused_partitions_are_not_read_until_resumed(
@@ -70,3 +72,48 @@ def test_offsets_for_times_partitions_for_and_subscription(
         assert consumer.subscription() == ["timed"]
         consumer.assign([("timed", 1)])
         assert consumer.subscription() == []
+
+
+def test_wakeup_interrupts_a_blocked_poll_from_a_thread_or_a_signal_handler(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    admin.create_topic("woken", partitions=1, replication_factor=1)
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([("woken", 0)])
+        # From another thread, while a long poll waits for records that never come.
+        timer = threading.Timer(0.5, consumer.wakeup)
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(WakeupError):
+            consumer.poll(timeout_ms=60_000)
+        assert time.monotonic() - started < 30  # not the poll's whole minute
+        timer.join()
+        # One wakeup, one WakeupError: the consumer stays usable.
+        assert consumer.poll(timeout_ms=200) == []
+        # Before the call: the next blocking call raises at once.
+        consumer.wakeup()
+        with pytest.raises(WakeupError):
+            consumer.poll_arrow(timeout_ms=60_000)
+        # From a signal handler (a lock there could deadlock; wakeup takes none).
+        previous = signal.signal(signal.SIGALRM, lambda *_: consumer.wakeup())
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            with pytest.raises(WakeupError):
+                consumer.poll(timeout_ms=60_000)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        # The iterator stops between records: what it yielded is the position, nothing
+        # is skipped or repeated after it.
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch("woken", [f"r{i}".encode() for i in range(10)], partition=0)
+            producer.flush()
+        seen: list[int] = []
+        with pytest.raises(WakeupError):
+            for record in consumer:
+                seen.append(record.offset)
+                if len(seen) == 3:
+                    consumer.wakeup()
+        assert seen == [0, 1, 2]
+        assert consumer.position(("woken", 0)) == 3
+        assert [offset for offset, _ in poll_records(consumer, 7)] == list(range(3, 10))

@@ -56,7 +56,9 @@ members). ``subscribe`` without a ``group_id`` reads every partition of the topi
 (records ``poll`` returned) and ``bytes-consumed-total`` (bytes of the batches ``poll``
 finished handing out).
 
-Not thread-safe, like Kafka's consumer: use one per thread (``metrics()`` excepted).
+Not thread-safe, like Kafka's consumer: use one per thread (``metrics()`` excepted), and
+stop one blocked in another thread with ``wakeup()``, which makes its blocking call raise
+``WakeupError``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ from tidelog.errors import (
     TidelogError,
     UnknownMemberIdError,
     UnknownTopicOrPartitionError,
+    WakeupError,
     error_for_code,
 )
 from tidelog.formats import INT32_MAX, INT64_MAX
@@ -332,6 +335,9 @@ class Consumer:
         # at once), or the fetch failed (back-off). Other groups go on meanwhile.
         self._paused_until: dict[int, float] = {}
         self._closed = False
+        # wakeup() requests not yet raised as WakeupError: a list append, which a signal
+        # handler may do (a lock could deadlock it, see tidelog.stop_flag).
+        self._wakeups: list[int] = []
         # Group membership (tidelog.membership): set by subscribe with a group_id.
         self._client_id = client_id
         self._session_timeout_ms = session_timeout_ms
@@ -460,7 +466,7 @@ class Consumer:
         membership = self._membership
         assert membership is not None
         self._revoke_group_partitions()
-        assignment = membership.join(self._subscription, deadline)
+        assignment = membership.join(self._subscription, deadline, self._raise_if_woken)
         if assignment is None:
             return  # the poll's time is up: the next poll goes on joining
         topics = sorted({t for t, _ in assignment})
@@ -797,6 +803,21 @@ class Consumer:
             raise ConfigError(f"max_records must be an int >= 1, got {max_records!r}")
         return max_records
 
+    def wakeup(self) -> None:
+        """Make the blocking call in progress (``poll``, ``poll_arrow``, the iterator,
+        ``commit``), or the next one if none is, raise ``WakeupError`` (Kafka's
+        ``wakeup()``): the way to stop a consumer loop from another thread or a signal
+        handler. Safe in both; the consumer stays usable (close it, or poll again). A
+        request already sent (a group join, a commit) is answered first: they are bounded
+        by the poll's timeout and ``request_timeout_ms``."""
+        self._wakeups.append(1)
+        self._answered.put(_WAKE)  # SimpleQueue.put is reentrant: safe in a handler
+
+    def _raise_if_woken(self) -> None:
+        if self._wakeups:
+            self._wakeups.clear()
+            raise WakeupError("the consumer was woken up (Consumer.wakeup())")
+
     def metrics(self) -> dict[str, float]:
         """Kafka's consumer fetch metrics by name (module docstring), cumulative."""
         return self._metrics.snapshot()
@@ -810,6 +831,7 @@ class Consumer:
             raise ConfigError(
                 "the consumer is not subscribed to any topic or assigned any partition"
             )
+        self._raise_if_woken()
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000
         if self._membership is not None:
             self._membership.raise_if_fenced()
@@ -823,6 +845,7 @@ class Consumer:
         ):
             self._try_refresh_leaders()
         while True:
+            self._raise_if_woken()
             self._decode_answered()
             if self._membership is not None and self._membership.needs_join():
                 self._membership.raise_if_fenced()
@@ -852,10 +875,9 @@ class Consumer:
             if self._leaders_stale:
                 due.append(self._refresh_after)
             if not self._fetches:
-                # Paused or backing off: nothing is in flight to wait for.
-                wake = min(due, default=now + RETRY_BACKOFF_S)  # (nothing due: never spin)
-                time.sleep(min(remaining_s, max(0.0, wake - now)))
-                continue
+                # Paused or backing off: nothing is in flight, so only a wake-up (wakeup(),
+                # the heartbeat thread) can arrive while this waits.
+                due.append(now + RETRY_BACKOFF_S)  # (nothing due: never spin)
             if due:
                 remaining_s = min(remaining_s, max(0.0, min(due) - now))
             try:
@@ -1169,6 +1191,7 @@ class Consumer:
                 # are never handed out.
                 membership is not None and membership.needs_join()
             ):
+                self._raise_if_woken()  # between records: none is skipped or repeated
                 chunk = self._buffer[0]
                 records = chunk.records()
                 record = records[chunk.taken]
@@ -1190,6 +1213,7 @@ class Consumer:
         current positions of every assigned partition."""
         if self.group_id is None:
             raise ConfigError("commit needs a consumer with a group_id")
+        self._raise_if_woken()
         if self._membership is not None:
             self._membership.raise_if_fenced()
             if self._membership.partitions_lost():

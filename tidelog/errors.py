@@ -8,7 +8,8 @@ Hierarchy::
 
     TidelogError                      code, retriable, message
     ├── (one subclass per ErrorCode, e.g. CorruptBatchError, NotLeaderOrFollowerError)
-    └── ConfigError                   bad arguments given to the SDK itself (INVALID_REQUEST)
+    ├── ConfigError                   bad arguments given to the SDK itself (INVALID_REQUEST)
+    └── WakeupError                   Consumer.wakeup() interrupted a blocking call
 
 ``retriable`` says whether the same request may succeed if sent again later (after a
 metadata refresh, a leader election or a backoff): a client retries those and surfaces the
@@ -352,14 +353,25 @@ class ConfigError(InvalidRequestError):
     """Bad arguments given to an SDK call; raised before anything is sent."""
 
 
+class WakeupError(TidelogError):
+    """``Consumer.wakeup()`` (from another thread or a signal handler) interrupted the
+    consumer's blocking call, as Kafka's WakeupException: nothing failed, the caller
+    asked to stop waiting. The consumer stays usable. Never on the wire."""
+
+
+# SDK-side refinements: no wire code maps to them.
+_CLIENT_ONLY: Final = (TidelogError, ConfigError, WakeupError)
+
+
 def _build_registry() -> dict[ErrorCode, type[TidelogError]]:
     registry: dict[ErrorCode, type[TidelogError]] = {}
     pending: list[type[TidelogError]] = [TidelogError]
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
-        # The first class found for a code is its canonical one; ConfigError is a refinement.
-        if cls is not TidelogError and cls is not ConfigError:
+        # The first class found for a code is its canonical one; client-only classes are
+        # refinements.
+        if cls not in _CLIENT_ONLY:
             registry.setdefault(cls.code, cls)
     return registry
 

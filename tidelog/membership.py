@@ -139,12 +139,19 @@ class GroupMembership:
                 return "", -1
             return self._member_id, self._generation
 
-    def join(self, topics: Sequence[str], deadline: float) -> list[TopicPartition] | None:
+    def join(
+        self,
+        topics: Sequence[str],
+        deadline: float,
+        check_interrupt: Callable[[], None] = lambda: None,
+    ) -> list[TopicPartition] | None:
         """Join (again) with ``topics``; this member's partitions, or None when
         ``deadline`` (monotonic) came first (the next call goes on with the same member id).
-        Raises the gateway's error for a request it refuses (a bad topic name)."""
+        Raises the gateway's error for a request it refuses (a bad topic name), and
+        whatever ``check_interrupt`` raises before each request (Consumer.wakeup())."""
         self._start_heartbeats()
         while True:
+            check_interrupt()
             request = gateway_pb2.JoinGroupRequest(
                 group_id=self.group_id,
                 member_id=self.member_id,
