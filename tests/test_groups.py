@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 import tidelog
+from services.gateway.group_coordinator import MAX_PENDING_MEMBERS
 from services.gateway.groups import Committed, OffsetStore
 from services.gateway.metadata_cache import MetadataCache
 from services.metastore import MetaStore
@@ -669,6 +670,28 @@ def test_a_first_join_only_hands_out_a_member_id(gateway: GatewayProcess) -> Non
             gateway_pb2.DescribeGroupRequest(group_id="first-joins"), timeout=10
         )
         assert (described.state, len(described.members)) == ("Empty", 0)
+
+
+def test_member_ids_handed_out_and_never_used_are_bounded(gateway: GatewayProcess) -> None:
+    """Each first join holds an etcd lease and key until its session ends: clients that
+    only ever ask for ids are refused past MAX_PENDING_MEMBERS, and a member that joins
+    with its id still gets in."""
+    request = gateway_pb2.JoinGroupRequest(
+        group_id="id-hoarders", topics=["t"], session_timeout_ms=60_000, rebalance_timeout_ms=1_000
+    )
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        ids = [stub.JoinGroup(request, timeout=30).member_id for _ in range(MAX_PENDING_MEMBERS)]
+        assert len(set(ids)) == MAX_PENDING_MEMBERS
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.JoinGroup(request, timeout=30)
+        assert rpc_error_code(refused.value) == ErrorCode.GROUP_MAX_SIZE_REACHED
+        assert "not yet joined" in (refused.value.details() or "")
+        request.member_id = ids[0]
+        request.max_wait_ms = 5_000
+        joined = stub.JoinGroup(request, timeout=30)
+        assert (joined.error.code, joined.member_id) == (ErrorCode.NONE, ids[0])
+        stub.LeaveGroup(gateway_pb2.LeaveGroupRequest(group_id="id-hoarders", member_id=ids[0]))
 
 
 def test_a_commit_whose_deadline_passed_writes_nothing(

@@ -15,8 +15,9 @@ The state key is read before the session keys: a member is written into the stat
 after its session key exists, so a reader never takes a member it just read for dead.
 
 Rebalances complete without a timer thread: members joining call ``join`` again until it
-answers (each call waits up to ``JOIN_WAIT_S``), and each call (and each heartbeat)
-completes the rebalance once everyone joined or its deadline passed. The deadline is
+answers (each call waits up to ``JOIN_WAIT_S``, woken by ``group_changes`` when the group's
+keys change), and each call (and each heartbeat) completes the rebalance once everyone
+joined or its deadline passed. The deadline is
 etcd's too: ``group-rebalances/<group>``, written with the state when a rebalance begins,
 is bound to a lease whose TTL is the rebalance timeout; the deadline has passed when the
 key is gone. No gateway's wall clock decides it (a gateway whose clock ran ahead used to
@@ -44,6 +45,7 @@ from services.cluster_metadata import (
     group_timer_key,
 )
 from services.gateway import group_state
+from services.gateway.group_changes import GroupChanges, Ticket
 from services.gateway.group_state import GroupState, Member, TopicPartition
 from services.gateway.groups import check_group_id
 from services.gateway.metadata_cache import MetadataCache, MetadataView
@@ -81,12 +83,15 @@ MAX_SESSION_TIMEOUT_MS: Final = 1_800_000
 MAX_REBALANCE_TIMEOUT_MS: Final = 3_600_000
 MAX_GROUP_MEMBERS: Final = 500
 """Kafka's group.max.size, bounded so a group's state stays well inside one etcd value."""
+MAX_PENDING_MEMBERS: Final = MAX_GROUP_MEMBERS
+"""Member ids handed out by first joins (KIP-394) whose members have not joined yet."""
 MAX_TOPICS_PER_MEMBER: Final = 1_000
 MAX_CLIENT_ID_CHARS: Final = 255
 JOIN_WAIT_S: Final = 3.0
 """The longest one JoinGroup call waits for the others to join (then the member asks
 again): shorter than a client's request timeout, and a handler thread is not held long."""
 JOIN_POLL_S: Final = 0.1
+"""How often a waiting join looks again when no ``GroupChanges`` wakes it."""
 CAS_ATTEMPTS: Final = 20
 CAS_BACKOFF_S: Final = 0.005
 """Times the attempt number, with jitter: members joining at once spread their writes."""
@@ -133,10 +138,12 @@ class GroupCoordinator:
         store: MetaStore,
         cache: MetadataCache,
         *,
+        changes: GroupChanges | None = None,
         join_wait_s: float = JOIN_WAIT_S,
     ) -> None:
         self._store = store
         self._cache = cache
+        self._changes = changes
         self._join_wait_s = join_wait_s
 
     # --- reads and compare-and-swap -------------------------------------------------------
@@ -276,11 +283,20 @@ class GroupCoordinator:
             # the member enters the group when it joins naming it. A gateway that dies, or
             # an answer lost, before the client learns its id then leaves no member in the
             # group holding partitions nobody reads until its session ends.
-            state, _, _ = self._read(group_id)
+            state, _, alive = self._read(group_id)
             if len(state.members) >= MAX_GROUP_MEMBERS and not state.static_member(instance_id):
                 raise GroupMaxSizeReachedError(
                     f"group {group_id!r} has {len(state.members)} members; the limit is "
                     f"{MAX_GROUP_MEMBERS}"
+                )
+            pending = len(alive - set(state.members))
+            if pending >= MAX_PENDING_MEMBERS:
+                # Each id handed out holds an etcd lease and key until its session ends:
+                # clients that ask for ids and never join must not pile them up.
+                raise GroupMaxSizeReachedError(
+                    f"group {group_id!r} has {pending} member ids handed out and not yet "
+                    f"joined; the limit is {MAX_PENDING_MEMBERS}: retry after "
+                    f"{session_timeout_ms} ms, when unused ones expire"
                 )
             member_id = f"{client_id or 'consumer'}-{uuid.uuid4()}"
             lease = self._store.grant_lease(ttl_s)
@@ -327,9 +343,31 @@ class GroupCoordinator:
         *,
         may_take_over: bool,
     ) -> JoinOutcome:
+        changes = self._changes
+        # Taken before the first read: a change after it wakes the wait below at once.
+        ticket = changes.ticket(group_id) if changes is not None else None
+        try:
+            return self._join_until_stable(
+                group_id, member, max_wait_ms, granted_s, may_take_over=may_take_over, ticket=ticket
+            )
+        finally:
+            if changes is not None and ticket is not None:
+                changes.done(ticket)
+
+    def _join_until_stable(
+        self,
+        group_id: str,
+        member: Member,
+        max_wait_ms: int,
+        granted_s: int,
+        *,
+        may_take_over: bool,
+        ticket: Ticket | None,
+    ) -> JoinOutcome:
         member_id, lease_id = member.member_id, member.lease_id
         replaced: list[int] = []  # the lease of a static member this one took over
         deadline = time.monotonic() + min(self._join_wait_s, max(0, max_wait_ms) / 1000)
+        refresh_every_s = granted_s / 3
         refreshed_at = time.monotonic()
         while True:
 
@@ -376,11 +414,12 @@ class GroupCoordinator:
                 return JoinOutcome(
                     member_id, state.generation, state.assignment[member_id], granted_s * 1000, None
                 )
-            if time.monotonic() - refreshed_at > granted_s / 3:
+            if time.monotonic() - refreshed_at > refresh_every_s:
                 # A member waiting here sends no heartbeats: waiting keeps it alive.
                 self._refresh(group_id, member_id, lease_id)
                 refreshed_at = time.monotonic()
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 missing = len(state.members) - len(state.joined)
                 return JoinOutcome(
                     member_id,
@@ -391,7 +430,11 @@ class GroupCoordinator:
                         f"group {group_id!r} is waiting for {missing} member(s) to join: call again"
                     ),
                 )
-            time.sleep(JOIN_POLL_S)
+            wake_s = min(deadline, refreshed_at + refresh_every_s) - now
+            if self._changes is not None and ticket is not None:
+                self._changes.wait(ticket, wake_s)
+            else:
+                time.sleep(max(0.0, min(wake_s, JOIN_POLL_S)))
 
     def _refresh(self, group_id: str, member_id: str, lease_id: int) -> int:
         try:

@@ -26,6 +26,7 @@ from services.allocator import cgroup_limit_files, memory_limit_bytes
 from services.gateway.channels import Channels
 from services.gateway.controller_client import ControllerClient, ProducerIds
 from services.gateway.fetch import FetchHandler, FetchLimits
+from services.gateway.group_changes import GroupChanges
 from services.gateway.group_coordinator import GroupCoordinator
 from services.gateway.groups import OffsetStore
 from services.gateway.leader_calls import LeaderCalls
@@ -149,6 +150,7 @@ class GatewayNode:
         self._server: grpc.Server | None = None
         self._store: MetaStore | None = None
         self._cache: MetadataCache | None = None
+        self._group_changes: GroupChanges | None = None
         self._channels = Channels()
         self._leader_calls = LeaderCalls()
         self._produce: ProduceHandler | None = None
@@ -167,6 +169,8 @@ class GatewayNode:
         self._store = MetaStore(config.etcd, cluster=config.cluster, timeout_s=ETCD_TIMEOUT_S)
         self._cache = MetadataCache(self._store)
         self._cache.start(ETCD_TIMEOUT_S)
+        self._group_changes = GroupChanges(self._store)
+        self._group_changes.start()
         router = Router(self._cache, self._channels)
         limit = memory_limit_bytes(cgroup_limit_files())
         budget_bytes = config.queued_max_request_bytes or queued_max_request_bytes_for(limit)
@@ -197,7 +201,7 @@ class GatewayNode:
             ),
             controller=controller,
             offsets=OffsetStore(self._store, self._cache),
-            groups=GroupCoordinator(self._store, self._cache),
+            groups=GroupCoordinator(self._store, self._cache, changes=self._group_changes),
             producer_ids=ProducerIds(controller),
             max_in_flight_per_stream=config.max_in_flight_per_stream,
         )
@@ -231,6 +235,8 @@ class GatewayNode:
             self._server.stop(SHUTDOWN_GRACE_S).wait(SHUTDOWN_GRACE_S + 1)
         if self._produce is not None:
             self._produce.close()
+        if self._group_changes is not None:
+            self._group_changes.stop()
         if self._cache is not None:
             self._cache.stop()
         self._leader_calls.close()
