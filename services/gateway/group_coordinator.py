@@ -45,7 +45,7 @@ from services.cluster_metadata import (
     group_timer_key,
 )
 from services.gateway import group_state
-from services.gateway.group_changes import GroupChanges, Ticket
+from services.gateway.group_changes import GroupChanges
 from services.gateway.group_state import GroupState, Member, TopicPartition
 from services.gateway.groups import check_group_id
 from services.gateway.metadata_cache import MetadataCache, MetadataView
@@ -289,12 +289,12 @@ class GroupCoordinator:
                     f"group {group_id!r} has {len(state.members)} members; the limit is "
                     f"{MAX_GROUP_MEMBERS}"
                 )
-            pending = len(alive - set(state.members))
-            if pending >= MAX_PENDING_MEMBERS:
+            unjoined = len(alive - set(state.members))
+            if unjoined >= MAX_PENDING_MEMBERS:
                 # Each id handed out holds an etcd lease and key until its session ends:
                 # clients that ask for ids and never join must not pile them up.
                 raise GroupMaxSizeReachedError(
-                    f"group {group_id!r} has {pending} member ids handed out and not yet "
+                    f"group {group_id!r} has {unjoined} member ids handed out and not yet "
                     f"joined; the limit is {MAX_PENDING_MEMBERS}: retry after "
                     f"{session_timeout_ms} ms, when unused ones expire"
                 )
@@ -343,98 +343,92 @@ class GroupCoordinator:
         *,
         may_take_over: bool,
     ) -> JoinOutcome:
-        changes = self._changes
-        # Taken before the first read: a change after it wakes the wait below at once.
-        ticket = changes.ticket(group_id) if changes is not None else None
-        try:
-            return self._join_until_stable(
-                group_id, member, max_wait_ms, granted_s, may_take_over=may_take_over, ticket=ticket
-            )
-        finally:
-            if changes is not None and ticket is not None:
-                changes.done(ticket)
-
-    def _join_until_stable(
-        self,
-        group_id: str,
-        member: Member,
-        max_wait_ms: int,
-        granted_s: int,
-        *,
-        may_take_over: bool,
-        ticket: Ticket | None,
-    ) -> JoinOutcome:
         member_id, lease_id = member.member_id, member.lease_id
         replaced: list[int] = []  # the lease of a static member this one took over
         deadline = time.monotonic() + min(self._join_wait_s, max(0, max_wait_ms) / 1000)
         refresh_every_s = granted_s / 3
         refreshed_at = time.monotonic()
-        while True:
+        # Taken before the first read: a change after it wakes the wait below at once.
+        ticket = self._changes.ticket(group_id) if self._changes is not None else None
+        try:
+            while True:
 
-            def change(state: GroupState, alive: set[str], deadline_passed: bool) -> GroupState:
-                if not may_take_over:
-                    # Replaced by a newer process with the same instance id while waiting
-                    # here (its takeover revoked this member's session): fenced, not
-                    # "unknown", or it would join anew and take the place back.
-                    group_state.check_instance(state, member_id, member.instance_id)
-                state = group_state.expire(state, alive)
-                if member_id not in alive:
-                    raise UnknownMemberIdError(
-                        f"member {member_id!r}'s session ended while it joined: join again"
+                def change(state: GroupState, alive: set[str], deadline_passed: bool) -> GroupState:
+                    if not may_take_over:
+                        # Replaced by a newer process with the same instance id while waiting
+                        # here (its takeover revoked this member's session): fenced, not
+                        # "unknown", or it would join anew and take the place back.
+                        group_state.check_instance(state, member_id, member.instance_id)
+                    state = group_state.expire(state, alive)
+                    if member_id not in alive:
+                        raise UnknownMemberIdError(
+                            f"member {member_id!r}'s session ended while it joined: join again"
+                        )
+                    holder = state.static_member(member.instance_id)
+                    replaced[:] = (
+                        [holder.lease_id] if holder and holder.member_id != member_id else []
                     )
-                holder = state.static_member(member.instance_id)
-                replaced[:] = [holder.lease_id] if holder and holder.member_id != member_id else []
-                if (
-                    member_id not in state.members
-                    and holder is None
-                    and len(state.members) >= MAX_GROUP_MEMBERS
-                ):
-                    raise GroupMaxSizeReachedError(
-                        f"group {group_id!r} has {len(state.members)} members; the limit is "
-                        f"{MAX_GROUP_MEMBERS}"
+                    if (
+                        member_id not in state.members
+                        and holder is None
+                        and len(state.members) >= MAX_GROUP_MEMBERS
+                    ):
+                        raise GroupMaxSizeReachedError(
+                            f"group {group_id!r} has {len(state.members)} members; the limit is "
+                            f"{MAX_GROUP_MEMBERS}"
+                        )
+                    counts = self._counts_for(state, member.topics)
+                    state = group_state.join(
+                        state,
+                        member,
+                        counts,
+                        deadline_passed=deadline_passed,
+                        may_take_over=may_take_over,
                     )
-                counts = self._counts_for(state, member.topics)
-                state = group_state.join(
-                    state,
-                    member,
-                    counts,
-                    deadline_passed=deadline_passed,
-                    may_take_over=may_take_over,
-                )
-                return group_state.maybe_complete(state, counts, deadline_passed=deadline_passed)
+                    return group_state.maybe_complete(
+                        state, counts, deadline_passed=deadline_passed
+                    )
 
-            state = self._update(group_id, change)
-            for old_lease in replaced:
-                # The restarted static member's previous incarnation: its session ends
-                # now (its key would otherwise linger until its TTL, harmlessly).
-                with contextlib.suppress(TidelogError):
-                    self._store.revoke_lease_id(old_lease)
-            replaced.clear()
-            if state.phase == "stable" and member_id in state.members:
-                return JoinOutcome(
-                    member_id, state.generation, state.assignment[member_id], granted_s * 1000, None
-                )
-            if time.monotonic() - refreshed_at > refresh_every_s:
-                # A member waiting here sends no heartbeats: waiting keeps it alive.
-                self._refresh(group_id, member_id, lease_id)
-                refreshed_at = time.monotonic()
-            now = time.monotonic()
-            if now >= deadline:
-                missing = len(state.members) - len(state.joined)
-                return JoinOutcome(
-                    member_id,
-                    state.generation,
-                    (),
-                    granted_s * 1000,
-                    RebalanceInProgressError(
-                        f"group {group_id!r} is waiting for {missing} member(s) to join: call again"
-                    ),
-                )
-            wake_s = min(deadline, refreshed_at + refresh_every_s) - now
+                state = self._update(group_id, change)
+                for old_lease in replaced:
+                    # The restarted static member's previous incarnation: its session ends
+                    # now (its key would otherwise linger until its TTL, harmlessly).
+                    with contextlib.suppress(TidelogError):
+                        self._store.revoke_lease_id(old_lease)
+                replaced.clear()
+                if state.phase == "stable" and member_id in state.members:
+                    return JoinOutcome(
+                        member_id,
+                        state.generation,
+                        state.assignment[member_id],
+                        granted_s * 1000,
+                        None,
+                    )
+                if time.monotonic() - refreshed_at > refresh_every_s:
+                    # A member waiting here sends no heartbeats: waiting keeps it alive.
+                    self._refresh(group_id, member_id, lease_id)
+                    refreshed_at = time.monotonic()
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = len(state.members) - len(state.joined)
+                    return JoinOutcome(
+                        member_id,
+                        state.generation,
+                        (),
+                        granted_s * 1000,
+                        RebalanceInProgressError(
+                            f"group {group_id!r} is waiting for {missing} member(s) to "
+                            "join: call again"
+                        ),
+                    )
+                wake_s = min(deadline, refreshed_at + refresh_every_s) - now
+                if self._changes is not None and ticket is not None:
+                    self._changes.wait(ticket, wake_s)
+                else:
+                    time.sleep(max(0.0, min(wake_s, JOIN_POLL_S)))
+        finally:
             if self._changes is not None and ticket is not None:
-                self._changes.wait(ticket, wake_s)
-            else:
-                time.sleep(max(0.0, min(wake_s, JOIN_POLL_S)))
+                self._changes.done(ticket)
 
     def _refresh(self, group_id: str, member_id: str, lease_id: int) -> int:
         try:
