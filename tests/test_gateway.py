@@ -111,6 +111,31 @@ def test_headers_null_keys_and_values_survive(
     ]
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_log_append_time_topic_gives_records_the_leaders_time(
+    gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """message.timestamp.type=LogAppendTime (Kafka's): the producer's timestamps are
+    replaced by the leader's clock at the append, which RecordMetadata reports and every
+    replica serves (the replicas hold the leader's bytes)."""
+    topic = f"append-time-{direct}"
+    admin.create_topic(
+        topic,
+        partitions=1,
+        replication_factor=3,
+        config={"message.timestamp.type": "LogAppendTime"},
+    )
+    old_ms = int(time.time() * 1000) - 3 * 24 * 3600 * 1000
+    before_ms = int(time.time() * 1000)
+    with tidelog.Producer(gateway.address, acks="all", direct=direct) as producer:
+        metadata = [producer.send(topic, f"v{i}".encode(), timestamp_ms=old_ms) for i in range(5)]
+        stamps = [m.result(30).timestamp_ms for m in metadata]
+    assert all(stamp >= before_ms for stamp in stamps)
+    records = _consume_all(gateway.address, topic, 5)
+    assert [(r.offset, r.timestamp_ms) for r in records] == list(enumerate(stamps))
+    assert admin.describe_topic(topic).configs["message.timestamp.type"] == "LogAppendTime"
+
+
 def _consume_records(consumer: tidelog.Consumer, expected: int) -> list:
     records: list = []
     deadline = time.monotonic() + 30

@@ -1020,6 +1020,48 @@ def test_retention_bytes_zero_keeps_the_active_segment(tmp_path: Path) -> None:
     log.close()
 
 
+def test_log_append_time_stamps_each_batch_with_the_leaders_clock(tmp_path: Path) -> None:
+    """message.timestamp.type=LogAppendTime: the leader sets the batch's timestamp type and
+    max_timestamp to its clock (the crc follows), every record then reads that time, and
+    the time index, time lookups and retention go by it. A follower keeps the bytes."""
+    clock = ManualClock(start_ms=T0)
+    config = LogConfig(message_timestamp_type="LogAppendTime", retention_ms=10_000)
+    log = open_log(tmp_path / "p-0", config, clock=clock)
+    old = T0 - 5 * DAY_MS  # a producer's timestamps, long past
+    info = log.append(make_batch(3, ts=[old, old + 1, old + 2]) + make_batch(2, ts=old, tag=1))
+    assert info.log_append_time_ms == T0
+    clock.advance(1_000)
+    log.append(make_batch(2, ts=old, tag=2))
+    data = read_all(log)
+    stamped = decode_batches(data)  # checks both checksums
+    assert [b.header.max_timestamp for b in stamped] == [T0, T0, T0 + 1_000]
+    assert all(b.header.attributes & f.ATTR_TIMESTAMP_LOG_APPEND for b in stamped)
+    assert [r.timestamp_ms for b in stamped for r in b.records] == [T0] * 5 + [T0 + 1_000] * 2
+    assert [r.value for b in stamped for r in b.records] == [
+        r.value
+        for raw in (make_batch(3), make_batch(2, tag=1), make_batch(2, tag=2))
+        for r in decode_batches(raw)[0].records
+    ]
+    assert log.offset_for_timestamp(T0 + 1) == (5, T0 + 1_000)
+    assert log.offset_for_timestamp(old) == (0, T0)  # the producer's times are gone
+    # Retention by append time: 5 days old by the producer's clock, not expired.
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
+    # A follower appends the leader's bytes as they are (its config is the topic's too).
+    follower = open_log(tmp_path / "p-0-follower", config, clock=clock)
+    follower.append(data, assign_offsets=False)
+    assert read_all(follower) == data
+    # CreateTime (the default) keeps the producer's timestamps and answers -1.
+    plain = open_log(tmp_path / "q-0", clock=clock)
+    assert plain.append(make_batch(2, ts=old)).log_append_time_ms == -1
+    assert [r.timestamp_ms for r in decode_batches(read_all(plain))[0].records] == [old] * 2
+    for each in (log, follower, plain):
+        each.close()
+    # Recovery rebuilds the time index from the stamped headers.
+    reopened = open_log(tmp_path / "p-0", config, clock=clock)
+    assert reopened.offset_for_timestamp(T0 + 1) == (5, T0 + 1_000)
+    reopened.close()
+
+
 def test_retention_by_time(tmp_path: Path) -> None:
     clock = ManualClock(start_ms=T0)
     size = len(make_batch(2, ts=T0)) + len(make_batch(2, ts=[T0, T0 + 1]))
@@ -1583,6 +1625,7 @@ def test_log_config_from_topic_config() -> None:
             "max.message.bytes": "100000",
             "file.delete.delay.ms": "0",
             "page.cache.window.bytes": "1048576",
+            "message.timestamp.type": "LogAppendTime",
             "min.insync.replicas": "2",  # the cluster's, not the log's: ignored here
             "cleanup.policy": "delete",
         }
@@ -1600,6 +1643,7 @@ def test_log_config_from_topic_config() -> None:
         max_message_bytes=100_000,
         file_delete_delay_ms=0,
         page_cache_window_bytes=1 << 20,
+        message_timestamp_type="LogAppendTime",
     )
     assert set(TOPIC_CONFIG_FIELDS.values()) == set(LogConfig.__dataclass_fields__)
 

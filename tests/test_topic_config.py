@@ -32,13 +32,14 @@ def test_valid_overrides_are_returned_canonical() -> None:
             "min.insync.replicas": "2",
             "unclean.leader.election.enable": "TRUE",
             "cleanup.policy": "delete",
-            "message.timestamp.type": "CreateTime",
+            "message.timestamp.type": "LogAppendTime",
             "flush.messages": "9223372036854775807",
         },
         replication_factor=3,
     )
     assert configs["unclean.leader.election.enable"] == "true"
     assert configs["retention.ms"] == "-1"
+    assert configs["message.timestamp.type"] == "LogAppendTime"
     assert effective_configs(configs)["retention.bytes"] == "-1"  # default filled in
     assert effective_configs(configs)["segment.bytes"] == "1048576"
 
@@ -70,8 +71,8 @@ def test_pairs_are_accepted_and_empty_is_fine() -> None:
         ({"cleanup.policy": "compact"}, 1, "compaction is not supported"),
         ({"cleanup.policy": "compact,delete"}, 1, "compaction is not supported"),
         ({"cleanup.policy": "archive"}, 1, "only supported policy is delete"),
-        ({"message.timestamp.type": "LogAppendTime"}, 1, "LogAppendTime is not supported"),
-        ({"message.timestamp.type": "Whenever"}, 1, "must be CreateTime"),
+        ({"message.timestamp.type": "Whenever"}, 1, "must be one of CreateTime, LogAppendTime"),
+        ({"message.timestamp.type": "logappendtime"}, 1, "must be one of"),  # Kafka's case
         ({"retention.ms": "1" * 2000}, 1, "too long"),
     ],
 )

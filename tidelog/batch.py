@@ -161,6 +161,28 @@ def next_offset_after(buf: bytes | bytearray | memoryview, fallback: int) -> int
     return result
 
 
+LOG_APPEND_TIME_STAMPED_END = f.MAX_TIMESTAMP_OFFSET + 8
+"""``stamp_log_append_time`` rewrites bytes up to here (attributes and max_timestamp)."""
+
+
+def stamp_log_append_time(
+    head: bytearray, rest: bytes | bytearray | memoryview, append_time_ms: int
+) -> None:
+    """Make a batch a LogAppendTime batch (a topic with message.timestamp.type
+    LogAppendTime), as Kafka's leader does: set the timestamp-type attribute bit and
+    ``max_timestamp`` to the append time, which every record then reads as its timestamp,
+    and recompute ``crc``. ``head`` is the batch's first ``LOG_APPEND_TIME_STAMPED_END``
+    bytes, rewritten in place; ``rest`` the bytes after them. ``crc`` covers the rewritten
+    fields, so this is the one broker operation that reads the whole batch (in C, not per
+    record); the caller has verified the old ``crc`` first, and ``stamp`` the header
+    checksum after."""
+    attributes = f.I16.unpack_from(head, f.ATTRIBUTES_OFFSET)[0] | f.ATTR_TIMESTAMP_LOG_APPEND
+    f.I16.pack_into(head, f.ATTRIBUTES_OFFSET, attributes)
+    f.I64.pack_into(head, f.MAX_TIMESTAMP_OFFSET, append_time_ms)
+    crc = _crc32c.crc32c(rest, _crc32c.crc32c(memoryview(head)[f.BODY_CRC_START :]))
+    f.U32.pack_into(head, f.CRC_OFFSET, crc)
+
+
 def stamp(buf: bytearray, position: int, base_offset: int, partition_leader_epoch: int) -> None:
     """Rewrite the broker-owned fields of the batch at ``position`` and its header checksum."""
     f.I64.pack_into(buf, position + f.BASE_OFFSET_OFFSET, base_offset)

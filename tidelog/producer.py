@@ -1638,7 +1638,7 @@ class Producer:
             if result.error.code == common_pb2.NONE:
                 offset = result.base_offset
                 for batch in batches:
-                    self._succeed(batch, offset)
+                    self._succeed(batch, offset, result.log_append_time_ms)
                     if offset >= 0:
                         offset += len(batch)
                 with self._lock:
@@ -1764,15 +1764,19 @@ class Producer:
         finally:
             self._completing.active = False
 
-    def _succeed(self, batch: _Batch, base_offset: int) -> None:
+    def _succeed(self, batch: _Batch, base_offset: int, log_append_time_ms: int = -1) -> None:
+        """``log_append_time_ms``: the broker's stamp on a LogAppendTime topic (-1 for
+        CreateTime, and for acks=0), which is every record's timestamp there, as in
+        Kafka's RecordMetadata."""
         if not self._finishing(batch):
             return
         topic, partition = batch.tp
         for index, future in batch.record_futures:
             offset = base_offset + index if base_offset >= 0 else -1
-            self._resolve(
-                future, RecordMetadata(topic, partition, offset, batch.timestamps[index]), None
+            timestamp_ms = (
+                log_append_time_ms if log_append_time_ms >= 0 else batch.timestamps[index]
             )
+            self._resolve(future, RecordMetadata(topic, partition, offset, timestamp_ms), None)
         for group, indices in batch.group_slots:
             n = len(indices)
             if isinstance(indices, range):

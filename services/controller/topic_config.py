@@ -15,7 +15,8 @@ Defaults (``TOPIC_CONFIG_DEFAULTS``)::
     flush.ms                        9223372036854775807   (never)
     index.interval.bytes            4096         bytes of log between sparse index entries
     max.message.bytes               1048588      largest batch accepted (Kafka's 1 MiB + 12)
-    message.timestamp.type          CreateTime   only CreateTime: LogAppendTime is not supported
+    message.timestamp.type          CreateTime   or LogAppendTime: the leader stamps each batch
+                                                 with its clock at the append (as Kafka)
     min.insync.replicas             1            acks=all needs this many in-sync replicas
     page.cache.window.bytes         67108864     newest 64 MiB per partition stay in the page
                                                  cache; older bytes are written back and dropped
@@ -30,8 +31,8 @@ Defaults (``TOPIC_CONFIG_DEFAULTS``)::
 
 The log settings are checked by ``LogConfig.from_topic_config`` (one source of truth for
 their ranges, shared with the storage node that applies them); the cluster-level settings
-(``min.insync.replicas``, ``unclean.leader.election.enable``) and the two "only one value
-is implemented" settings are checked here.
+(``min.insync.replicas``, ``unclean.leader.election.enable``) and ``cleanup.policy``, of
+which only one value is implemented, are checked here.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Final
 
-from services.storage.log.config import TOPIC_CONFIG_FIELDS, LogConfig
+from services.storage.log.config import STRING_FIELDS, TOPIC_CONFIG_FIELDS, LogConfig
 from tidelog.errors import InvalidConfigError
 
 _LONG_MAX: Final = str((1 << 63) - 1)
@@ -58,7 +59,6 @@ TOPIC_CONFIG_DEFAULTS: Final[Mapping[str, str]] = {
     "min.insync.replicas": "1",
     "unclean.leader.election.enable": "false",
     "cleanup.policy": "delete",
-    "message.timestamp.type": "CreateTime",
 }
 """Every key a topic may set, with the value it has when the topic does not set it."""
 
@@ -112,6 +112,8 @@ def validate_topic_configs(
 
 
 def _check_value(name: str, value: str, replication_factor: int) -> str:
+    if TOPIC_CONFIG_FIELDS.get(name) in STRING_FIELDS:
+        return value  # a name: LogConfig checks it (validate_topic_configs, below)
     if name in TOPIC_CONFIG_FIELDS:
         if _INTEGER.fullmatch(value) is None:
             raise InvalidConfigError(f"invalid {name}={value!r}: not an integer")
@@ -145,15 +147,6 @@ def _check_value(name: str, value: str, replication_factor: int) -> str:
                 "cleanup.policy=delete (time and size retention) is"
             )
         raise InvalidConfigError(f"invalid {name}={value!r}: the only supported policy is delete")
-    if name == "message.timestamp.type":
-        if value == "CreateTime":
-            return value
-        if value == "LogAppendTime":
-            raise InvalidConfigError(
-                f"invalid {name}={value!r}: LogAppendTime is not supported; records keep the "
-                "producer's timestamp (CreateTime)"
-            )
-        raise InvalidConfigError(f"invalid {name}={value!r}: must be CreateTime")
     raise AssertionError(f"no rule for known config {name!r}")  # pragma: no cover
 
 

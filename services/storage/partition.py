@@ -393,7 +393,6 @@ class Partition:
             self._check_leader(current_leader_epoch)
             if acks_all:
                 self._check_min_isr(NotEnoughReplicasError)
-            append_time_ms = self._clock.now_ms()
             try:
                 info = self._log.append(records, leader_epoch=self._leader_epoch)
             except OSError as exc:
@@ -411,7 +410,7 @@ class Partition:
             return AppendResult(
                 base_offset=info.first_offset,
                 last_offset=info.last_offset,
-                log_append_time_ms=append_time_ms,
+                log_append_time_ms=info.log_append_time_ms,
                 log_start_offset=self._log.log_start_offset,
                 high_watermark=self._high_watermark,
                 duplicate=info.duplicate,

@@ -11,6 +11,9 @@ from tidelog import formats
 from tidelog.errors import InvalidConfigError
 
 DAY_MS: Final = 24 * 60 * 60 * 1000
+CREATE_TIME: Final = "CreateTime"
+LOG_APPEND_TIME: Final = "LogAppendTime"
+TIMESTAMP_TYPES: Final = (CREATE_TIME, LOG_APPEND_TIME)
 MAX_INDEX_BYTES: Final = (1 << 31) - 1
 """Largest segment.index.bytes (Kafka's bound too): each index file is preallocated to it,
 and a larger one made terabyte files, or failed to be created at all."""
@@ -52,6 +55,10 @@ class LogConfig:
     # cache; older bytes are written back as appends go and dropped from it (page_cache.py).
     # 0 keeps everything until the kernel reclaims it, as Kafka does.
     page_cache_window_bytes: int = 64 << 20
+    # message.timestamp.type: "CreateTime" keeps the producer's record timestamps;
+    # "LogAppendTime" makes the leader stamp each batch with its clock at the append
+    # (tidelog.batch.stamp_log_append_time), for the time index, retention and readers.
+    message_timestamp_type: str = CREATE_TIME
 
     def __post_init__(self) -> None:
         def require(ok: bool, key: str, value: object, why: str) -> None:
@@ -120,6 +127,12 @@ class LogConfig:
             "must be >= 0",
         )
         require(
+            self.message_timestamp_type in TIMESTAMP_TYPES,
+            "message.timestamp.type",
+            self.message_timestamp_type,
+            f"must be one of {', '.join(TIMESTAMP_TYPES)}",
+        )
+        require(
             self.page_cache_window_bytes >= 0,
             "page.cache.window.bytes",
             self.page_cache_window_bytes,
@@ -136,10 +149,13 @@ class LogConfig:
         ``unclean.leader.election.enable``, ...) are ignored here; unknown keys are the
         controller's to reject. A value that is not an integer raises InvalidConfigError.
         """
-        changes: dict[str, int | None] = {}
+        changes: dict[str, int | str | None] = {}
         for key, raw in entries.items():
             field = TOPIC_CONFIG_FIELDS.get(key)
             if field is None:
+                continue
+            if field in STRING_FIELDS:
+                changes[field] = raw  # checked by __post_init__
                 continue
             try:
                 value = int(raw)
@@ -166,5 +182,8 @@ TOPIC_CONFIG_FIELDS: Final[dict[str, str]] = {
     "max.message.bytes": "max_message_bytes",
     "file.delete.delay.ms": "file_delete_delay_ms",
     "page.cache.window.bytes": "page_cache_window_bytes",
+    "message.timestamp.type": "message_timestamp_type",
 }
 """Kafka topic-config name -> LogConfig field."""
+STRING_FIELDS: Final = frozenset({"message_timestamp_type"})
+"""Fields whose topic-config values are names, not integers."""

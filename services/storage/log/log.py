@@ -54,7 +54,13 @@ from pathlib import Path
 from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from tidelog import formats
-from tidelog.batch import BatchHeader, check_batch, stamp
+from tidelog.batch import (
+    LOG_APPEND_TIME_STAMPED_END,
+    BatchHeader,
+    check_batch,
+    stamp,
+    stamp_log_append_time,
+)
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
     CorruptBatchError,
@@ -73,7 +79,7 @@ from tidelog.records import (
 )
 
 from .checkpoint import fsync_dir
-from .config import LogConfig
+from .config import LOG_APPEND_TIME, LogConfig
 from .errors import CheckpointCorruptError
 from .leader_epoch import LeaderEpochCache
 from .producer_state import DEFAULT_PRODUCER_ID_EXPIRATION_MS, ProducerStateManager
@@ -185,6 +191,9 @@ class AppendInfo(NamedTuple):
     first_offset: int
     last_offset: int
     duplicate: bool = False
+    # The time the batches were stamped with (message.timestamp.type LogAppendTime); -1
+    # for CreateTime, as Kafka answers.
+    log_append_time_ms: int = -1
 
 
 def _fitting(base_offset: int, spans: list[BatchSpan], begin: int) -> int:
@@ -516,6 +525,7 @@ class Log:
         spans, headers = self._validate(view)
         data: list[bytes | bytearray | memoryview] = [view]
         state = self.producer_state
+        append_time_ms = -1
         if assign_offsets:
             duplicate = state.validate_append(headers)
             if duplicate is not None:
@@ -524,16 +534,29 @@ class Log:
             # checksum over them): each prefix is rewritten in a copy of its 25 bytes and
             # the rest goes to the file straight from the request, rather than copying the
             # whole request to stamp it (one memcpy of every produced byte on the leader).
+            # A LogAppendTime topic's prefix runs to max_timestamp (47 bytes), and its crc
+            # is computed again over the whole batch.
             data = []
             next_offset = self._log_end_offset
+            stamped_end = formats.BODY_CRC_START
+            if self.config.message_timestamp_type == LOG_APPEND_TIME:
+                append_time_ms = self._clock.now_ms()
+                stamped_end = LOG_APPEND_TIME_STAMPED_END  # attributes and max_timestamp too
             for i, span in enumerate(spans):
-                body_start = span.position + formats.BODY_CRC_START
-                prefix = bytearray(view[span.position : body_start])
+                rest_start = span.position + stamped_end
+                end = span.position + span.size_bytes
+                prefix = bytearray(view[span.position : rest_start])
+                max_timestamp_ms = span.max_timestamp_ms
+                if append_time_ms >= 0:
+                    stamp_log_append_time(prefix, view[rest_start:end], append_time_ms)
+                    max_timestamp_ms = append_time_ms  # what the time index holds
                 stamp(prefix, 0, next_offset, leader_epoch)
-                data += (prefix, view[body_start : span.position + span.size_bytes])
+                data += (prefix, view[rest_start:end])
                 count = span.last_offset - span.base_offset + 1
                 spans[i] = span._replace(
-                    base_offset=next_offset, last_offset=next_offset + count - 1
+                    base_offset=next_offset,
+                    last_offset=next_offset + count - 1,
+                    max_timestamp_ms=max_timestamp_ms,
                 )
                 next_offset += count
         else:
@@ -577,7 +600,7 @@ class Log:
             and self._log_end_offset - self._recovery_point >= self.config.flush_messages
         ):
             self.flush()
-        return AppendInfo(first, last)
+        return AppendInfo(first, last, log_append_time_ms=append_time_ms)
 
     def _write(
         self,
