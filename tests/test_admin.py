@@ -9,6 +9,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import pytest
 
 import tidelog
@@ -17,12 +18,19 @@ from tests.support.cluster import GatewayProcess, TestCluster
 from tidelog.admin import change_deadline_s
 from tidelog.errors import (
     ConfigError,
+    ErrorCode,
+    InvalidConfigError,
     InvalidPartitionsError,
     InvalidReplicationFactorError,
+    InvalidRequestError,
+    InvalidTopicError,
+    MessageTooLargeError,
     RequestTimedOutError,
     TidelogError,
+    UnknownTopicOrPartitionError,
 )
 from tidelog.formats import INT32_MAX
+from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2_grpc
 
 BAD_CALLS: list[tuple[str, Callable[[tidelog.Admin], Any], type[TidelogError]]] = [
     ("name not a str", lambda a: a.create_topic(5), ConfigError),
@@ -54,6 +62,10 @@ BAD_CALLS: list[tuple[str, Callable[[tidelog.Admin], Any], type[TidelogError]]] 
     ("describe int names", lambda a: a.describe_topics([1]), ConfigError),
     ("describe_topic int", lambda a: a.describe_topic(1), ConfigError),
     ("group int", lambda a: a.describe_group(3), ConfigError),
+    # A str is a sequence: this would remove configs "r", "e", "t", ...
+    ("alter delete a str", lambda a: a.alter_topic_config("t", None, "retention.ms"), ConfigError),
+    ("alter set a list", lambda a: a.alter_topic_config("t", [("a", "b")]), ConfigError),
+    ("alter name int", lambda a: a.alter_topic_config(3, {"retention.ms": "1"}), ConfigError),
 ]
 
 
@@ -138,3 +150,118 @@ def test_a_create_whose_replicas_do_not_answer_succeeds_within_the_timeout(
 def test_a_bool_config_value_is_sent_as_kafka_writes_it(admin: tidelog.Admin) -> None:
     admin.create_topic("bool-config", config={"unclean.leader.election.enable": True})
     assert admin.describe_topic("bool-config").configs["unclean.leader.election.enable"] == "true"
+
+
+def test_topic_configs_are_altered_live_and_brokers_apply_them_at_once(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka's incrementalAlterConfigs: SET and DELETE of overrides on a live topic. The
+    brokers take the change without a restart: a lowered max.message.bytes refuses the
+    batch it accepted before, and removing the override accepts it again."""
+    admin.create_topic(
+        "altered", partitions=2, replication_factor=3, config={"retention.ms": 60_000}
+    )
+    big = b"x" * 50_000
+    with tidelog.Producer(gateway.address, acks="all", retries=0) as producer:
+        producer.send("altered", big, partition=0).result(30)
+        configs = admin.alter_topic_config(
+            "altered", {"max.message.bytes": 10_000, "min.insync.replicas": "2"}, ["retention.ms"]
+        )
+        assert configs == {"max.message.bytes": "10000", "min.insync.replicas": "2"}
+        assert admin.describe_topic("altered").configs == configs
+        with pytest.raises(MessageTooLargeError):
+            producer.send("altered", big, partition=0).result(30)
+        assert admin.alter_topic_config("altered", delete_configs=["max.message.bytes"]) == {
+            "min.insync.replicas": "2"
+        }
+        producer.send("altered", big, partition=0).result(30)
+        # Setting what is set changes nothing and says so.
+        assert admin.alter_topic_config("altered", {"min.insync.replicas": "2"}) == {
+            "min.insync.replicas": "2"
+        }
+    admin.delete_topic("altered")
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "fragment"),
+    [
+        ({"set_configs": {"retention.mss": "1"}}, InvalidConfigError, "unknown topic config"),
+        ({"delete_configs": ["retention.mss"]}, InvalidConfigError, "unknown topic config"),
+        ({"set_configs": {"min.insync.replicas": "4"}}, InvalidConfigError, "replication factor"),
+        ({"set_configs": {"retention.ms": "soon"}}, InvalidConfigError, "not an integer"),
+        ({"set_configs": {"cleanup.policy": "compact"}}, InvalidConfigError, "compaction"),
+        (
+            {"set_configs": {"retention.ms": "1"}, "delete_configs": ["retention.ms"]},
+            InvalidRequestError,
+            "more than once",
+        ),
+        (
+            {"delete_configs": [f"x{i}" for i in range(100)]},
+            InvalidRequestError,
+            "the limit is 64",
+        ),
+    ],
+)
+def test_a_bad_config_change_is_refused_whole_and_changes_nothing(
+    admin: tidelog.Admin, change: dict[str, Any], error: type[TidelogError], fragment: str
+) -> None:
+    if "refused" not in admin.list_topics():
+        admin.create_topic("refused", replication_factor=3, config={"retention.ms": 60_000})
+    with pytest.raises(error, match=fragment):
+        # The good half of a change goes no further than the bad half.
+        admin.alter_topic_config("refused", **{"set_configs": {"segment.ms": "1000"}, **change})
+    assert admin.describe_topic("refused").configs == {"retention.ms": "60000"}
+    # validate_only answers what the overrides would be, and changes nothing either.
+    assert admin.alter_topic_config(
+        "refused", {"segment.ms": "1000"}, ["retention.ms"], validate_only=True
+    ) == {"segment.ms": "1000"}
+    assert admin.describe_topic("refused").configs == {"retention.ms": "60000"}
+
+
+def test_altering_a_topic_that_does_not_exist(admin: tidelog.Admin) -> None:
+    with pytest.raises(UnknownTopicOrPartitionError):
+        admin.alter_topic_config("no-such-topic", {"retention.ms": "1"})
+    with pytest.raises(InvalidTopicError):
+        admin.alter_topic_config("bad/name", {"retention.ms": "1"})
+
+
+def test_a_request_naming_a_topic_twice_changes_nothing(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Every entry of a duplicated name is refused (Kafka's INVALID_REQUEST), not the
+    second one only after the first was applied."""
+    admin.create_topic("twice", partitions=2)
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        new = controller_pb2.CreatableTopic(
+            name="twice-new", num_partitions=1, replication_factor=1
+        )
+        answers = [
+            stub.CreateTopics(controller_pb2.CreateTopicsRequest(topics=[new, new]), timeout=30),
+            stub.DeleteTopics(controller_pb2.DeleteTopicsRequest(names=["twice"] * 2), timeout=30),
+            stub.CreatePartitions(
+                controller_pb2.CreatePartitionsRequest(
+                    topics=[controller_pb2.PartitionIncrease(name="twice", count=c) for c in (3, 4)]
+                ),
+                timeout=30,
+            ),
+            stub.IncrementalAlterConfigs(
+                controller_pb2.IncrementalAlterConfigsRequest(
+                    topics=[
+                        controller_pb2.AlterableTopicConfig(
+                            name="twice", set=[common_pb2.ConfigEntry(name="segment.ms", value=v)]
+                        )
+                        for v in ("1000", "2000")
+                    ]
+                ),
+                timeout=30,
+            ),
+        ]
+    for answer in answers:
+        assert [(r.error.code, "more than once" in r.error.message) for r in answer.topics] == [
+            (ErrorCode.INVALID_REQUEST, True)
+        ] * 2
+    assert "twice-new" not in admin.list_topics()
+    described = admin.describe_topic("twice")
+    assert (len(described.partitions), described.configs) == (2, {})
+    admin.delete_topic("twice")

@@ -159,6 +159,10 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
         (("topics", "create", "x", "--partitions", "2147483648"), "must be <= 2147483647"),
         (("produce", "events", "--key-separator", ""), "must not be empty"),
         (("topics", "describe", "\udcff"), "is not UTF-8"),  # a non-UTF-8 argument
+        (("topics", "describe", ""), "empty"),  # not "every topic"
+        (("topics", "alter", "events"), "nothing to alter"),
+        (("topics", "alter", "events", "--config", "retention.mss=1"), "unknown topic config"),
+        (("topics", "alter", "missing", "--config", "retention.ms=1"), "does not exist"),
     ],
 )
 def test_errors_are_one_line_without_traceback(
@@ -169,6 +173,30 @@ def test_errors_are_one_line_without_traceback(
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_topics_alter_grows_partitions_and_changes_configs_all_or_nothing(
+    dev: DevProcess,
+) -> None:
+    g = dev.gateway
+    tidelog("topics", "create", "alterable", "--config", "retention.ms=60000", gateway=g)
+    refused = tidelog(
+        "topics", "alter", "alterable", "--partitions", "3", "--config", "retention.ms=x",
+        gateway=g, check=False,
+    )  # fmt: skip
+    assert "not an integer" in _one_line_failure(refused)
+    altered = tidelog(
+        "topics", "alter", "alterable", "--partitions", "3", "--config", "segment.ms=1000",
+        "--delete-config", "retention.ms", gateway=g,
+    )  # fmt: skip
+    assert altered.stdout.strip() == (
+        "altered topic alterable: 3 partitions; config overrides: segment.ms=1000"
+    )
+    described = json.loads(
+        tidelog("topics", "describe", "alterable", "--output", "json", gateway=g).stdout
+    )[0]
+    assert len(described["partitions"]) == 3
+    assert described["configs"] == {"segment.ms": "1000"}
 
 
 def _values(topic: str, gateway: str) -> list[str]:

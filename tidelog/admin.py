@@ -242,7 +242,7 @@ class Admin:
 
     # --- topics ---------------------------------------------------------------------------
 
-    def _change(self, method: Any, request: Any, what: str) -> None:
+    def _change(self, method: Any, request: Any, what: str) -> Any:
         """Send an admin change (``timeout_ms`` is the gateway's budget for it) and raise
         the error of its first topic that failed.
 
@@ -257,6 +257,7 @@ class Admin:
             )
             for result in response.topics:
                 raise_for(result.error, what)
+            return response
         except RequestTimedOutError as exc:
             raise RequestTimedOutError(
                 f"{exc.message}; the change may still have been made: check before retrying"
@@ -302,6 +303,33 @@ class Admin:
             controller_pb2.CreatePartitionsRequest(topics=[increase], timeout_ms=self._timeout_ms),
             f"create partitions of {name!r}",
         )
+
+    def alter_topic_config(
+        self,
+        name: str,
+        set_configs: Mapping[str, str] | None = None,
+        delete_configs: Sequence[str] = (),
+        *,
+        validate_only: bool = False,
+    ) -> dict[str, str]:
+        """Set (``set_configs``) and remove (``delete_configs``) config overrides of topic
+        ``name`` (Kafka's ``incrementalAlterConfigs`` SET and DELETE): a removed setting
+        returns to its default. The change is checked as a whole and made all or nothing;
+        brokers apply it to the topic's logs at once. Returns the topic's overrides
+        afterwards (with ``validate_only``, what they would be; nothing changes)."""
+        if isinstance(delete_configs, str):
+            raise ConfigError("delete_configs must be a sequence of config names, not one str")
+        change = controller_pb2.AlterableTopicConfig(
+            name=_text("topic name", name),
+            set=_configs(set_configs),
+            delete=[_text("config name", d) for d in delete_configs],
+        )
+        what = f"alter the config of topic {name!r}"
+        request = controller_pb2.IncrementalAlterConfigsRequest(
+            topics=[change], validate_only=validate_only, timeout_ms=self._timeout_ms
+        )
+        response = self._change(self._conn.stub.IncrementalAlterConfigs, request, what)
+        return {c.name: c.value for c in response.topics[0].configs}
 
     def list_topics(self) -> list[str]:
         return sorted(self._conn.partition_counts())

@@ -446,7 +446,7 @@ def _add_client_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_topics(subparsers: argparse._SubParsersAction[_Parser]) -> None:
-    parser = subparsers.add_parser("topics", help="create, list, describe and delete topics")
+    parser = subparsers.add_parser("topics", help="create, alter, list, describe and delete topics")
     actions = parser.add_subparsers(
         dest="action", required=True, metavar="ACTION", parser_class=_Parser
     )
@@ -461,6 +461,27 @@ def _add_topics(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         metavar="NAME=VALUE",
         help="a topic setting, e.g. retention.ms=3600000 (repeatable)",
     )
+    alter = actions.add_parser(
+        "alter", help="change a topic: grow its partitions, set or remove config overrides"
+    )
+    alter.add_argument("name", metavar="NAME")
+    alter.add_argument(
+        "--partitions", type=_positive_int32, default=None, metavar="P", help="the new total"
+    )
+    alter.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a topic setting, e.g. retention.ms=3600000 (repeatable)",
+    )
+    alter.add_argument(
+        "--delete-config",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="remove an override: the setting returns to its default (repeatable)",
+    )
     actions.add_parser("list", help="list topic names")
     describe = actions.add_parser(
         "describe", help="leader, replicas, ISR, HW and LEO of every partition"
@@ -468,7 +489,7 @@ def _add_topics(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     describe.add_argument("name", nargs="?", metavar="NAME", help="one topic (default: all)")
     delete = actions.add_parser("delete", help="delete a topic and its data")
     delete.add_argument("name", metavar="NAME")
-    for sub in (create, describe, delete, actions.choices["list"]):
+    for sub in (create, alter, describe, delete, actions.choices["list"]):
         _add_client_options(sub)
     parser.set_defaults(handler="tidelog.commands:cmd_topics")
 

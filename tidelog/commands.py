@@ -143,6 +143,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
                 _json({"created": args.name})
             else:
                 print(f"created topic {args.name}")
+        elif args.action == "alter":
+            return _alter_topic(admin, args)
         elif args.action == "delete":
             admin.delete_topic(args.name)
             if args.output == "json":
@@ -157,7 +159,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
                 for name in names:
                     print(name)
         else:  # describe
-            topics = admin.describe_topics([args.name] if args.name else [])
+            topics = admin.describe_topics([args.name] if args.name is not None else [])
             if args.output == "json":
                 _json([_topic_json(t) for t in topics])
             else:
@@ -168,6 +170,33 @@ def cmd_topics(args: argparse.Namespace) -> int:
         return 0
 
     return run("topics", body, args)
+
+
+def _alter_topic(admin: Admin, args: argparse.Namespace) -> int:
+    """``tidelog topics alter``: partitions first (the one change that can be refused for
+    the topic's state), then the config overrides, in one all-or-nothing change."""
+    if args.partitions is None and not args.config and not args.delete_config:
+        raise ConfigError("nothing to alter: give --partitions, --config or --delete-config")
+    set_configs = _parse_configs(args.config)
+    if args.config or args.delete_config:
+        # Checked before the partitions grow, so a bad setting changes nothing at all.
+        admin.alter_topic_config(args.name, set_configs, args.delete_config, validate_only=True)
+    if args.partitions is not None:
+        admin.create_partitions(args.name, args.partitions)
+    configs = None
+    if args.config or args.delete_config:
+        configs = admin.alter_topic_config(args.name, set_configs, args.delete_config)
+    if args.output == "json":
+        _json({"altered": args.name, "partitions": args.partitions, "configs": configs})
+    else:
+        changes = []
+        if args.partitions is not None:
+            changes.append(f"{args.partitions} partitions")
+        if configs is not None:
+            overrides = ", ".join(f"{k}={v}" for k, v in sorted(configs.items()))
+            changes.append(f"config overrides: {overrides or 'none'}")
+        print(f"altered topic {args.name}: {'; '.join(changes)}")
+    return 0
 
 
 # --- produce / consume ------------------------------------------------------------------------

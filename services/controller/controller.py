@@ -36,10 +36,12 @@ synchronously.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import unquote
@@ -111,7 +113,12 @@ from services.controller.state import (
     Topic,
     TopicPartition,
 )
-from services.controller.topic_config import effective_configs, validate_topic_configs
+from services.controller.topic_config import (
+    MAX_CONFIG_ENTRIES,
+    TOPIC_CONFIG_DEFAULTS,
+    effective_configs,
+    validate_topic_configs,
+)
 from services.metastore import (
     Compare,
     DeleteOp,
@@ -127,6 +134,7 @@ from services.metastore import (
 )
 from tidelog.errors import (
     ElectionNotNeededError,
+    InvalidConfigError,
     InvalidPartitionsError,
     InvalidReplicaAssignmentError,
     InvalidReplicationFactorError,
@@ -252,10 +260,33 @@ class NewPartitions:
     assignments: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
+def _duplicated(names: Iterable[str]) -> set[str]:
+    """Names a request gives more than once. Every entry of such a name is refused, as
+    Kafka does: applying the first would make a request that is wrong change something."""
+    return {name for name, count in Counter(names).items() if count > 1}
+
+
 @dataclass(frozen=True, slots=True)
 class TopicOutcome:
     name: str
     error: TidelogError | None
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigChange:
+    """Set and remove config overrides of topic ``name`` (Kafka's IncrementalAlterConfigs
+    SET and DELETE operations)."""
+
+    name: str
+    set: tuple[tuple[str, str], ...] = ()
+    delete: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigOutcome:
+    name: str
+    error: TidelogError | None
+    configs: Mapping[str, str] = field(default_factory=dict)  # the overrides after it
 
 
 @dataclass(frozen=True, slots=True)
@@ -1152,11 +1183,11 @@ class Controller:
         wait_s = self._wait_s(timeout_ms)
         results: list[CreatedTopic] = []
         completions: list[Completion] = []
-        seen: set[str] = set()
+        duplicated = _duplicated(t.name for t in topics)
         with self._lock:
             term = self._require_active()
             for request in topics:
-                if request.name in seen:
+                if request.name in duplicated:
                     results.append(
                         CreatedTopic(
                             request.name,
@@ -1166,7 +1197,6 @@ class Controller:
                         )
                     )
                     continue
-                seen.add(request.name)
                 try:
                     if validate_only:
                         topic = self._new_topic(term, request)
@@ -1283,14 +1313,15 @@ class Controller:
         wait_s = self._wait_s(timeout_ms)
         results: list[TopicOutcome] = []
         completion = Completion()
-        seen: set[str] = set()
+        duplicated = _duplicated(names)
         with self._lock:
             term = self._require_active()
             for name in names:
                 try:
-                    if name in seen:
-                        raise InvalidRequestError(f"topic {name!r} appears more than once")
-                    seen.add(name)
+                    if name in duplicated:
+                        raise InvalidRequestError(
+                            f"topic {name!r} appears more than once in the request"
+                        )
                     validate_topic_name(name)
 
                     def decide(name: str = name) -> _Plan:
@@ -1329,14 +1360,15 @@ class Controller:
         wait_s = self._wait_s(timeout_ms)
         results: list[TopicOutcome] = []
         completions: list[Completion] = []
-        seen: set[str] = set()
+        duplicated = _duplicated(i.name for i in increases)
         with self._lock:
             term = self._require_active()
             for request in increases:
                 try:
-                    if request.name in seen:
-                        raise InvalidRequestError(f"topic {request.name!r} appears more than once")
-                    seen.add(request.name)
+                    if request.name in duplicated:
+                        raise InvalidRequestError(
+                            f"topic {request.name!r} appears more than once in the request"
+                        )
                     if validate_only:
                         self._grown_topic(term, request)
                         results.append(TopicOutcome(request.name, None))
@@ -1366,6 +1398,96 @@ class Controller:
                     results.append(TopicOutcome(request.name, exc))
         _wait_all(completions, wait_s)
         return results
+
+    def alter_topic_configs(
+        self,
+        changes: Sequence[ConfigChange],
+        *,
+        validate_only: bool = False,
+        timeout_ms: int = 0,
+    ) -> list[ConfigOutcome]:
+        """Set and remove topics' config overrides; per-topic errors, each topic all or
+        nothing. The replicas get the new settings in a LeaderAndIsr at the partitions'
+        current epochs (a broker applies a changed config to its logs at once)."""
+        self._check_count("topics", len(changes), self.config.max_topics_per_request)
+        wait_s = self._wait_s(timeout_ms)
+        results: list[ConfigOutcome] = []
+        completions: list[Completion] = []
+        duplicated = _duplicated(c.name for c in changes)
+        with self._lock:
+            term = self._require_active()
+            for change in changes:
+                try:
+                    if change.name in duplicated:
+                        raise InvalidRequestError(
+                            f"topic {change.name!r} appears more than once in the request"
+                        )
+                    if validate_only:
+                        results.append(
+                            ConfigOutcome(
+                                change.name, None, self._altered_topic(term, change).configs
+                            )
+                        )
+                        continue
+
+                    def decide(change: ConfigChange = change) -> _Plan:
+                        altered = self._altered_topic(term, change)
+                        if altered == term.state.topics[change.name]:
+                            return _Plan()  # nothing to write (setting what is set)
+                        return _Plan(put_topics=[altered])
+
+                    plan = self._decide_and_commit(term, decide)
+                    topic = term.state.topics[change.name]
+                    if not plan.empty():
+                        self._log.info(
+                            "topic_configs_altered",
+                            topic=change.name,
+                            set=dict(change.set),
+                            deleted=list(change.delete),
+                            epoch=term.epoch,
+                        )
+                        unchanged = [
+                            PartitionChange(change.name, p, record, record)
+                            for p in range(topic.partition_count)
+                            if (record := term.state.partitions.get((change.name, p))) is not None
+                        ]
+                        completions.append(self._push(term, unchanged))
+                    results.append(ConfigOutcome(change.name, None, dict(topic.configs)))
+                except NotControllerError:
+                    raise
+                except (TidelogError, MetaStoreError) as exc:
+                    results.append(ConfigOutcome(change.name, exc))
+        _wait_all(completions, wait_s)
+        return results
+
+    def _altered_topic(self, term: _Term, change: ConfigChange) -> Topic:
+        validate_topic_name(change.name)
+        old = term.state.topics.get(change.name)
+        if old is None or change.name in term.deletions:
+            raise UnknownTopicOrPartitionError(f"topic {change.name!r} does not exist")
+        names = [name for name, _ in change.set] + list(change.delete)
+        if len(names) > MAX_CONFIG_ENTRIES:
+            raise InvalidRequestError(
+                f"{len(names)} config changes for topic {change.name!r}; the limit is "
+                f"{MAX_CONFIG_ENTRIES}"
+            )
+        repeated = sorted(name for name, count in Counter(names).items() if count > 1)
+        if repeated:
+            raise InvalidRequestError(
+                f"config {repeated[0]!r} is named more than once in the change of topic "
+                f"{change.name!r}"
+            )
+        unknown = sorted(set(change.delete) - set(TOPIC_CONFIG_DEFAULTS))
+        if unknown:
+            # Refused as in a SET: a typo must not pass as "nothing to remove".
+            raise InvalidConfigError(
+                f"unknown topic config {unknown[0]!r}; known configs: "
+                f"{', '.join(sorted(TOPIC_CONFIG_DEFAULTS))}"
+            )
+        overrides = {k: v for k, v in old.configs.items() if k not in change.delete}
+        overrides.update(change.set)
+        configs = validate_topic_configs(overrides, old.replication_factor)
+        return dataclasses.replace(old, configs=configs)
 
     def _grown_topic(self, term: _Term, request: NewPartitions) -> tuple[Topic, Topic]:
         state = term.state

@@ -24,6 +24,7 @@ import grpc
 import structlog
 
 from services.controller.controller import (
+    ConfigChange,
     Controller,
     IsrProposal,
     NewPartitions,
@@ -211,6 +212,34 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):  # type: ignor
         return controller_pb2.CreatePartitionsResponse(
             topics=[
                 controller_pb2.TopicResult(name=r.name, error=to_error_proto(r.error))
+                for r in results
+            ]
+        )
+
+    @_rpc
+    def IncrementalAlterConfigs(  # noqa: N802 - gRPC's method name
+        self,
+        request: controller_pb2.IncrementalAlterConfigsRequest,
+        context: grpc.ServicerContext,
+    ) -> controller_pb2.IncrementalAlterConfigsResponse:
+        changes = [
+            ConfigChange(
+                name=t.name,
+                set=tuple((c.name, c.value) for c in t.set),
+                delete=tuple(t.delete),
+            )
+            for t in request.topics
+        ]
+        results = self._controller.alter_topic_configs(
+            changes, validate_only=request.validate_only, timeout_ms=request.timeout_ms
+        )
+        return controller_pb2.IncrementalAlterConfigsResponse(
+            topics=[
+                controller_pb2.AlterConfigsResult(
+                    name=r.name,
+                    error=to_error_proto(r.error),
+                    configs=_config_protos(dict(r.configs)),
+                )
                 for r in results
             ]
         )

@@ -106,6 +106,7 @@ AdminRequest = TypeVar(
     controller_pb2.CreateTopicsRequest,
     controller_pb2.DeleteTopicsRequest,
     controller_pb2.CreatePartitionsRequest,
+    controller_pb2.IncrementalAlterConfigsRequest,
 )
 
 
@@ -343,6 +344,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
                     and view.topics[name].partition_count >= count
                     and _ready(view, name)
                     for name, count in grown.items()
+                ),
+            )
+        return response
+
+    @unary_errors
+    def IncrementalAlterConfigs(  # noqa: N802 - gRPC's method name
+        self,
+        request: controller_pb2.IncrementalAlterConfigsRequest,
+        context: grpc.ServicerContext,
+    ) -> controller_pb2.IncrementalAlterConfigsResponse:
+        timeout_s = _timeout_s(request.timeout_ms)
+        deadline = time.monotonic() + timeout_s
+        response: controller_pb2.IncrementalAlterConfigsResponse = self._controller.call(
+            timeout_s,
+            lambda stub, t: stub.IncrementalAlterConfigs(_for_controller(request, t), timeout=t),
+        )
+        if not request.validate_only:
+            altered = {
+                r.name: {c.name: c.value for c in r.configs}
+                for r in response.topics
+                if r.error.code == common_pb2.NONE
+            }
+            # Answered once this gateway's metadata (DescribeTopics) shows the new settings.
+            self._await(
+                deadline,
+                lambda view: all(
+                    name not in view.topics or dict(view.topics[name].configs) == configs
+                    for name, configs in altered.items()
                 ),
             )
         return response

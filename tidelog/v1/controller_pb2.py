@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from tidelog.v1 import common_pb2 as tidelog_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btidelog/v1/controller.proto\x12\ntidelog.v1\x1a\x17tidelog/v1/common.proto\":\n\x11ReplicaAssignment\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x12\n\nbroker_ids\x18\x02 \x03(\x05\"\xb0\x01\n\x0e\x43reatableTopic\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0enum_partitions\x18\x02 \x01(\x05\x12\x1a\n\x12replication_factor\x18\x03 \x01(\x05\x12(\n\x07\x63onfigs\x18\x04 \x03(\x0b\x32\x17.tidelog.v1.ConfigEntry\x12\x32\n\x0b\x61ssignments\x18\x05 \x03(\x0b\x32\x1d.tidelog.v1.ReplicaAssignment\"l\n\x13\x43reateTopicsRequest\x12*\n\x06topics\x18\x01 \x03(\x0b\x32\x1a.tidelog.v1.CreatableTopic\x12\x15\n\rvalidate_only\x18\x02 \x01(\x08\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x05\"\xb3\x01\n\x11\x43reateTopicResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x65rror\x18\x02 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x10\n\x08topic_id\x18\x03 \x01(\t\x12\x16\n\x0enum_partitions\x18\x04 \x01(\x05\x12\x1a\n\x12replication_factor\x18\x05 \x01(\x05\x12(\n\x07\x63onfigs\x18\x06 \x03(\x0b\x32\x17.tidelog.v1.ConfigEntry\"E\n\x14\x43reateTopicsResponse\x12-\n\x06topics\x18\x01 \x03(\x0b\x32\x1d.tidelog.v1.CreateTopicResult\"8\n\x13\x44\x65leteTopicsRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\"=\n\x0bTopicResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x65rror\x18\x02 \x01(\x0b\x32\x11.tidelog.v1.Error\"?\n\x14\x44\x65leteTopicsResponse\x12\'\n\x06topics\x18\x01 \x03(\x0b\x32\x17.tidelog.v1.TopicResult\"d\n\x11PartitionIncrease\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x32\n\x0b\x61ssignments\x18\x03 \x03(\x0b\x32\x1d.tidelog.v1.ReplicaAssignment\"s\n\x17\x43reatePartitionsRequest\x12-\n\x06topics\x18\x01 \x03(\x0b\x32\x1d.tidelog.v1.PartitionIncrease\x12\x15\n\rvalidate_only\x18\x02 \x01(\x08\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x05\"C\n\x18\x43reatePartitionsResponse\x12\'\n\x06topics\x18\x01 \x03(\x0b\x32\x17.tidelog.v1.TopicResult\"\x18\n\x16\x44\x65scribeClusterRequest\"\xa3\x01\n\x17\x44\x65scribeClusterResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x15\n\rcontroller_id\x18\x02 \x01(\x05\x12\x1a\n\x12\x63ontroller_address\x18\x03 \x01(\t\x12\x18\n\x10\x63ontroller_epoch\x18\x04 \x01(\x03\x12\'\n\x07\x62rokers\x18\x05 \x03(\x0b\x32\x16.tidelog.v1.BrokerInfo\"!\n\x0fMetadataRequest\x12\x0e\n\x06topics\x18\x01 \x03(\t\"\xab\x01\n\x10MetadataResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x15\n\rcontroller_id\x18\x02 \x01(\x05\x12\x18\n\x10\x63ontroller_epoch\x18\x03 \x01(\x03\x12\'\n\x07\x62rokers\x18\x04 \x03(\x0b\x32\x16.tidelog.v1.BrokerInfo\x12)\n\x06topics\x18\x05 \x03(\x0b\x32\x19.tidelog.v1.TopicMetadata\"t\n\x15\x41lterPartitionRequest\x12\x11\n\tbroker_id\x18\x01 \x01(\x05\x12\x14\n\x0c\x62roker_epoch\x18\x02 \x01(\x03\x12\x32\n\npartitions\x18\x03 \x03(\x0b\x32\x1e.tidelog.v1.AlterPartitionItem\"\x9e\x01\n\x12\x41lterPartitionItem\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x14\n\x0cleader_epoch\x18\x03 \x01(\x05\x12\x0f\n\x07new_isr\x18\x04 \x03(\x05\x12\x17\n\x0fpartition_epoch\x18\x05 \x01(\x05\x12&\n\x07joining\x18\x06 \x03(\x0b\x32\x15.tidelog.v1.IsrMember\"4\n\tIsrMember\x12\x11\n\tbroker_id\x18\x01 \x01(\x05\x12\x14\n\x0c\x62roker_epoch\x18\x02 \x01(\x03\"N\n\x16\x41lterPartitionResponse\x12\x34\n\npartitions\x18\x01 \x03(\x0b\x32 .tidelog.v1.AlterPartitionResult\"\x85\x01\n\x14\x41lterPartitionResult\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.tidelog.v1.Error\x12)\n\x05state\x18\x04 \x01(\x0b\x32\x1a.tidelog.v1.PartitionState\"D\n\x19\x43ontrolledShutdownRequest\x12\x11\n\tbroker_id\x18\x01 \x01(\x05\x12\x14\n\x0c\x62roker_epoch\x18\x02 \x01(\x03\"x\n\x1a\x43ontrolledShutdownResponse\x12 \n\x05\x65rror\x18\x01 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x38\n\x14remaining_partitions\x18\x02 \x03(\x0b\x32\x1a.tidelog.v1.TopicPartition\"\x8a\x01\n\x13\x45lectLeadersRequest\x12/\n\relection_type\x18\x01 \x01(\x0e\x32\x18.tidelog.v1.ElectionType\x12.\n\npartitions\x18\x02 \x03(\x0b\x32\x1a.tidelog.v1.TopicPartition\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x05\"G\n\x14\x45lectLeadersResponse\x12/\n\npartitions\x18\x01 \x03(\x0b\x32\x1b.tidelog.v1.PartitionResult\"E\n\x1a\x41llocateProducerIdsRequest\x12\x11\n\tbroker_id\x18\x01 \x01(\x05\x12\x14\n\x0c\x62roker_epoch\x18\x02 \x01(\x03\"s\n\x1b\x41llocateProducerIdsResponse\x12 \n\x05\x65rror\x18\x01 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x19\n\x11producer_id_start\x18\x02 \x01(\x03\x12\x17\n\x0fproducer_id_len\x18\x03 \x01(\x05**\n\x0c\x45lectionType\x12\r\n\tPREFERRED\x10\x00\x12\x0b\n\x07UNCLEAN\x10\x01\x32\xad\x06\n\nController\x12Q\n\x0c\x43reateTopics\x12\x1f.tidelog.v1.CreateTopicsRequest\x1a .tidelog.v1.CreateTopicsResponse\x12Q\n\x0c\x44\x65leteTopics\x12\x1f.tidelog.v1.DeleteTopicsRequest\x1a .tidelog.v1.DeleteTopicsResponse\x12]\n\x10\x43reatePartitions\x12#.tidelog.v1.CreatePartitionsRequest\x1a$.tidelog.v1.CreatePartitionsResponse\x12Z\n\x0f\x44\x65scribeCluster\x12\".tidelog.v1.DescribeClusterRequest\x1a#.tidelog.v1.DescribeClusterResponse\x12\x45\n\x08Metadata\x12\x1b.tidelog.v1.MetadataRequest\x1a\x1c.tidelog.v1.MetadataResponse\x12W\n\x0e\x41lterPartition\x12!.tidelog.v1.AlterPartitionRequest\x1a\".tidelog.v1.AlterPartitionResponse\x12\x63\n\x12\x43ontrolledShutdown\x12%.tidelog.v1.ControlledShutdownRequest\x1a&.tidelog.v1.ControlledShutdownResponse\x12Q\n\x0c\x45lectLeaders\x12\x1f.tidelog.v1.ElectLeadersRequest\x1a .tidelog.v1.ElectLeadersResponse\x12\x66\n\x13\x41llocateProducerIds\x12&.tidelog.v1.AllocateProducerIdsRequest\x1a\'.tidelog.v1.AllocateProducerIdsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btidelog/v1/controller.proto\x12\ntidelog.v1\x1a\x17tidelog/v1/common.proto\":\n\x11ReplicaAssignment\x12\x11\n\tpartition\x18\x01 \x01(\x05\x12\x12\n\nbroker_ids\x18\x02 \x03(\x05\"\xb0\x01\n\x0e\x43reatableTopic\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0enum_partitions\x18\x02 \x01(\x05\x12\x1a\n\x12replication_factor\x18\x03 \x01(\x05\x12(\n\x07\x63onfigs\x18\x04 \x03(\x0b\x32\x17.tidelog.v1.ConfigEntry\x12\x32\n\x0b\x61ssignments\x18\x05 \x03(\x0b\x32\x1d.tidelog.v1.ReplicaAssignment\"l\n\x13\x43reateTopicsRequest\x12*\n\x06topics\x18\x01 \x03(\x0b\x32\x1a.tidelog.v1.CreatableTopic\x12\x15\n\rvalidate_only\x18\x02 \x01(\x08\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x05\"\xb3\x01\n\x11\x43reateTopicResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x65rror\x18\x02 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x10\n\x08topic_id\x18\x03 \x01(\t\x12\x16\n\x0enum_partitions\x18\x04 \x01(\x05\x12\x1a\n\x12replication_factor\x18\x05 \x01(\x05\x12(\n\x07\x63onfigs\x18\x06 \x03(\x0b\x32\x17.tidelog.v1.ConfigEntry\"E\n\x14\x43reateTopicsResponse\x12-\n\x06topics\x18\x01 \x03(\x0b\x32\x1d.tidelog.v1.CreateTopicResult\"8\n\x13\x44\x65leteTopicsRequest\x12\r\n\x05names\x18\x01 \x03(\t\x12\x12\n\ntimeout_ms\x18\x02 \x01(\x05\"=\n\x0bTopicResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x65rror\x18\x02 \x01(\x0b\x32\x11.tidelog.v1.Error\"?\n\x14\x44\x65leteTopicsResponse\x12\'\n\x06topics\x18\x01 \x03(\x0b\x32\x17.tidelog.v1.TopicResult\"d\n\x11PartitionIncrease\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x32\n\x0b\x61ssignments\x18\x03 \x03(\x0b\x32\x1d.tidelog.v1.ReplicaAssignment\"s\n\x17\x43reatePartitionsRequest\x12-\n\x06topics\x18\x01 \x03(\x0b\x32\x1d.tidelog.v1.PartitionIncrease\x12\x15\n\rvalidate_only\x18\x02 \x01(\x08\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x05\"C\n\x18\x43reatePartitionsResponse\x12\'\n\x06topics\x18\x01 \x03(\x0b\x32\x17.tidelog.v1.TopicResult\"Z\n\x14\x41lterableTopicConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12$\n\x03set\x18\x02 \x03(\x0b\x32\x17.tidelog.v1.ConfigEntry\x12\x0e\n\x06\x64\x65lete\x18\x03 \x03(\t\"}\n\x1eIncrementalAlterConfigsRequest\x12\x30\n\x06topics\x18\x01 \x03(\x0b\x32 .tidelog.v1.AlterableTopicConfig\x12\x15\n\rvalidate_only\x18\x02 \x01(\x08\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x05\"n\n\x12\x41lterConfigsResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x05\x65rror\x18\x02 \x01(\x0b\x32\x11.tidelog.v1.Error\x12(\n\x07\x63onfigs\x18\x03 \x03(\x0b\x32\x17.tidelog.v1.ConfigEntry\"Q\n\x1fIncrementalAlterConfigsResponse\x12.\n\x06topics\x18\x01 \x03(\x0b\x32\x1e.tidelog.v1.AlterConfigsResult\"\x18\n\x16\x44\x65scribeClusterRequest\"\xa3\x01\n\x17\x44\x65scribeClusterResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x15\n\rcontroller_id\x18\x02 \x01(\x05\x12\x1a\n\x12\x63ontroller_address\x18\x03 \x01(\t\x12\x18\n\x10\x63ontroller_epoch\x18\x04 \x01(\x03\x12\'\n\x07\x62rokers\x18\x05 \x03(\x0b\x32\x16.tidelog.v1.BrokerInfo\"!\n\x0fMetadataRequest\x12\x0e\n\x06topics\x18\x01 \x03(\t\"\xab\x01\n\x10MetadataResponse\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12\x15\n\rcontroller_id\x18\x02 \x01(\x05\x12\x18\n\x10\x63ontroller_epoch\x18\x03 \x01(\x03\x12\'\n\x07\x62rokers\x18\x04 \x03(\x0b\x32\x16.tidelog.v1.BrokerInfo\x12)\n\x06topics\x18\x05 \x03(\x0b\x32\x19.tidelog.v1.TopicMetadata\"t\n\x15\x41lterPartitionRequest\x12\x11\n\tbroker_id\x18\x01 \x01(\x05\x12\x14\n\x0c\x62roker_epoch\x18\x02 \x01(\x03\x12\x32\n\npartitions\x18\x03 \x03(\x0b\x32\x1e.tidelog.v1.AlterPartitionItem\"\x9e\x01\n\x12\x41lterPartitionItem\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12\x14\n\x0cleader_epoch\x18\x03 \x01(\x05\x12\x0f\n\x07new_isr\x18\x04 \x03(\x05\x12\x17\n\x0fpartition_epoch\x18\x05 \x01(\x05\x12&\n\x07joining\x18\x06 \x03(\x0b\x32\x15.tidelog.v1.IsrMember\"4\n\tIsrMember\x12\x11\n\tbroker_id\x18\x01 \x01(\x05\x12\x14\n\x0c\x62roker_epoch\x18\x02 \x01(\x03\"N\n\x16\x41lterPartitionResponse\x12\x34\n\npartitions\x18\x01 \x03(\x0b\x32 .tidelog.v1.AlterPartitionResult\"\x85\x01\n\x14\x41lterPartitionResult\x12\r\n\x05topic\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\x05\x12 \n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.tidelog.v1.Error\x12)\n\x05state\x18\x04 \x01(\x0b\x32\x1a.tidelog.v1.PartitionState\"D\n\x19\x43ontrolledShutdownRequest\x12\x11\n\tbroker_id\x18\x01 \x01(\x05\x12\x14\n\x0c\x62roker_epoch\x18\x02 \x01(\x03\"x\n\x1a\x43ontrolledShutdownResponse\x12 \n\x05\x65rror\x18\x01 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x38\n\x14remaining_partitions\x18\x02 \x03(\x0b\x32\x1a.tidelog.v1.TopicPartition\"\x8a\x01\n\x13\x45lectLeadersRequest\x12/\n\relection_type\x18\x01 \x01(\x0e\x32\x18.tidelog.v1.ElectionType\x12.\n\npartitions\x18\x02 \x03(\x0b\x32\x1a.tidelog.v1.TopicPartition\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x05\"G\n\x14\x45lectLeadersResponse\x12/\n\npartitions\x18\x01 \x03(\x0b\x32\x1b.tidelog.v1.PartitionResult\"E\n\x1a\x41llocateProducerIdsRequest\x12\x11\n\tbroker_id\x18\x01 \x01(\x05\x12\x14\n\x0c\x62roker_epoch\x18\x02 \x01(\x03\"s\n\x1b\x41llocateProducerIdsResponse\x12 \n\x05\x65rror\x18\x01 \x01(\x0b\x32\x11.tidelog.v1.Error\x12\x19\n\x11producer_id_start\x18\x02 \x01(\x03\x12\x17\n\x0fproducer_id_len\x18\x03 \x01(\x05**\n\x0c\x45lectionType\x12\r\n\tPREFERRED\x10\x00\x12\x0b\n\x07UNCLEAN\x10\x01\x32\xa1\x07\n\nController\x12Q\n\x0c\x43reateTopics\x12\x1f.tidelog.v1.CreateTopicsRequest\x1a .tidelog.v1.CreateTopicsResponse\x12Q\n\x0c\x44\x65leteTopics\x12\x1f.tidelog.v1.DeleteTopicsRequest\x1a .tidelog.v1.DeleteTopicsResponse\x12]\n\x10\x43reatePartitions\x12#.tidelog.v1.CreatePartitionsRequest\x1a$.tidelog.v1.CreatePartitionsResponse\x12r\n\x17IncrementalAlterConfigs\x12*.tidelog.v1.IncrementalAlterConfigsRequest\x1a+.tidelog.v1.IncrementalAlterConfigsResponse\x12Z\n\x0f\x44\x65scribeCluster\x12\".tidelog.v1.DescribeClusterRequest\x1a#.tidelog.v1.DescribeClusterResponse\x12\x45\n\x08Metadata\x12\x1b.tidelog.v1.MetadataRequest\x1a\x1c.tidelog.v1.MetadataResponse\x12W\n\x0e\x41lterPartition\x12!.tidelog.v1.AlterPartitionRequest\x1a\".tidelog.v1.AlterPartitionResponse\x12\x63\n\x12\x43ontrolledShutdown\x12%.tidelog.v1.ControlledShutdownRequest\x1a&.tidelog.v1.ControlledShutdownResponse\x12Q\n\x0c\x45lectLeaders\x12\x1f.tidelog.v1.ElectLeadersRequest\x1a .tidelog.v1.ElectLeadersResponse\x12\x66\n\x13\x41llocateProducerIds\x12&.tidelog.v1.AllocateProducerIdsRequest\x1a\'.tidelog.v1.AllocateProducerIdsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tidelog.v1.controller_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ELECTIONTYPE']._serialized_start=2688
-  _globals['_ELECTIONTYPE']._serialized_end=2730
+  _globals['_ELECTIONTYPE']._serialized_start=3102
+  _globals['_ELECTIONTYPE']._serialized_end=3144
   _globals['_REPLICAASSIGNMENT']._serialized_start=68
   _globals['_REPLICAASSIGNMENT']._serialized_end=126
   _globals['_CREATABLETOPIC']._serialized_start=129
@@ -56,36 +56,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATEPARTITIONSREQUEST']._serialized_end=1073
   _globals['_CREATEPARTITIONSRESPONSE']._serialized_start=1075
   _globals['_CREATEPARTITIONSRESPONSE']._serialized_end=1142
-  _globals['_DESCRIBECLUSTERREQUEST']._serialized_start=1144
-  _globals['_DESCRIBECLUSTERREQUEST']._serialized_end=1168
-  _globals['_DESCRIBECLUSTERRESPONSE']._serialized_start=1171
-  _globals['_DESCRIBECLUSTERRESPONSE']._serialized_end=1334
-  _globals['_METADATAREQUEST']._serialized_start=1336
-  _globals['_METADATAREQUEST']._serialized_end=1369
-  _globals['_METADATARESPONSE']._serialized_start=1372
-  _globals['_METADATARESPONSE']._serialized_end=1543
-  _globals['_ALTERPARTITIONREQUEST']._serialized_start=1545
-  _globals['_ALTERPARTITIONREQUEST']._serialized_end=1661
-  _globals['_ALTERPARTITIONITEM']._serialized_start=1664
-  _globals['_ALTERPARTITIONITEM']._serialized_end=1822
-  _globals['_ISRMEMBER']._serialized_start=1824
-  _globals['_ISRMEMBER']._serialized_end=1876
-  _globals['_ALTERPARTITIONRESPONSE']._serialized_start=1878
-  _globals['_ALTERPARTITIONRESPONSE']._serialized_end=1956
-  _globals['_ALTERPARTITIONRESULT']._serialized_start=1959
-  _globals['_ALTERPARTITIONRESULT']._serialized_end=2092
-  _globals['_CONTROLLEDSHUTDOWNREQUEST']._serialized_start=2094
-  _globals['_CONTROLLEDSHUTDOWNREQUEST']._serialized_end=2162
-  _globals['_CONTROLLEDSHUTDOWNRESPONSE']._serialized_start=2164
-  _globals['_CONTROLLEDSHUTDOWNRESPONSE']._serialized_end=2284
-  _globals['_ELECTLEADERSREQUEST']._serialized_start=2287
-  _globals['_ELECTLEADERSREQUEST']._serialized_end=2425
-  _globals['_ELECTLEADERSRESPONSE']._serialized_start=2427
-  _globals['_ELECTLEADERSRESPONSE']._serialized_end=2498
-  _globals['_ALLOCATEPRODUCERIDSREQUEST']._serialized_start=2500
-  _globals['_ALLOCATEPRODUCERIDSREQUEST']._serialized_end=2569
-  _globals['_ALLOCATEPRODUCERIDSRESPONSE']._serialized_start=2571
-  _globals['_ALLOCATEPRODUCERIDSRESPONSE']._serialized_end=2686
-  _globals['_CONTROLLER']._serialized_start=2733
-  _globals['_CONTROLLER']._serialized_end=3546
+  _globals['_ALTERABLETOPICCONFIG']._serialized_start=1144
+  _globals['_ALTERABLETOPICCONFIG']._serialized_end=1234
+  _globals['_INCREMENTALALTERCONFIGSREQUEST']._serialized_start=1236
+  _globals['_INCREMENTALALTERCONFIGSREQUEST']._serialized_end=1361
+  _globals['_ALTERCONFIGSRESULT']._serialized_start=1363
+  _globals['_ALTERCONFIGSRESULT']._serialized_end=1473
+  _globals['_INCREMENTALALTERCONFIGSRESPONSE']._serialized_start=1475
+  _globals['_INCREMENTALALTERCONFIGSRESPONSE']._serialized_end=1556
+  _globals['_DESCRIBECLUSTERREQUEST']._serialized_start=1558
+  _globals['_DESCRIBECLUSTERREQUEST']._serialized_end=1582
+  _globals['_DESCRIBECLUSTERRESPONSE']._serialized_start=1585
+  _globals['_DESCRIBECLUSTERRESPONSE']._serialized_end=1748
+  _globals['_METADATAREQUEST']._serialized_start=1750
+  _globals['_METADATAREQUEST']._serialized_end=1783
+  _globals['_METADATARESPONSE']._serialized_start=1786
+  _globals['_METADATARESPONSE']._serialized_end=1957
+  _globals['_ALTERPARTITIONREQUEST']._serialized_start=1959
+  _globals['_ALTERPARTITIONREQUEST']._serialized_end=2075
+  _globals['_ALTERPARTITIONITEM']._serialized_start=2078
+  _globals['_ALTERPARTITIONITEM']._serialized_end=2236
+  _globals['_ISRMEMBER']._serialized_start=2238
+  _globals['_ISRMEMBER']._serialized_end=2290
+  _globals['_ALTERPARTITIONRESPONSE']._serialized_start=2292
+  _globals['_ALTERPARTITIONRESPONSE']._serialized_end=2370
+  _globals['_ALTERPARTITIONRESULT']._serialized_start=2373
+  _globals['_ALTERPARTITIONRESULT']._serialized_end=2506
+  _globals['_CONTROLLEDSHUTDOWNREQUEST']._serialized_start=2508
+  _globals['_CONTROLLEDSHUTDOWNREQUEST']._serialized_end=2576
+  _globals['_CONTROLLEDSHUTDOWNRESPONSE']._serialized_start=2578
+  _globals['_CONTROLLEDSHUTDOWNRESPONSE']._serialized_end=2698
+  _globals['_ELECTLEADERSREQUEST']._serialized_start=2701
+  _globals['_ELECTLEADERSREQUEST']._serialized_end=2839
+  _globals['_ELECTLEADERSRESPONSE']._serialized_start=2841
+  _globals['_ELECTLEADERSRESPONSE']._serialized_end=2912
+  _globals['_ALLOCATEPRODUCERIDSREQUEST']._serialized_start=2914
+  _globals['_ALLOCATEPRODUCERIDSREQUEST']._serialized_end=2983
+  _globals['_ALLOCATEPRODUCERIDSRESPONSE']._serialized_start=2985
+  _globals['_ALLOCATEPRODUCERIDSRESPONSE']._serialized_end=3100
+  _globals['_CONTROLLER']._serialized_start=3147
+  _globals['_CONTROLLER']._serialized_end=4076
 # @@protoc_insertion_point(module_scope)

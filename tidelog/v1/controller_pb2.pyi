@@ -117,6 +117,42 @@ class CreatePartitionsResponse(_message.Message):
     topics: _containers.RepeatedCompositeFieldContainer[TopicResult]
     def __init__(self, topics: _Optional[_Iterable[_Union[TopicResult, _Mapping]]] = ...) -> None: ...
 
+class AlterableTopicConfig(_message.Message):
+    __slots__ = ("name", "set", "delete")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SET_FIELD_NUMBER: _ClassVar[int]
+    DELETE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    set: _containers.RepeatedCompositeFieldContainer[_common_pb2.ConfigEntry]
+    delete: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., set: _Optional[_Iterable[_Union[_common_pb2.ConfigEntry, _Mapping]]] = ..., delete: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class IncrementalAlterConfigsRequest(_message.Message):
+    __slots__ = ("topics", "validate_only", "timeout_ms")
+    TOPICS_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    topics: _containers.RepeatedCompositeFieldContainer[AlterableTopicConfig]
+    validate_only: bool
+    timeout_ms: int
+    def __init__(self, topics: _Optional[_Iterable[_Union[AlterableTopicConfig, _Mapping]]] = ..., validate_only: _Optional[bool] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class AlterConfigsResult(_message.Message):
+    __slots__ = ("name", "error", "configs")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CONFIGS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    error: _common_pb2.Error
+    configs: _containers.RepeatedCompositeFieldContainer[_common_pb2.ConfigEntry]
+    def __init__(self, name: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., configs: _Optional[_Iterable[_Union[_common_pb2.ConfigEntry, _Mapping]]] = ...) -> None: ...
+
+class IncrementalAlterConfigsResponse(_message.Message):
+    __slots__ = ("topics",)
+    TOPICS_FIELD_NUMBER: _ClassVar[int]
+    topics: _containers.RepeatedCompositeFieldContainer[AlterConfigsResult]
+    def __init__(self, topics: _Optional[_Iterable[_Union[AlterConfigsResult, _Mapping]]] = ...) -> None: ...
+
 class DescribeClusterRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -50,6 +50,11 @@ class ControllerStub:
                 request_serializer=tidelog_dot_v1_dot_controller__pb2.CreatePartitionsRequest.SerializeToString,
                 response_deserializer=tidelog_dot_v1_dot_controller__pb2.CreatePartitionsResponse.FromString,
                 _registered_method=True)
+        self.IncrementalAlterConfigs = channel.unary_unary(
+                '/tidelog.v1.Controller/IncrementalAlterConfigs',
+                request_serializer=tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsRequest.SerializeToString,
+                response_deserializer=tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsResponse.FromString,
+                _registered_method=True)
         self.DescribeCluster = channel.unary_unary(
                 '/tidelog.v1.Controller/DescribeCluster',
                 request_serializer=tidelog_dot_v1_dot_controller__pb2.DescribeClusterRequest.SerializeToString,
@@ -102,6 +107,13 @@ class ControllerServicer:
 
     def CreatePartitions(self, request, context):
         """Grow a topic's partition count (never shrink: keyed data would move).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IncrementalAlterConfigs(self, request, context):
+        """Set or remove topic config overrides (Kafka's IncrementalAlterConfigs for topics).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,6 +180,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.CreatePartitions,
                     request_deserializer=tidelog_dot_v1_dot_controller__pb2.CreatePartitionsRequest.FromString,
                     response_serializer=tidelog_dot_v1_dot_controller__pb2.CreatePartitionsResponse.SerializeToString,
+            ),
+            'IncrementalAlterConfigs': grpc.unary_unary_rpc_method_handler(
+                    servicer.IncrementalAlterConfigs,
+                    request_deserializer=tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsRequest.FromString,
+                    response_serializer=tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsResponse.SerializeToString,
             ),
             'DescribeCluster': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeCluster,
@@ -282,6 +299,33 @@ class Controller:
             '/tidelog.v1.Controller/CreatePartitions',
             tidelog_dot_v1_dot_controller__pb2.CreatePartitionsRequest.SerializeToString,
             tidelog_dot_v1_dot_controller__pb2.CreatePartitionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IncrementalAlterConfigs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidelog.v1.Controller/IncrementalAlterConfigs',
+            tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsRequest.SerializeToString,
+            tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsResponse.FromString,
             options,
             channel_credentials,
             insecure,

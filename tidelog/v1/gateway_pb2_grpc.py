@@ -82,6 +82,11 @@ class GatewayStub:
                 request_serializer=tidelog_dot_v1_dot_controller__pb2.CreatePartitionsRequest.SerializeToString,
                 response_deserializer=tidelog_dot_v1_dot_controller__pb2.CreatePartitionsResponse.FromString,
                 _registered_method=True)
+        self.IncrementalAlterConfigs = channel.unary_unary(
+                '/tidelog.v1.Gateway/IncrementalAlterConfigs',
+                request_serializer=tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsRequest.SerializeToString,
+                response_deserializer=tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsResponse.FromString,
+                _registered_method=True)
         self.DescribeTopics = channel.unary_unary(
                 '/tidelog.v1.Gateway/DescribeTopics',
                 request_serializer=tidelog_dot_v1_dot_gateway__pb2.DescribeTopicsRequest.SerializeToString,
@@ -205,6 +210,13 @@ class GatewayServicer:
 
     def CreatePartitions(self, request, context):
         """Forwarded to the active controller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IncrementalAlterConfigs(self, request, context):
+        """Forwarded to the active controller: set or remove topic config overrides.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -338,6 +350,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.CreatePartitions,
                     request_deserializer=tidelog_dot_v1_dot_controller__pb2.CreatePartitionsRequest.FromString,
                     response_serializer=tidelog_dot_v1_dot_controller__pb2.CreatePartitionsResponse.SerializeToString,
+            ),
+            'IncrementalAlterConfigs': grpc.unary_unary_rpc_method_handler(
+                    servicer.IncrementalAlterConfigs,
+                    request_deserializer=tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsRequest.FromString,
+                    response_serializer=tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsResponse.SerializeToString,
             ),
             'DescribeTopics': grpc.unary_unary_rpc_method_handler(
                     servicer.DescribeTopics,
@@ -639,6 +656,33 @@ class Gateway:
             '/tidelog.v1.Gateway/CreatePartitions',
             tidelog_dot_v1_dot_controller__pb2.CreatePartitionsRequest.SerializeToString,
             tidelog_dot_v1_dot_controller__pb2.CreatePartitionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IncrementalAlterConfigs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidelog.v1.Gateway/IncrementalAlterConfigs',
+            tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsRequest.SerializeToString,
+            tidelog_dot_v1_dot_controller__pb2.IncrementalAlterConfigsResponse.FromString,
             options,
             channel_credentials,
             insecure,
