@@ -304,6 +304,29 @@ def test_a_member_past_max_poll_interval_is_fenced_from_committing(
         other.close()
 
 
+def test_a_long_poll_is_not_a_stalled_member(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Time a poll waits counts as polling (as Kafka's): an idle member in a poll longer
+    than max_poll_interval_ms keeps its place and partitions, and so does its group."""
+    admin.create_topic("quiet", partitions=2, replication_factor=1)
+    rebalances: list[str] = []
+    waiting = _member(gateway.address, "patient", max_poll_interval_ms=1_000)
+    try:
+        waiting.subscribe(
+            ["quiet"],
+            on_partitions_revoked=lambda tps: rebalances.append("revoked"),
+            on_partitions_assigned=lambda tps: rebalances.append("assigned"),
+        )
+        _join(waiting)
+        member = waiting.group_metadata()
+        assert waiting.poll(timeout_ms=4_000) == []  # four intervals, nothing to read
+        assert waiting.group_metadata() == member
+        assert rebalances == ["assigned"]
+    finally:
+        waiting.close()
+
+
 def test_an_assigned_consumer_cannot_commit_over_an_active_group(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -823,6 +823,14 @@ class Consumer:
         return self._metrics.snapshot()
 
     def _wait_for_data(self, timeout_ms: int) -> None:
+        membership = self._membership
+        if membership is None:
+            self._wait(timeout_ms)
+            return
+        with membership.polling():
+            self._wait(timeout_ms)
+
+    def _wait(self, timeout_ms: int) -> None:
         if self._closed:
             raise ConfigError("the consumer is closed")
         if not self._assignment and not self._subscription:

@@ -34,7 +34,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Final
 
 from tidelog.client import GatewayConnection
@@ -91,6 +92,9 @@ class GroupMembership:
         # UNKNOWN_MEMBER_ID, or left for max_poll_interval_ms): Kafka's "partitions lost".
         self._lost = False
         self._last_poll = time.monotonic()
+        # Inside a poll (Kafka counts the time a poll waits as polling: an idle consumer
+        # in a long poll is not stuck, and one that left must not leave again at once).
+        self._in_poll = False
         self._fenced: TidelogError | None = None  # FENCED_INSTANCE_ID: fatal
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -131,6 +135,16 @@ class GroupMembership:
 
     def polled(self) -> None:
         self._last_poll = time.monotonic()
+
+    @contextmanager
+    def polling(self) -> Iterator[None]:
+        """Around a poll's wait: max_poll_interval_ms is time between polls, not in them."""
+        self._in_poll = True
+        try:
+            yield
+        finally:
+            self._last_poll = time.monotonic()
+            self._in_poll = False
 
     def commit_identity(self) -> tuple[str, int]:
         """The member id and generation a commit names ("" and -1 when not joined)."""
@@ -279,7 +293,7 @@ class GroupMembership:
                 member_id, generation = self._member_id, self._generation
             if not member_id:
                 continue
-            if time.monotonic() - self._last_poll > self._max_poll_interval_s:
+            if not self._in_poll and time.monotonic() - self._last_poll > self._max_poll_interval_s:
                 _log.warning(
                     "no poll for over max_poll_interval_ms (%d ms): leaving group %r so its "
                     "partitions move on; the next poll joins again",
