@@ -34,6 +34,10 @@ GROUP_SESSIONS_PREFIX: Final = "group-sessions/"
 GROUP_FENCES_PREFIX: Final = "group-fences/"
 # A rebalance's deadline: bound to a lease of the rebalance timeout, gone when it passed.
 GROUP_REBALANCES_PREFIX: Final = "group-rebalances/"
+# When the controller first saw a group without members (KIP-211: offsets expire a
+# retention after the group emptied, not after its last commit). The gateway deletes it
+# when a group empties again, so the next expiry pass marks the later time.
+GROUP_EMPTIED_PREFIX: Final = "group-emptied/"
 CLUSTER_ID_KEY: Final = "cluster_id"
 PRODUCER_IDS_KEY: Final = "producer_ids"
 
@@ -79,6 +83,10 @@ def group_fence_key(encoded_group: str) -> str:
 
 def group_timer_key(encoded_group: str) -> str:
     return f"{GROUP_REBALANCES_PREFIX}{encoded_group}"
+
+
+def group_emptied_key(encoded_group: str) -> str:
+    return f"{GROUP_EMPTIED_PREFIX}{encoded_group}"
 
 
 def group_of_session_key(key: str) -> str:

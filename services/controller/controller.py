@@ -53,6 +53,7 @@ from services.cluster_metadata import (
     CLUSTER_ID_KEY,
     CONTROLLER_KEY,
     DELETIONS_PREFIX,
+    GROUP_EMPTIED_PREFIX,
     GROUP_SESSIONS_PREFIX,
     GROUP_STATES_PREFIX,
     GROUPS_PREFIX,
@@ -76,6 +77,7 @@ from services.cluster_metadata import (
     encode_partition,
     encode_producer_ids,
     encode_topic,
+    group_emptied_key,
     group_fence_key,
     group_of_offset_key,
     group_of_session_key,
@@ -101,7 +103,7 @@ from services.controller.offset_expiry import (
     OFFSETS_RETENTION_CHECK_INTERVAL_S,
     OFFSETS_RETENTION_MS,
     StoredOffset,
-    expired_groups,
+    decide_expiry,
 )
 from services.controller.state import (
     LEADER_IMBALANCE_PERCENTAGE,
@@ -258,6 +260,15 @@ class NewPartitions:
     name: str
     count: int
     assignments: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+
+def _emptied_at_ms(kv: KeyValue) -> int:
+    """A group's empty mark (``group-emptied/<group>``: decimal ms); a mark that cannot be
+    read counts as made now, which only delays the expiry."""
+    try:
+        return int(kv.value)
+    except ValueError:
+        return int(time.time() * 1000)
 
 
 def _duplicated(names: Iterable[str]) -> set[str]:
@@ -1084,22 +1095,28 @@ class Controller:
             self._log.info("group_offsets_deleted", topics=sorted(ids), offsets=deleted)
 
     def _expire_group_offsets(self, term: _Term) -> None:
-        """Delete the committed offsets of groups without members whose last commit is
-        older than ``offsets_retention_ms`` (``offset_expiry``). Each group's offsets go in
-        transactions that compare every key's revision (a commit since the read keeps
-        them) and that the group has no membership state (a member since keeps them).
+        """Delete the committed offsets of groups that have had no members for
+        ``offsets_retention_ms`` and committed nothing that long (``offset_expiry``, KIP-211).
+        Each group's offsets go in transactions that compare every key's revision (a commit
+        since the read keeps them), its empty mark's revision, and that the group has no
+        membership state (a member since keeps them).
 
         First, groups whose members' sessions all ended without anyone touching the group
         since (static members never leave; a killed member does not either) lose their
         membership state, as the gateway would drop them at the group's next request:
-        a group's members are those with a live session key."""
+        a group's members are those with a live session key. The states are read before
+        the sessions (METADATA.md 1.8: a member's session key is written before the member
+        enters the state), so a group whose first member joins meanwhile is never taken
+        for abandoned: either its session is seen, or its state changed since the read and
+        the delete's compare fails."""
         with self._lock:
             if self._term is not term or term.deposed or not term.ready:
                 return
+        states = self._store.get_prefix(GROUP_STATES_PREFIX)
         live = {
             group_of_session_key(kv.key) for kv in self._store.get_prefix(GROUP_SESSIONS_PREFIX)
         }
-        for kv in self._store.get_prefix(GROUP_STATES_PREFIX):
+        for kv in states:
             group = kv.key.removeprefix(GROUP_STATES_PREFIX)
             if group in live:
                 continue
@@ -1113,6 +1130,10 @@ class Controller:
             )
             if emptied.succeeded:
                 self._log.info("group_sessions_all_ended", group=unquote(group))
+        marks = {
+            kv.key.removeprefix(GROUP_EMPTIED_PREFIX): kv
+            for kv in self._store.get_prefix(GROUP_EMPTIED_PREFIX)
+        }
         offsets = [
             StoredOffset(
                 key=kv.key,
@@ -1123,17 +1144,39 @@ class Controller:
             for kv in self._store.get_prefix(GROUPS_PREFIX)
             if committed_offset_owner(kv) is not None
         ]
-        expired = expired_groups(
-            offsets, live, int(time.time() * 1000), self.config.offsets_retention_ms
+        now_ms = int(time.time() * 1000)
+        decision = decide_expiry(
+            offsets,
+            live,
+            {g: _emptied_at_ms(kv) for g, kv in marks.items()},
+            now_ms,
+            self.config.offsets_retention_ms,
         )
-        for group, stored in sorted(expired.items()):
+        for group in sorted(decision.to_mark):
+            # Only while the group is still without a state (no member since the read).
+            self._store.txn(
+                [Compare.absent(group_state_key(group)), Compare.absent(group_emptied_key(group))],
+                [PutOp(group_emptied_key(group), str(now_ms).encode())],
+            )
+        for group in sorted(decision.stale_marks):
+            kv = marks[group]
+            self._store.txn([Compare.mod_revision_is(kv.key, kv.mod_revision)], [DeleteOp(kv.key)])
+        for group, stored in sorted(decision.expired.items()):
+            mark = marks[group]
             deleted = 0
             for start in range(0, len(stored), EXPIRY_KEYS_PER_TXN):
                 chunk = stored[start : start + EXPIRY_KEYS_PER_TXN]
-                compares = [Compare.absent(group_state_key(group))]
+                compares = [
+                    Compare.absent(group_state_key(group)),
+                    Compare.mod_revision_is(mark.key, mark.mod_revision),
+                ]
                 compares += [Compare.mod_revision_is(o.key, o.mod_revision) for o in chunk]
                 if self._store.txn(compares, [DeleteOp(o.key) for o in chunk]).succeeded:
                     deleted += len(chunk)
+            if deleted == len(stored):
+                self._store.txn(
+                    [Compare.mod_revision_is(mark.key, mark.mod_revision)], [DeleteOp(mark.key)]
+                )
             if deleted:
                 self._log.info("group_offsets_expired", group=unquote(group), offsets=deleted)
 

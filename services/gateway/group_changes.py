@@ -6,7 +6,7 @@ etcd (``group_coordinator``'s module docstring). Re-reading the group every 100 
 three etcd reads per waiting member per tick (a 500-member rebalance: 15,000 reads a
 second) and up to a tick of delay per step. Instead one etcd watch per gateway covers
 every group's membership keys (``group-`` prefixes: states, sessions, fences, rebalance
-timers; not ``groups/``, the committed offsets), and a waiter sleeps until a change of
+timers, empty marks; not ``groups/``, the committed offsets), and a waiter sleeps until a change of
 its own group arrives.
 
 Invariants:

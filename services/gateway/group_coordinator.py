@@ -40,6 +40,7 @@ from urllib.parse import quote, unquote
 from services.cluster_metadata import (
     GROUP_SESSIONS_PREFIX,
     GROUP_STATES_PREFIX,
+    group_emptied_key,
     group_fence_key,
     group_state_key,
     group_timer_key,
@@ -185,8 +186,9 @@ class GroupCoordinator:
         The fence key is rewritten in the same transaction when the members or the
         generation change (what ``check_commit`` depends on); a rebalance that begins
         writes its timer key (on a new lease of its rebalance timeout); a group left
-        without members is deleted (state, fence and timer), so abandoned group ids leave
-        no keys."""
+        without members is deleted (state, fence and timer, and the controller's empty mark,
+        so its next expiry pass marks this later time), so abandoned group ids leave no
+        keys."""
         for attempt in range(CAS_ATTEMPTS):
             state, revision, alive, deadline_passed = self._read_all(group_id)
             new = change(state, alive, deadline_passed)
@@ -199,6 +201,9 @@ class GroupCoordinator:
                     DeleteOp(state_key(group_id)),
                     DeleteOp(fence_key(group_id)),
                     DeleteOp(timer_key(group_id)),
+                    # Emptied now: the controller's next expiry pass marks this time
+                    # (offsets expire a retention after the group emptied, KIP-211).
+                    DeleteOp(group_emptied_key(quote(group_id, safe=""))),
                 ]
                 new = GroupState()
             else:
