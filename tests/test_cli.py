@@ -369,7 +369,7 @@ def test_unreachable_gateway_is_one_line() -> None:
     [
         ("127.0.0.1:99999", "port 99999 is out of range"),
         ("", "'' is not HOST:PORT"),
-        ("127.0.0.1:0", "port 0 names no gateway"),
+        ("127.0.0.1:0", "port 0 names no server"),
     ],
 )
 def test_a_gateway_address_no_connection_can_use_is_refused(address: str, message: str) -> None:
@@ -383,6 +383,61 @@ def test_a_gateway_address_no_connection_can_use_is_refused(address: str, messag
         env=tidelog_env(),
         check=False,
     )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("127.0.0.1:99999", "$TIDELOG_GATEWAY: port 99999 is out of range"),
+        ("127.0.0.1", "$TIDELOG_GATEWAY: '127.0.0.1' is not HOST:PORT"),
+    ],
+)
+def test_a_gateway_from_the_environment_is_checked_as_the_flag_is(
+    address: str, message: str
+) -> None:
+    """The second CLI audit: port 99999 from $TIDELOG_GATEWAY reached the resolver (which
+    connected elsewhere) and a bare host meant port 443."""
+    result = tidelog("topics", "list", gateway=address, check=False)
+    assert message in _one_line_failure(result)
+
+
+def test_produce_with_stdin_closed_is_one_line(dev: DevProcess) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tidelog", "produce", "events", "--gateway", dev.gateway],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env=tidelog_env(),
+        preexec_fn=lambda: os.close(0),  # `tidelog produce events <&-`
+        timeout=60,
+        check=False,
+    )
+    assert "stdin is closed" in _one_line_failure(result)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--replica-lag-time-max-ms", "0", "must be >= 1"),
+        ("--replica-lag-time-max-ms", "-1", "must be >= 1"),
+        ("--controlled-shutdown-timeout-s", "nan", "must be > 0"),
+        ("--controlled-shutdown-timeout-s", "-5", "must be > 0"),
+        ("--controlled-shutdown-timeout-s", "inf", "must be finite"),
+    ],
+)
+def test_storage_durations_out_of_range_are_refused(
+    tmp_path: Path, flag: str, value: str, message: str
+) -> None:
+    """A lag of 0 took every follower out of the ISR; an infinite shutdown wait never
+    stopped; nan and negative ones skipped the controlled shutdown (the CLI audit)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tidelog", "storage", "--broker-id", "9", "--data-dir",
+         str(tmp_path), "--listen", "127.0.0.1:0", flag, value],
+        capture_output=True, text=True, cwd=REPO_ROOT, env=tidelog_env(), timeout=60,
+        check=False,
+    )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final, NoReturn
 
+from tidelog.addresses import check_connectable, parse_host_port
 from tidelog.formats import INT32_MAX
-
-_HOST_PORT = re.compile(r"^(?:\[(?P<ipv6>[0-9a-fA-F:.]+)\]|(?P<host>[^:\[\]]+)):(?P<port>\d{1,5})$")
 
 ECHO_MAX_CHARS: Final = 80
 """How much of a value the user gave (a topic or group name, an argument) an error line
@@ -74,17 +74,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {cut_echoes(message)} (see --help)\n")
 
 
-def parse_host_port(text: str) -> tuple[str, int]:
-    """``"127.0.0.1:9092"`` -> ``("127.0.0.1", 9092)``; ``"[::1]:0"`` -> ``("::1", 0)``."""
-    match = _HOST_PORT.match(text)
-    if match is None:
-        raise ValueError(f"{echo(text)} is not HOST:PORT")
-    port = int(match["port"])
-    if port > 65535:
-        raise ValueError(f"port {port} is out of range 0..65535")
-    return match["ipv6"] or match["host"], port
-
-
 def _host_port(text: str) -> tuple[str, int]:
     try:
         return parse_host_port(text)
@@ -97,12 +86,9 @@ def _gateway_address(text: str) -> str:
     An empty or malformed value used to be taken as given (an empty one silently meant
     $TIDELOG_GATEWAY; port 99999 was wrapped by the resolver to another port)."""
     try:
-        _, port = parse_host_port(text)
+        return check_connectable(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if port == 0:
-        raise argparse.ArgumentTypeError("port 0 names no gateway; give the port it listens on")
-    return text
 
 
 def _broker_id(text: str) -> int:
@@ -207,7 +193,7 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     )
     parser.add_argument(
         "--controlled-shutdown-timeout-s",
-        type=float,
+        type=_positive_float,
         default=30.0,
         metavar="S",
         help="on SIGTERM, how long to wait for the controller to move this broker's "
@@ -215,7 +201,7 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     )
     parser.add_argument(
         "--replica-lag-time-max-ms",
-        type=int,
+        type=_positive_int,
         default=None,
         metavar="MS",
         help="override every topic's replica.lag.time.max.ms: a follower not caught up "
@@ -285,8 +271,10 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{echo(text)} is not a number") from None
-    if not value > 0:
+    if not value > 0:  # (nan too)
         raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    if math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{value} must be finite")
     return value
 
 
@@ -708,7 +696,15 @@ def _load_handler(spec: str) -> Callable[[argparse.Namespace], int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its status."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its status.
+    Ctrl-C exits 130 without a traceback wherever it lands, the imports included."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # Commands get flat, typed fields rather than tuples.
     if isinstance(getattr(args, "listen", None), tuple):
@@ -716,14 +712,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         handler = _load_handler(args.handler)
     except ImportError as exc:
-        # `bench` lives in the repository checkout, not in the installed package.
-        print(
-            f"tidelog: error: {exc.name or exc}: this command needs the repository checkout "
-            "(run it from there)",
-            file=sys.stderr,
-        )
+        module = args.handler.partition(":")[0]
+        if exc.name and module.startswith(exc.name.partition(".")[0]) and exc.name in module:
+            # `bench` lives in the repository checkout, not in the installed package.
+            why = "this command needs the repository checkout (run it from there)"
+        else:  # a broken install: say what is missing, not "run from the checkout"
+            why = f"cannot import {module}: {exc}"
+        print(f"tidelog: error: {exc.name or module}: {why}", file=sys.stderr)
         return 1
-    try:
-        return handler(args)
-    except KeyboardInterrupt:
-        return 130
+    return handler(args)

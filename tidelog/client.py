@@ -31,8 +31,10 @@ from typing import Any, ClassVar, Final
 
 import grpc
 
+from tidelog.addresses import check_connectable
 from tidelog.errors import (
     BrokerNotAvailableError,
+    ConfigError,
     ErrorCode,
     InvalidRequestError,
     NetworkError,
@@ -53,8 +55,17 @@ GATEWAY_ENV: Final = "TIDELOG_GATEWAY"
 
 
 def resolve_gateway(address: str | None) -> str:
-    """``address``, else ``$TIDELOG_GATEWAY``, else the local default."""
-    return address or os.environ.get(GATEWAY_ENV) or DEFAULT_GATEWAY
+    """``address``, else ``$TIDELOG_GATEWAY`` (unset or empty: the local default), checked
+    as ``--gateway`` is: ConfigError for a value no connection can use."""
+    if address:
+        return address
+    from_env = os.environ.get(GATEWAY_ENV)
+    if not from_env:
+        return DEFAULT_GATEWAY
+    try:
+        return check_connectable(from_env)
+    except ValueError as exc:
+        raise ConfigError(f"${GATEWAY_ENV}: {exc}") from None
 
 
 ERROR_CODE_METADATA_KEY: Final = "tidelog-error-code"

@@ -330,6 +330,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
     def body(args: argparse.Namespace) -> int:
         if args.key_separator == "":
             raise ConfigError("--key-separator must not be empty")
+        if sys.stdin is None:  # started with stdin closed (`<&-`)
+            raise ConfigError("stdin is closed: produce reads its records from stdin")
         acks = args.acks
         with Producer(
             args.gateway,
