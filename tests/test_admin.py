@@ -265,3 +265,15 @@ def test_a_request_naming_a_topic_twice_changes_nothing(
     described = admin.describe_topic("twice")
     assert (len(described.partitions), described.configs) == (2, {})
     admin.delete_topic("twice")
+
+
+def test_names_equal_but_for_dot_and_underscore_collide(admin: tidelog.Admin) -> None:
+    """Kafka refuses a topic whose name differs from an existing one only in '.' versus
+    '_' (the CLI audit found both created)."""
+    admin.create_topic("metric.name_x")
+    with pytest.raises(InvalidTopicError, match="collides with existing topic 'metric.name_x'"):
+        admin.create_topic("metric_name.x")
+    assert "metric_name.x" not in admin.list_topics()
+    admin.delete_topic("metric.name_x")
+    admin.create_topic("metric_name.x")  # free once the other is gone
+    admin.delete_topic("metric_name.x")

@@ -1285,6 +1285,15 @@ class Controller:
                 f"topic {request.name!r} is being deleted (a live replica's broker has not "
                 "confirmed yet); retry once the deletion completes"
             )
+        # Kafka's rule: names equal once '.' is read as '_' collide (metric names, and
+        # the tools that build them, cannot tell them apart).
+        folded = request.name.replace(".", "_")
+        for existing in state.topics:
+            if existing.replace(".", "_") == folded:
+                raise InvalidTopicError(
+                    f"topic {request.name!r} collides with existing topic {existing!r} "
+                    "('.' and '_' are the same character in metric names)"
+                )
         brokers = [b for b in state.live_broker_ids if b not in state.shutting_down]
         if request.assignments:
             assignment = _explicit_assignment(request.assignments, first=0)
