@@ -155,7 +155,8 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
         (("consume", "events", "--partition", "0", "--offset", "999"), "outside"),
         (("consume", "events", "--partition", "9"), "partition 9 does not exist"),
         (("produce", "events", "--partition", "7"), "partition 7 does not exist"),
-        (("groups", "describe", "nobody"), "no committed offsets"),
+        (("groups", "describe", "nobody"), "GROUP_ID_NOT_FOUND"),
+        (("groups", "members", "nobody"), "GROUP_ID_NOT_FOUND"),
         (("topics", "create", "x", "--partitions", "2147483648"), "must be <= 2147483647"),
         (("produce", "events", "--key-separator", ""), "must not be empty"),
         (("topics", "describe", "\udcff"), "is not UTF-8"),  # a non-UTF-8 argument
@@ -401,6 +402,26 @@ def test_a_gateway_from_the_environment_is_checked_as_the_flag_is(
     connected elsewhere) and a bare host meant port 443."""
     result = tidelog("topics", "list", gateway=address, check=False)
     assert message in _one_line_failure(result)
+
+
+def test_groups_describe_shows_owned_partitions_the_group_never_committed(
+    dev: DevProcess,
+) -> None:
+    """As kafka-consumer-groups: a member's partitions show before its first commit (the
+    CLI audit found "1 member(s)" over an empty table)."""
+    g = dev.gateway
+    tidelog("topics", "create", "owned", "--partitions", "2", gateway=g)
+    member = tidelog_sdk.Consumer(g, group_id="owners", enable_auto_commit=False)
+    try:
+        member.subscribe(["owned"])
+        wait_for(lambda: (member.poll(timeout_ms=100), member.assignment())[1] or None, 30, "join")
+        out = tidelog("groups", "describe", "owners", "--output", "json", gateway=g).stdout
+        member_id = member.group_metadata().member_id  # type: ignore[union-attr]
+        rows = [(r["partition"], r["committed_offset"], r["lag"]) for r in json.loads(out)]
+        assert rows == [(0, None, None), (1, None, None)]
+        assert {r["member_id"] for r in json.loads(out)} == {member_id}
+    finally:
+        member.close()
 
 
 def test_produce_with_stdin_closed_is_one_line(dev: DevProcess) -> None:

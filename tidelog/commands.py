@@ -22,6 +22,7 @@ from tidelog.cli import cut_echoes, echo
 from tidelog.consumer import Consumer
 from tidelog.errors import (
     ConfigError,
+    GroupIdNotFoundError,
     NonEmptyGroupError,
     OffsetOutOfRangeError,
     TidelogError,
@@ -473,6 +474,8 @@ def cmd_groups(args: argparse.Namespace) -> int:
             return _reset_offsets(admin, args)
         if args.action == "members":
             described = admin.describe_group_members(args.group)
+            if not described.members and not admin.describe_group(args.group):
+                raise _no_such_group(args.group)
             if args.output == "json":
                 _json(
                     {
@@ -509,20 +512,32 @@ def cmd_groups(args: argparse.Namespace) -> int:
         offsets = admin.describe_group(args.group)
         membership = admin.describe_group_members(args.group)
         if not offsets and not membership.members:
-            raise ConfigError(f"group {echo(args.group)} has no committed offsets or members")
+            raise _no_such_group(args.group)
         owner = {tp: m.member_id for m in membership.members for tp in m.assignment}
+        # Partitions a member owns that the group never committed are shown too (as
+        # kafka-consumer-groups does), with no committed offset and no lag.
+        uncommitted = sorted(set(owner) - {(o.topic, o.partition) for o in offsets})
+        try:
+            latest = admin.list_offsets(uncommitted, "latest") if uncommitted else {}
+        except TidelogError:  # the HW is best effort, as for the committed rows
+            latest = {}
+        rows: list[tuple[str, int, int | None, int, int | None]] = [
+            (o.topic, o.partition, o.committed_offset, o.high_watermark, o.lag) for o in offsets
+        ]
+        rows += [(t, p, None, latest.get((t, p), -1), None) for t, p in uncommitted]
+        rows.sort(key=lambda row: (row[0], row[1]))
         if args.output == "json":
             _json(
                 [
                     {
-                        "topic": o.topic,
-                        "partition": o.partition,
-                        "committed_offset": o.committed_offset,
-                        "high_watermark": o.high_watermark,
-                        "lag": o.lag,
-                        "member_id": owner.get((o.topic, o.partition)),
+                        "topic": topic,
+                        "partition": partition,
+                        "committed_offset": committed,
+                        "high_watermark": high_watermark,
+                        "lag": lag,
+                        "member_id": owner.get((topic, partition)),
                     }
-                    for o in offsets
+                    for topic, partition, committed, high_watermark, lag in rows
                 ]
             )
         else:
@@ -534,19 +549,23 @@ def cmd_groups(args: argparse.Namespace) -> int:
                 ["TOPIC", "PARTITION", "COMMITTED", "HW", "LAG", "MEMBER"],
                 [
                     [
-                        o.topic,
-                        o.partition,
-                        o.committed_offset,
-                        o.high_watermark,
-                        o.lag,
-                        owner.get((o.topic, o.partition), "-"),
+                        topic,
+                        partition,
+                        "-" if committed is None else committed,
+                        high_watermark,
+                        "-" if lag is None else lag,
+                        owner.get((topic, partition), "-"),
                     ]
-                    for o in offsets
+                    for topic, partition, committed, high_watermark, lag in rows
                 ],
             )
         return 0
 
     return run("groups", body, args)
+
+
+def _no_such_group(group: str) -> GroupIdNotFoundError:
+    return GroupIdNotFoundError(f"group {echo(group)} has no committed offsets or members")
 
 
 def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
