@@ -304,9 +304,7 @@ def test_a_member_past_max_poll_interval_is_fenced_from_committing(
         other.close()
 
 
-def test_a_long_poll_is_not_a_stalled_member(
-    gateway: GatewayProcess, admin: tidelog.Admin
-) -> None:
+def test_a_long_poll_is_not_a_stalled_member(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     """Time a poll waits counts as polling (as Kafka's): an idle member in a poll longer
     than max_poll_interval_ms keeps its place and partitions, and so does its group."""
     admin.create_topic("quiet", partitions=2, replication_factor=1)
@@ -325,6 +323,36 @@ def test_a_long_poll_is_not_a_stalled_member(
         assert rebalances == ["assigned"]
     finally:
         waiting.close()
+
+
+def test_partitions_of_an_evicted_member_are_told_lost_not_revoked(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka's onPartitionsLost (KIP-429): a member that stopped polling past
+    max_poll_interval_ms was evicted, so its partitions may be another's already; a
+    listener committing in on_partitions_revoked would fail (the group audit)."""
+    admin.create_topic("lost", partitions=2, replication_factor=1)
+    events: list[str] = []
+    member = _member(gateway.address, "losers", max_poll_interval_ms=1_000)
+    try:
+        member.subscribe(
+            ["lost"],
+            on_partitions_revoked=lambda tps: events.append(f"revoked {len(tps)}"),
+            on_partitions_assigned=lambda tps: events.append(f"assigned {len(tps)}"),
+            on_partitions_lost=lambda tps: events.append(f"lost {len(tps)}"),
+        )
+        _join(member)
+        wait_for(
+            lambda: member.group_metadata().generation_id == -1 or None,  # type: ignore[union-attr]
+            30,
+            "the stalled member to leave",
+        )
+        _join(member)
+        assert events == ["assigned 2", "lost 2", "assigned 2"]
+        member.unsubscribe()
+        assert events[-1] == "revoked 2"  # given up while a member: revoked
+    finally:
+        member.close()
 
 
 def test_an_assigned_consumer_cannot_commit_over_an_active_group(

@@ -349,6 +349,7 @@ class Consumer:
         self._instance_id = group_instance_id or ""
         self._on_revoked: RebalanceCallback | None = None
         self._on_assigned: RebalanceCallback | None = None
+        self._on_lost: RebalanceCallback | None = None
         self._metrics = ClientMetrics(
             counters=("fetch-total", "records-consumed-total", "bytes-consumed-total"),
             sensors=("fetch-size", "records-per-request"),
@@ -379,6 +380,7 @@ class Consumer:
         *,
         on_partitions_revoked: RebalanceCallback | None = None,
         on_partitions_assigned: RebalanceCallback | None = None,
+        on_partitions_lost: RebalanceCallback | None = None,
     ) -> None:
         """Read the partitions of ``topics``.
 
@@ -387,7 +389,12 @@ class Consumer:
         joins the group first. ``on_partitions_revoked`` is called with the partitions
         this consumer gives up, before it gives them up (after the auto-commit, if on),
         and ``on_partitions_assigned`` with the ones it gets, as Kafka's
-        ConsumerRebalanceListener; both on the thread that polls.
+        ConsumerRebalanceListener; both on the thread that polls. Partitions that may be
+        another member's already (this member was evicted: its session ended, it missed
+        ``max_poll_interval_ms``, a commit was refused as from an old generation) are told
+        to ``on_partitions_lost`` instead (Kafka's onPartitionsLost, KIP-429), whose
+        listener must not commit them; without one, to ``on_partitions_revoked``, as
+        Kafka's default does.
 
         Without a ``group_id``, every partition of the topics (they must exist), picking
         up partitions added later at the next metadata refresh."""
@@ -401,6 +408,7 @@ class Consumer:
         self._revoke_group_partitions()  # (told to the callbacks given with them)
         self._on_revoked = on_partitions_revoked
         self._on_assigned = on_partitions_assigned
+        self._on_lost = on_partitions_lost
         if self.group_id is None:
             self._subscription = wanted
             self._refresh_subscription()
@@ -434,11 +442,15 @@ class Consumer:
         if membership is None or not self._assignment:
             return
         revoked = list(self._assignment)
-        if not membership.partitions_lost():
+        lost = membership.partitions_lost()
+        if not lost:
             self._commit_before_reassigning()
+        callback = self._on_revoked
+        if lost and self._on_lost is not None:
+            callback = self._on_lost
         try:
-            if self._on_revoked is not None:
-                self._on_revoked(revoked)
+            if callback is not None:
+                callback(revoked)
         finally:
             self._set_assignment([], {})
 
