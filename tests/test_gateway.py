@@ -52,7 +52,7 @@ from tidelog.records import (
     decode_batches,
     encode_batch,
 )
-from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
+from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, gateway_pb2_grpc, storage_pb2
 
 
 def _consume_all(address: str, topic: str, expected: int, group: str | None = None) -> list:
@@ -2134,3 +2134,18 @@ def test_consumer_regroups_after_a_leader_dies(
         60,
         "the restarted broker to rejoin every ISR",
     )
+
+
+def test_a_metadata_request_naming_too_many_topics_is_refused(gateway: GatewayProcess) -> None:
+    """Every name gets an entry in the answer, unknown ones too: 200,000 names made a 7 MB
+    answer (the CLI audit). Repeats count once."""
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Metadata(
+                controller_pb2.MetadataRequest(topics=[f"t{i}" for i in range(10_001)]), timeout=30
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "the limit is 10000" in (refused.value.details() or "")
+        answer = stub.Metadata(controller_pb2.MetadataRequest(topics=["same"] * 20_000), timeout=30)
+        assert [t.name for t in answer.topics] == ["same"]

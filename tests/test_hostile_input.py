@@ -458,6 +458,18 @@ def _name_requests(name: str) -> list[tuple[str, str, str, pb_message.Message]]:
         (
             "gateway",
             "Gateway",
+            "IncrementalAlterConfigs",
+            controller_pb2.IncrementalAlterConfigsRequest(
+                topics=[
+                    controller_pb2.AlterableTopicConfig(
+                        name=name, set=[common_pb2.ConfigEntry(name="retention.ms", value="1")]
+                    )
+                ]
+            ),
+        ),
+        (
+            "gateway",
+            "Gateway",
             "DescribeTopics",
             gateway_pb2.DescribeTopicsRequest(names=[name]),
         ),
@@ -1099,6 +1111,10 @@ def _tame(e: Env, m: pb_descriptor.MethodDescriptor, request: Any) -> None:
         sizes = [getattr(t, "num_partitions", 0) or getattr(t, "count", 0) for t in request.topics]
         if any(size > 4 for size in sizes):
             request.validate_only = True
+    if m.name == "IncrementalAlterConfigs" and any(t.name in TOPICS for t in request.topics):
+        # A retention of 1 ms (say) on a fixture topic would delete what later examples
+        # compare; the change is still fully validated.
+        request.validate_only = True
     if m.name == "DeleteTopics":
         names = [n for n in request.names if n not in TOPICS]
         del request.names[:]

@@ -51,6 +51,9 @@ _log = get_logger(component="gateway.server")
 ADMIN_TIMEOUT_S: Final = 30.0
 """Default budget of an admin call, including the wait for the metadata to show it."""
 MAX_TOPICS_PER_REQUEST: Final = 1_000
+MAX_METADATA_TOPICS: Final = 10_000
+"""Distinct topics one Metadata request may name (clients subscribed to many topics ask
+for all of them at once, so this is above the admin limit)."""
 CONTROLLER_ANSWER_MARGIN_S: Final = 1.0
 """Time (at most a quarter of the budget) left between the controller's wait and an admin
 call's deadline, for its answer to get back through the gateway."""
@@ -200,8 +203,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def Metadata(  # noqa: N802 - gRPC's method name
         self, request: controller_pb2.MetadataRequest, context: grpc.ServicerContext
     ) -> controller_pb2.MetadataResponse:
+        asked = list(dict.fromkeys(request.topics))
+        if len(asked) > MAX_METADATA_TOPICS:
+            # An answer names every topic asked for (unknown ones with an error): without a
+            # bound, 200,000 names made a 7 MB answer.
+            raise InvalidRequestError(
+                f"{len(asked)} topics in one metadata request; the limit is "
+                f"{MAX_METADATA_TOPICS} (ask for none to get every topic)"
+            )
+
         def build(view: MetadataView) -> controller_pb2.MetadataResponse:
-            names = list(request.topics) or sorted(view.topics)
+            names = asked or sorted(view.topics)
             return controller_pb2.MetadataResponse(
                 cluster_id=view.cluster_id,
                 controller_id=view.controller.controller_id if view.controller else -1,
