@@ -271,7 +271,7 @@ def test_names_equal_but_for_dot_and_underscore_collide(admin: tidelog.Admin) ->
     """Kafka refuses a topic whose name differs from an existing one only in '.' versus
     '_' (the CLI audit found both created)."""
     admin.create_topic("metric.name_x")
-    with pytest.raises(InvalidTopicError, match="collides with existing topic 'metric.name_x'"):
+    with pytest.raises(InvalidTopicError, match=r"collides with existing topic 'metric\.name_x'"):
         admin.create_topic("metric_name.x")
     assert "metric_name.x" not in admin.list_topics()
     admin.delete_topic("metric.name_x")

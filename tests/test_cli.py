@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -357,6 +358,20 @@ def test_dev_with_a_file_for_its_data_directory_is_one_line(tmp_path: Path) -> N
     assert result.returncode == 1
     assert "cannot use --data-dir" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_dev_says_why_a_process_did_not_start(tmp_path: Path) -> None:
+    """A gateway port in use: the cause, not only "did not start; see the log"."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = tidelog(
+            "dev", "--data-dir", str(tmp_path / "data"), "--gateway-port", str(port),
+            gateway="", check=False,
+        )  # fmt: skip
+    line = _one_line_failure(result)
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "gateway did not start" in line
 
 
 def test_unreachable_gateway_is_one_line() -> None:

@@ -87,3 +87,24 @@ def test_a_busy_server_and_an_oversized_message_are_told_apart_by_the_sdk() -> N
     assert too_large.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
     size_error = error_from_rpc(too_large.value, "produce")
     assert isinstance(size_error, errors.RecordListTooLargeError) and not size_error.retriable
+
+
+def test_a_call_the_server_does_not_implement_says_the_address_may_be_wrong() -> None:
+    """A client pointed at another kind of server (the CLI audit: a controller's address
+    given as the gateway's) got "UNIMPLEMENTED: Method not found!" and no hint."""
+    server = new_server(
+        role="gateway", max_workers=2, max_message_bytes=1 << 10, max_concurrent_rpcs=4
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+            pytest.raises(grpc.RpcError) as missing,
+        ):
+            channel.unary_unary("/t.T/Nothing")(b"", timeout=5)
+    finally:
+        server.stop(0)
+    error = error_from_rpc(missing.value, "list topics")
+    assert isinstance(error, errors.InvalidRequestError) and not error.retriable
+    assert "is the address a tidelog server of the right kind" in error.message

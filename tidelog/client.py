@@ -113,6 +113,13 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> TidelogError:
         return NetworkError(f"{what}: unreachable ({details})")
     if status == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RequestTimedOutError(f"{what}: no answer before the deadline")
+    if status == grpc.StatusCode.UNIMPLEMENTED:
+        # Every tidelog server implements its whole service: this is another server (or
+        # another tidelog service) at the address, or one much older than this client.
+        return InvalidRequestError(
+            f"{what}: the server does not implement this call ({details}): is the address "
+            "a tidelog server of the right kind and version?"
+        )
     return bare_status_error(status, f"{what}: {status.name}: {details}", details or "")
 
 

@@ -22,6 +22,7 @@ the OOM killer) cannot do that; the kernel then sends every child SIGTERM
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -84,10 +85,28 @@ class _Child:
 
     def wait_ready(self, timeout_s: float) -> str:
         if not self._ready.wait(timeout_s) or self.address is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(1.0)  # its output ended: it is exiting (a status, not None)
+            cause = self._last_error_line()
             raise RuntimeError(
-                f"{self.name} did not start (exit status {self.proc.poll()}); see {self.log_path}"
+                f"{self.name} did not start (exit status {self.proc.poll()})"
+                + (f": {cause}" if cause else "")
+                + f"; see {self.log_path}"
             )
         return self.address
+
+    def _last_error_line(self) -> str:
+        """The last line of the log that names an error (a port in use, say), cut short:
+        the cause belongs in the one line ``tidelog dev`` prints."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            if "error" in line.lower():
+                text = line.strip()
+                return text if len(text) <= 300 else f"{text[:300]}..."
+        return ""
 
     def terminate(self) -> None:
         if self.proc.poll() is None:
