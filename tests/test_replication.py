@@ -105,8 +105,10 @@ class Trio:
         replicas: tuple[int, ...] = (0, 1, 2),
         to: tuple[int, ...] | None = None,
         configs: dict[str, str] | None = None,
+        topic_ids: dict[int, str] | None = None,
     ) -> None:
-        """Send LeaderAndIsr for TOPIC-0 to ``to`` (default: every running replica)."""
+        """Send LeaderAndIsr for TOPIC-0 to ``to`` (default: every running replica), naming
+        ``topic_ids[broker]`` as the incarnation where given."""
         self.publish_brokers()
         state = common_pb2.PartitionState(
             topic=TOPIC,
@@ -119,10 +121,12 @@ class Trio:
         )
         entries = [common_pb2.ConfigEntry(name=k, value=v) for k, v in (configs or {}).items()]
         for broker_id in to if to is not None else tuple(self.nodes):
+            item = storage_pb2.LeaderAndIsrPartition(
+                state=state, configs=entries, topic_id=(topic_ids or {}).get(broker_id, "")
+            )
             response = self.stub(broker_id).LeaderAndIsr(
                 storage_pb2.LeaderAndIsrRequest(
-                    controller_epoch=self.controller_epoch,
-                    partitions=[storage_pb2.LeaderAndIsrPartition(state=state, configs=entries)],
+                    controller_epoch=self.controller_epoch, partitions=[item]
                 ),
                 timeout=RPC_TIMEOUT_S,
             )
@@ -399,6 +403,19 @@ def test_followers_replicate_and_acks_all_waits_for_them(trio: Trio) -> None:
         wait_for(lambda b=broker_id: trio.log(b).high_watermark == 1000, 5, "follower HW")
     reference = trio.log_bytes(0, 1000)
     assert reference and all(trio.log_bytes(b, 1000) == reference for b in (1, 2))
+
+
+def test_a_follower_of_another_incarnation_of_the_topic_copies_nothing(trio: Trio) -> None:
+    """Follower fetches name the topic id of the follower's log: a replica still holding
+    a deleted incarnation of the topic (its StopReplica not yet received) must not append
+    the new incarnation's records after its own, at offsets that mean something else."""
+    new, old = "a" * 32, "b" * 32
+    trio.elect(0, 1, [0, 1, 2], topic_ids={0: new, 1: old, 2: new})
+    for i in range(5):
+        assert code(trio.append(0, [f"v{i}".encode()], acks=common_pb2.LEADER).error) == 0
+    wait_for(lambda: trio.log(2).log_end_offset == 5 or None, 10, "the same incarnation's copy")
+    time.sleep(1.0)  # many fetch rounds of broker 1 meanwhile
+    assert trio.log(1).log_end_offset == 0
 
 
 def test_followers_pipeline_large_answers_only_and_stay_identical(trio: Trio) -> None:

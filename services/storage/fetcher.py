@@ -438,6 +438,10 @@ class ReplicaFetcherThread(threading.Thread):
             fetch_offset=offset,
             max_bytes=PARTITION_FETCH_MAX_BYTES,
             current_leader_epoch=state.leader_epoch,
+            # The incarnation this replica's log belongs to: a leader holding another one
+            # (the topic deleted and created again) answers INCONSISTENT_TOPIC_ID, and
+            # nothing is copied until the controller settles which log is a stray.
+            topic_id=state.partition.topic_id,
         )
         if epoch >= 0:
             part.last_fetched_epoch = epoch
