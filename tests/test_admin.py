@@ -153,13 +153,14 @@ def test_a_bool_config_value_is_sent_as_kafka_writes_it(admin: tidelog.Admin) ->
 
 
 def test_topic_configs_are_altered_live_and_brokers_apply_them_at_once(
-    gateway: GatewayProcess, admin: tidelog.Admin
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
     """Kafka's incrementalAlterConfigs: SET and DELETE of overrides on a live topic. The
     brokers take the change without a restart: a lowered max.message.bytes refuses the
     batch it accepted before, and removing the override accepts it again."""
+    cluster.wait_brokers([0, 1, 2], 30)  # (an earlier test stopped one for a while)
     admin.create_topic(
-        "altered", partitions=2, replication_factor=3, config={"retention.ms": 60_000}
+        "altered", partitions=2, replication_factor=2, config={"retention.ms": 60_000}
     )
     big = b"x" * 50_000
     with tidelog.Producer(gateway.address, acks="all", retries=0) as producer:
@@ -187,7 +188,7 @@ def test_topic_configs_are_altered_live_and_brokers_apply_them_at_once(
     [
         ({"set_configs": {"retention.mss": "1"}}, InvalidConfigError, "unknown topic config"),
         ({"delete_configs": ["retention.mss"]}, InvalidConfigError, "unknown topic config"),
-        ({"set_configs": {"min.insync.replicas": "4"}}, InvalidConfigError, "replication factor"),
+        ({"set_configs": {"min.insync.replicas": "2"}}, InvalidConfigError, "replication factor"),
         ({"set_configs": {"retention.ms": "soon"}}, InvalidConfigError, "not an integer"),
         ({"set_configs": {"cleanup.policy": "compact"}}, InvalidConfigError, "compaction"),
         (
@@ -206,7 +207,7 @@ def test_a_bad_config_change_is_refused_whole_and_changes_nothing(
     admin: tidelog.Admin, change: dict[str, Any], error: type[TidelogError], fragment: str
 ) -> None:
     if "refused" not in admin.list_topics():
-        admin.create_topic("refused", replication_factor=3, config={"retention.ms": 60_000})
+        admin.create_topic("refused", replication_factor=1, config={"retention.ms": 60_000})
     with pytest.raises(error, match=fragment):
         # The good half of a change goes no further than the bad half.
         admin.alter_topic_config("refused", **{"set_configs": {"segment.ms": "1000"}, **change})

@@ -39,6 +39,7 @@ import random
 import shutil
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,11 +72,13 @@ class Fault:
     number: int  # a drawn count (the EIO injection point of disk_error)
 
 
-def schedule(seed: int, rounds: int, partitions: int) -> list[Fault]:
+def schedule(
+    seed: int, rounds: int, partitions: int, kinds_allowed: Sequence[str] = FAULT_KINDS
+) -> list[Fault]:
     rng = random.Random(seed)
     faults: list[Fault] = []
     for _ in range(rounds):
-        kinds = list(FAULT_KINDS)
+        kinds = list(kinds_allowed)
         rng.shuffle(kinds)
         faults.extend(
             Fault(

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.chaos.checker import ReplicaBatches, Verdict, check
 from tests.chaos.cluster import BROKER_IDS, ChaosCluster
 from tests.chaos.disk import replica_batches
-from tests.chaos.nemesis import Nemesis, schedule
+from tests.chaos.nemesis import FAULT_KINDS, Nemesis, schedule
 from tests.chaos.workload import Workload, read_all
 from tidelog.consumer import Consumer
 
@@ -83,8 +84,14 @@ def _wait_consumers(workload: Workload, ends: dict[int, int], timeout_s: float) 
 
 
 def run_chaos(
-    base_dir: Path, seed: int, rounds: int = 1, *, negative_control: bool = False
+    base_dir: Path,
+    seed: int,
+    rounds: int = 1,
+    *,
+    negative_control: bool = False,
+    kinds: Sequence[str] = FAULT_KINDS,
 ) -> RunReport:
+    """``rounds`` of every fault kind in ``kinds`` (shuffled per round), then the checker."""
     started = time.monotonic()
     configs = NEGATIVE_CONTROL_CONFIGS if negative_control else SAFE_CONFIGS
     with ChaosCluster(base_dir) as cluster:
@@ -94,7 +101,7 @@ def run_chaos(
         workload = Workload(cluster.gateway_address, TOPIC, PARTITIONS).start()
         time.sleep(1.0)  # some traffic before the first fault
         nemesis = Nemesis(cluster, TOPIC, seed)
-        log = nemesis.run(schedule(seed, rounds, PARTITIONS))
+        log = nemesis.run(schedule(seed, rounds, PARTITIONS, kinds))
         if not cluster.wait_healthy(TOPIC, 60.0):
             log.unhealed += 1
         workload.stop_writers(flush_timeout_s=30.0)
