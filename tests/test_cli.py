@@ -130,6 +130,7 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
         "LEO",
         "STATUS",
     ]
+    assert "configs of events: retention.ms=3600000" in table.splitlines()
     lag = json.loads(tidelog("groups", "describe", "audit", "--output", "json", gateway=g).stdout)
     assert sum(p["committed_offset"] for p in lag) == 30 and all(p["lag"] == 0 for p in lag)
     assert tidelog("groups", "list", gateway=g).stdout.split() == ["audit"]

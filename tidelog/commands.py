@@ -168,6 +168,10 @@ def cmd_topics(args: argparse.Namespace) -> int:
                     ["TOPIC", "PARTITION", "LEADER", "REPLICAS", "ISR", "HW", "LEO", "STATUS"],
                     _topic_rows(topics),
                 )
+                for topic in topics:  # the overrides (kafka-topics --describe's "Configs:")
+                    if topic.configs:
+                        overrides = ", ".join(f"{k}={v}" for k, v in sorted(topic.configs.items()))
+                        print(f"configs of {topic.name}: {overrides}")
         return 0
 
     return run("topics", body, args)
