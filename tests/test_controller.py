@@ -719,20 +719,32 @@ def test_broker_failure_moves_leaders_and_return_waits_for_preferred_election(
 
     # A preferred election on demand gives it back what it is preferred for.
     before = {p.partition: p for p in cluster.partitions("failover")}
-    response = cluster.api.ElectLeaders(
-        controller_pb2.ElectLeadersRequest(
-            election_type=controller_pb2.PREFERRED, timeout_ms=10_000
-        ),
-        timeout=RPC_TIMEOUT_S + 10,
-    )
-    # "Every partition": results for those elected, and for those that could not be (the
-    # other topics' partitions it is preferred for, unless its own replica fetchers caught
-    # it up and their leaders re-admitted it to those ISRs meanwhile).
-    mine = [p for p in response.partitions if p.topic == "failover"]
-    assert all(error_code(p.error) == ErrorCode.NONE for p in mine), mine
-    elected = {p.partition for p in mine}
-    others = {error_code(p.error) for p in response.partitions if p.topic != "failover"}
-    assert others <= {ErrorCode.ELIGIBLE_LEADERS_NOT_AVAILABLE, ErrorCode.NONE}
+    elected: set[int] = set()
+    deadline = time.monotonic() + 30
+    while True:
+        response = cluster.api.ElectLeaders(
+            controller_pb2.ElectLeadersRequest(
+                election_type=controller_pb2.PREFERRED, timeout_ms=10_000
+            ),
+            timeout=RPC_TIMEOUT_S + 10,
+        )
+        # "Every partition": results for those elected, and for those that could not be
+        # (the other topics' partitions it is preferred for, unless its own replica
+        # fetchers caught it up and their leaders re-admitted it to those ISRs meanwhile).
+        mine = {
+            p.partition: error_code(p.error) for p in response.partitions if p.topic == "failover"
+        }
+        elected |= {p for p, code in mine.items() if code == ErrorCode.NONE}
+        others = {error_code(p.error) for p in response.partitions if p.topic != "failover"}
+        assert others <= {ErrorCode.ELIGIBLE_LEADERS_NOT_AVAILABLE, ErrorCode.NONE}
+        refused = {p: c for p, c in mine.items() if p not in elected}
+        if not refused:
+            break
+        # On a loaded machine (make test runs two workers) the returning broker can fall
+        # out of an ISR again before the election: re-admit it and ask again.
+        assert set(refused.values()) == {ErrorCode.ELIGIBLE_LEADERS_NOT_AVAILABLE}, refused
+        assert time.monotonic() < deadline, f"never eligible: {refused}"
+        expand_isr(cluster, "failover", victim)
     preferred_by_victim = {p for p, state in before.items() if state.replicas[0] == victim}
     assert elected == preferred_by_victim
     after = {p.partition: p for p in cluster.partitions("failover")}
