@@ -304,23 +304,31 @@ def test_a_member_past_max_poll_interval_is_fenced_from_committing(
         other.close()
 
 
+def _subscribe_recording(consumer: tidelog.Consumer, topics: list[str]) -> list[str]:
+    """Subscribe with every rebalance callback; the list they append to ("assigned 2",
+    "revoked 2", "lost 2": what happened, with how many partitions)."""
+    events: list[str] = []
+    consumer.subscribe(
+        topics,
+        on_partitions_revoked=lambda tps: events.append(f"revoked {len(tps)}"),
+        on_partitions_assigned=lambda tps: events.append(f"assigned {len(tps)}"),
+        on_partitions_lost=lambda tps: events.append(f"lost {len(tps)}"),
+    )
+    return events
+
+
 def test_a_long_poll_is_not_a_stalled_member(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
     """Time a poll waits counts as polling (as Kafka's): an idle member in a poll longer
     than max_poll_interval_ms keeps its place and partitions, and so does its group."""
     admin.create_topic("quiet", partitions=2, replication_factor=1)
-    rebalances: list[str] = []
     waiting = _member(gateway.address, "patient", max_poll_interval_ms=1_000)
     try:
-        waiting.subscribe(
-            ["quiet"],
-            on_partitions_revoked=lambda tps: rebalances.append("revoked"),
-            on_partitions_assigned=lambda tps: rebalances.append("assigned"),
-        )
+        rebalances = _subscribe_recording(waiting, ["quiet"])
         _join(waiting)
         member = waiting.group_metadata()
         assert waiting.poll(timeout_ms=4_000) == []  # four intervals, nothing to read
         assert waiting.group_metadata() == member
-        assert rebalances == ["assigned"]
+        assert rebalances == ["assigned 2"]
     finally:
         waiting.close()
 
@@ -332,15 +340,9 @@ def test_partitions_of_an_evicted_member_are_told_lost_not_revoked(
     max_poll_interval_ms was evicted, so its partitions may be another's already; a
     listener committing in on_partitions_revoked would fail (the group audit)."""
     admin.create_topic("lost", partitions=2, replication_factor=1)
-    events: list[str] = []
     member = _member(gateway.address, "losers", max_poll_interval_ms=1_000)
     try:
-        member.subscribe(
-            ["lost"],
-            on_partitions_revoked=lambda tps: events.append(f"revoked {len(tps)}"),
-            on_partitions_assigned=lambda tps: events.append(f"assigned {len(tps)}"),
-            on_partitions_lost=lambda tps: events.append(f"lost {len(tps)}"),
-        )
+        events = _subscribe_recording(member, ["lost"])
         _join(member)
         wait_for(
             lambda: member.group_metadata().generation_id == -1 or None,  # type: ignore[union-attr]
