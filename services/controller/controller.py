@@ -43,7 +43,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 from urllib.parse import unquote
 
 import structlog
@@ -269,6 +269,10 @@ def _emptied_at_ms(kv: KeyValue) -> int:
         return int(kv.value)
     except ValueError:
         return int(time.time() * 1000)
+
+
+_Item = TypeVar("_Item")
+_Outcome = TypeVar("_Outcome")
 
 
 def _duplicated(names: Iterable[str]) -> set[str]:
@@ -1222,57 +1226,31 @@ class Controller:
         up to the timeout for the replicas to acknowledge their new partitions (a topic
         whose brokers are slow to answer is still created: the answer does not change).
         """
-        self._check_count("topics", len(topics), self.config.max_topics_per_request)
-        wait_s = self._wait_s(timeout_ms)
-        results: list[CreatedTopic] = []
-        completions: list[Completion] = []
-        duplicated = _duplicated(t.name for t in topics)
-        with self._lock:
-            term = self._require_active()
-            for request in topics:
-                if request.name in duplicated:
-                    results.append(
-                        CreatedTopic(
-                            request.name,
-                            InvalidRequestError(
-                                f"topic {request.name!r} appears more than once in the request"
-                            ),
-                        )
-                    )
-                    continue
-                try:
-                    if validate_only:
-                        topic = self._new_topic(term, request)
-                        results.append(CreatedTopic(request.name, None, topic))
-                        continue
-                    made: list[Topic] = []
 
-                    def decide(request: NewTopic = request, made: list[Topic] = made) -> _Plan:
-                        topic = self._new_topic(term, request)
-                        made[:] = [topic]
-                        return _Plan(
-                            changes=term.state.new_topic_partitions(topic), put_topics=[topic]
-                        )
+        def create(term: _Term, request: NewTopic) -> tuple[CreatedTopic, Completion | None]:
+            if validate_only:
+                return CreatedTopic(request.name, None, self._new_topic(term, request)), None
+            made: list[Topic] = []
 
-                    plan = self._decide_and_commit(term, decide)
-                    self._log.info(
-                        "topic_created",
-                        topic=request.name,
-                        topic_id=made[0].topic_id,
-                        partitions=made[0].partition_count,
-                        replication_factor=made[0].replication_factor,
-                        epoch=term.epoch,
-                    )
-                    completions.append(self._push(term, plan.changes))
-                    results.append(CreatedTopic(request.name, None, made[0]))
-                except NotControllerError:
-                    raise
-                except TidelogError as exc:
-                    results.append(CreatedTopic(request.name, exc))
-                except MetaStoreError as exc:
-                    results.append(CreatedTopic(request.name, exc))
-        _wait_all(completions, wait_s)
-        return results
+            def decide() -> _Plan:
+                topic = self._new_topic(term, request)
+                made[:] = [topic]
+                return _Plan(changes=term.state.new_topic_partitions(topic), put_topics=[topic])
+
+            plan = self._decide_and_commit(term, decide)
+            self._log.info(
+                "topic_created",
+                topic=request.name,
+                topic_id=made[0].topic_id,
+                partitions=made[0].partition_count,
+                replication_factor=made[0].replication_factor,
+                epoch=term.epoch,
+            )
+            return CreatedTopic(request.name, None, made[0]), self._push(term, plan.changes)
+
+        return self._each_topic(
+            topics, lambda t: t.name, create, CreatedTopic, timeout_ms=timeout_ms
+        )
 
     def _new_topic(self, term: _Term, request: NewTopic) -> Topic:
         """Validate a creation against the current state; the Topic it would create."""
@@ -1361,42 +1339,41 @@ class Controller:
         brokers that are down are not waited for: a returning broker deletes them as
         strays (``_finish_deletions``).
         """
-        self._check_count("topics", len(names), self.config.max_topics_per_request)
-        wait_s = self._wait_s(timeout_ms)
-        results: list[TopicOutcome] = []
-        completion = Completion()
-        duplicated = _duplicated(names)
-        with self._lock:
-            term = self._require_active()
-            for name in names:
-                try:
-                    if name in duplicated:
-                        raise InvalidRequestError(
-                            f"topic {name!r} appears more than once in the request"
-                        )
-                    validate_topic_name(name)
 
-                    def decide(name: str = name) -> _Plan:
-                        topic = term.state.topics.get(name)
-                        if topic is None:
-                            raise UnknownTopicOrPartitionError(f"topic {name!r} does not exist")
-                        return _Plan(
-                            removed_topics=[name],
-                            put_deletions=[PendingDeletion(name, topic.topic_id, topic.assignment)],
-                        )
+        def delete(term: _Term, name: str) -> tuple[TopicOutcome, Completion | None]:
+            validate_topic_name(name)
 
-                    self._decide_and_commit(term, decide)
-                    self._log.info("topic_deleted", topic=name, epoch=term.epoch)
-                    self._send_pending_deletions(term, term.state.live_broker_ids, completion)
-                    results.append(TopicOutcome(name, None))
-                except NotControllerError:
-                    raise
-                except (TidelogError, MetaStoreError) as exc:
-                    results.append(TopicOutcome(name, exc))
-            if any(result.error is None for result in results):
-                self._push(term, [], metadata=True)
-        completion.wait(wait_s)
-        return results
+            def decide() -> _Plan:
+                topic = term.state.topics.get(name)
+                if topic is None:
+                    raise UnknownTopicOrPartitionError(f"topic {name!r} does not exist")
+                return _Plan(
+                    removed_topics=[name],
+                    put_deletions=[PendingDeletion(name, topic.topic_id, topic.assignment)],
+                )
+
+            self._decide_and_commit(term, decide)
+            self._log.info("topic_deleted", topic=name, epoch=term.epoch)
+            return TopicOutcome(name, None), None
+
+        def send_deletions(term: _Term, outcomes: list[TopicOutcome]) -> Completion | None:
+            # Once for the whole request: the StopReplica requests name every pending
+            # deletion, and the brokers learn at once that the topics are gone.
+            if all(outcome.error is not None for outcome in outcomes):
+                return None
+            completion = Completion()
+            self._send_pending_deletions(term, term.state.live_broker_ids, completion)
+            self._push(term, [], metadata=True)
+            return completion
+
+        return self._each_topic(
+            names,
+            lambda name: name,
+            delete,
+            TopicOutcome,
+            timeout_ms=timeout_ms,
+            then=send_deletions,
+        )
 
     # --- CreatePartitions ---------------------------------------------------------------------
 
@@ -1408,48 +1385,30 @@ class Controller:
         timeout_ms: int = 0,
     ) -> list[TopicOutcome]:
         """Grow topics' partition counts (never shrink); per-topic errors."""
-        self._check_count("topics", len(increases), self.config.max_topics_per_request)
-        wait_s = self._wait_s(timeout_ms)
-        results: list[TopicOutcome] = []
-        completions: list[Completion] = []
-        duplicated = _duplicated(i.name for i in increases)
-        with self._lock:
-            term = self._require_active()
-            for request in increases:
-                try:
-                    if request.name in duplicated:
-                        raise InvalidRequestError(
-                            f"topic {request.name!r} appears more than once in the request"
-                        )
-                    if validate_only:
-                        self._grown_topic(term, request)
-                        results.append(TopicOutcome(request.name, None))
-                        continue
 
-                    def decide(request: NewPartitions = request) -> _Plan:
-                        old, grown = self._grown_topic(term, request)
-                        return _Plan(
-                            changes=term.state.new_topic_partitions(
-                                grown, first_partition=old.partition_count
-                            ),
-                            put_topics=[grown],
-                        )
+        def grow(term: _Term, request: NewPartitions) -> tuple[TopicOutcome, Completion | None]:
+            if validate_only:
+                self._grown_topic(term, request)
+                return TopicOutcome(request.name, None), None
 
-                    plan = self._decide_and_commit(term, decide)
-                    self._log.info(
-                        "partitions_created",
-                        topic=request.name,
-                        partitions=request.count,
-                        epoch=term.epoch,
-                    )
-                    completions.append(self._push(term, plan.changes))
-                    results.append(TopicOutcome(request.name, None))
-                except NotControllerError:
-                    raise
-                except (TidelogError, MetaStoreError) as exc:
-                    results.append(TopicOutcome(request.name, exc))
-        _wait_all(completions, wait_s)
-        return results
+            def decide() -> _Plan:
+                old, grown = self._grown_topic(term, request)
+                return _Plan(
+                    changes=term.state.new_topic_partitions(
+                        grown, first_partition=old.partition_count
+                    ),
+                    put_topics=[grown],
+                )
+
+            plan = self._decide_and_commit(term, decide)
+            self._log.info(
+                "partitions_created", topic=request.name, partitions=request.count, epoch=term.epoch
+            )
+            return TopicOutcome(request.name, None), self._push(term, plan.changes)
+
+        return self._each_topic(
+            increases, lambda i: i.name, grow, TopicOutcome, timeout_ms=timeout_ms
+        )
 
     def alter_topic_configs(
         self,
@@ -1461,56 +1420,88 @@ class Controller:
         """Set and remove topics' config overrides; per-topic errors, each topic all or
         nothing. The replicas get the new settings in a LeaderAndIsr at the partitions'
         current epochs (a broker applies a changed config to its logs at once)."""
-        self._check_count("topics", len(changes), self.config.max_topics_per_request)
+
+        def alter(term: _Term, change: ConfigChange) -> tuple[ConfigOutcome, Completion | None]:
+            if validate_only:
+                return ConfigOutcome(
+                    change.name, None, self._altered_topic(term, change).configs
+                ), None
+
+            def decide() -> _Plan:
+                altered = self._altered_topic(term, change)
+                if altered == term.state.topics[change.name]:
+                    return _Plan()  # nothing to write (setting what is set)
+                return _Plan(put_topics=[altered])
+
+            plan = self._decide_and_commit(term, decide)
+            topic = term.state.topics[change.name]
+            outcome = ConfigOutcome(change.name, None, dict(topic.configs))
+            if plan.empty():
+                return outcome, None
+            self._log.info(
+                "topic_configs_altered",
+                topic=change.name,
+                set=dict(change.set),
+                deleted=list(change.delete),
+                epoch=term.epoch,
+            )
+            unchanged = [
+                PartitionChange(change.name, p, record, record)
+                for p in range(topic.partition_count)
+                if (record := term.state.partitions.get((change.name, p))) is not None
+            ]
+            return outcome, self._push(term, unchanged)
+
+        return self._each_topic(
+            changes, lambda c: c.name, alter, ConfigOutcome, timeout_ms=timeout_ms
+        )
+
+    def _each_topic(
+        self,
+        items: Sequence[_Item],
+        name_of: Callable[[_Item], str],
+        apply: Callable[[_Term, _Item], tuple[_Outcome, Completion | None]],
+        failed: Callable[[str, TidelogError], _Outcome],
+        *,
+        timeout_ms: int,
+        then: Callable[[_Term, list[_Outcome]], Completion | None] | None = None,
+    ) -> list[_Outcome]:
+        """The frame of the per-topic admin requests: ``apply`` each item under the lock
+        (its own transaction), an error outcome per refused item, and a wait of at most
+        the timeout for the brokers to acknowledge what the items pushed.
+
+        A topic named twice in the request is refused in every entry (``_duplicated``).
+        ``NotControllerError`` ends the whole request: the client asks the new controller,
+        and what was committed before stays (each topic is its own transaction). ``then``
+        runs under the lock after every item, with the outcomes.
+        """
+        self._check_count("topics", len(items), self.config.max_topics_per_request)
         wait_s = self._wait_s(timeout_ms)
-        results: list[ConfigOutcome] = []
+        outcomes: list[_Outcome] = []
         completions: list[Completion] = []
-        duplicated = _duplicated(c.name for c in changes)
+        duplicated = _duplicated(name_of(item) for item in items)
         with self._lock:
             term = self._require_active()
-            for change in changes:
+            for item in items:
+                name = name_of(item)
                 try:
-                    if change.name in duplicated:
+                    if name in duplicated:
                         raise InvalidRequestError(
-                            f"topic {change.name!r} appears more than once in the request"
+                            f"topic {name!r} appears more than once in the request"
                         )
-                    if validate_only:
-                        results.append(
-                            ConfigOutcome(
-                                change.name, None, self._altered_topic(term, change).configs
-                            )
-                        )
-                        continue
-
-                    def decide(change: ConfigChange = change) -> _Plan:
-                        altered = self._altered_topic(term, change)
-                        if altered == term.state.topics[change.name]:
-                            return _Plan()  # nothing to write (setting what is set)
-                        return _Plan(put_topics=[altered])
-
-                    plan = self._decide_and_commit(term, decide)
-                    topic = term.state.topics[change.name]
-                    if not plan.empty():
-                        self._log.info(
-                            "topic_configs_altered",
-                            topic=change.name,
-                            set=dict(change.set),
-                            deleted=list(change.delete),
-                            epoch=term.epoch,
-                        )
-                        unchanged = [
-                            PartitionChange(change.name, p, record, record)
-                            for p in range(topic.partition_count)
-                            if (record := term.state.partitions.get((change.name, p))) is not None
-                        ]
-                        completions.append(self._push(term, unchanged))
-                    results.append(ConfigOutcome(change.name, None, dict(topic.configs)))
+                    outcome, completion = apply(term, item)
                 except NotControllerError:
                     raise
-                except (TidelogError, MetaStoreError) as exc:
-                    results.append(ConfigOutcome(change.name, exc))
+                except TidelogError as exc:  # MetaStoreError included
+                    outcomes.append(failed(name, exc))
+                    continue
+                outcomes.append(outcome)
+                if completion is not None:
+                    completions.append(completion)
+            if then is not None and (completion := then(term, outcomes)) is not None:
+                completions.append(completion)
         _wait_all(completions, wait_s)
-        return results
+        return outcomes
 
     def _altered_topic(self, term: _Term, change: ConfigChange) -> Topic:
         validate_topic_name(change.name)
