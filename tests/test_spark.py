@@ -24,8 +24,10 @@ pyspark = pytest.importorskip("pyspark")
 from pyspark.sql import functions as F  # noqa: E402, N812
 
 from tidelog.spark import activate, local_session  # noqa: E402
+from tidelog.spark.options import parse_read_options  # noqa: E402
 from tidelog.spark.planning import OffsetRange  # noqa: E402
 from tidelog.spark.reader import read_range  # noqa: E402
+from tidelog.spark.source import TidelogBatchReader  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -651,6 +653,50 @@ def test_a_task_whose_range_is_past_the_log_end_reports_data_loss(
             read(fail_on_data_loss=True, start=start, end=30)
         read_rows = sum(b.num_rows for b in read(fail_on_data_loss=False, start=start, end=30))
         assert read_rows == 10 - start  # what exists is read, the rest skipped
+
+
+@pytest.mark.parametrize("mode", ["gateway", "direct"])
+def test_a_task_planned_before_its_topic_was_recreated_reports_data_loss(
+    gateway: GatewayProcess, mode: str
+) -> None:
+    """A batch planned in one incarnation of a topic whose tasks run after it was deleted
+    and created again: the tasks' fetches name the planned topic id, so the new topic's
+    records are not read in place of the planned ones (they used to be whenever the new
+    log reached the planned offsets). Data loss: failed, or skipped with
+    failOnDataLoss=false. The plan is made and its tasks read by the source's own
+    classes, without Spark between them, to place the re-creation there."""
+    admin = tidelog.Admin(gateway.address)
+    topic = f"spark-replanned-{mode}"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [f"old-{i}".encode() for i in range(20)]).result(30)
+
+    def plan(**extra: str) -> tuple[TidelogBatchReader, list[Any]]:
+        options = {"gateway": gateway.address, "subscribe": topic}
+        options["direct"] = "true" if mode == "direct" else "false"
+        batch = TidelogBatchReader(parse_read_options(options | extra, streaming=False))
+        return batch, list(batch.partitions())
+
+    strict, strict_tasks = plan()
+    lenient, lenient_tasks = plan(failOnDataLoss="false")
+    assert [t.offset_range for t in strict_tasks] == [OffsetRange(topic, 0, 0, 20)]
+    admin.delete_topic(topic)
+    wait_for(lambda: _created(admin, topic), 30, "the topic created again")
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [f"new-{i}".encode() for i in range(30)]).result(30)
+
+    with pytest.raises(
+        OffsetOutOfRangeError,
+        match=rf"{topic}-0: some data may have been lost: the topic was deleted and created "
+        r"again since this batch was planned \(topic id [0-9a-f]+\): offsets \[0, 20\) of "
+        r"the topic planned were not read; set the option failOnDataLoss=false",
+    ):
+        list(strict.read(strict_tasks[0]))
+    assert list(lenient.read(lenient_tasks[0])) == []
+    # A plan made now reads the new topic.
+    fresh, fresh_tasks = plan()
+    rows = [row for task in fresh_tasks for b in fresh.read(task) for row in b.to_pylist()]
+    assert [row["value"] for row in rows] == [f"new-{i}".encode() for i in range(30)]
 
 
 def test_default_batch_bytes_make_batches_the_broker_accepts(

@@ -183,11 +183,18 @@ def one_partition_fetch(
     *,
     max_wait_ms: int,
     current_leader_epoch: int | None = None,
+    topic_id: str = "",
 ) -> storage_pb2.FetchRequest:
     """A consumer's long-poll fetch of one partition from ``offset``; with
-    ``current_leader_epoch``, one a leader refuses if its epoch differs (direct reads)."""
+    ``current_leader_epoch``, one a leader refuses if its epoch differs (direct reads);
+    with ``topic_id``, one refused (INCONSISTENT_TOPIC_ID) by another incarnation of the
+    topic."""
     part = storage_pb2.FetchPartition(
-        topic=topic, partition=partition, fetch_offset=offset, max_bytes=max_bytes
+        topic=topic,
+        partition=partition,
+        fetch_offset=offset,
+        max_bytes=max_bytes,
+        topic_id=topic_id,
     )
     if current_leader_epoch is not None:
         part.current_leader_epoch = current_leader_epoch
@@ -337,10 +344,20 @@ class GatewayConnection:
     # --- data ---------------------------------------------------------------------------------
 
     def fetch(
-        self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int = 500
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        max_bytes: int,
+        max_wait_ms: int = 500,
+        *,
+        topic_id: str = "",
     ) -> storage_pb2.FetchPartitionResult:
-        """One long-poll fetch of one partition from ``offset`` (errors raised)."""
-        request = one_partition_fetch(topic, partition, offset, max_bytes, max_wait_ms=max_wait_ms)
+        """One long-poll fetch of one partition from ``offset`` (errors raised); with
+        ``topic_id``, of that incarnation of the topic only."""
+        request = one_partition_fetch(
+            topic, partition, offset, max_bytes, max_wait_ms=max_wait_ms, topic_id=topic_id
+        )
         response: storage_pb2.FetchResponse = self.call(
             self.stub.Fetch,
             request,

@@ -82,9 +82,11 @@ class PartitionFetcher:
         tp: TopicPartition,
         leader: Leader | None,
         request_timeout_ms: int,
+        topic_id: str = "",
     ) -> None:
         self._directory: LeaderDirectory = directory_for(connection)
         self._tp = tp
+        self._topic_id = topic_id  # the incarnation planned for; empty checks nothing
         self._leader = leader  # None: ask the directory (the gateway) first
         self._timeout_s = request_timeout_ms / 1000
 
@@ -141,6 +143,7 @@ class PartitionFetcher:
             max_bytes,
             max_wait_ms=FETCH_WAIT_MS,
             current_leader_epoch=leader.leader_epoch,
+            topic_id=self._topic_id,
         )
         where = f"{what} from broker {leader.broker_id} ({leader.address})"
         try:

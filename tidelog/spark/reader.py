@@ -21,6 +21,7 @@ from typing import Any, Final
 from tidelog.client import GatewayConnection
 from tidelog.errors import (
     ConfigError,
+    InconsistentTopicIdError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
     TidelogError,
@@ -151,7 +152,13 @@ FetchFunction = Callable[[int, int], storage_pb2.FetchPartitionResult]
 
 
 def _fetch_through_gateway(
-    connection: GatewayConnection, topic: str, partition: int, offset: int, max_bytes: int
+    connection: GatewayConnection,
+    topic: str,
+    partition: int,
+    offset: int,
+    max_bytes: int,
+    *,
+    topic_id: str,
 ) -> storage_pb2.FetchPartitionResult:
     """One fetch through the gateway, retried after a retriable failure (a leader that
     died or moved, the gateway busy) for up to the request timeout from the first one, as
@@ -162,7 +169,7 @@ def _fetch_through_gateway(
     give_up_at: float | None = None
     while True:
         try:
-            return connection.fetch(topic, partition, offset, max_bytes)
+            return connection.fetch(topic, partition, offset, max_bytes, topic_id=topic_id)
         except TidelogError as exc:
             if not exc.retriable:
                 raise
@@ -181,11 +188,16 @@ def read_range(
     fail_on_data_loss: bool,
     fetch_max_bytes: int,
     fetch: FetchFunction | None = None,
+    topic_id: str = "",
 ) -> Iterator[Any]:
     """The records of ``offset_range`` as pyarrow RecordBatches in the source schema.
 
     ``fetch`` reads the partition (default: through the gateway of ``connection``, which
-    also answers the bounds looked up when retention removed offsets of the range)."""
+    also answers the bounds looked up when retention removed offsets of the range).
+    ``topic_id`` is the incarnation of the topic the range was planned in: fetches name
+    it, and a topic deleted and created again since is data loss (the range's offsets
+    name records of the topic that is gone), not the new topic's records read as if they
+    were the planned ones. ``fetch`` must name it too."""
     import pyarrow as pa  # noqa: PLC0415  # executors only
     import pyarrow.compute as pc  # noqa: PLC0415
 
@@ -196,7 +208,9 @@ def read_range(
     if fetch is None:
 
         def fetch(offset: int, max_bytes: int) -> storage_pb2.FetchPartitionResult:
-            return _fetch_through_gateway(connection, topic, partition, offset, max_bytes)
+            return _fetch_through_gateway(
+                connection, topic, partition, offset, max_bytes, topic_id=topic_id
+            )
 
     stalled_since: float | None = None
     while position < end:
@@ -207,6 +221,17 @@ def read_range(
             loss = _lost_range(connection, topic, partition, position, end)
             if loss is None:
                 raise
+        except InconsistentTopicIdError:
+            # Final for this range: its offsets name records of an incarnation that is
+            # gone; the next micro-batch's plan starts the new topic at its beginning.
+            loss = DataLoss(
+                topic,
+                partition,
+                "the topic was deleted and created again since this batch was planned (topic "
+                f"id {topic_id}): offsets [{position}, {end}) of the topic planned were not "
+                "read",
+                end,
+            )
         # Handled outside the except block: the loss explains the out-of-range answer, so
         # a failure shows one line, not that answer's traceback too.
         if loss is not None:

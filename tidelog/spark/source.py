@@ -11,7 +11,7 @@ planned (``tidelog.spark.direct``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pyspark.sql.datasource import (
@@ -37,22 +37,42 @@ from tidelog.spark.planning import OffsetRange, TopicPartition
 
 
 class RangePartition(InputPartition):
-    """One Spark task's work: an offset range of one partition (picklable), and with
+    """One Spark task's work: an offset range of one partition (picklable), the id of the
+    topic incarnation it was planned in ("": not known, nothing checked), and with
     ``direct=true`` where to fetch it first (None: ask the gateway)."""
 
-    def __init__(self, offset_range: OffsetRange, leader: Leader | None = None) -> None:
+    def __init__(
+        self, offset_range: OffsetRange, leader: Leader | None = None, topic_id: str = ""
+    ) -> None:
         super().__init__(offset_range)
         self.offset_range = offset_range
         self.leader = leader
+        self.topic_id = topic_id
 
 
 def _range_partitions(
-    connection: GatewayConnection, options: ReadOptions, ranges: Sequence[OffsetRange]
+    connection: GatewayConnection,
+    options: ReadOptions,
+    ranges: Sequence[OffsetRange],
+    topic_ids: Mapping[str, str],
 ) -> list[RangePartition]:
-    if not options.direct:
-        return [RangePartition(r) for r in ranges]
-    leaders = direct.leader_hints(connection, sorted({(r.topic, r.partition) for r in ranges}))
-    return [RangePartition(r, leaders[(r.topic, r.partition)]) for r in ranges]
+    leaders: Mapping[TopicPartition, Leader | None] = {}
+    if options.direct:
+        leaders = direct.leader_hints(connection, sorted({(r.topic, r.partition) for r in ranges}))
+    return [
+        RangePartition(r, leaders.get((r.topic, r.partition)), topic_ids.get(r.topic, ""))
+        for r in ranges
+    ]
+
+
+def _topic_ids(connection: GatewayConnection, topics: Iterable[str]) -> dict[str, str]:
+    """The current id of each of ``topics`` (the incarnation offsets read now belong to);
+    a topic gone meanwhile has none."""
+    names = sorted(set(topics))
+    if not names:
+        return {}
+    response = connection.metadata(names)
+    return {t.name: t.topic_id for t in response.topics if t.error.code == 0 and t.topic_id}
 
 
 def _env_gateway() -> str | None:
@@ -103,6 +123,7 @@ def _read(options: ReadOptions, partition: InputPartition) -> Iterator[Any]:
             (offset_range.topic, offset_range.partition),
             partition.leader,
             options.request_timeout_ms,
+            partition.topic_id,
         )
         if options.direct
         else None
@@ -114,6 +135,7 @@ def _read(options: ReadOptions, partition: InputPartition) -> Iterator[Any]:
         fail_on_data_loss=options.fail_on_data_loss,
         fetch_max_bytes=options.fetch_max_bytes,
         fetch=None if fetcher is None else fetcher.fetch,
+        topic_id=partition.topic_id,
     )
 
 
@@ -127,6 +149,9 @@ class TidelogBatchReader(DataSourceReader):
         options = self.options
         connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
         tps = reader.resolve_partitions(connection, options)
+        # Before the bounds: a topic created again after this look-up is refused by the
+        # tasks' fetches rather than read in place of the one whose bounds were planned.
+        topic_ids = _topic_ids(connection, (t for t, _ in tps))
         bounds = reader.resolve_bounds(connection, tps)
         require_all = options.selector != "assign"
         if options.starting_timestamp is not None:
@@ -159,7 +184,7 @@ class TidelogBatchReader(DataSourceReader):
         ranges = planning.split_ranges(
             planning.ranges_between(starts, ends), options.min_partitions
         )
-        return _range_partitions(connection, options, ranges)
+        return _range_partitions(connection, options, ranges, topic_ids)
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return _read(self.options, partition)
@@ -217,16 +242,7 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             starts, bounds, fail_on_data_loss=options.fail_on_data_loss
         )
         reader.warn_data_loss(losses)
-        return planning.to_json_offsets(starts, self._topic_ids(starts))
-
-    def _topic_ids(self, partitions: Iterable[TopicPartition]) -> dict[str, str]:
-        """The current id of each topic of ``partitions`` (the incarnation the offsets
-        written to the checkpoint belong to); a topic gone meanwhile has none."""
-        topics = sorted({t for t, _ in partitions})
-        if not topics:
-            return {}
-        response = self._connection().metadata(topics)
-        return {t.name: t.topic_id for t in response.topics if t.error.code == 0 and t.topic_id}
+        return planning.to_json_offsets(starts, _topic_ids(connection, (t for t, _ in starts)))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.options.max_offsets_per_trigger is None:
@@ -238,7 +254,7 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, dict[str, int]]:
         bounds = self._bounds()
-        topic_ids = self._topic_ids(bounds)
+        topic_ids = _topic_ids(self._connection(), (t for t, _ in bounds))
         # ``start`` is where the checkpoint says the query got to; what was lost since
         # (retention, a re-created topic) fails the query here, before any task runs, or
         # with failOnDataLoss=false moves the start to what is still there.
@@ -303,6 +319,7 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._connection(),
             self.options,
             planning.split_ranges(ranges, self.options.min_partitions),
+            end_ids,  # the end offsets' incarnation: the ranges are read in it
         )
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
