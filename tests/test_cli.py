@@ -382,6 +382,21 @@ def test_unreachable_gateway_is_one_line() -> None:
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--offset", "1"), "argument --offset: needs --partition"),
+        (("--offset", "1", "--partition", "0", "--from-beginning"), "not allowed with"),
+    ],
+)
+def test_consume_argument_rules_are_usage_errors(args: tuple[str, ...], message: str) -> None:
+    """Rules across consume's arguments exit 2 before anything is asked, as argparse's own
+    refusals do (they used to exit 1 after connecting, and --help did not name them)."""
+    result = tidelog("consume", "events", *args, gateway="127.0.0.1:1", check=False)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
     ("address", "message"),
     [
         ("127.0.0.1:99999", "port 99999 is out of range"),

@@ -510,14 +510,27 @@ def _add_consume(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         "consume", help="print records (values, one per line) from a topic"
     )
     parser.add_argument("topic", metavar="TOPIC")
-    parser.add_argument(
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument(
         "--from-beginning",
         action="store_true",
         help="start at the oldest record (with --group, only where the group has no "
         "committed offset, as Kafka's console consumer)",
     )
-    parser.add_argument("--offset", type=_non_negative_int, default=None, metavar="N")
-    parser.add_argument("--partition", type=_non_negative_int32, default=None, metavar="P")
+    start.add_argument(
+        "--offset",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="start at offset N of the partition --partition names (required with it)",
+    )
+    parser.add_argument(
+        "--partition",
+        type=_non_negative_int32,
+        default=None,
+        metavar="P",
+        help="read partition P only (default: every partition)",
+    )
     parser.add_argument("--group", default=None, metavar="G", help="consumer group to commit to")
     parser.add_argument("--max-messages", type=_positive_int, default=None, metavar="N")
     parser.add_argument(
@@ -533,7 +546,13 @@ def _add_consume(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         "addresses must be reachable)",
     )
     _add_client_options(parser)
-    parser.set_defaults(handler="tidelog.commands:cmd_consume")
+    parser.set_defaults(handler="tidelog.commands:cmd_consume", check=(parser, _check_consume))
+
+
+def _check_consume(args: argparse.Namespace) -> str | None:
+    if args.offset is not None and args.partition is None:
+        return "argument --offset: needs --partition (an offset is a place in one partition)"
+    return None
 
 
 def _add_groups(subparsers: argparse._SubParsersAction[_Parser]) -> None:
@@ -706,6 +725,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    # Rules across arguments, refused as argparse refuses a single one (status 2).
+    if (check := getattr(args, "check", None)) is not None:
+        parser, rule = check
+        if (problem := rule(args)) is not None:
+            parser.error(problem)
     # Commands get flat, typed fields rather than tuples.
     if isinstance(getattr(args, "listen", None), tuple):
         args.listen_host, args.listen_port = args.listen

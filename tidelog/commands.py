@@ -358,10 +358,6 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 def cmd_consume(args: argparse.Namespace) -> int:
     def body(args: argparse.Namespace) -> int:
-        if args.from_beginning and args.offset is not None:
-            raise ConfigError("--from-beginning and --offset exclude each other")
-        if args.offset is not None and args.partition is None:
-            raise ConfigError("--offset needs --partition")
         # The group's offsets are committed here, after each poll's records are printed:
         # auto-commit (on close too) would commit records fetched but not printed when
         # --max-messages stops in a poll's middle or Ctrl-C interrupts one.
