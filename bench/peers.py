@@ -21,14 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tidelog.etcd_launcher import free_port
+
 NATS_BIN = "nats-server"
 REDIS_BIN = "redis-server"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_port(port: int, timeout_s: float = 20.0) -> None:
@@ -52,8 +48,8 @@ def available() -> dict[str, bool]:
 @contextmanager
 def nats_cluster(directory: Path) -> Iterator[list[str]]:
     """Three JetStream servers clustered on loopback; yields their client URLs."""
-    client_ports = [_free_port() for _ in range(3)]
-    cluster_ports = [_free_port() for _ in range(3)]
+    client_ports = [free_port() for _ in range(3)]
+    cluster_ports = [free_port() for _ in range(3)]
     routes = ",".join(f"nats://127.0.0.1:{p}" for p in cluster_ports)
     processes = []
     try:
@@ -130,7 +126,7 @@ def nats_jetstream_r3(directory: Path, records: int, size: int, window: int = 20
 
 @contextmanager
 def redis_server(directory: Path) -> Iterator[int]:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [
             REDIS_BIN,

@@ -43,6 +43,7 @@ from tidelog.etcd_launcher import (
     EtcdNotFoundError,
     EtcdProcess,
     find_etcd_binary,
+    free_port,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,11 +126,11 @@ def test_launcher_retries_when_a_port_is_taken(
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        real_free_port = etcd_launcher._free_port
+        real_free_port = etcd_launcher.free_port
         probes = iter([taken, real_free_port()])
         monkeypatch.setattr(
             etcd_launcher,
-            "_free_port",
+            "free_port",
             lambda host="127.0.0.1": next(probes, None) or real_free_port(host),
         )
         with EtcdProcess(tmp_path / "etcd") as process:
@@ -551,12 +552,6 @@ def test_failover_to_a_live_endpoint(private_etcd: EtcdProcess) -> None:
     meta.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_watch_on_a_member_without_a_leader_fails_instead_of_going_silent(
     tmp_path: Path,
 ) -> None:
@@ -565,7 +560,7 @@ def test_a_watch_on_a_member_without_a_leader_fails_instead_of_going_silent(
     Without etcd's "hasleader" metadata the watch stayed open and told nothing, so a
     controller never heard of brokers dying; now it is cancelled and on_error runs (the
     owners re-read and watch again)."""
-    ports = [(_free_port(), _free_port()) for _ in range(3)]
+    ports = [(free_port(), free_port()) for _ in range(3)]
     members = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
     binary = find_etcd_binary()
     processes = []

@@ -110,7 +110,7 @@ def find_etcd_binary() -> str:
     raise EtcdNotFoundError(NOT_FOUND_MESSAGE)
 
 
-def _free_port(host: str = _LOOPBACK) -> int:
+def free_port(host: str = _LOOPBACK) -> int:
     """A TCP port on ``host`` that was free a moment ago (bind to 0, read it, close).
 
     Another process may take it before etcd binds; EtcdProcess.start() detects that from
@@ -217,10 +217,10 @@ class EtcdProcess:
         last_error: EtcdLaunchError | None = None
         for _ in range(attempts):
             if not keep_ports:
-                self._client_port = _free_port(self.host)
-                self._peer_port = _free_port(self.host)
+                self._client_port = free_port(self.host)
+                self._peer_port = free_port(self.host)
                 while self._peer_port == self._client_port:
-                    self._peer_port = _free_port(self.host)
+                    self._peer_port = free_port(self.host)
             log_offset = self._spawn()
             try:
                 self._wait_healthy(log_offset)

@@ -27,7 +27,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,6 +39,7 @@ import tidelog
 from services.gateway import group_state
 from services.metastore import MetaStoreError, WatchEvent
 from tests.support.cluster import GatewayProcess, TestCluster, running_cluster
+from tidelog.etcd_launcher import free_port
 
 GROUP: Final = "chaos-group"
 TOPIC: Final = "chaos-group-topic"
@@ -78,19 +78,12 @@ class GroupChaosReport:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 class _Run:
     def __init__(self, base: Path, cluster: TestCluster, auto_commit: bool) -> None:
         self.base = base
         self.cluster = cluster
         self.auto_commit = auto_commit
-        self.ports = [_free_port(), _free_port()]
+        self.ports = [free_port(), free_port()]
         self.gateways: list[GatewayProcess] = [
             cluster.start_gateway(["--listen", f"127.0.0.1:{p}"]) for p in self.ports
         ]
