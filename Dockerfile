@@ -12,6 +12,8 @@ RUN apt-get update \
 COPY pyproject.toml README.md ./
 COPY tidelog ./tidelog
 COPY services ./services
+# Spark finds the `tidelog` format through this package's entry (SPARK.md).
+COPY pyspark_tidelog ./pyspark_tidelog
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim-bookworm AS runtime
@@ -33,8 +35,11 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && pip install --no-cache-dir "pyspark==4.3.0" "pyarrow>=26,<27"
 COPY examples /opt/tidelog/examples
+# Executor pods are started with the argument `executor` (see the script); other
+# commands, the driver's spark-submit among them, run as given.
+COPY deploy/docker/spark-entrypoint.sh /usr/local/bin/spark-entrypoint
 ENV PYSPARK_PYTHON=/usr/local/bin/python PYTHONPATH=/opt/tidelog
 USER 10001:10001
 WORKDIR /opt/tidelog
-ENTRYPOINT []
+ENTRYPOINT ["/usr/local/bin/spark-entrypoint"]
 CMD ["python", "-m", "examples.nginx_pipeline.job", "--help"]

@@ -5,9 +5,12 @@ and a controller started the way the manifest starts it advertises the address i
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from services.cluster_metadata import CONTROLLER_KEY, decode_controller
 from tests.support.cluster import TestCluster, wait_for
 from tests.support.process import REPO_ROOT, TidelogProcess
 from tidelog.cli import build_parser
+from tidelog.etcd_launcher import free_port
 
 K8S = REPO_ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.32.0"
@@ -32,6 +36,7 @@ ENV_EXAMPLES = {
     "LOG_LEVEL": "info",
     "POD_IP": "10.0.0.7",
     "POD_NAME": "tidelog-storage-1",
+    "POD_NAMESPACE": "tidelog",
     "BROKER_ID": "1",
     "ZONE": "zone-a",
     "SESSION_TTL_S": "10",
@@ -90,7 +95,8 @@ def test_storage_is_a_statefulset_with_volumes_identity_and_spread(
     assert "--broker-id=$(BROKER_ID)" in args and "--rack=$(ZONE)" in args
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     assert "pod-index" in env["BROKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
-    assert "--advertised-host=$(POD_NAME).tidelog-storage" in args
+    assert "--advertised-host=$(POD_NAME).tidelog-storage.$(POD_NAMESPACE).svc" in args
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
     assert "/var/lib/tidelog" in mounts
     # Long enough for the controlled shutdown the ConfigMap configures, plus flushing.
@@ -130,9 +136,14 @@ def test_network_policies_guard_the_internal_planes(objects: list[dict[str, Any]
         ("tidelog-etcd", 2379),
     ):
         (rule,) = policies[name]["spec"]["ingress"]
-        assert rule["from"] == [
-            {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "tidelog"}}}
-        ]
+        tidelog_pods = {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "tidelog"}}}
+        # Direct-mode clients (labelled, any namespace) reach the storage nodes only.
+        direct_clients = {
+            "namespaceSelector": {},
+            "podSelector": {"matchLabels": {"tidelog.io/direct-client": "true"}},
+        }
+        expected = [tidelog_pods, direct_clients] if name == "tidelog-storage" else [tidelog_pods]
+        assert rule["from"] == expected
         assert port in [p["port"] for p in rule["ports"]]
     # Every tidelog pod carries the label the policies admit.
     for obj, _ in pod_specs(objects):
@@ -213,6 +224,122 @@ def test_dockerfile_is_multi_stage_slim_and_non_root() -> None:
     assert re.search(r"^USER 10001", runtime, re.M) and re.search(r"^USER 10001", spark, re.M)
     assert 'ENTRYPOINT ["tidelog"]' in runtime
     assert "openjdk-17-jre-headless" in spark and "pyspark==4.3.0" in spark
+    # Spark finds the format through pyspark_tidelog's entry point, so the wheel needs it.
+    assert "COPY pyspark_tidelog ./pyspark_tidelog" in build
+    # Executor pods run the image with the argument `executor`: the entrypoint answers it.
+    assert "COPY deploy/docker/spark-entrypoint.sh /usr/local/bin/spark-entrypoint" in spark
+    assert 'ENTRYPOINT ["/usr/local/bin/spark-entrypoint"]' in spark
+
+
+# A driver of a Spark standalone application whose only executor is started by hand
+# (argv: master URL, driver port); it prints the sum a Python task computed there.
+_DRIVER = """
+import sys
+from pyspark.sql import SparkSession
+spark = (
+    SparkSession.builder.master(sys.argv[1])
+    .config("spark.driver.host", "127.0.0.1")
+    .config("spark.driver.port", sys.argv[2])
+    .config("spark.ui.enabled", "false")
+    .getOrCreate()
+)
+print("app", spark.sparkContext.applicationId, flush=True)
+print("sum", spark.sparkContext.parallelize(range(100), 2).map(lambda x: x * 2).sum(), flush=True)
+spark.stop()
+"""
+
+
+def test_spark_entrypoint_runs_an_executor_a_real_driver_uses(tmp_path: Path) -> None:
+    """The tidelog-spark image's entrypoint, given `executor` and the environment Spark on
+    Kubernetes gives executor pods, starts an executor that registers with a real driver
+    and runs its Python tasks. No Kubernetes here: the driver is a Spark standalone
+    application (its scheduler takes executor registrations as the Kubernetes one does)
+    with no workers, so the only executor is the entrypoint's."""
+    import pyspark
+
+    spark_home = Path(pyspark.__file__).parent
+    master_port, driver_port, ui_port = (free_port() for _ in range(3))
+    logs = {name: (tmp_path / f"{name}.log").open("w") for name in ("master", "executor")}
+    started: list[subprocess.Popen[Any]] = []
+    try:
+        started.append(
+            subprocess.Popen(
+                [
+                    str(spark_home / "bin" / "spark-class"),
+                    "org.apache.spark.deploy.master.Master",
+                    *("--host", "127.0.0.1", "--port", str(master_port)),
+                    *("--webui-port", str(ui_port)),
+                ],
+                stdout=logs["master"],
+                stderr=subprocess.STDOUT,
+            )
+        )
+        wait_for(lambda: _accepts(master_port), 60, "the Spark master listening")
+        driver = subprocess.Popen(
+            [sys.executable, "-c", _DRIVER, f"spark://127.0.0.1:{master_port}", str(driver_port)],
+            stdout=subprocess.PIPE,
+            stderr=(tmp_path / "driver.log").open("w"),
+            text=True,
+        )
+        started.append(driver)
+        assert driver.stdout is not None
+        app_line = driver.stdout.readline()  # the driver registered with the master
+        assert app_line.startswith("app "), (tmp_path / "driver.log").read_text()[-2000:]
+        env = dict(
+            os.environ,
+            SPARK_HOME=str(spark_home),
+            PYSPARK_PYTHON=sys.executable,
+            SPARK_DRIVER_URL=f"spark://CoarseGrainedScheduler@127.0.0.1:{driver_port}",
+            SPARK_EXECUTOR_ID="1",
+            SPARK_EXECUTOR_CORES="1",
+            SPARK_APPLICATION_ID=app_line.split()[1],
+            SPARK_EXECUTOR_POD_IP="127.0.0.1",
+            SPARK_EXECUTOR_POD_NAME="nginx-pipeline-exec-1",
+            SPARK_EXECUTOR_MEMORY="512m",
+            SPARK_RESOURCE_PROFILE_ID="0",
+            SPARK_JAVA_OPT_0=f"-Dspark.driver.port={driver_port}",
+        )
+        started.append(
+            subprocess.Popen(
+                [str(REPO_ROOT / "deploy" / "docker" / "spark-entrypoint.sh"), "executor"],
+                env=env,
+                stdout=logs["executor"],
+                stderr=subprocess.STDOUT,
+            )
+        )
+        out, _ = driver.communicate(timeout=180)
+        assert out.strip() == "sum 9900", (tmp_path / "executor.log").read_text()[-2000:]
+        assert "Successfully registered with driver" in (tmp_path / "executor.log").read_text()
+    finally:
+        for process in reversed(started):
+            process.kill()
+            process.wait()
+        for log in logs.values():
+            log.close()
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_spark_entrypoint_names_a_missing_executor_setting() -> None:
+    """Started as an executor outside Spark's pods, it says what is missing (exit 2);
+    other commands run as given."""
+    script = str(REPO_ROOT / "deploy" / "docker" / "spark-entrypoint.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_")}
+    result = subprocess.run(
+        [script, "executor"], env=env, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        "spark-entrypoint: executor: SPARK_DRIVER_URL is not set (Spark sets it on executor pods)\n"
+    )
+    echo = subprocess.run([script, "echo", "a b"], capture_output=True, text=True, check=True)
+    assert echo.stdout == "a b\n"
 
 
 def test_controller_advertises_the_host_it_is_given(tmp_path: Path) -> None:
