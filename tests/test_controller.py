@@ -9,8 +9,8 @@ Two clusters, each shared by a group of tests (starting processes is the slow pa
   preferred election, controller failover, fencing of a deposed controller.
 
 Session TTL is 2 s everywhere (etcd runs with fast test timings), so a kill -9 is noticed
-within about 2.5 s. Replication is not implemented yet, so a returning broker rejoins the
-ISR only through AlterPartition; the tests send it as the partition's leader would.
+within about 2.5 s. Tests that need a replica back in an ISR at once send the
+AlterPartition its leader would (``expand_isr``) rather than wait for its fetchers.
 """
 
 from __future__ import annotations
@@ -515,6 +515,8 @@ def test_bad_input_gets_the_right_error_and_changes_nothing(cluster: TestCluster
         return error_code(result.error)
 
     assert alter(leader_epoch=p0.leader_epoch - 1) == ErrorCode.FENCED_LEADER_EPOCH
+    # Newer than the controller's: only a stale controller sees that (KRaft's answer).
+    assert alter(leader_epoch=p0.leader_epoch + 1) == ErrorCode.NOT_CONTROLLER
     assert alter(partition_epoch=p0.partition_epoch - 1) == ErrorCode.INVALID_UPDATE_VERSION
     assert alter(broker_epoch=leader_epoch_of - 1) == ErrorCode.STALE_BROKER_EPOCH
     assert (
@@ -523,6 +525,21 @@ def test_bad_input_gets_the_right_error_and_changes_nothing(cluster: TestCluster
     )
     assert alter(topic="nope") == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
     assert alter(new_isr=(p0.leader, 99)) == ErrorCode.INVALID_REQUEST
+    # A partition named twice: every entry refused, the valid shrink in it not applied.
+    shrink = controller_pb2.AlterPartitionItem(
+        topic="existing",
+        partition=0,
+        leader_epoch=p0.leader_epoch,
+        new_isr=[p0.leader],
+        partition_epoch=p0.partition_epoch,
+    )
+    response_a = api.AlterPartition(
+        controller_pb2.AlterPartitionRequest(
+            broker_id=p0.leader, broker_epoch=leader_epoch_of, partitions=[shrink, shrink]
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    assert [error_code(r.error) for r in response_a.partitions] == [ErrorCode.INVALID_REQUEST] * 2
 
     # ElectLeaders.
     response_e = api.ElectLeaders(
@@ -553,6 +570,14 @@ def test_bad_input_gets_the_right_error_and_changes_nothing(cluster: TestCluster
         )
     )
     assert code == ErrorCode.INVALID_REQUEST
+    # An unclean election of "every partition" is refused: it must name them.
+    status, code, _ = _status(
+        lambda: api.ElectLeaders(
+            controller_pb2.ElectLeadersRequest(election_type=controller_pb2.UNCLEAN),
+            timeout=RPC_TIMEOUT_S,
+        )
+    )
+    assert (status, code) == (grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INVALID_REQUEST)
 
     # ControlledShutdown: an unknown broker, a stale incarnation.
     status, code, _ = _status(
@@ -561,7 +586,7 @@ def test_bad_input_gets_the_right_error_and_changes_nothing(cluster: TestCluster
             timeout=RPC_TIMEOUT_S,
         )
     )
-    assert code == ErrorCode.NOT_LEADER_OR_FOLLOWER
+    assert code == ErrorCode.BROKER_NOT_AVAILABLE
     status, code, _ = _status(
         lambda: api.ControlledShutdown(
             controller_pb2.ControlledShutdownRequest(broker_id=1, broker_epoch=1),
@@ -779,6 +804,56 @@ def test_controlled_shutdown_moves_leaders_before_the_broker_stops(cluster: Test
         assert after[old.partition].leader_epoch == old.leader_epoch + 1
     cluster.start_broker(stopping)
     cluster.wait_brokers([1, 2, 3])
+
+
+def test_turning_unclean_election_on_elects_a_leader_for_an_offline_partition(
+    cluster: TestCluster,
+) -> None:
+    """A partition whose last ISR member died while its other replica was out of the ISR
+    stays offline, until unclean.leader.election.enable is turned on for its topic: then
+    the live out-of-sync replica is elected at once, as Kafka does on that config change.
+    Before, nothing ran an election until a broker registered or a controller took
+    office (found by an audit)."""
+    cluster.create_topic("unclean-later", 1, 2)
+    (p0,) = cluster.partitions("unclean-later")
+    first, second = p0.leader, next(b for b in p0.replicas if b != p0.leader)
+    cluster.kill(cluster.brokers[second])
+    wait_for(
+        lambda: cluster.partitions("unclean-later")[0].isr == [first],
+        15,
+        "the dead follower out of the ISR",
+    )
+    cluster.kill(cluster.brokers[first])
+    wait_for(
+        lambda: cluster.partitions("unclean-later")[0].leader == -1, 15, "the partition offline"
+    )
+    cluster.start_broker(second)
+    cluster.wait_brokers([b for b in (1, 2, 3) if b != first])
+    offline = cluster.partitions("unclean-later")[0]
+    assert (offline.leader, list(offline.isr)) == (-1, [first])  # registering changes nothing
+
+    response = cluster.api.IncrementalAlterConfigs(
+        controller_pb2.IncrementalAlterConfigsRequest(
+            topics=[
+                controller_pb2.AlterableTopicConfig(
+                    name="unclean-later",
+                    set=[
+                        common_pb2.ConfigEntry(name="unclean.leader.election.enable", value="true")
+                    ],
+                )
+            ],
+            timeout_ms=10_000,
+        ),
+        timeout=RPC_TIMEOUT_S + 10,
+    )
+    assert error_code(response.topics[0].error) == ErrorCode.NONE
+    elected = cluster.partitions("unclean-later")[0]
+    assert (elected.leader, list(elected.isr)) == (second, [second])
+    assert elected.leader_epoch == offline.leader_epoch + 1
+
+    cluster.start_broker(first)
+    cluster.wait_brokers([1, 2, 3])
+    heal_isrs(cluster)
 
 
 def test_deleting_a_topic_while_a_replica_is_down_finishes_without_it(

@@ -22,16 +22,19 @@ from tidelog.errors import (
     FencedLeaderEpochError,
     InvalidRequestError,
     InvalidUpdateVersionError,
+    NotControllerError,
     NotLeaderOrFollowerError,
     StaleBrokerEpochError,
 )
+
+UNCLEAN_KEY = "unclean.leader.election.enable"
 
 
 def cluster(brokers: int = 3, *, unclean: bool = False) -> ClusterState:
     state = ClusterState()
     for b in range(brokers):
         state.on_broker_up(Broker(b, "127.0.0.1", 9000 + b, epoch=100 + b))
-    configs = {"unclean.leader.election.enable": "true"} if unclean else {}
+    configs = {UNCLEAN_KEY: "true"} if unclean else {}
     topic = Topic("t", "id-t", ((0, 1, 2), (1, 2, 0), (2, 0, 1)), configs)
     state.add_topic(topic)
     state.apply(state.new_topic_partitions(topic))
@@ -196,7 +199,7 @@ def test_alter_partition_expand_then_preferred_election() -> None:
     [
         ({"broker_id": 1}, NotLeaderOrFollowerError),
         ({"leader_epoch": -1}, FencedLeaderEpochError),
-        ({"leader_epoch": 5}, InvalidRequestError),
+        ({"leader_epoch": 5}, NotControllerError),  # newer: a stale controller
         ({"partition_epoch": 7}, InvalidUpdateVersionError),
         ({"broker_epoch": 999}, StaleBrokerEpochError),
         ({"new_isr": [1, 2]}, InvalidRequestError),  # leader missing
@@ -285,6 +288,22 @@ def test_controlled_shutdown_moves_leaders_and_reports_stuck_partitions() -> Non
     assert state.partitions[("t", 0)].leader == 2
     with pytest.raises(StaleBrokerEpochError):
         state.controlled_shutdown(2, 1)
+
+
+def test_a_topic_turning_unclean_elects_its_offline_partitions_out_of_sync() -> None:
+    """``elect_offline_partitions_of`` judges under the configs it is given (those about to
+    be written), so turning unclean election on elects the live out-of-sync replica."""
+    state = cluster()
+    for b in (1, 2, 0):
+        step(state, state.on_broker_down(b))
+    assert state.on_broker_up(Broker(2, "h", 1, epoch=300)) == []  # out of sync: no leader
+    topic = state.topics["t"]
+    assert state.elect_offline_partitions_of(topic) == []  # the topic has not opted in
+    unclean = Topic(topic.name, topic.topic_id, topic.assignment, {UNCLEAN_KEY: "true"})
+    changes = state.elect_offline_partitions_of(unclean)
+    assert [c.partition for c in changes] == [0, 1, 2]  # broker 2 replicates each
+    assert all((c.new.leader, c.new.isr) == (2, (2,)) for c in changes)
+    assert all(c.new.leader_epoch == c.old.leader_epoch + 1 for c in changes)
 
 
 def test_unclean_election_on_demand() -> None:

@@ -1431,7 +1431,10 @@ class Controller:
                 altered = self._altered_topic(term, change)
                 if altered == term.state.topics[change.name]:
                     return _Plan()  # nothing to write (setting what is set)
-                return _Plan(put_topics=[altered])
+                elected = []
+                if altered.unclean_leader_election:
+                    elected = term.state.elect_offline_partitions_of(altered)
+                return _Plan(changes=elected, put_topics=[altered])
 
             plan = self._decide_and_commit(term, decide)
             topic = term.state.topics[change.name]
@@ -1443,6 +1446,7 @@ class Controller:
                 topic=change.name,
                 set=dict(change.set),
                 deleted=list(change.delete),
+                unclean_elections=[c.partition for c in plan.changes],
                 epoch=term.epoch,
             )
             unchanged = [
@@ -1632,18 +1636,25 @@ class Controller:
             state = term.state
             errors: dict[int, TidelogError] = {}
 
+            # A partition named twice is refused in every entry, as the topic requests
+            # refuse a repeated topic (``_duplicated``): applying the first would let a
+            # malformed request change the ISR.
+            repeated = {
+                key
+                for key, count in Counter((p.topic, p.partition) for p in proposals).items()
+                if count > 1
+            }
+
             def decide() -> _Plan:
                 errors.clear()
                 changes = []
-                seen: set[TopicPartition] = set()
                 for index, item in enumerate(proposals):
-                    key = (item.topic, item.partition)
                     try:
-                        if key in seen:
+                        if (item.topic, item.partition) in repeated:
                             raise InvalidRequestError(
-                                f"{item.topic}-{item.partition} appears more than once"
+                                f"{item.topic}-{item.partition} appears more than once in the "
+                                "request"
                             )
-                        seen.add(key)
                         changes.append(
                             state.alter_partition(
                                 broker_id=broker_id,
@@ -1752,14 +1763,22 @@ class Controller:
         *,
         timeout_ms: int = 0,
     ) -> list[ElectionOutcome]:
-        """Preferred or unclean elections, per partition; ``()`` = every partition.
+        """Preferred or unclean elections, per partition; ``()`` = every partition
+        (preferred elections only).
 
         For "every partition" only partitions where something happened (or failed for a
         reason other than ELECTION_NOT_NEEDED) are reported. UNCLEAN follows Kafka
         (KIP-460): an explicit request may elect an out-of-sync replica of any topic, but
-        only for a partition that has no leader.
+        only for a partition that has no leader. It must name its partitions: an empty
+        list cannot be told from a filter that matched nothing, and an unclean election
+        everywhere may lose acknowledged records of topics that never opted in.
         """
         self._check_count("partitions", len(partitions), self.config.max_partitions_per_request)
+        if election is ElectionType.UNCLEAN and not partitions:
+            raise InvalidRequestError(
+                "an unclean election must name its partitions (it may lose acknowledged "
+                "records); an empty list means every partition for preferred elections only"
+            )
         wait_s = self._wait_s(timeout_ms)
         with self._lock:
             term = self._require_active()

@@ -30,11 +30,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tidelog.errors import (
+    BrokerNotAvailableError,
     ElectionNotNeededError,
     EligibleLeadersNotAvailableError,
     FencedLeaderEpochError,
     InvalidRequestError,
     InvalidUpdateVersionError,
+    NotControllerError,
     NotLeaderOrFollowerError,
     StaleBrokerEpochError,
     TidelogError,
@@ -342,15 +344,24 @@ class ClusterState:
         for it. The rule is the usual one (ISR first, unclean only where the topic allows).
         """
         changes = []
-        for (name, p), old in sorted(self.partitions.items()):
-            topic = self.topics.get(name)
-            if old.is_online() or topic is None:
+        for name in sorted(self.topics):
+            changes.extend(self.elect_offline_partitions_of(self.topics[name]))
+        return changes
+
+    def elect_offline_partitions_of(self, topic: Topic) -> list[PartitionChange]:
+        """``elect_offline_partitions`` for one topic, under ``topic``'s configs (which
+        may be about to replace the ones held: turning unclean election on elects at
+        once, as Kafka does, rather than at the next broker registration)."""
+        changes = []
+        for p in range(topic.partition_count):
+            old = self.partitions.get((topic.name, p))
+            if old is None or old.is_online():
                 continue
             leader, isr = self._elect(
                 topic, p, old.isr, allow_unclean=topic.unclean_leader_election
             )
             if leader != NO_LEADER:
-                changes.append(PartitionChange(name, p, old, _next(old, leader, isr)))
+                changes.append(PartitionChange(topic.name, p, old, _next(old, leader, isr)))
         return changes
 
     def dead_replicas(self) -> list[int]:
@@ -375,8 +386,8 @@ class ClusterState:
         replica is alive (RF 1, or everyone else is out of sync).
         """
         broker = self.brokers.get(broker_id)
-        if broker is None:
-            raise NotLeaderOrFollowerError(f"broker {broker_id} is not registered")
+        if broker is None:  # Kafka's answer to an unknown broker's ControlledShutdown
+            raise BrokerNotAvailableError(f"broker {broker_id} is not registered")
         if broker_epoch >= 0 and broker_epoch != broker.epoch:
             raise StaleBrokerEpochError(
                 f"broker {broker_id} is registered with epoch {broker.epoch}, not {broker_epoch}"
@@ -439,8 +450,10 @@ class ClusterState:
                 f"{topic}-{partition}: leader epoch {leader_epoch} is older than {old.leader_epoch}"
             )
         if leader_epoch > old.leader_epoch:
-            raise InvalidRequestError(
-                f"{topic}-{partition}: leader epoch {leader_epoch} is newer than the "
+            # Only a controller behind the one that made that epoch sees this (KRaft
+            # answers the same): the leader should find the current controller.
+            raise NotControllerError(
+                f"{topic}-{partition}: leader epoch {leader_epoch} is newer than this "
                 f"controller's {old.leader_epoch}"
             )
         if partition_epoch != old.partition_epoch:
