@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -147,12 +147,13 @@ class ConcurrencyLimiter(_ServerInterceptor):
         limit: int,
         pool: CountingThreadPool,
         reserve: futures.ThreadPoolExecutor,
+        method_pools: Sequence[CountingThreadPool] = (),
     ) -> None:
         if limit < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {limit}")
         self._role = role
         self._limit = limit
-        self._pool = pool
+        self._pools = (pool, *method_pools)  # calls in flight are counted over all of them
         self._reserve = reserve
 
     def intercept_service(
@@ -165,7 +166,7 @@ class ConcurrencyLimiter(_ServerInterceptor):
             return None  # gRPC answers UNIMPLEMENTED
         if handler_call_details.method == HEALTH_CHECK_METHOD and handler.unary_unary:
             return _same_shape(handler, _on_pool(handler.unary_unary, self._reserve))
-        in_flight = self._pool.in_flight
+        in_flight = sum(pool.in_flight for pool in self._pools)
         if in_flight < self._limit:
             return handler
         message = (
@@ -182,12 +183,19 @@ class ConcurrencyLimiter(_ServerInterceptor):
 
 
 def new_server(
-    *, role: str, max_workers: int, max_message_bytes: int, max_concurrent_rpcs: int
+    *,
+    role: str,
+    max_workers: int,
+    max_message_bytes: int,
+    max_concurrent_rpcs: int,
+    method_pools: Sequence[CountingThreadPool] = (),
 ) -> grpc.Server:
     """A gRPC server as every tidelog service runs one: a bounded thread pool, a message
     size limit both ways, one process per port, client keepalive pings allowed, and
     RESOURCE_EXHAUSTED beyond ``max_concurrent_rpcs`` calls in flight instead of an
-    unbounded queue - health checks exempt (``ConcurrencyLimiter``)."""
+    unbounded queue - health checks exempt (``ConcurrencyLimiter``). ``method_pools`` are
+    the pools some methods run on instead (``add_servicer_answering_encoded``): their
+    calls count toward the limit too."""
     pool = CountingThreadPool(max_workers=max_workers, thread_name_prefix=f"{role}-rpc")
     reserve = futures.ThreadPoolExecutor(
         max_workers=RESERVED_WORKERS, thread_name_prefix=f"{role}-reserve"
@@ -195,7 +203,13 @@ def new_server(
     return grpc.server(
         pool,
         interceptors=[
-            ConcurrencyLimiter(role=role, limit=max_concurrent_rpcs, pool=pool, reserve=reserve)
+            ConcurrencyLimiter(
+                role=role,
+                limit=max_concurrent_rpcs,
+                pool=pool,
+                reserve=reserve,
+                method_pools=method_pools,
+            )
         ],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -231,16 +245,21 @@ def add_servicer_answering_encoded(
     servicer: object,
     server: grpc.Server,
     encoded: dict[str, tuple[Callable[..., bytes], Callable[[bytes], Any]]],
+    pools: Mapping[str, futures.ThreadPoolExecutor] | None = None,
 ) -> None:
     """Register ``servicer`` as the generated ``add_generated`` does, except that the
     unary methods in ``encoded`` (name -> (behaviour, request deserializer)) answer bytes
     that are already their encoded response (tidelog.wire): gRPC sends them as they are,
-    without protobuf's costly re-encoding of batch bytes."""
+    without protobuf's costly re-encoding of batch bytes. Those named in ``pools`` run on
+    that pool instead of the server's (threads calls of other methods cannot take)."""
     registrations = _Registrations()
     add_generated(servicer, registrations)
     for name, (behaviour, deserializer) in encoded.items():
+        pool = (pools or {}).get(name)
         registrations.handlers[name] = grpc.unary_unary_rpc_method_handler(
-            behaviour, request_deserializer=deserializer, response_serializer=None
+            behaviour if pool is None else _on_pool(behaviour, pool),
+            request_deserializer=deserializer,
+            response_serializer=None,
         )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(registrations.service, registrations.handlers),)

@@ -10,6 +10,7 @@ AlterPartition, stopped followers, kill -9 of the leader).
 
 from __future__ import annotations
 
+import queue
 import signal
 import threading
 import time
@@ -385,6 +386,166 @@ def test_acks_all_fails_when_isr_shrinks_below_min_while_waiting(trio: Trio) -> 
     with pytest.raises(grpc.RpcError) as raised:
         future.result()
     assert rpc_error_code(raised.value) == ErrorCode.NOT_ENOUGH_REPLICAS_AFTER_APPEND
+
+
+def _acks_all(values: list[bytes], timeout_ms: int) -> storage_pb2.AppendRequest:
+    return storage_pb2.AppendRequest(
+        topic=TOPIC,
+        partition=0,
+        records=encode_batch(values),
+        acks=common_pb2.ALL,
+        timeout_ms=timeout_ms,
+    )
+
+
+def test_waiting_acks_all_appends_leave_the_follower_fetches_their_threads(trio: Trio) -> None:
+    """More acks=all appends waiting at once than the server has pool threads: the
+    follower's next fetch, the only thing that moves the HW, still gets a thread (fetches
+    run on a pool of their own), so all are acknowledged once the follower goes on. They
+    shared one pool, and the fetch queued behind appends that waited out their timeouts
+    (found by an audit). The follower is stalled meanwhile by holding its partition lock,
+    as a long GC pause or a slow disk would."""
+    trio.stop(2)
+    trio.elect(0, 1, [0, 1], replicas=(0, 1))
+    assert code(trio.append(0, [b"warm"]).error) == ErrorCode.NONE
+    answers: list[ErrorCode] = []
+
+    def append(i: int) -> None:
+        try:
+            trio.stub(0).Append(_acks_all([b"x%d" % i], 60_000), timeout=90)
+            answers.append(ErrorCode.NONE)
+        except grpc.RpcError as exc:
+            answers.append(rpc_error_code(exc) or ErrorCode.UNKNOWN_SERVER_ERROR)
+
+    appenders = [threading.Thread(target=append, args=(i,)) for i in range(80)]
+    with trio.nodes[1].replicas.get_partition(TOPIC, 0).locked():
+        for thread in appenders:
+            thread.start()
+        wait_for(
+            lambda: len(trio.nodes[0].replicas.get_partition(TOPIC, 0)._ack_waiters) >= 64,
+            30,
+            "64 appends waiting for the stalled follower",
+        )
+    for thread in appenders:
+        thread.join(120)
+    assert answers == [ErrorCode.NONE] * 80
+    assert trio.log(0).high_watermark == 81
+
+
+def test_acks_all_appends_whose_clients_went_away_free_their_threads(trio: Trio) -> None:
+    """An acks=all append waits for the ISR for at most its timeout_ms, but not once its
+    client has gone (deadline passed, cancelled): unary appends and append streams alike
+    withdraw and free their thread (and the stream its slot). They used to wait out
+    timeout_ms (here 10 min): enough of them took every pool thread, and the broker
+    answered nothing else (found by an audit)."""
+    trio.stop(2)
+    trio.elect(0, 1, [0, 1], replicas=(0, 1))
+    trio.stop(1)  # still in the ISR (this test is the controller): the HW cannot move
+    stub = trio.stub(0)
+    for i in range(70):
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Append(_acks_all([b"gone%d" % i], 600_000), timeout=0.2)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    streams = []
+    for i in range(16):  # every append stream place (ServerLimits.max_append_streams)
+        requests: queue.Queue[storage_pb2.AppendRequest | None] = queue.Queue()
+        requests.put(_acks_all([b"stream%d" % i], 600_000))
+        streams.append(stub.AppendStream(iter(requests.get, None), timeout=60))
+    partition = trio.nodes[0].replicas.get_partition(TOPIC, 0)
+    wait_for(lambda: len(partition._ack_waiters) >= 16, 10, "the streams' appends waiting")
+    for stream in streams:
+        stream.cancel()
+    wait_for(lambda: not partition._ack_waiters, 10, "every waiting append withdrawn")
+    # The broker answers everything else again: an acks=1 append, unary and streamed.
+    one = stub.Append(
+        storage_pb2.AppendRequest(
+            topic=TOPIC, partition=0, records=encode_batch([b"one"]), acks=common_pb2.LEADER
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    assert code(one.error) == ErrorCode.NONE
+    streamed = wait_for(
+        lambda: _stream_once(stub, [b"streamed"]),
+        10,
+        "a new append stream accepted",
+    )
+    assert code(streamed.error) == ErrorCode.NONE
+
+
+def _stream_once(
+    stub: storage_pb2_grpc.StorageStub, values: list[bytes]
+) -> storage_pb2.AppendResponse | None:
+    request = storage_pb2.AppendRequest(
+        topic=TOPIC, partition=0, records=encode_batch(values), acks=common_pb2.LEADER
+    )
+    try:
+        (answer,) = stub.AppendStream(iter([request]), timeout=RPC_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        assert rpc_error_code(exc) == ErrorCode.BROKER_NOT_AVAILABLE, exc  # places full
+        return None
+    return answer  # type: ignore[no-any-return]
+
+
+def test_a_clean_stop_answers_waiting_acks_all_appends_not_leader(trio: Trio) -> None:
+    """A stopping leader no longer takes the followers' fetches, so an acks=all append
+    waiting for them is answered NOT_LEADER_OR_FOLLOWER at once (clients retry at the next
+    leader). It used to wait out the grace period and end with gRPC's bare
+    'Cancelling all calls' (found by an audit)."""
+    trio.stop(2)
+    trio.elect(0, 1, [0, 1], replicas=(0, 1))
+    trio.stop(1)
+    waiting = trio.stub(0).Append.future(_acks_all([b"w"], 60_000), timeout=60)
+    partition = trio.nodes[0].replicas.get_partition(TOPIC, 0)
+    wait_for(lambda: partition._ack_waiters, 10, "the append waiting for the ISR")
+    channel = trio.channels.pop(0)  # kept open: the answer must come back on it
+    try:
+        trio.nodes.pop(0).stop()
+        with pytest.raises(grpc.RpcError) as raised:
+            waiting.result()
+    finally:
+        channel.close()
+    assert rpc_error_code(raised.value) == ErrorCode.NOT_LEADER_OR_FOLLOWER, raised.value
+
+
+def test_a_follower_copies_batches_over_a_lowered_max_message_bytes(trio: Trio) -> None:
+    """max.message.bytes limits what a leader takes, not what a follower copies: a topic
+    whose limit was lowered below batches its leader already holds still replicates them
+    (Kafka's followers skip the check too). A follower refused them for ever, and a new or
+    returning replica could never join the ISR (found by an audit)."""
+    trio.stop(2)
+    trio.elect(0, 1, [0], replicas=(0, 1), to=(0,))
+    big = trio.append(0, [b"x" * 10_000], acks=common_pb2.LEADER)
+    assert code(big.error) == ErrorCode.NONE
+    trio.elect(0, 2, [0], replicas=(0, 1), configs={"max.message.bytes": "4000"})
+    wait_for(lambda: trio.log(1).log_end_offset == 1, 15, "the follower copying the batch")
+    assert trio.log_bytes(1, 1) == trio.log_bytes(0, 1)
+    # The leader still refuses new batches over the limit.
+    refused = trio.append(0, [b"y" * 10_000], acks=common_pb2.LEADER)
+    assert code(refused.error) == ErrorCode.MESSAGE_TOO_LARGE
+
+
+def test_a_fetch_asking_more_min_bytes_than_max_bytes_answers_what_max_bytes_allows(
+    trio: Trio,
+) -> None:
+    """min_bytes above max_bytes could never be reached: the fetch is answered once
+    more is there than max_bytes lets it take (Kafka counts the bytes available), not
+    after its whole long poll (found by an audit)."""
+    trio.elect(0, 1, [0], replicas=(0,), to=(0,))
+    for value in (b"z" * 3_000, b"y" * 3_000):  # two batches; max_bytes holds one
+        assert code(trio.append(0, [value], acks=common_pb2.LEADER).error) == ErrorCode.NONE
+    started = time.monotonic()
+    response = trio.stub(0).Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=30_000,
+            min_bytes=8_192,
+            max_bytes=4_096,
+            partitions=[storage_pb2.FetchPartition(topic=TOPIC, partition=0, fetch_offset=0)],
+        ),
+        timeout=40,
+    )
+    assert len(records_of(bytes(response.partitions[0].records))) == 1
+    assert time.monotonic() - started < 20  # not the 30 s long poll
 
 
 # --- replica fetchers -------------------------------------------------------------------------

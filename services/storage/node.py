@@ -41,7 +41,12 @@ from grpc_reflection.v1alpha import reflection
 from services.cluster_metadata import CONTROLLER_KEY, broker_key, decode_broker, decode_controller
 from services.controller.state import Broker
 from services.metastore import MetaStore, MetaStoreError
-from services.process import add_servicer_answering_encoded, new_server, serve_until_signal
+from services.process import (
+    CountingThreadPool,
+    add_servicer_answering_encoded,
+    new_server,
+    serve_until_signal,
+)
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.log import Log, LogConfig
 from services.storage.log_manager import LogManager
@@ -70,6 +75,9 @@ STORAGE_SERVICE_NAME: Final[str] = storage_pb2.DESCRIPTOR.services_by_name["Stor
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 ALTER_PARTITION_TIMEOUT_S: Final = 2.0
 DATA_DIR_LOCK: Final = ".lock"
+FETCH_SPARE_THREADS: Final = 8
+"""Threads of the fetch pool beyond the fetches that may wait: they answer those that do
+not (data already there, an error, the waiting places full)."""
 """The file a running storage node holds an exclusive flock on, in its data directory."""
 
 
@@ -100,8 +108,10 @@ class StorageNodeConfig:
     controlled_shutdown_timeout_s: float = 30.0
     # Overrides every topic's replica.lag.time.max.ms (None: the topic's, else 30000).
     replica_lag_time_max_ms: int | None = None
-    # Pool threads serving calls. Long-polling fetches and append streams hold a thread
-    # each, so ServerLimits keeps their counts well below this.
+    # Pool threads serving calls other than Fetch. Append streams and acks=all appends
+    # waiting for the HW hold a thread each. Fetches run on a pool of their own
+    # (ServerLimits.max_waiting_fetches + FETCH_SPARE_THREADS), so waiting appends can
+    # never take the threads the followers' fetches need to move the HW.
     max_workers: int = 64
     # Calls admitted at once (running + queued for a thread); beyond this gRPC answers
     # RESOURCE_EXHAUSTED instead of queueing without bound.
@@ -121,10 +131,10 @@ class StorageNodeConfig:
             raise ValueError(f"broker id must be >= 0, got {self.broker_id}")
         if not 0 <= self.listen_port <= 65535:
             raise ValueError(f"port {self.listen_port} is out of range 0..65535")
-        if self.max_workers < self.limits.max_waiting_fetches + self.limits.max_append_streams + 4:
+        if self.max_workers < self.limits.max_append_streams + 4:
             raise ValueError(
-                "max_workers must exceed max_waiting_fetches + max_append_streams by at least 4, "
-                "so that appends always find a thread"
+                "max_workers must exceed max_append_streams by at least 4, so that unary "
+                "calls always find a thread"
             )
         for name in (
             "max_concurrent_rpcs",
@@ -156,6 +166,7 @@ class StorageNode:
         self._health = health.HealthServicer()
         self._replicas: ReplicaManager | None = None
         self._servicer: StorageServicer | None = None
+        self._fetch_pool: CountingThreadPool | None = None
         self._port = 0
         self._stopping = threading.Event()
         self._maintenance_thread: threading.Thread | None = None
@@ -205,11 +216,21 @@ class StorageNode:
             partitions=len(replicas.partitions()),
             elapsed_ms=round((time.monotonic() - started_ms) * 1000),
         )
+        # Fetches have threads of their own: acks=all appends wait for the HW on pool
+        # threads, and only followers' fetches move it. Sharing one pool, enough waiting
+        # appends left no thread for those fetches, and every append waited out its
+        # timeout. Waiting fetches are bounded by ServerLimits; the spare threads answer
+        # the fetches that do not wait.
+        self._fetch_pool = CountingThreadPool(
+            max_workers=config.limits.max_waiting_fetches + FETCH_SPARE_THREADS,
+            thread_name_prefix="storage-fetch",
+        )
         server = new_server(
             role="storage",
             max_workers=config.max_workers,
             max_message_bytes=config.max_message_bytes,
             max_concurrent_rpcs=config.max_concurrent_rpcs,
+            method_pools=(self._fetch_pool,),
         )
         self._servicer = StorageServicer(replicas, limits=config.limits, clock=self._clock)
         add_servicer_answering_encoded(
@@ -217,6 +238,7 @@ class StorageNode:
             self._servicer,
             server,
             {"Fetch": (self._servicer.Fetch, storage_pb2.FetchRequest.FromString)},
+            pools={"Fetch": self._fetch_pool},
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -349,6 +371,8 @@ class StorageNode:
             if self._servicer is not None:
                 self._servicer.begin_shutdown()
             drained.wait(grace_s + 1)
+        if self._fetch_pool is not None:
+            self._fetch_pool.shutdown(wait=False)  # gRPC stops using it with the server
         if self._registration is not None:
             self._registration.stop()  # deregister at once rather than after a TTL
         if self._store is not None:
@@ -426,8 +450,8 @@ def main(args: argparse.Namespace) -> int:
             replica_lag_time_max_ms=getattr(args, "replica_lag_time_max_ms", None),
             max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", 1024),
             limits=limits,
-            # Each open append stream and each waiting fetch holds a pool thread.
-            max_workers=max(64, limits.max_waiting_fetches + limits.max_append_streams + 16),
+            # Each open append stream holds a pool thread (fetches have a pool of their own).
+            max_workers=max(64, limits.max_append_streams + 16),
         )
     except (ValueError, TidelogError) as exc:
         print(f"tidelog storage: error: {exc}", file=sys.stderr)

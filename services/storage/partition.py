@@ -421,19 +421,30 @@ class Partition:
         """Block until ``waiter`` completes; the HW then. Raises its error, or
         REQUEST_TIMED_OUT after ``timeout_s`` (the waiter is then withdrawn)."""
         if not waiter.done.wait(timeout_s):
-            with self._lock:
-                if not waiter.done.is_set():
-                    waiter.complete(
-                        RequestTimedOutError(
-                            f"{self.topic}-{self.partition}: offset {waiter.required_offset - 1} "
-                            f"not replicated to the ISR within {timeout_s * 1000:.0f} ms"
-                        )
-                    )
-                    self._ack_waiters = [e for e in self._ack_waiters if e[2] is not waiter]
-                    heapq.heapify(self._ack_waiters)
+            self.withdraw_ack(
+                waiter,
+                RequestTimedOutError(
+                    f"{self.topic}-{self.partition}: offset {waiter.required_offset - 1} "
+                    f"not replicated to the ISR within {timeout_s * 1000:.0f} ms"
+                ),
+            )
         if waiter.error is not None:
             raise waiter.error
         return self._high_watermark
+
+    def withdraw_ack(self, waiter: AckWaiter, error: TidelogError) -> None:
+        """Complete ``waiter`` with ``error`` unless it is done, and forget it: its time ran
+        out, or its client went away (the thread waiting on it is then freed at once)."""
+        with self._lock:
+            if not waiter.done.is_set():
+                waiter.complete(error)
+                self._ack_waiters = [e for e in self._ack_waiters if e[2] is not waiter]
+                heapq.heapify(self._ack_waiters)
+
+    def fail_ack_waiters(self, error: TidelogError) -> None:
+        """Answer every acks=all append waiting here with ``error`` (the broker stops)."""
+        with self._lock:
+            self._fail_ack_waiters(error)
 
     # --- replication: leader side -------------------------------------------------------
 

@@ -48,6 +48,7 @@ from services.storage.log.partition_metadata import valid_topic_id
 from services.storage.log_manager import LogManager
 from services.storage.partition import (
     NO_EPOCH,
+    AckWaiter,
     AppendResult,
     OffsetSpec,
     Partition,
@@ -65,6 +66,7 @@ from services.storage.strays import (
     strays_in_view,
 )
 from tidelog import tracing
+from tidelog.batch import next_offset_after
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
     BrokerNotAvailableError,
@@ -74,6 +76,7 @@ from tidelog.errors import (
     InvalidRequestError,
     InvalidRequiredAcksError,
     NotLeaderOrFollowerError,
+    RequestTimedOutError,
     StaleBrokerEpochError,
     StaleControllerEpochError,
     StorageError,
@@ -123,6 +126,9 @@ class ServerLimits:
     # Requests of one AppendStream appended and not yet answered; beyond it the stream is
     # read no further (gRPC's flow control then holds the client back).
     append_stream_depth: int = 16
+    # Longest an acks=all append waits for the ISR; a larger timeout_ms is clamped, as
+    # max_wait_ms is (each waiting append holds a pool thread).
+    max_acks_timeout_ms: int = 300_000
 
     def __post_init__(self) -> None:
         for name in (
@@ -132,6 +138,7 @@ class ServerLimits:
             "max_waiting_fetches",
             "max_append_streams",
             "append_stream_depth",
+            "max_acks_timeout_ms",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -627,6 +634,13 @@ class ReplicaManager:
                 continue  # deleted (or shut down) since the snapshot was taken
         return infos
 
+    def fail_ack_waiters(self, error: TidelogError) -> None:
+        """Answer every acks=all append waiting on any partition with ``error``."""
+        with self._lock:
+            partitions = list(self._partitions.values())
+        for partition in partitions:
+            partition.fail_ack_waiters(error)
+
     def shutdown(self) -> None:
         """Close every partition (waking long-polls), then flush and checkpoint all logs.
 
@@ -699,6 +713,22 @@ def _put_unless(
         except queue.Full:
             continue
     return False
+
+
+def _client_gone() -> RequestTimedOutError:
+    return RequestTimedOutError("the client went away before the acknowledgement")
+
+
+def _withdraw_when_gone(
+    context: grpc.ServicerContext, partition: Partition, waiter: AckWaiter
+) -> None:
+    """Withdraw ``waiter`` when the call ends (a no-op once it is answered)."""
+
+    def gone() -> None:
+        partition.withdraw_ack(waiter, _client_gone())
+
+    if not context.add_callback(gone):
+        gone()  # the call has already ended
 
 
 def _withdraw_waiters(items: queue.Queue[_StartedAppend | None]) -> None:
@@ -799,11 +829,17 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         self._shutting_down = False
 
     def begin_shutdown(self) -> None:
-        """End every long-poll now (each answers with what it has); no new waits start."""
+        """End every long-poll now (each answers with what it has); no new waits start.
+        Appends waiting for acks=all are answered NOT_LEADER_OR_FOLLOWER (clients retry
+        at the next leader): the server no longer takes the followers' fetches that would
+        move the HW, so they would otherwise wait out the grace period."""
         with self._waiters_lock:
             self._shutting_down = True
             for waiter in self._waiters:
                 waiter.set()
+        self._replicas.fail_ack_waiters(
+            NotLeaderOrFollowerError(f"broker {self._replicas.broker_id} is shutting down")
+        )
 
     # --- Append -------------------------------------------------------------------------
 
@@ -811,7 +847,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     def Append(  # noqa: N802 - gRPC's method name
         self, request: storage_pb2.AppendRequest, context: grpc.ServicerContext
     ) -> storage_pb2.AppendResponse:
-        return self._append(request)
+        partition, result = self._start_append(request)
+        if result.waiter is not None:
+            # A client that goes away (cancelled, deadline passed) frees this thread at
+            # once instead of when timeout_ms runs out.
+            _withdraw_when_gone(context, partition, result.waiter)
+        return self._finish_append(request, partition, result)
 
     def AppendStream(  # noqa: N802 - gRPC's method name
         self, request_iterator: Iterator[storage_pb2.AppendRequest], context: grpc.ServicerContext
@@ -825,12 +866,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 ),
             )
         try:
-            yield from self._pipelined_appends(request_iterator)
+            yield from self._pipelined_appends(request_iterator, context)
         finally:
             self._append_stream_slots.release()
 
     def _pipelined_appends(
-        self, requests: Iterator[storage_pb2.AppendRequest]
+        self, requests: Iterator[storage_pb2.AppendRequest], context: grpc.ServicerContext
     ) -> Iterator[storage_pb2.AppendResponse]:
         """An AppendStream's answers. A reader thread appends each request as it arrives,
         without waiting for the ones before it to be acknowledged (Kafka lets an
@@ -852,9 +893,25 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             finally:
                 _put_unless(started, None, over)
 
+        answering: list[_StartedAppend] = []  # the one whose acknowledgement is awaited
+        client_gone = threading.Event()
+
+        def gone() -> None:
+            # The call ended (its client went away; a no-op after a normal end): stop
+            # waiting for the acknowledgement in hand. gRPC sends nothing more, so the
+            # loop ends at its next answer and the finally withdraws the rest.
+            client_gone.set()
+            for item in list(answering):
+                if item.partition is not None and item.result and item.result.waiter:
+                    item.partition.withdraw_ack(item.result.waiter, _client_gone())
+
+        context.add_callback(gone)
         threading.Thread(target=read, name="append-stream-reader", daemon=True).start()
         try:
             while (item := started.get()) is not None:
+                answering[:] = [item]
+                if client_gone.is_set():
+                    gone()  # ended before this item was in hand
                 yield self._finish_append_answering_errors(item)
         finally:
             over.set()
@@ -885,9 +942,6 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             correlation_id=item.request.correlation_id,
         )
 
-    def _append(self, request: storage_pb2.AppendRequest) -> storage_pb2.AppendResponse:
-        return self._finish_append(request, *self._start_append(request))
-
     def _start_append(self, request: storage_pb2.AppendRequest) -> tuple[Partition, AppendResult]:
         """Validate and append (as the leader); the acknowledgement is ``_finish_append``'s."""
         if request.acks not in _ACKS_VALUES:
@@ -912,7 +966,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         if result.waiter is not None:
             # The purgatory: this handler thread sleeps on the waiter's event, which the
             # thread that moves the HW (a follower's fetch) sets under the partition lock.
-            timeout_ms = request.timeout_ms or DEFAULT_ACKS_TIMEOUT_MS
+            timeout_ms = min(
+                request.timeout_ms or DEFAULT_ACKS_TIMEOUT_MS, self._limits.max_acks_timeout_ms
+            )
             high_watermark = partition.wait_for_ack(result.waiter, timeout_ms / 1000)
         no_acks = request.acks == common_pb2.NONE_ACKS
         if tracing.ENABLED:
@@ -1103,12 +1159,15 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         time_remaining_s = context.time_remaining()
         if time_remaining_s is not None:
             wait_s = max(0.0, min(wait_s, time_remaining_s - 0.05))
+        max_bytes = min(max_bytes, self._limits.max_fetch_response_bytes)
         return _FetchParams(
             replica_id=request.replica_id,
             broker_epoch=request.broker_epoch if request.replica_id >= 0 else -1,
             max_wait_s=wait_s,
-            min_bytes=min_bytes,
-            max_bytes=min(max_bytes, self._limits.max_fetch_response_bytes),
+            # An answer holds at most max_bytes, so more could never be reached and the
+            # fetch would sleep out its wait with data there (Kafka clamps the same way).
+            min_bytes=min(min_bytes, max_bytes),
+            max_bytes=max_bytes,
         )
 
     def _resolve(
@@ -1198,7 +1257,20 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             if isinstance(read, TidelogError):
                 return False
             total += len(read.records)
-        return total < params.min_bytes
+        if total >= params.min_bytes:
+            return False
+        # Below min_bytes, yet a read a byte limit cut short (more was readable than it
+        # could hold) cannot grow by waiting: answer now. Kafka counts the bytes there,
+        # not those sent. Only here are batch headers walked: with min_bytes 1 (every
+        # client of this project) any data answers above.
+        follower = params.replica_id >= 0
+        return not any(
+            read.records
+            and next_offset_after(read.records, 0)
+            < (read.log_end_offset if follower else read.high_watermark)
+            for read in reads
+            if not isinstance(read, TidelogError)
+        )
 
     @staticmethod
     def _fetch_response(

@@ -465,8 +465,13 @@ class Log:
 
     # --- appending --------------------------------------------------------------------------
 
-    def _validate(self, view: memoryview) -> tuple[list[BatchSpan], list[BatchHeader]]:
-        """Check every batch in a request; O(1) Python work per batch, checksums in C."""
+    def _validate(
+        self, view: memoryview, *, check_size: bool
+    ) -> tuple[list[BatchSpan], list[BatchHeader]]:
+        """Check every batch in a request; O(1) Python work per batch, checksums in C.
+        ``check_size``: refuse batches over max.message.bytes (a leader's appends; a
+        follower copies what its leader took, whatever the limit is now, as Kafka's
+        followers do: lowering the limit must not stop replication for good)."""
         if not len(view):
             raise InvalidRequestError("no record batches in the request")
         spans: list[BatchSpan] = []
@@ -478,7 +483,7 @@ class Log:
                     f"{len(view) - position} trailing bytes at position {position} are not a batch"
                 )
             size = formats.LOG_OVERHEAD + formats.I32.unpack_from(view, position + 8)[0]
-            if size > self.config.max_message_bytes:
+            if check_size and size > self.config.max_message_bytes:
                 raise MessageTooLargeError(
                     f"batch at position {position} is {size} bytes; max.message.bytes "
                     f"is {self.config.max_message_bytes}"
@@ -522,7 +527,7 @@ class Log:
         checkpointed before the data is written.
         """
         view = memoryview(batch).cast("B")
-        spans, headers = self._validate(view)
+        spans, headers = self._validate(view, check_size=assign_offsets)
         data: list[bytes | bytearray | memoryview] = [view]
         state = self.producer_state
         append_time_ms = -1
