@@ -381,11 +381,42 @@ def test_crash_with_snapshot_plus_tail(tmp_path: Path) -> None:
     log.close()
     taken = snapshots(crashed)
     assert taken and taken[-1] == log.segment_base_offsets[-1] < end
-    # Only the last two segments' snapshots are kept.
-    assert taken == log.segment_base_offsets[-2:]
+    # One snapshot per segment after the first (taken as each was rolled in).
+    assert taken == log.segment_base_offsets[1:]
     reopened = open_log(crashed, config)
     assert state_of(reopened) == expected
     reopened.close()
+
+
+def test_a_truncation_into_an_old_segment_after_retention_keeps_the_leaders_producers(
+    tmp_path: Path,
+) -> None:
+    """Retention deleted every batch of a quiet producer; a replica then truncates into
+    its oldest remaining segment (a divergence) and copies the leader again. Its state
+    still knows that producer, as the leader's does, because a snapshot is kept at every
+    segment base: rebuilt from the log start (only the two newest segments had one), it
+    forgot it, and after a failover there a retry of its last batch was written twice
+    (found by an audit)."""
+    config = LogConfig(segment_bytes=600, retention_bytes=2000)
+    leader = open_log(tmp_path / "leader" / "p-0", config)
+    follower = open_log(tmp_path / "follower" / "p-0", config)
+    assert not leader.append(idem(7, 0, 0), 1).duplicate  # then producer 7 goes quiet
+    seq = 0
+    for i in range(40):
+        leader.append(idem(9, 0, seq, tag=i), 1)
+        seq += 2
+    follower_copy(leader, follower)
+    for log in (leader, follower):
+        log.delete_retention_segments(high_watermark=leader.log_end_offset)
+    assert follower.log_start_offset > 1  # producer 7's batch is gone from both logs
+    assert follower.segment_count > 3
+    follower.truncate_to(follower.segment_base_offsets[0] + 2)
+    follower_copy(leader, follower)
+    assert state_of(follower) == state_of(leader)
+    # The replica leads now: producer 7's retry of its batch is known as written.
+    assert follower.append(idem(7, 0, 0), 2).duplicate
+    leader.close()
+    follower.close()
 
 
 def test_snapshot_above_the_recovered_end_is_ignored_and_deleted(tmp_path: Path) -> None:

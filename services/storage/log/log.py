@@ -172,12 +172,6 @@ def check_record_count(header: BatchHeader, position: int) -> None:
         )
 
 
-PRODUCER_SNAPSHOT_SEGMENTS = 2
-"""Producer snapshots are kept for the base offsets of this many newest segments (plus the
-newest snapshot), as Kafka does: enough to rebuild the state after a truncation within
-them without replaying the whole log."""
-
-
 class AppendInfo(NamedTuple):
     """Offsets of an append (inclusive).
 
@@ -703,9 +697,15 @@ class Log:
                 cooling.release_cache()  # a no-op if retention closed it meanwhile
 
     def _take_producer_snapshot(self) -> None:
+        """Snapshot the state, keeping one snapshot per segment base (and the newest), as
+        Kafka does, until retention deletes the segment. A truncation into any segment
+        then rebuilds from a snapshot at or below it, which still holds producers whose
+        batches retention removed: rebuilt from the log start instead, a replica forgot
+        them while its leader knew them, and after a failover to it a producer's retry
+        of a batch already written was written again."""
         state = self.producer_state
         state.take_snapshot()
-        state.retain_snapshots(self._segments.base_offsets[-PRODUCER_SNAPSHOT_SEGMENTS:])
+        state.retain_snapshots(self._segments.base_offsets)
 
     # --- reading ----------------------------------------------------------------------------
 
