@@ -991,6 +991,70 @@ def test_init_producer_id_callers_get_an_answer_within_their_deadline_without_a_
         cluster.kill(own)
 
 
+def test_admin_requests_answer_within_the_clients_deadline_without_a_controller(
+    cluster: TestCluster,
+) -> None:
+    """An admin request retries the controller for at most its client's deadline (and
+    timeout_ms, at most 300 s), then answers REQUEST_TIMED_OUT naming the reason. It used
+    to retry for the whole timeout_ms (up to 24 days), holding a server thread after the
+    client gave up, which then saw only its own bare deadline (found by an audit)."""
+    own = cluster.start_gateway()
+    controller = cluster.active_controller()
+    controller_id = next(i for i, p in cluster.controllers.items() if p is controller)
+    cluster.kill(controller)
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            own.stub.CreateTopics(
+                controller_pb2.CreateTopicsRequest(
+                    topics=[
+                        controller_pb2.CreatableTopic(
+                            name="never", num_partitions=1, replication_factor=1
+                        )
+                    ],
+                    timeout_ms=600_000,
+                ),
+                timeout=2,
+            )
+        assert rpc_error_code(raised.value) == ErrorCode.REQUEST_TIMED_OUT, raised.value
+        assert "no active controller answered in time" in (raised.value.details() or "")
+    finally:
+        cluster.start_controller(controller_id)
+        cluster.active_controller()
+        cluster.kill(own)
+
+
+def test_offset_fetches_and_list_offsets_keep_their_limits_and_entries(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """FetchOffsets names at most 10,000 partitions, as CommitOffsets (a 20 MB request
+    took 16 s of CPU and 420 MB); ListOffsets answers each entry, a partition asked at two
+    timestamps included (the later answer was given for both). Found by an audit."""
+    too_many = [common_pb2.TopicPartition(topic="t", partition=p) for p in range(10_001)]
+    with pytest.raises(grpc.RpcError) as raised:
+        gateway.stub.FetchOffsets(
+            gateway_pb2.FetchOffsetsRequest(group_id="g", partitions=too_many), timeout=10
+        )
+    assert rpc_error_code(raised.value) == ErrorCode.INVALID_REQUEST
+    assert "10001 partitions in one offset fetch; the limit is 10000" in (
+        raised.value.details() or ""
+    )
+    admin.create_topic("stamped", partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for stamp in (1000, 2000, 3000):
+            producer.send("stamped", b"v", partition=0, timestamp_ms=stamp).result(30)
+
+    def at(timestamp_ms: int) -> storage_pb2.ListOffsetsPartition:
+        return storage_pb2.ListOffsetsPartition(
+            topic="stamped", partition=0, spec=common_pb2.BY_TIMESTAMP, timestamp_ms=timestamp_ms
+        )
+
+    answers = gateway.stub.ListOffsets(
+        storage_pb2.ListOffsetsRequest(replica_id=-1, partitions=[at(1500), at(2500)]),
+        timeout=10,
+    )
+    assert [(a.offset, a.timestamp_ms) for a in answers.partitions] == [(1, 2000), (2, 3000)]
+
+
 def test_a_dead_broker_does_not_hold_up_produce_to_the_others(
     cluster: TestCluster, admin: tidelog.Admin
 ) -> None:

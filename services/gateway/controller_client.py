@@ -62,11 +62,10 @@ class ControllerClient:
             version = self._cache.version
             remaining_s = deadline - time.monotonic()
             if remaining_s <= DEADLINE_MARGIN_S:
-                if last.code == ErrorCode.NOT_CONTROLLER or isinstance(
-                    last, BrokerNotAvailableError
-                ):
-                    raise RequestTimedOutError(f"no active controller answered in time: {last}")
-                raise last
+                # Every retried failure means the same to the caller: no controller took
+                # the request in time (gRPC's own "failed to connect to all addresses"
+                # says less).
+                raise RequestTimedOutError(f"no active controller answered in time: {last}")
             controller = self._cache.read(lambda view: view.controller)
             if controller is not None:
                 try:

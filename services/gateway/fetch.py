@@ -511,17 +511,14 @@ class FetchHandler:
         # after the first, so a stopped leader cost twice the timeout).
         deadline = time.monotonic() + timeout_s
         results = self.offsets_by_leader(request.replica_id, request.partitions, timeout_s)
-        for lp in request.partitions:
-            key = (lp.topic, lp.partition, lp.spec)
-            if ErrorCode(int(results[key].error.code)) in REROUTE_CODES and not lp.HasField(
+        for i, lp in enumerate(request.partitions):
+            if ErrorCode(int(results[i].error.code)) in REROUTE_CODES and not lp.HasField(
                 "current_leader_epoch"
             ):
                 # Leadership moved (or the leader has not heard yet): ask this partition
                 # again through the router, which waits for the metadata to settle.
-                results[key] = self._list_one(request.replica_id, lp, deadline)
-        return storage_pb2.ListOffsetsResponse(
-            partitions=[results[(lp.topic, lp.partition, lp.spec)] for lp in request.partitions]
-        )
+                results[i] = self._list_one(request.replica_id, lp, deadline)
+        return storage_pb2.ListOffsetsResponse(partitions=results)
 
     def _list_one(
         self, replica_id: int, lp: storage_pb2.ListOffsetsPartition, deadline: float
@@ -560,40 +557,42 @@ class FetchHandler:
         timeout_s: float,
         *,
         leader_as_replica: bool = False,
-    ) -> dict[tuple[str, int, int], storage_pb2.ListOffsetsResult]:
-        """ListOffsets on every leader concurrently, keyed by (topic, partition, spec).
+    ) -> list[storage_pb2.ListOffsetsResult]:
+        """ListOffsets on every leader concurrently; one answer per item, in order (a
+        partition asked twice, e.g. by two timestamps, gets an answer for each: keyed by
+        partition and spec, the later one answered both).
 
         ``leader_as_replica`` asks as the leader itself, which answers LATEST with the log
         end offset instead of the high watermark (for DescribeTopics).
         """
-        results: dict[tuple[str, int, int], storage_pb2.ListOffsetsResult] = {}
-        # Per leader broker: the items and, for each, the epoch its own leader has.
-        groups: dict[int, tuple[Leader, list[tuple[storage_pb2.ListOffsetsPartition, int]]]] = {}
-        for lp in partitions:
+        results: list[storage_pb2.ListOffsetsResult | None] = [None] * len(partitions)
+        # Per leader broker: the items' places and, for each, the epoch its own leader has.
+        groups: dict[int, tuple[Leader, list[tuple[int, int]]]] = {}
+        for i, lp in enumerate(partitions):
             try:
                 leader = self._router.cache.leader(lp.topic, lp.partition)
             except TidelogError as exc:
-                results[(lp.topic, lp.partition, lp.spec)] = _offset_error(lp, exc)
+                results[i] = _offset_error(lp, exc)
                 continue
             epoch = (
                 lp.current_leader_epoch
                 if lp.HasField("current_leader_epoch")
                 else leader.leader_epoch
             )
-            groups.setdefault(leader.broker.broker_id, (leader, []))[1].append((lp, epoch))
+            groups.setdefault(leader.broker.broker_id, (leader, []))[1].append((i, epoch))
         calls = []
         for broker_id, (leader, pairs) in groups.items():
             stub = self._router.channels.storage(leader.broker)
-            items = [lp for lp, _ in pairs]
+            places = [i for i, _ in pairs]
             asked = [
                 storage_pb2.ListOffsetsPartition(
-                    topic=lp.topic,
-                    partition=lp.partition,
-                    spec=lp.spec,
-                    timestamp_ms=lp.timestamp_ms,
+                    topic=partitions[i].topic,
+                    partition=partitions[i].partition,
+                    spec=partitions[i].spec,
+                    timestamp_ms=partitions[i].timestamp_ms,
                     current_leader_epoch=epoch,
                 )
-                for lp, epoch in pairs
+                for i, epoch in pairs
             ]
             calls.append(
                 (
@@ -604,20 +603,22 @@ class FetchHandler:
                         ),
                         timeout=timeout_s,
                     ),
-                    items,
+                    places,
                 )
             )
-        for future, items in calls:
+        for future, places in calls:
             try:
                 response: storage_pb2.ListOffsetsResponse = future.result()
             except grpc.RpcError as exc:
                 error = error_from_rpc_error(exc)
-                for lp in items:
-                    results[(lp.topic, lp.partition, lp.spec)] = _offset_error(lp, error)
+                for i in places:
+                    results[i] = _offset_error(partitions[i], error)
                 continue
-            for lp, answer in zip(items, response.partitions, strict=True):
-                results[(lp.topic, lp.partition, lp.spec)] = answer
-        return results
+            for i, answer in zip(places, response.partitions, strict=True):
+                results[i] = answer
+        answered = [r for r in results if r is not None]
+        assert len(answered) == len(results)  # every item is an error or in a group answered
+        return answered
 
 
 def _offset_error(

@@ -51,7 +51,17 @@ _log = get_logger(component="gateway.groups")
 MAX_GROUP_ID_CHARS: Final = 255
 MAX_METADATA_BYTES: Final = 4096
 """Kafka's offset.metadata.max.bytes."""
-MAX_PARTITIONS_PER_COMMIT: Final = 10_000
+MAX_PARTITIONS_PER_REQUEST: Final = 10_000
+"""Partitions one CommitOffsets or FetchOffsets may name (as Fetch and ListOffsets)."""
+
+
+def check_partition_count(count: int, what: str) -> None:
+    if count > MAX_PARTITIONS_PER_REQUEST:
+        raise InvalidRequestError(
+            f"{count} partitions in one {what}; the limit is {MAX_PARTITIONS_PER_REQUEST}"
+        )
+
+
 OPS_PER_TXN: Final = 100
 """etcd's default --max-txn-ops is 128; stay below it for etcds configured by others."""
 MAX_GROUPS_LISTED: Final = 100_000
@@ -162,10 +172,7 @@ class OffsetStore:
         A commit the client gave up on must not land late, after a newer one of the same
         member: its older offsets would overwrite the newer ones."""
         check_group_id(group_id)
-        if len(offsets) > MAX_PARTITIONS_PER_COMMIT:
-            raise InvalidRequestError(
-                f"{len(offsets)} partitions in one commit; the limit is {MAX_PARTITIONS_PER_COMMIT}"
-            )
+        check_partition_count(len(offsets), "commit")
         outcomes: list[CommitOutcome] = []
         # By key: a partition named twice is written once, with its last valid offset (etcd
         # refuses a transaction that writes a key twice, and that refusal looked like a
@@ -265,6 +272,7 @@ class OffsetStore:
         """Committed offsets; for ``partitions`` given, one entry each (offset -1 when none),
         else everything the group committed."""
         check_group_id(group_id)
+        check_partition_count(len(partitions), "offset fetch")
         kvs = self._store.get_prefix(group_prefix(group_id))
         # Read after the offsets: a topic re-created in between then shows its new id.
         topic_ids = self._cache.read(lambda view: {n: t.topic_id for n, t in view.topics.items()})

@@ -15,7 +15,7 @@ CreateTopics returns.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final, TypeVar
 
 import grpc
@@ -24,7 +24,7 @@ from services.controller.state import Broker
 from services.gateway.controller_client import ControllerClient, ProducerIds
 from services.gateway.fetch import FetchHandler
 from services.gateway.group_coordinator import GroupCoordinator
-from services.gateway.groups import Committed, OffsetStore
+from services.gateway.groups import Committed, OffsetStore, check_partition_count
 from services.gateway.metadata_cache import MetadataCache, MetadataView
 from services.gateway.produce import ProduceHandler
 from services.gateway.router import DEADLINE_MARGIN_S
@@ -98,10 +98,35 @@ def _topic_metadata(view: MetadataView, name: str) -> common_pb2.TopicMetadata:
     )
 
 
-def _timeout_s(timeout_ms: int) -> float:
+def _by_partition_and_spec(
+    asked: Sequence[storage_pb2.ListOffsetsPartition],
+    answers: Sequence[storage_pb2.ListOffsetsResult],
+) -> dict[tuple[str, int, int], storage_pb2.ListOffsetsResult]:
+    return {(a.topic, a.partition, a.spec): r for a, r in zip(asked, answers, strict=True)}
+
+
+MAX_ADMIN_TIMEOUT_S: Final = 300.0
+"""The longest an admin request waits for the controller and the brokers (each waiting one
+holds a server thread); a larger timeout_ms is clamped, as the storage nodes clamp theirs."""
+
+
+def _admin_budget_s(timeout_ms: int) -> float:
+    """What an admin request's timeout_ms allows: itself (0: the default), at most
+    MAX_ADMIN_TIMEOUT_S."""
     if timeout_ms < 0:
         raise InvalidRequestError(f"timeout_ms {timeout_ms} is negative")
-    return timeout_ms / 1000 if timeout_ms else ADMIN_TIMEOUT_S
+    return min(timeout_ms / 1000 if timeout_ms else ADMIN_TIMEOUT_S, MAX_ADMIN_TIMEOUT_S)
+
+
+def _timeout_s(timeout_ms: int, context: grpc.ServicerContext) -> float:
+    """An admin request's budget (``_admin_budget_s``), never past the client's own
+    deadline: a client that gave up no longer holds a thread here while the controller
+    is retried."""
+    budget_s = _admin_budget_s(timeout_ms)
+    time_remaining_s = context.time_remaining()
+    if time_remaining_s is not None:
+        budget_s = min(budget_s, max(0.0, time_remaining_s - DEADLINE_MARGIN_S))
+    return budget_s
 
 
 AdminRequest = TypeVar(
@@ -262,13 +287,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         # Both passes within one budget (each used to get 10 s of its own, whatever the
         # client's deadline).
         deadline = time.monotonic() + _budget_s(context, LEADER_CALL_TIMEOUT_S)
-        consumer = self._fetch.offsets_by_leader(-1, asked, deadline - time.monotonic())
-        replica = self._fetch.offsets_by_leader(
-            -1,
-            [a for a in asked if a.spec == common_pb2.LATEST],
-            max(0.0, deadline - time.monotonic()),
-            leader_as_replica=True,
+        as_consumer = self._fetch.offsets_by_leader(-1, asked, deadline - time.monotonic())
+        latest = [a for a in asked if a.spec == common_pb2.LATEST]
+        as_replica = self._fetch.offsets_by_leader(
+            -1, latest, max(0.0, deadline - time.monotonic()), leader_as_replica=True
         )
+        consumer = _by_partition_and_spec(asked, as_consumer)
+        replica = _by_partition_and_spec(latest, as_replica)
         topics = []
         for t in metadata:
             described = []
@@ -311,7 +336,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def CreateTopics(  # noqa: N802 - gRPC's method name
         self, request: controller_pb2.CreateTopicsRequest, context: grpc.ServicerContext
     ) -> controller_pb2.CreateTopicsResponse:
-        timeout_s = _timeout_s(request.timeout_ms)
+        timeout_s = _timeout_s(request.timeout_ms, context)
         deadline = time.monotonic() + timeout_s
         response: controller_pb2.CreateTopicsResponse = self._controller.call(
             timeout_s, lambda stub, t: stub.CreateTopics(_for_controller(request, t), timeout=t)
@@ -325,7 +350,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def DeleteTopics(  # noqa: N802 - gRPC's method name
         self, request: controller_pb2.DeleteTopicsRequest, context: grpc.ServicerContext
     ) -> controller_pb2.DeleteTopicsResponse:
-        timeout_s = _timeout_s(request.timeout_ms)
+        timeout_s = _timeout_s(request.timeout_ms, context)
         deadline = time.monotonic() + timeout_s
         response: controller_pb2.DeleteTopicsResponse = self._controller.call(
             timeout_s, lambda stub, t: stub.DeleteTopics(_for_controller(request, t), timeout=t)
@@ -338,7 +363,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def CreatePartitions(  # noqa: N802 - gRPC's method name
         self, request: controller_pb2.CreatePartitionsRequest, context: grpc.ServicerContext
     ) -> controller_pb2.CreatePartitionsResponse:
-        timeout_s = _timeout_s(request.timeout_ms)
+        timeout_s = _timeout_s(request.timeout_ms, context)
         deadline = time.monotonic() + timeout_s
         response: controller_pb2.CreatePartitionsResponse = self._controller.call(
             timeout_s, lambda stub, t: stub.CreatePartitions(_for_controller(request, t), timeout=t)
@@ -366,7 +391,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         request: controller_pb2.IncrementalAlterConfigsRequest,
         context: grpc.ServicerContext,
     ) -> controller_pb2.IncrementalAlterConfigsResponse:
-        timeout_s = _timeout_s(request.timeout_ms)
+        timeout_s = _timeout_s(request.timeout_ms, context)
         deadline = time.monotonic() + timeout_s
         response: controller_pb2.IncrementalAlterConfigsResponse = self._controller.call(
             timeout_s,
@@ -426,6 +451,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def FetchOffsets(  # noqa: N802 - gRPC's method name
         self, request: gateway_pb2.FetchOffsetsRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.FetchOffsetsResponse:
+        # Before the request's entries become objects: a 100 MB request holds millions.
+        check_partition_count(len(request.partitions), "offset fetch")
         committed = self._offsets.fetch(
             request.group_id, [(tp.topic, tp.partition) for tp in request.partitions]
         )
