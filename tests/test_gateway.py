@@ -1023,6 +1023,17 @@ def test_admin_requests_answer_within_the_clients_deadline_without_a_controller(
         cluster.kill(own)
 
 
+def test_a_produce_timeout_above_the_limit_is_clamped_not_refused(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A produce timeout_ms above 300 s is clamped, as the storage nodes clamp theirs: a
+    producer (or a Spark write, requestTimeoutMs) configured with a longer request
+    timeout used to have every request refused (found by an audit)."""
+    admin.create_topic("long-timeout", partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address, request_timeout_ms=600_000) as producer:
+        assert producer.send("long-timeout", b"v").result(30).offset == 0
+
+
 def test_offset_fetches_and_list_offsets_keep_their_limits_and_entries(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -17,17 +17,24 @@ import pytest
 import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
 from tidelog.client import GatewayConnection
-from tidelog.errors import NetworkError, OffsetOutOfRangeError, RequestTimedOutError
+from tidelog.errors import (
+    NetworkError,
+    OffsetOutOfRangeError,
+    RequestTimedOutError,
+    UnknownTopicOrPartitionError,
+)
 from tidelog.partitioner import partition_for_key
 
 pyspark = pytest.importorskip("pyspark")
 from pyspark.sql import functions as F  # noqa: E402, N812
+from pyspark.sql.types import BinaryType, StructField, StructType  # noqa: E402
 
 from tidelog.spark import activate, local_session  # noqa: E402
 from tidelog.spark.options import parse_read_options  # noqa: E402
 from tidelog.spark.planning import OffsetRange  # noqa: E402
 from tidelog.spark.reader import read_range  # noqa: E402
 from tidelog.spark.source import TidelogBatchReader  # noqa: E402
+from tidelog.spark.writer import TidelogBatchWriter, TidelogStreamWriter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +216,18 @@ def test_misspelt_options_are_refused_and_sparks_own_options_pass(
     )
 
 
+def test_a_write_to_an_unknown_topic_fails_on_the_driver(gateway: GatewayProcess) -> None:
+    """The `topic` option's topic is looked up when the write is planned, so the query
+    fails before any task runs, as SPARK.md says (each task failed on it, and Spark
+    retried each; found by an audit)."""
+    schema = StructType([StructField("value", BinaryType())])
+    options = {"gateway": gateway.address, "topic": "spark-never-created"}
+    with pytest.raises(UnknownTopicOrPartitionError, match="spark-never-created"):
+        TidelogBatchWriter(options, schema, env_gateway=None)
+    with pytest.raises(UnknownTopicOrPartitionError, match="spark-never-created"):
+        TidelogStreamWriter(options, schema, env_gateway=None)
+
+
 def test_unreachable_gateway_and_missing_topic_option(spark: Any) -> None:
     with pytest.raises(Exception, match="unreachable"):
         spark.read.format("tidelog").option("gateway", "127.0.0.1:1").option(
@@ -217,6 +236,35 @@ def test_unreachable_gateway_and_missing_topic_option(spark: Any) -> None:
     df = spark.range(3).select(F.col("id").cast("string").cast("binary").alias("value"))
     with pytest.raises(Exception, match="topic"):
         df.write.format("tidelog").option("gateway", "127.0.0.1:1").mode("append").save()
+
+
+def test_the_topic_option_overrides_a_topic_column(spark: Any, gateway: GatewayProcess) -> None:
+    """A copy of a whole read (which always has a `topic` column) written with the
+    `topic` option goes to that topic, as in Spark's Kafka sink; the column used to win,
+    and the rows went back into the topic they were read from (found by an audit). The
+    `partition` column is kept, as Kafka's sink keeps it."""
+    admin = tidelog.Admin(gateway.address)
+    source, target = "spark-override-in", "spark-override-out"
+    for name in (source, target):
+        admin.create_topic(name, partitions=2, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for p in (0, 1):
+            producer.send_batch(source, [f"{p}-{i}".encode() for i in range(5)], partition=p)
+        producer.flush()
+    read = spark.read.format("tidelog").option("gateway", gateway.address)
+    read.option("subscribe", source).load().write.format("tidelog").option(
+        "gateway", gateway.address
+    ).option("topic", target).mode("append").save()
+    copied = read.option("subscribe", target).load().collect()
+    assert sorted((r["partition"], bytes(r["value"])) for r in copied) == sorted(
+        (p, f"{p}-{i}".encode()) for p in (0, 1) for i in range(5)
+    )
+    assert read.option("subscribe", source).load().count() == 10  # nothing written back
+    with pytest.raises(Exception, match="save mode 'overwrite' is not supported"):
+        read.option("subscribe", source).load().write.format("tidelog").option(
+            "gateway", gateway.address
+        ).option("topic", target).mode("overwrite").save()
+    assert read.option("subscribe", target).load().count() == 10  # it appended nothing
 
 
 def _run_copy(

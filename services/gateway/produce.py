@@ -49,6 +49,8 @@ _log = structlog.get_logger("tidelog.gateway.produce")
 DEFAULT_TIMEOUT_MS: Final = 30_000
 """Kafka's request.timeout.ms: the default end-to-end budget of a produce request."""
 MAX_TIMEOUT_MS: Final = 300_000
+"""A larger timeout_ms is clamped to this, as the storage nodes clamp an acks=all wait:
+refusing it failed every request of a client configured with a long request timeout."""
 MAX_PARTITIONS_PER_REQUEST: Final = 10_000
 LEADER_WATCH_S: Final = 0.5
 """How often an append waiting for its leader looks whether the metadata names another."""
@@ -82,10 +84,8 @@ def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> floa
         raise InvalidRequiredAcksError(
             f"acks value {request.acks} is not one of NONE_ACKS (0), LEADER (1) or ALL"
         )
-    if not 0 <= request.timeout_ms <= MAX_TIMEOUT_MS:
-        raise InvalidRequestError(
-            f"timeout_ms {request.timeout_ms} is outside 0..{MAX_TIMEOUT_MS} (0 = default)"
-        )
+    if request.timeout_ms < 0:
+        raise InvalidRequestError(f"timeout_ms {request.timeout_ms} is negative (0 = default)")
     if len(request.partitions) > MAX_PARTITIONS_PER_REQUEST:
         raise InvalidRequestError(
             f"{len(request.partitions)} partitions in one request; the limit is "
@@ -106,7 +106,7 @@ def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> floa
             f"the request carries {total} bytes of records; this gateway accepts at most "
             f"{limits.max_request_bytes} (--max-request-bytes)"
         )
-    timeout_ms = request.timeout_ms or DEFAULT_TIMEOUT_MS
+    timeout_ms = min(request.timeout_ms or DEFAULT_TIMEOUT_MS, MAX_TIMEOUT_MS)
     return time.monotonic() + timeout_ms / 1000
 
 

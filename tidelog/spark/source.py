@@ -101,6 +101,12 @@ class TidelogDataSource(DataSource):
     def writer(self, schema: StructType, overwrite: bool) -> Any:
         from tidelog.spark.writer import TidelogBatchWriter  # noqa: PLC0415
 
+        if overwrite:
+            # Spark's Kafka sink refuses it too: nothing in a log can be replaced.
+            raise ConfigError(
+                "save mode 'overwrite' is not supported: a tidelog topic is only appended "
+                "to; use mode('append')"
+            )
         return TidelogBatchWriter(self.options, schema, env_gateway=_env_gateway())
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> Any:

@@ -66,6 +66,16 @@ class WriteSummary(WriterCommitMessage):
     batches: int
 
 
+def check_topic_option(options: WriteOptions) -> None:
+    """On the driver, before any task runs: the gateway answers and knows the `topic`
+    option's topic (else every task would fail on it, each retried by Spark). Topics named
+    only by a `topic` column are checked by the tasks that meet them."""
+    if options.topic is not None:
+        GatewayConnection.get(options.gateway, options.request_timeout_ms).partition_counts(
+            [options.topic]
+        )
+
+
 def check_schema(schema: StructType, options: WriteOptions) -> None:
     """Reject a schema the sink cannot write, before any task runs."""
     fields = {field.name.lower(): field for field in schema.fields}
@@ -162,14 +172,15 @@ class _TaskWriter:
         columns = {name.lower(): batch.column(i) for i, name in enumerate(batch.schema.names)}
         n = batch.num_rows
         topics = columns.get("topic")
-        default_topic = self.options.topic
-        if topics is None:
-            assert default_topic is not None  # check_schema
-            topics = pa.repeat(pa.scalar(default_topic, pa.string()), n)
+        if self.options.topic is not None:
+            # The option overrides a topic column, as in Spark's Kafka sink: a copy of a
+            # tidelog (or Kafka) read, which always has that column, goes to the option's
+            # topic, not back into the topics it was read from.
+            topics = pa.repeat(pa.scalar(self.options.topic, pa.string()), n)
+        elif topics is None:
+            raise InvalidRequestError("no 'topic' column and no 'topic' option")  # check_schema
         elif topics.null_count:
-            if default_topic is None:
-                raise InvalidRequestError("a row has a null 'topic' and no 'topic' option is set")
-            topics = pc.fill_null(topics, default_topic)
+            raise InvalidRequestError("a row has a null 'topic' and no 'topic' option is set")
         for topic_scalar in pc.unique(topics).to_pylist():
             topic = str(topic_scalar)
             rows = batch if len(pc.unique(topics)) == 1 else batch.filter(pc.equal(topics, topic))
@@ -369,6 +380,7 @@ class TidelogBatchWriter(DataSourceArrowWriter):
     ) -> None:
         self.options = parse_write_options(options, streaming=False, env_gateway=env_gateway)
         check_schema(schema, self.options)
+        check_topic_option(self.options)
 
     def write(self, iterator: Iterator[Any]) -> WriteSummary:
         return _TaskWriter(self.options, sticky_seed=None).write(iterator)
@@ -382,6 +394,7 @@ class TidelogStreamWriter(DataSourceStreamArrowWriter):
     ) -> None:
         self.options = parse_write_options(options, streaming=True, env_gateway=env_gateway)
         check_schema(schema, self.options)
+        check_topic_option(self.options)
 
     def write(self, iterator: Iterator[Any]) -> WriteSummary:
         identity = task_identity() if self.options.exactly_once else None
