@@ -19,6 +19,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tidelog
 from services.cluster_metadata import GROUPS_PREFIX, deletion_key
+from services.controller.state import Broker
+from services.gateway.channels import Channels, ChannelSweeper, broker_address
 from services.gateway.groups import offset_key
 from services.gateway.leader_calls import LeaderCalls
 from tests.support.cluster import (
@@ -1021,6 +1023,42 @@ def test_admin_requests_answer_within_the_clients_deadline_without_a_controller(
         cluster.start_controller(controller_id)
         cluster.active_controller()
         cluster.kill(own)
+
+
+def test_channels_to_addresses_out_of_use_for_a_whole_sweep_are_closed() -> None:
+    """A broker that comes back on another address leaves a channel behind; the sweeper
+    closes it (and the fetch loop's) once no broker or controller has had the address
+    for a whole interval, not at the first look without it. Old channels used to stay,
+    reconnecting to dead addresses for ever (found by an audit: 200 after 200 moves)."""
+    channels, calls = Channels(), LeaderCalls()
+    old, new = Broker(1, "127.0.0.1", 1), Broker(1, "127.0.0.1", 2)
+    in_use = {broker_address(old)}
+
+    async def fetch_channels(*brokers: Broker) -> set[str]:
+        for broker in brokers:
+            calls.fetch_encoded(broker)
+        return set(calls._channels)
+
+    try:
+        stub = channels.storage(old)
+        assert calls.run(fetch_channels(old)) == {"127.0.0.1:1"}
+        sweeper = ChannelSweeper(
+            lambda: set(in_use), (channels.retain, calls.retain), interval_s=3600
+        )
+        sweeper.start()
+        in_use = {broker_address(new)}  # the broker moved
+        channels.storage(new)
+        sweeper.sweep()  # gone at one look: kept (it may be back at once)
+        assert channels.storage(old) is stub
+        sweeper.sweep()  # gone for a whole interval: closed
+        sweeper.stop()
+        with pytest.raises(ValueError, match="closed channel"):
+            stub.DescribeLogDirs(storage_pb2.DescribeLogDirsRequest(), timeout=1)
+        assert channels.storage(old) is not stub  # a new one if it is ever used again
+        assert calls.run(fetch_channels()) == set()  # the fetch loop's is closed too
+    finally:
+        calls.close()
+        channels.close()
 
 
 def test_a_produce_timeout_above_the_limit_is_clamped_not_refused(

@@ -1,8 +1,11 @@
 """gRPC channels from the gateway to storage nodes and to the active controller.
 
-One channel per address, created on first use and kept: gRPC multiplexes every concurrent
-call over it, so the gateway never needs a pool per broker. A broker that re-registers
-on a new address simply gets a new channel (the old one idles; brokers rarely move).
+One channel per address, created on first use and kept while the address is in use:
+gRPC multiplexes every concurrent call over it, so the gateway never needs a pool per
+broker. A broker that re-registers on a new address (a restart on another port, a new
+pod IP) gets a new channel; ``ChannelSweeper`` closes the old one once no registered
+broker or controller has had its address for a whole sweep interval (a closed channel
+kept reconnecting to the dead address for ever).
 
 Thread-safety: every method may be called from any thread.
 """
@@ -10,12 +13,16 @@ Thread-safety: every method may be called from any thread.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Collection, Sequence
 from typing import Final
 
 import grpc
+import structlog
 
 from services.controller.state import Broker
 from tidelog.v1 import controller_pb2_grpc, storage_pb2, storage_pb2_grpc
+
+_log = structlog.get_logger("tidelog.gateway.channels")
 
 CHANNEL_OPTIONS: Final = [
     # Produce requests and fetch responses carry many megabytes of batches.
@@ -100,6 +107,20 @@ class Channels:
     def controller(self, address: str) -> controller_pb2_grpc.ControllerStub:
         return controller_pb2_grpc.ControllerStub(self._channel(address))
 
+    def retain(self, addresses: Collection[str]) -> list[str]:
+        """Close the channels to every address not in ``addresses``; the addresses closed.
+        A call still running on one fails as a network error (retried elsewhere)."""
+        with self._lock:
+            gone = [address for address in self._channels if address not in addresses]
+            closing = [self._channels.pop(address) for address in gone]
+            for address in gone:
+                self._stubs.pop(address, None)
+                self._appends.pop(address, None)
+                self._fetches.pop(address, None)
+        for channel in closing:
+            channel.close()
+        return gone
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -109,3 +130,57 @@ class Channels:
             self._fetches.clear()
         for channel in channels:
             channel.close()
+
+
+CHANNEL_SWEEP_INTERVAL_S: Final = 60.0
+"""How often ``ChannelSweeper`` looks; an address unused for a whole interval is closed."""
+
+
+class ChannelSweeper:
+    """Every ``interval_s``, keeps the channels to the addresses in use now or at the last
+    look (``addresses()``: the registered brokers' and the controller's) and closes the
+    others, through each of ``retainers`` (``Channels.retain`` and the like). Looking twice
+    means an address that disappears for a moment (a broker re-registering on the same
+    port) is not closed under calls about to use it again.
+
+    Thread-safety: ``start``/``stop`` from the owner; ``sweep`` from its thread (or a test).
+    """
+
+    def __init__(
+        self,
+        addresses: Callable[[], set[str]],
+        retainers: Sequence[Callable[[Collection[str]], object]],
+        *,
+        interval_s: float = CHANNEL_SWEEP_INTERVAL_S,
+    ) -> None:
+        self._addresses = addresses
+        self._retainers = retainers
+        self._interval_s = interval_s
+        self._previous: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sweep(self) -> None:
+        current = self._addresses()
+        keep = current | self._previous
+        for retain in self._retainers:
+            retain(keep)
+        self._previous = current
+
+    def start(self) -> None:
+        self._previous = self._addresses()
+        self._thread = threading.Thread(target=self._run, name="gateway-channel-sweeper")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.sweep()
+            except Exception:  # a sweep must never end the sweeper
+                _log.exception("channel_sweep_failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

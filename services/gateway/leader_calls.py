@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 from typing import Any, Final, TypeVar
 
 import grpc
@@ -78,6 +78,19 @@ class LeaderCalls:
             request_serializer=storage_pb2.FetchRequest.SerializeToString,
             response_deserializer=None,
         )
+
+    def retain(self, addresses: Collection[str]) -> None:
+        """Close the channels to every address not in ``addresses`` (on the loop, soon;
+        a call still running on one fails as a network error)."""
+
+        async def close_others() -> None:
+            gone = [address for address in self._channels if address not in addresses]
+            for address in gone:
+                await self._channels.pop(address).close(grace=None)
+
+        with self._lock:
+            if not self._closed:
+                asyncio.run_coroutine_threadsafe(close_others(), self._loop)
 
     def close(self) -> None:
         """Cancel what is running (its callers get BrokerNotAvailableError), close the

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.allocator import cgroup_limit_files, memory_limit_bytes
-from services.gateway.channels import Channels
+from services.gateway.channels import Channels, ChannelSweeper, broker_address
 from services.gateway.controller_client import ControllerClient, ProducerIds
 from services.gateway.fetch import FetchHandler, FetchLimits
 from services.gateway.group_changes import GroupChanges
@@ -153,6 +153,7 @@ class GatewayNode:
         self._group_changes: GroupChanges | None = None
         self._channels = Channels()
         self._leader_calls = LeaderCalls()
+        self._sweeper: ChannelSweeper | None = None
         self._produce: ProduceHandler | None = None
         self._port = 0
         self._stopped = False
@@ -219,6 +220,20 @@ class GatewayNode:
         reflection.enable_server_reflection(
             (GATEWAY_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        cache = self._cache
+
+        def addresses_in_use() -> set[str]:
+            return cache.read(
+                lambda view: (
+                    {broker_address(b) for b in view.brokers.values()}
+                    | ({view.controller.address} if view.controller is not None else set())
+                )
+            )
+
+        self._sweeper = ChannelSweeper(
+            addresses_in_use, (self._channels.retain, self._leader_calls.retain)
+        )
+        self._sweeper.start()
         server.start()
         self._server = server
         for service in ("", GATEWAY_SERVICE_NAME):
@@ -237,6 +252,8 @@ class GatewayNode:
             self._produce.close()
         if self._group_changes is not None:
             self._group_changes.stop()
+        if self._sweeper is not None:
+            self._sweeper.stop()
         if self._cache is not None:
             self._cache.stop()
         self._leader_calls.close()
