@@ -18,6 +18,7 @@ import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
 from tidelog.client import GatewayConnection
 from tidelog.errors import (
+    ConfigError,
     NetworkError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
@@ -226,6 +227,24 @@ def test_a_write_to_an_unknown_topic_fails_on_the_driver(gateway: GatewayProcess
         TidelogBatchWriter(options, schema, env_gateway=None)
     with pytest.raises(UnknownTopicOrPartitionError, match="spark-never-created"):
         TidelogStreamWriter(options, schema, env_gateway=None)
+    # So is a batchBytes the topic's max.message.bytes refuses (tasks failed with
+    # MESSAGE_TOO_LARGE, not naming the option).
+    admin = tidelog.Admin(gateway.address)
+    admin.create_topic("spark-small-batches", 1, 1, config={"max.message.bytes": "100000"})
+    admin.create_topic("spark-default-limit", 1, 1)
+    for topic, batch_bytes, limit in (
+        ("spark-small-batches", 200_000, 100_000),
+        ("spark-default-limit", 4 << 20, 1_048_588),
+    ):
+        big = {"gateway": gateway.address, "topic": topic, "batchBytes": str(batch_bytes)}
+        with pytest.raises(
+            ConfigError,
+            match=rf"batchBytes {batch_bytes} is above the max.message.bytes of topic "
+            rf"'{topic}' \({limit}\)",
+        ):
+            TidelogBatchWriter(big, schema, env_gateway=None)
+    fits = {"gateway": gateway.address, "topic": "spark-small-batches", "batchBytes": "90000"}
+    TidelogBatchWriter(fits, schema, env_gateway=None)
 
 
 def test_unreachable_gateway_and_missing_topic_option(spark: Any) -> None:

@@ -43,7 +43,8 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, IntegerType, StringType, StructType
 
-from tidelog.client import GatewayConnection
+from tidelog import formats
+from tidelog.client import GatewayConnection, raise_for
 from tidelog.errors import ConfigError, InvalidRequestError, error_for_code
 from tidelog.partitioner import murmur2_partitions
 from tidelog.records import arrow_record_bytes, batch_cuts, encode_batch_arrow
@@ -67,12 +68,22 @@ class WriteSummary(WriterCommitMessage):
 
 
 def check_topic_option(options: WriteOptions) -> None:
-    """On the driver, before any task runs: the gateway answers and knows the `topic`
-    option's topic (else every task would fail on it, each retried by Spark). Topics named
-    only by a `topic` column are checked by the tasks that meet them."""
-    if options.topic is not None:
-        GatewayConnection.get(options.gateway, options.request_timeout_ms).partition_counts(
-            [options.topic]
+    """On the driver, before any task runs: the gateway answers, knows the `topic` option's
+    topic, and the topic takes batches of `batchBytes` (else every task would fail on it,
+    each retried by Spark). Topics named only by a `topic` column are checked by the tasks
+    that meet them."""
+    if options.topic is None:
+        return
+    connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
+    (topic,) = connection.metadata([options.topic]).topics
+    raise_for(topic.error, f"topic {options.topic!r}")
+    configs = {c.name: c.value for c in topic.configs}
+    limit = int(configs.get("max.message.bytes", formats.DEFAULT_MAX_MESSAGE_BYTES))
+    if options.batch_bytes > limit:
+        raise ConfigError(
+            f"batchBytes {options.batch_bytes} is above the max.message.bytes of topic "
+            f"{options.topic!r} ({limit}): the brokers would refuse every batch; set "
+            "batchBytes at most that"
         )
 
 

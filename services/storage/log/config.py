@@ -48,7 +48,7 @@ class LogConfig:
     # flush.ms: fsync once the oldest unflushed append is this old.
     flush_ms: int | None = None
     # max.message.bytes: the largest single batch accepted (Kafka's default, 1 MiB + 12).
-    max_message_bytes: int = 1_048_588
+    max_message_bytes: int = formats.DEFAULT_MAX_MESSAGE_BYTES
     # file.delete.delay.ms: how long a retired segment stays as *.deleted before unlinking.
     file_delete_delay_ms: int = 60_000
     # page.cache.window.bytes (tidelog's own): bytes of the newest log kept in the OS page
