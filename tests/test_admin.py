@@ -66,6 +66,19 @@ BAD_CALLS: list[tuple[str, Callable[[tidelog.Admin], Any], type[TidelogError]]] 
     ("alter delete a str", lambda a: a.alter_topic_config("t", None, "retention.ms"), ConfigError),
     ("alter set a list", lambda a: a.alter_topic_config("t", [("a", "b")]), ConfigError),
     ("alter name int", lambda a: a.alter_topic_config(3, {"retention.ms": "1"}), ConfigError),
+    # These escaped as TypeError or ValueError, or were coerced (1.9 and "1" became 1, None
+    # the topic "None"); found by an audit.
+    ("offset bool", lambda a: a.alter_group_offsets("g", {("t", 0): True}), ConfigError),
+    ("offset str", lambda a: a.alter_group_offsets("g", {("t", 0): "5"}), ConfigError),
+    ("offset > int64", lambda a: a.alter_group_offsets("g", {("t", 0): 2**63}), ConfigError),
+    ("offset negative", lambda a: a.alter_group_offsets("g", {("t", 0): -1}), ConfigError),
+    ("offsets a list", lambda a: a.alter_group_offsets("g", [(("t", 0), 1)]), ConfigError),
+    ("offset partition str", lambda a: a.alter_group_offsets("g", {("t", "0"): 1}), ConfigError),
+    ("list partition float", lambda a: a.list_offsets([("t", 1.9)], "latest"), ConfigError),
+    ("list partition str", lambda a: a.list_offsets([("t", "1")], "latest"), ConfigError),
+    ("list topic None", lambda a: a.list_offsets([(None, 0)], "latest"), ConfigError),
+    ("list partition > int32", lambda a: a.list_offsets([("t", 2**40)], "latest"), ConfigError),
+    ("list timestamp > int64", lambda a: a.list_offsets([("t", 0)], 2**70), ConfigError),
 ]
 
 
@@ -81,6 +94,35 @@ def test_arguments_of_the_wrong_type_raise_the_sdk_error_before_anything_is_sent
         call(admin)
     assert type(raised.value) is error
     assert not [name for name in admin.list_topics() if name.startswith("typed")]
+
+
+def test_group_lag_is_per_partition_and_negative_past_the_log_end(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A group's lag comes per partition: one whose leader does not answer shows none
+    while the others show theirs (one used to cost every partition its HW and lag, after
+    30 s of retries), and an offset past the log end shows a negative lag, as Kafka's tool
+    does (it was shown as 0, caught up). Found by an audit."""
+    admin.create_topic("lagging", partitions=3, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(3):
+            producer.send_batch("lagging", [b"x"] * 4, partition=p)
+        producer.flush()
+    committed = {("lagging", 0): 1, ("lagging", 1): 2, ("lagging", 2): 9}
+    admin.alter_group_offsets("laggards", committed)
+    lags = {o.partition: o.lag for o in admin.describe_group("laggards")}
+    assert lags == {0: 3, 1: 2, 2: -5}
+    leaders = {p.partition: p.leader for p in admin.describe_topic("lagging").partitions}
+    others = [p for p in (0, 2) if leaders[p] != leaders[1]]
+    assert others  # three partitions spread over three brokers
+    stopped = cluster.brokers[leaders[1]]
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        described = {o.partition: o for o in admin.describe_group("laggards")}
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    assert described[1].lag is None and described[1].high_watermark == -1
+    assert {p: described[p].lag for p in others} == {p: lags[p] for p in others}
 
 
 @pytest.mark.parametrize("timeout_ms", [0, -1, "30000", 30.0, True, 2**31])

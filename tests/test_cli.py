@@ -131,7 +131,11 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
         "STATUS",
     ]
     assert "configs of events: retention.ms=3600000" in table.splitlines()
-    lag = json.loads(tidelog("groups", "describe", "audit", "--output", "json", gateway=g).stdout)
+    described = json.loads(
+        tidelog("groups", "describe", "audit", "--output", "json", gateway=g).stdout
+    )
+    assert (described["state"], described["members"]) == ("Empty", 0)
+    lag = described["partitions"]
     assert sum(p["committed_offset"] for p in lag) == 30 and all(p["lag"] == 0 for p in lag)
     assert tidelog("groups", "list", gateway=g).stdout.split() == ["audit"]
     # The consume above was a member of the group while it ran, and left when it ended.
@@ -313,7 +317,7 @@ def test_groups_reset_offsets_and_delete(dev: DevProcess) -> None:
     def committed() -> dict[int, int]:
         rows = json.loads(
             tidelog("groups", "describe", "resetters", "--output", "json", gateway=g).stdout
-        )
+        )["partitions"]
         return {r["partition"]: r["committed_offset"] for r in rows}
 
     def reset(*how: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -342,6 +346,7 @@ def test_groups_reset_offsets_and_delete(dev: DevProcess) -> None:
         for refused in (
             tidelog("groups", "delete", "resetters", gateway=g, check=False),
             reset("--to-latest", "--execute", check=False),
+            reset("--to-latest", check=False),  # the dry run too, as Kafka's tool
         ):
             assert refused.returncode == 1, refused.args
             assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
@@ -448,9 +453,11 @@ def test_groups_describe_shows_owned_partitions_the_group_never_committed(
         wait_for(lambda: (member.poll(timeout_ms=100), member.assignment())[1] or None, 30, "join")
         out = tidelog("groups", "describe", "owners", "--output", "json", gateway=g).stdout
         member_id = member.group_metadata().member_id  # type: ignore[union-attr]
-        rows = [(r["partition"], r["committed_offset"], r["lag"]) for r in json.loads(out)]
+        described = json.loads(out)
+        assert (described["state"], described["members"]) == ("Stable", 1)
+        rows = [(r["partition"], r["committed_offset"], r["lag"]) for r in described["partitions"]]
         assert rows == [(0, None, None), (1, None, None)]
-        assert {r["member_id"] for r in json.loads(out)} == {member_id}
+        assert {r["member_id"] for r in described["partitions"]} == {member_id}
     finally:
         member.close()
 

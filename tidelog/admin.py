@@ -24,7 +24,7 @@ from tidelog.errors import (
     RequestTimedOutError,
     TidelogError,
 )
-from tidelog.formats import INT32_MAX
+from tidelog.formats import INT32_MAX, INT64_MAX
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2
 
 CHANGE_DEADLINE_MARGIN_S: Final = 5.0
@@ -109,10 +109,14 @@ class GroupPartitionOffset:
     metadata: str = ""
 
     @property
-    def lag(self) -> int:
+    def lag(self) -> int | None:
+        """HW minus the committed offset; None when either is unknown. Negative when the
+        committed offset lies past the log end (set so, or the log truncated by an
+        unclean election), as Kafka's consumer-groups tool shows it: a consumer there
+        gets OFFSET_OUT_OF_RANGE and resets, it is not caught up."""
         if self.high_watermark < 0 or self.committed_offset < 0:
-            return -1
-        return max(self.high_watermark - self.committed_offset, 0)
+            return None
+        return self.high_watermark - self.committed_offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +168,17 @@ def _int32(what: str, value: object, out_of_range: type[TidelogError]) -> int:
     if not -INT32_MAX - 1 <= number <= INT32_MAX:
         raise out_of_range(f"{what} {number} is out of the int32 range the protocol carries")
     return number
+
+
+def _partition_key(value: object) -> tuple[str, int]:
+    """A (topic, partition) pair as the wire carries it, else ConfigError."""
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise ConfigError(f"a partition must be a (topic, partition) tuple, not {value!r}")
+    topic, partition = value
+    number = _integer("partition", partition)
+    if not 0 <= number <= INT32_MAX:
+        raise ConfigError(f"partition {number} is outside 0..{INT32_MAX}")
+    return _text("topic", topic), number
 
 
 def _topic_names(values: object) -> list[str]:
@@ -387,9 +402,12 @@ class Admin:
             known = set(self._conn.partition_counts())
             asked = [(c.topic, c.partition) for c in committed if c.topic in known]
             try:
-                found = self._conn.list_offsets(asked, common_pb2.LATEST)
+                # Best effort, per partition: an offline one shows no HW (Kafka's "-"),
+                # the others theirs. One failing used to cost the whole answer 30 s of
+                # retries and every partition its HW and lag.
+                found = self._conn.list_offsets(asked, common_pb2.LATEST, partial=True)
                 latest = {tp: offset for tp, (offset, _) in found.items()}
-            except TidelogError:  # lag is best effort; the offsets still show
+            except TidelogError:  # the offsets still show
                 latest = {}
         return [
             GroupPartitionOffset(
@@ -425,20 +443,26 @@ class Admin:
         )
 
     def list_offsets(
-        self, partitions: Iterable[tuple[str, int]], spec: str | int
+        self, partitions: Iterable[tuple[str, int]], spec: str | int, *, partial: bool = False
     ) -> dict[tuple[str, int], int]:
         """Kafka's listOffsets: per partition, the offset for ``spec``: "earliest" (log
         start), "latest" (high watermark), or a timestamp in ms (the first record at or
-        after it; -1 where no record is that recent)."""
-        tps = [(str(t), int(p)) for t, p in partitions]
+        after it; -1 where no record is that recent). With ``partial``, partitions whose
+        offset could not be read now (no leader, say) are left out instead of failing the
+        call after the request timeout."""
+        if isinstance(partitions, str | bytes) or not isinstance(partitions, Iterable):
+            raise ConfigError("partitions must be an iterable of (topic, partition) tuples")
+        tps = [_partition_key(tp) for tp in partitions]
         if spec == "earliest":
-            found = self._conn.list_offsets(tps, common_pb2.EARLIEST)
+            found = self._conn.list_offsets(tps, common_pb2.EARLIEST, partial=partial)
         elif spec == "latest":
-            found = self._conn.list_offsets(tps, common_pb2.LATEST)
-        elif isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0:
-            found = self._conn.list_offsets(tps, common_pb2.BY_TIMESTAMP, spec)
+            found = self._conn.list_offsets(tps, common_pb2.LATEST, partial=partial)
+        elif isinstance(spec, int) and not isinstance(spec, bool) and 0 <= spec <= INT64_MAX:
+            found = self._conn.list_offsets(tps, common_pb2.BY_TIMESTAMP, spec, partial=partial)
         else:
-            raise ConfigError(f"spec {spec!r} must be 'earliest', 'latest' or a timestamp >= 0")
+            raise ConfigError(
+                f"spec {spec!r} must be 'earliest', 'latest' or a timestamp in 0..{INT64_MAX}"
+            )
         return {tp: offset for tp, (offset, _) in found.items()}
 
     def delete_group(self, group_id: str) -> int:
@@ -454,7 +478,15 @@ class Admin:
     def alter_group_offsets(self, group_id: str, offsets: Mapping[tuple[str, int], int]) -> None:
         """Set a group's committed offsets (Kafka's alterConsumerGroupOffsets): refused
         while the group has members (UnknownMemberIdError: only they may commit)."""
-        self._conn.commit_offsets(_text("group_id", group_id), dict(offsets))
+        if not isinstance(offsets, Mapping):
+            raise ConfigError("offsets must be a mapping of (topic, partition) to offset")
+        checked: dict[tuple[str, int], int] = {}
+        for tp, offset in offsets.items():
+            number = _integer("offset", offset)
+            if not 0 <= number <= INT64_MAX:
+                raise ConfigError(f"offset {number} is outside 0..{INT64_MAX}")
+            checked[_partition_key(tp)] = number
+        self._conn.commit_offsets(_text("group_id", group_id), checked)
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -291,10 +291,14 @@ class GatewayConnection:
         partitions: Iterable[tuple[str, int]],
         spec: common_pb2.OffsetSpec,
         timestamp_ms: int = -1,
+        *,
+        partial: bool = False,
     ) -> dict[tuple[str, int], tuple[int, int]]:
         """``spec`` (a ``common_pb2.OffsetSpec``) resolved per partition: (offset, ts).
 
-        The offset is -1 when nothing matches (a timestamp after all data).
+        The offset is -1 when nothing matches (a timestamp after all data). With
+        ``partial``, one pass: partitions that failed (no leader, say) are left out
+        instead of retried until the timeout and then raised for all.
         """
         request = storage_pb2.ListOffsetsRequest(
             replica_id=-1,
@@ -317,6 +321,8 @@ class GatewayConnection:
             )
             again = []
             for item in response.partitions:
+                if partial and item.error.code != common_pb2.NONE:
+                    continue
                 error = error_for_code(int(item.error.code), item.error.message)
                 if item.error.code != common_pb2.NONE and not (
                     error.retriable and time.monotonic() < deadline

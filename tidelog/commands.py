@@ -517,9 +517,9 @@ def cmd_groups(args: argparse.Namespace) -> int:
         # Partitions a member owns that the group never committed are shown too (as
         # kafka-consumer-groups does), with no committed offset and no lag.
         uncommitted = sorted(set(owner) - {(o.topic, o.partition) for o in offsets})
-        try:
-            latest = admin.list_offsets(uncommitted, "latest") if uncommitted else {}
-        except TidelogError:  # the HW is best effort, as for the committed rows
+        try:  # best effort, per partition, as for the committed rows
+            latest = admin.list_offsets(uncommitted, "latest", partial=True) if uncommitted else {}
+        except TidelogError:
             latest = {}
         rows: list[tuple[str, int, int | None, int, int | None]] = [
             (o.topic, o.partition, o.committed_offset, o.high_watermark, o.lag) for o in offsets
@@ -527,18 +527,26 @@ def cmd_groups(args: argparse.Namespace) -> int:
         rows += [(t, p, None, latest.get((t, p), -1), None) for t, p in uncommitted]
         rows.sort(key=lambda row: (row[0], row[1]))
         if args.output == "json":
+            # The state the table's first line gives too: a script must tell Empty from
+            # Stable before a reset or a delete.
             _json(
-                [
-                    {
-                        "topic": topic,
-                        "partition": partition,
-                        "committed_offset": committed,
-                        "high_watermark": high_watermark,
-                        "lag": lag,
-                        "member_id": owner.get((topic, partition)),
-                    }
-                    for topic, partition, committed, high_watermark, lag in rows
-                ]
+                {
+                    "group": args.group,
+                    "state": membership.state,
+                    "generation": membership.generation,
+                    "members": len(membership.members),
+                    "partitions": [
+                        {
+                            "topic": topic,
+                            "partition": partition,
+                            "committed_offset": committed,
+                            "high_watermark": None if high_watermark < 0 else high_watermark,
+                            "lag": lag,
+                            "member_id": owner.get((topic, partition)),
+                        }
+                        for topic, partition, committed, high_watermark, lag in rows
+                    ],
+                }
             )
         else:
             print(
@@ -552,7 +560,7 @@ def cmd_groups(args: argparse.Namespace) -> int:
                         topic,
                         partition,
                         "-" if committed is None else committed,
-                        high_watermark,
+                        "-" if high_watermark < 0 else high_watermark,  # leader unreachable
                         "-" if lag is None else lag,
                         owner.get((topic, partition), "-"),
                     ]
@@ -572,6 +580,14 @@ def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
     """Kafka's kafka-consumer-groups --reset-offsets: the new offsets, clamped to each
     partition's [log start, high watermark], shown, and committed with --execute (which
     the gateway refuses while the group has members)."""
+    members = admin.describe_group_members(args.group).members
+    if members:
+        # Refused before the dry run too, as Kafka's tool does: the offsets it would show
+        # could never be committed while the group is active.
+        raise NonEmptyGroupError(
+            f"group {echo(args.group)} has {len(members)} member(s): offsets can be reset "
+            "only while it is inactive; stop its consumers first"
+        )
     described = admin.describe_topic(args.topic)
     partitions = [p.partition for p in described.partitions]
     if args.partition is not None:
