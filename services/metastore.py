@@ -92,9 +92,23 @@ _GRPC_OPTIONS: list[tuple[str, int]] = [
     # often than every 5 s (--grpc-keepalive-min-time) and pings without an open stream.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # What grpcio enforces as the ping's answer time (keepalive_timeout_ms alone is not:
+    # a watch on a hung etcd failed only after the 60 s default, ~70 s in all).
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+class _AlwaysUsableEndpoint(etcd3.Endpoint):  # type: ignore[misc]
+    """An endpoint etcd3 never refuses as "failed". With time_retry=0 it still compares
+    wall-clock times: after the clock stepped back (NTP, a resumed VM) every call raised a
+    raw ValueError('Trying to use a failed node') until the clock caught up, and a lease
+    keeper's thread died on it without reporting the lease lost. There is one endpoint:
+    gRPC's own reconnect backoff is the retry policy."""
+
+    def is_failed(self) -> bool:
+        return False
+
+
 # gRPC codes meaning "etcd is not reachable or did not answer in time".
 _UNAVAILABLE_CODES = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -378,7 +392,7 @@ class MetaStore:
         self._closed = False
 
     def _make_client(self, host: str, port: int) -> Any:
-        endpoint = etcd3.Endpoint(
+        endpoint = _AlwaysUsableEndpoint(
             host,
             port,
             secure=False,
@@ -903,6 +917,12 @@ class LeaseKeeper:
                 delay = min(self.interval_s, 0.2)
                 _log.warning("lease_refresh_failed", lease=f"{self.lease.id:x}", error=str(exc))
                 continue
+            except Exception as exc:
+                # A bug or a client surprise must not end the keeper silently: its holder
+                # would go on believing it holds the lease, and never register again.
+                _log.exception("lease_refresh_crashed", lease=f"{self.lease.id:x}")
+                self._report(LeaseLostError(f"lease {self.lease.id:x}: refresh failed ({exc!r})"))
+                return
             delay = self.interval_s
 
     def _report(self, error: MetaStoreError) -> None:
@@ -1025,6 +1045,9 @@ class _Watch:
             error = self.store._translate(f"watch {self.prefix}", exc)
         finally:
             self.store._forget_watch(self)
+            # End the request stream whatever ended the watch: gRPC's request-consumer
+            # thread otherwise waits in _request_iter for ever (one per failed watch).
+            self._requests.put(None)
         if self._cancelled.is_set() or error is None:
             return
         if not self._created.is_set():

@@ -465,6 +465,40 @@ def test_watch_callback_failure_ends_watch_and_reports(store: MetaStore) -> None
     cancel()
 
 
+def test_a_failed_watch_leaves_no_thread_behind(private_etcd: EtcdProcess) -> None:
+    """A watch ended by its stream failing (etcd gone) ends the request stream too: gRPC's
+    thread consuming it waited for ever, one per failed watch and etcd blip (found by an
+    audit)."""
+    meta = MetaStore(private_etcd.endpoint, cluster="leak", timeout_s=1.0)
+    meta.put("k", b"v")
+    before = threading.active_count()
+    errors: list[MetaStoreError] = []
+    cancels = [meta.watch_prefix("", lambda e: None, on_error=errors.append) for _ in range(3)]
+    private_etcd.kill()
+    wait_until(lambda: len(errors) == 3, 10, "the three watches failing")
+    for cancel in cancels:
+        cancel()
+    wait_until(lambda: threading.active_count() <= before, 10, "the watch threads ending")
+    meta.close()
+
+
+def test_a_wall_clock_step_back_does_not_make_etcd_unusable(store: MetaStore) -> None:
+    """etcd3 refuses an endpoint it marked failed until time_retry has passed by the wall
+    clock; after the clock stepped back (NTP, a resumed VM) every call raised a raw
+    ValueError('Trying to use a failed node'), and a lease keeper's thread died on it
+    without reporting its lease lost (found by an audit). The store's endpoint is never
+    refused: gRPC's reconnect backoff is the retry policy."""
+    store.put("k", b"v")
+    for client in store._clients:
+        endpoint = client.endpoint_in_use
+        # What etcd3 does on an UNAVAILABLE answer (_manage_grpc_errors), then the step.
+        endpoint.fail()
+        client._clear_old_stubs()
+        endpoint.last_failed = time.time() + 3600  # as if the clock went an hour back
+    got = store.get("k")
+    assert got is not None and got.value == b"v"
+
+
 # ------------------------------------------------------------------ unavailability
 
 

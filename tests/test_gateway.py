@@ -23,6 +23,8 @@ from services.controller.state import Broker
 from services.gateway.channels import Channels, ChannelSweeper, broker_address
 from services.gateway.groups import offset_key
 from services.gateway.leader_calls import LeaderCalls
+from services.gateway.metadata_cache import MetadataView
+from services.metastore import KeyValue
 from tests.support.cluster import (
     GatewayProcess,
     TestCluster,
@@ -1023,6 +1025,28 @@ def test_admin_requests_answer_within_the_clients_deadline_without_a_controller(
         cluster.start_controller(controller_id)
         cluster.active_controller()
         cluster.kill(own)
+
+
+def test_one_malformed_topic_key_does_not_blind_the_metadata_view() -> None:
+    """A topic value whose decoding trips on something unexpected ("configs": null raised
+    AttributeError) is skipped like any unreadable key: it used to escape the view's
+    load, so the topics after it were missing, and the watch and its reloads ended for
+    good (found by an audit)."""
+
+    def kv(key: str, value: bytes) -> KeyValue:
+        return KeyValue(key, value, mod_revision=1, create_revision=1, version=1, lease_id=0)
+
+    good = b'{"topic_id": "id-t", "assignment": [[1]], "configs": {}}'
+    view = MetadataView()
+    view.load(
+        "topics/",
+        [
+            kv("topics/a-bad", b'{"topic_id": "x", "assignment": [[1]], "configs": null}'),
+            kv("topics/b-listed", b'{"topic_id": "x", "assignment": [[1]], "configs": []}'),
+            kv("topics/t", good),
+        ],
+    )
+    assert set(view.topics) == {"t"}
 
 
 def test_channels_to_addresses_out_of_use_for_a_whole_sweep_are_closed() -> None:

@@ -41,7 +41,6 @@ from services.controller.state import Broker, PartitionRecord, Topic
 from services.metastore import KeyValue, MetaStore, MetaStoreError, WatchEvent
 from tidelog.errors import (
     LeaderNotAvailableError,
-    StorageError,
     UnknownTopicOrPartitionError,
 )
 from tidelog.logging import get_logger
@@ -135,9 +134,11 @@ class MetadataView:
                 self.controller = decode_controller(kv)
             elif kv.key == CLUSTER_ID_KEY:
                 self.cluster_id = decode_cluster_id(kv)
-        except (StorageError, KeyError, ValueError, TypeError) as exc:
-            # One unreadable key must not blind the gateway to the rest of the cluster.
-            _log.error("bad_metadata_key", key=kv.key, error=str(exc))
+        except Exception as exc:
+            # One unreadable key must not blind the gateway to the rest of the cluster,
+            # whatever its decoding trips on (a "configs": null once raised AttributeError,
+            # which ended the watch and the reloads with it).
+            _log.error("bad_metadata_key", key=kv.key, error=f"{type(exc).__name__}: {exc}")
 
     def _delete(self, key: str) -> None:
         if key.startswith(BROKERS_PREFIX):
@@ -275,7 +276,7 @@ class MetadataCache:
                     self._load_and_watch()
                     _log.info("metadata_reloaded", version=self.version)
                     break
-                except MetaStoreError as exc:
+                except Exception as exc:  # the supervisor must outlive any one failure
                     self._cancel_watches()
                     delay = RELOAD_BACKOFF_S[min(attempt, len(RELOAD_BACKOFF_S) - 1)]
                     attempt += 1
