@@ -98,6 +98,8 @@ _GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+
+
 class _AlwaysUsableEndpoint(etcd3.Endpoint):  # type: ignore[misc]
     """An endpoint etcd3 never refuses as "failed". With time_retry=0 it still compares
     wall-clock times: after the clock stepped back (NTP, a resumed VM) every call raised a
