@@ -14,7 +14,9 @@ import grpc
 import pytest
 
 from services.cluster_metadata import broker_key, decode_broker
+from services.controller.state import Broker
 from services.metastore import MetaStore
+from services.storage.registration import BrokerRegistration
 from tests.support.process import StorageProcess
 from tidelog.etcd_launcher import EtcdProcess, EtcdTuning
 from tidelog.records import encode_batch
@@ -203,6 +205,34 @@ def test_controller_and_broker_epoch_fencing(
         assert error_code(stale_update.value) == "STALE_CONTROLLER_EPOCH"
     finally:
         node.terminate()
+
+
+def test_a_registration_etcd_restores_after_an_outage_is_kept(tmp_path: Path) -> None:
+    """etcd away longer than the lease's TTL: the broker's keeper reports the lease lost,
+    but etcd, back with its data, restores the lease with a fresh TTL and the key with
+    it. The registration is taken up again under the same epoch. A new registration used
+    to wait that TTL out, the broker dropping out of the cluster and re-registering under
+    a new epoch (found by an audit)."""
+    server = EtcdProcess(tmp_path / "etcd").start()
+    try:
+        meta = MetaStore(server.endpoint, cluster="outage", timeout_s=1.0)
+        epochs: list[int] = []
+        registration = BrokerRegistration(
+            meta, Broker(1, "127.0.0.1", 9999), ttl_s=TTL_S, on_epoch=epochs.append
+        )
+        first = registration.start()
+        server.kill()
+        time.sleep(TTL_S + 1.5)  # the keeper gives the lease up
+        server.start()
+        # Past two of the restored lease's TTLs: a lease nobody refreshed would be gone.
+        time.sleep(2 * TTL_S + 1)
+        kept = meta.get(broker_key(1))
+        assert kept is not None and kept.create_revision == first
+        assert epochs == [first]
+        registration.stop()
+        meta.close()
+    finally:
+        server.kill()
 
 
 def test_duplicate_broker_id_is_refused(

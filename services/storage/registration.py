@@ -21,6 +21,7 @@ work happens on the LeaseKeeper's thread and one re-registration thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -37,7 +38,7 @@ from services.cluster_metadata import (
     encode_broker,
 )
 from services.controller.state import Broker
-from services.metastore import Lease, LeaseKeeper, MetaStore, MetaStoreError
+from services.metastore import Lease, LeaseKeeper, LeaseLostError, MetaStore, MetaStoreError
 from services.status import error_from_rpc_error
 from tidelog.errors import BrokerNotAvailableError, TidelogError
 from tidelog.v1 import common_pb2, controller_pb2, controller_pb2_grpc
@@ -133,13 +134,39 @@ class BrokerRegistration:
         self._reregister_thread.start()
 
     def _reregister(self) -> None:
+        old = self._lease
         while not self._stopping.is_set():
             try:
+                if old is not None:
+                    if self._keep(old):
+                        return
+                    old = None  # gone for good: register anew
                 if self._register_once():
                     return
             except MetaStoreError as exc:
                 _log.warning("reregister_failed", error=str(exc))
             self._stopping.wait(RETRY_BACKOFF_S)
+
+    def _keep(self, lease: Lease) -> bool:
+        """Whether the registration under ``lease`` is still in force (then kept alive
+        again, same epoch). A lease "lost" because etcd was away longer than its TTL is
+        restored by etcd when it comes back, with a fresh TTL, and the key with it: a new
+        registration would first have waited that TTL out, and then dropped this broker
+        and re-registered it under a new epoch. Raises MetaStoreError while etcd is away."""
+        try:
+            lease.refresh()
+        except LeaseLostError:
+            return False
+        holder = self._store.get(self.key)
+        if holder is None or holder.lease_id != lease.id:
+            with contextlib.suppress(MetaStoreError):
+                lease.revoke()
+            return False
+        if self._stopping.is_set():
+            return True  # stop() deregisters; nothing to keep alive
+        self._keeper = LeaseKeeper(lease, on_lost=self._lease_lost).start()
+        _log.info("registration_kept", broker_id=self._broker.broker_id, broker_epoch=self.epoch)
+        return True
 
     def controlled_shutdown(self, timeout_s: float = CONTROLLED_SHUTDOWN_TIMEOUT_S) -> bool:
         """Ask the active controller to move this broker's leaderships away first.
