@@ -36,8 +36,9 @@ from services.cluster_metadata import (
     partition_key,
     topic_key,
 )
+from services.controller.election import ControllerElection
 from services.controller.state import PartitionRecord
-from services.metastore import Guard
+from services.metastore import Guard, MetaStore
 from tests.support.cluster import (
     RPC_TIMEOUT_S,
     ControllerProcess,
@@ -48,6 +49,7 @@ from tests.support.cluster import (
     wait_for,
 )
 from tidelog.errors import ErrorCode
+from tidelog.etcd_launcher import EtcdProcess
 from tidelog.v1 import common_pb2, controller_pb2, storage_pb2
 
 pytestmark = pytest.mark.timeout(180)
@@ -234,6 +236,43 @@ def kill_broker_and_check_failover(cluster: TestCluster, topic: str, victim: int
 
 
 # --- topics ----------------------------------------------------------------------------------
+
+
+def test_a_controller_back_from_an_etcd_outage_does_not_wait_for_its_own_key(
+    tmp_path: Path,
+) -> None:
+    """etcd away longer than the election lease's TTL: the controller resigns, and its
+    revoke fails. etcd, back with its data, restores the lease and the controller key
+    with it; the next campaign revokes that lease first instead of waiting a whole TTL
+    for its own stale key, without any controller meanwhile (found by an audit)."""
+    ttl_s = 8
+    server = EtcdProcess(tmp_path / "etcd").start()
+    try:
+        meta = MetaStore(server.endpoint, cluster="outage", timeout_s=1.0)
+        elected: list[int] = []
+        resigned: list[bool] = []
+        election = ControllerElection(
+            meta,
+            controller_id=1,
+            address="127.0.0.1:1",
+            ttl_s=ttl_s,
+            on_elected=elected.append,
+            on_resigned=lambda: resigned.append(True),
+        ).start()
+        try:
+            wait_for(lambda: elected, 10, "the first election")
+            server.kill()
+            wait_for(lambda: resigned, ttl_s + 10, "the lease given up")
+            server.start()
+            back_at = time.monotonic()
+            wait_for(lambda: len(elected) == 2, 3 * ttl_s, "the election after the outage")
+            # Before the restored key's TTL ran out (its expiry is what the old code waited).
+            assert time.monotonic() - back_at < ttl_s
+        finally:
+            election.stop()
+            meta.close()
+    finally:
+        server.kill()
 
 
 def test_create_describe_delete_topic(cluster: TestCluster) -> None:

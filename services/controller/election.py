@@ -101,6 +101,10 @@ class ControllerElection:
         self._resign_requested: int | None = None
         # The holder of the key as last seen (from a lost campaign or the watch).
         self._holder: ControllerInfo | None = None
+        # A term's lease whose revoke failed (etcd away). Back from an outage longer than
+        # the TTL, etcd restores it, and with it our own election key: revoked before the
+        # next campaign, it no longer makes us wait a whole TTL for ourselves.
+        self._unrevoked: Lease | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"controller-election-{controller_id}", daemon=True
         )
@@ -166,6 +170,9 @@ class ControllerElection:
                 self._stopping.wait(RETRY_BACKOFF_S)
 
     def _campaign_once(self) -> None:
+        if self._unrevoked is not None:
+            self._unrevoked.revoke()  # MetaStoreError while etcd is away: try again later
+            self._unrevoked = None
         lease = self._store.grant_lease(self.ttl_s)
         try:
             result = self._store.txn(
@@ -278,5 +285,7 @@ class ControllerElection:
         try:
             lease.revoke()
         except MetaStoreError as exc:
-            # Unreachable etcd: the lease expires by itself within a TTL.
+            # Unreachable etcd: the lease expires by itself within a TTL of etcd's return,
+            # unless the next campaign revokes it first.
             _log.warning("lease_revoke_failed", lease=f"{lease.id:x}", error=str(exc))
+            self._unrevoked = lease
