@@ -7,8 +7,9 @@ interactions is tested in ``test_controller.py``; here the test plays the contro
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -233,6 +234,42 @@ def test_a_registration_etcd_restores_after_an_outage_is_kept(tmp_path: Path) ->
         meta.close()
     finally:
         server.kill()
+
+
+class _StopDuringCreate(MetaStore):
+    """A real store whose next ``create_if_absent`` first runs ``before_create``: a stop
+    arriving while a re-registration is in flight, at the point the race is narrowest."""
+
+    before_create: Callable[[], None] | None = None
+
+    def create_if_absent(self, *args: Any, **kwargs: Any) -> bool:
+        hook, self.before_create = self.before_create, None
+        if hook is not None:
+            hook()
+        return super().create_if_absent(*args, **kwargs)
+
+
+def test_a_stop_during_a_reregistration_leaves_no_registration(
+    etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """The lease is lost (revoked from outside) and the broker registers again; stop()
+    lands between that re-registration's lease grant and its create. Nothing may stay
+    registered: the re-registration used to adopt its lease after stop() had revoked the
+    old one and keep it alive, a stopped broker looking alive to the controller (found by
+    an audit)."""
+    with _StopDuringCreate(etcd.endpoint, cluster=store.cluster) as meta:
+        registration = BrokerRegistration(
+            meta, Broker(1, "127.0.0.1", 9999), ttl_s=TTL_S, on_epoch=lambda epoch: None
+        )
+        registration.start()
+        first = meta.get(broker_key(1))
+        assert first is not None
+        meta.before_create = registration.stop
+        store.revoke_lease_id(first.lease_id)  # the keeper finds its lease gone
+        wait_for(lambda: meta.before_create is None, TTL_S + 3, "the re-registration")
+        # Past the TTL of any lease the re-registration granted: only a kept one remains.
+        time.sleep(TTL_S + 1)
+        assert meta.get(broker_key(1)) is None
 
 
 def test_duplicate_broker_id_is_refused(

@@ -16,7 +16,10 @@ Rules:
   the broker registers again as a new incarnation, with a new epoch.
 
 Thread-safety: ``start``/``stop`` from the owner thread; the keepalive and re-register
-work happens on the LeaseKeeper's thread and one re-registration thread.
+work happens on the LeaseKeeper's thread and one re-registration thread. ``_lock`` makes
+"adopt a lease" and "stop" exclusive, so a re-registration finishing while the node stops
+either is revoked by ``stop`` or sees the stop and revokes its own lease: no registration
+outlives ``stop`` (it used to stay alive, kept by a fresh keeper, until the process left).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class BrokerRegistration:
         self._lease: Lease | None = None
         self._keeper: LeaseKeeper | None = None
         self._stopping = threading.Event()
+        self._lock = threading.Lock()  # guards _lease/_keeper against stop(); see module doc
         self._reregister_thread: threading.Thread | None = None
         self.epoch = -1
 
@@ -113,8 +117,15 @@ class BrokerRegistration:
             encode_broker(dataclasses.replace(self._broker, epoch=self.epoch)),
             lease=lease,
         )
-        self._lease = lease
-        self._keeper = LeaseKeeper(lease, on_lost=self._lease_lost).start()
+        with self._lock:
+            if self._stopping.is_set():
+                # stop() came while this registration was being made: undo it, and report
+                # done so that no caller tries again.
+                with contextlib.suppress(MetaStoreError):
+                    lease.revoke()
+                return True
+            self._lease = lease
+            self._keeper = LeaseKeeper(lease, on_lost=self._lease_lost).start()
         self._on_epoch(self.epoch)
         _log.info("registered", broker_id=self._broker.broker_id, broker_epoch=self.epoch)
         return True
@@ -162,9 +173,12 @@ class BrokerRegistration:
             with contextlib.suppress(MetaStoreError):
                 lease.revoke()
             return False
-        if self._stopping.is_set():
-            return True  # stop() deregisters; nothing to keep alive
-        self._keeper = LeaseKeeper(lease, on_lost=self._lease_lost).start()
+        with self._lock:
+            if self._stopping.is_set():
+                with contextlib.suppress(MetaStoreError):
+                    lease.revoke()
+                return True  # stopping: deregistered, nothing to keep alive
+            self._keeper = LeaseKeeper(lease, on_lost=self._lease_lost).start()
         _log.info("registration_kept", broker_id=self._broker.broker_id, broker_epoch=self.epoch)
         return True
 
@@ -211,12 +225,14 @@ class BrokerRegistration:
 
     def stop(self) -> None:
         """Deregister now (revoke the lease) so the controller reacts at once."""
-        self._stopping.set()
-        if self._keeper is not None:
-            self._keeper.stop()
-        if self._lease is not None:
+        with self._lock:
+            self._stopping.set()
+            keeper, lease = self._keeper, self._lease
+        if keeper is not None:
+            keeper.stop()
+        if lease is not None:
             try:
-                self._lease.revoke()
+                lease.revoke()
             except MetaStoreError as exc:
                 # Unreachable etcd: the lease expires by itself within a TTL.
                 _log.warning("deregister_failed", error=str(exc))
