@@ -4,14 +4,15 @@ and falls back to polling while the watch is down, then watches again."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from services.gateway import group_changes
 from services.gateway.group_changes import GroupChanges, group_of_key
-from services.metastore import MetaStore
+from services.metastore import MetaStore, MetaStoreUnavailableError
 from tidelog.etcd_launcher import EtcdProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -88,6 +89,42 @@ def test_waits_poll_while_etcd_is_down_and_the_watch_comes_back(
             seen = ticket.version
             store.put("group-states/g", b"x")
             changes.wait(ticket, 30)
+            assert ticket.version > seen
+            changes.done(ticket)
+        finally:
+            changes.stop()
+
+
+class _WatchFailsAtOnce(MetaStore):
+    """A real store whose first prefix watch fails right after etcd confirmed it, before
+    ``watch_prefix`` returns to the caller (the window a stream broken at once opens)."""
+
+    failures_left = 1
+
+    def watch_prefix(self, *args: Any, **kwargs: Any) -> Callable[[], None]:
+        cancel = super().watch_prefix(*args, **kwargs)
+        if self.failures_left:
+            self.failures_left -= 1
+            cancel()  # the stream is over, as after a real failure
+            kwargs["on_error"](MetaStoreUnavailableError("injected: the stream broke"))
+        return cancel
+
+
+def test_a_watch_that_fails_before_it_is_adopted_is_restarted(
+    etcd: EtcdProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failure came before ``_restart`` adopted the watch, which then marked it
+    healthy: nothing ever restarted it, and every wait ran to its one-second cap with
+    its group's changes unseen (found by an audit)."""
+    monkeypatch.setattr(group_changes, "RESTART_BACKOFF_S", 0.0)
+    with _WatchFailsAtOnce(etcd.endpoint, cluster="c", timeout_s=3.0) as store:
+        changes = GroupChanges(store)
+        changes.start()
+        try:
+            ticket = changes.ticket("g")  # restarts the failed watch
+            seen = ticket.version
+            store.put("group-sessions/g/m1", b"1")
+            changes.wait(ticket, 0.9)  # below the cap: only the event can wake it
             assert ticket.version > seen
             changes.done(ticket)
         finally:

@@ -19,6 +19,9 @@ Invariants:
   ``POLL_FALLBACK_S``, as the old polling did, and the next waiter past
   ``RESTART_BACKOFF_S`` starts the watch again. Even when healthy a wait is capped by
   ``MAX_WAIT_S``: a missed event costs a second, never a stuck join.
+- Each watch attempt has a number; a failure reported for an attempt counts only for that
+  attempt, and an attempt that failed before ``watch_prefix`` returned is never marked
+  healthy (it used to be, and then nothing restarted it: every wait ran to its cap).
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ class GroupChanges:
         self._restart_after = 0.0
         self._starting = False
         self._stopped = False
+        self._attempt = 0  # the number of the latest watch attempt
+        self._failed_attempt = -1  # the latest attempt whose watch reported a failure
 
     def start(self) -> None:
         """Start the watch; if etcd does not answer, waits poll until a later restart."""
@@ -133,9 +138,12 @@ class GroupChanges:
                 self._versions[group_id] = self._versions.get(group_id, 0) + 1
                 self._cond.notify_all()
 
-    def _on_error(self, error: MetaStoreError) -> None:
-        _log.warning("group_watch_failed", error=str(error))
+    def _on_error(self, attempt: int, error: MetaStoreError) -> None:
+        _log.warning("group_watch_failed", error=str(error), attempt=attempt)
         with self._cond:
+            if attempt != self._attempt:
+                return  # an older watch's late report: the current one is not affected
+            self._failed_attempt = attempt
             self._healthy = False
             self._cancel = None
             self._restart_after = time.monotonic() + RESTART_BACKOFF_S
@@ -157,10 +165,14 @@ class GroupChanges:
             if self._starting or self._stopped:
                 return
             self._starting = True
+            self._attempt += 1
+            attempt = self._attempt
+
+        def on_error(error: MetaStoreError) -> None:
+            self._on_error(attempt, error)
+
         try:
-            cancel = self._store.watch_prefix(
-                GROUP_KEYS_PREFIX, self._on_event, on_error=self._on_error
-            )
+            cancel = self._store.watch_prefix(GROUP_KEYS_PREFIX, self._on_event, on_error=on_error)
         except MetaStoreError as exc:
             _log.warning("group_watch_unavailable", error=str(exc))
             with self._cond:
@@ -169,7 +181,9 @@ class GroupChanges:
             return
         with self._cond:
             self._starting = False
-            if self._stopped:
+            if self._stopped or self._failed_attempt == attempt:
+                # Stopped meanwhile, or this watch already failed (``_on_error`` set the
+                # restart backoff): do not call it healthy.
                 stale: Callable[[], None] | None = cancel
             else:
                 stale = None
