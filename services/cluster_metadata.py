@@ -11,13 +11,17 @@ revision. Both only grow, and a new incarnation always gets a larger one.
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from services.controller.state import Broker, PartitionRecord, Topic
 from services.metastore import KeyValue
 from tidelog.errors import StorageError
+
+_T = TypeVar("_T")
 
 BROKERS_PREFIX: Final = "brokers/"
 CONTROLLER_KEY: Final = "controller"
@@ -115,6 +119,25 @@ def _dump(value: dict[str, Any]) -> bytes:
     return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
 
 
+def _decoder(decode: Callable[[KeyValue], _T]) -> Callable[[KeyValue], _T]:
+    """Makes ``decode`` raise StorageError naming the key for any malformed value (a
+    missing field, a string where a number belongs, a null list): one error type for
+    callers, and a message that tells an operator which key to repair."""
+
+    @functools.wraps(decode)
+    def wrapper(kv: KeyValue) -> _T:
+        try:
+            return decode(kv)
+        except StorageError:
+            raise
+        except KeyError as exc:
+            raise StorageError(f"metadata key {kv.key!r} lacks the field {exc}") from None
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise StorageError(f"metadata key {kv.key!r} is malformed: {exc}") from None
+
+    return wrapper
+
+
 def _load(kv: KeyValue) -> dict[str, Any]:
     try:
         value = json.loads(kv.value)
@@ -139,6 +162,7 @@ def encode_broker(broker: Broker) -> bytes:
     )
 
 
+@_decoder
 def decode_broker(kv: KeyValue) -> Broker:
     value = _load(kv)
     broker_id = int(kv.key.removeprefix(BROKERS_PREFIX))
@@ -168,6 +192,7 @@ def encode_controller(controller_id: int, address: str) -> bytes:
     return _dump({"id": controller_id, "address": address})
 
 
+@_decoder
 def decode_controller(kv: KeyValue) -> ControllerInfo:
     value = _load(kv)
     return ControllerInfo(
@@ -192,6 +217,7 @@ def encode_topic(topic: Topic) -> bytes:
     )
 
 
+@_decoder
 def decode_topic(kv: KeyValue) -> Topic:
     value = _load(kv)
     return Topic(
@@ -213,6 +239,7 @@ def encode_partition(record: PartitionRecord) -> bytes:
     )
 
 
+@_decoder
 def decode_partition(kv: KeyValue) -> tuple[str, int, PartitionRecord]:
     """``(topic, partition, record)`` from a ``partitions/<topic>/<p>`` key."""
     topic, _, partition = kv.key.removeprefix(PARTITIONS_PREFIX).rpartition("/")
@@ -259,6 +286,7 @@ def encode_deletion(deletion: PendingDeletion) -> bytes:
     )
 
 
+@_decoder
 def decode_deletion(kv: KeyValue) -> PendingDeletion:
     value = _load(kv)
     return PendingDeletion(
@@ -275,6 +303,7 @@ def encode_cluster_id(cluster_id: str) -> bytes:
     return _dump({"cluster_id": cluster_id})
 
 
+@_decoder
 def decode_cluster_id(kv: KeyValue) -> str:
     return str(_load(kv)["cluster_id"])
 
@@ -292,6 +321,7 @@ def encode_producer_ids(next_block_start: int) -> bytes:
     return _dump({"next_block_start": next_block_start})
 
 
+@_decoder
 def decode_producer_ids(kv: KeyValue) -> int:
     value = int(_load(kv)["next_block_start"])
     if value < 0:

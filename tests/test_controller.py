@@ -275,6 +275,81 @@ def test_a_controller_back_from_an_etcd_outage_does_not_wait_for_its_own_key(
         server.kill()
 
 
+def test_a_lease_lost_during_activation_resigns_after_the_activation(tmp_path: Path) -> None:
+    """The election's lease is lost while ``on_elected`` is still taking office. The
+    term is given up when the activation returns, never concurrently with it: the
+    keeper's thread used to call ``on_resigned`` at once, tearing down a term still being
+    set up (the activation then went on to watch brokers for a term already gone, a
+    watch nobody cancelled; found by an audit)."""
+    ttl_s = 1
+    with EtcdProcess(tmp_path / "etcd") as server, MetaStore(server.endpoint, cluster="x") as meta:
+        events: list[str] = []
+        activating = threading.Event()
+        release = threading.Event()
+
+        def on_elected(epoch: int) -> None:
+            events.append("activation begins")
+            activating.set()
+            release.wait(30)
+            events.append("activation ends")
+
+        election = ControllerElection(
+            meta,
+            controller_id=1,
+            address="127.0.0.1:1",
+            ttl_s=ttl_s,
+            on_elected=on_elected,
+            on_resigned=lambda: events.append("resigned"),
+        ).start()
+        try:
+            assert activating.wait(10)
+            held = meta.get(CONTROLLER_KEY)
+            assert held is not None
+            meta.revoke_lease_id(held.lease_id)
+            time.sleep(3 * ttl_s)  # the keeper refreshes every TTL/3 and finds it gone
+            assert events == ["activation begins"]
+            release.set()
+            wait_for(lambda: "resigned" in events, 10, "the term given up")
+            assert events[:3] == ["activation begins", "activation ends", "resigned"]
+        finally:
+            release.set()
+            election.stop()
+
+
+def test_a_malformed_metadata_key_holds_activation_back_until_repaired(tmp_path: Path) -> None:
+    """A topic key without its assignment: taking office would build the cluster's state
+    without that topic (its logs then strays to delete), so the controller does not
+    activate. It says which key is at fault in one line, retries at a calm pace (it used
+    to re-elect itself and re-read the cluster in a hot loop), and activates once an
+    operator repairs the key."""
+    with EtcdProcess(tmp_path / "etcd") as server, MetaStore(server.endpoint, cluster="m") as meta:
+        meta.put(topic_key("broken"), b'{"topic_id": "t1"}')
+        controller = ControllerProcess(
+            server.endpoint, controller_id=1, cluster="m", log_path=tmp_path / "controller.log"
+        ).start()
+        try:
+            wanted = "metadata key 'topics/broken' lacks the field 'assignment'"
+            wait_for(lambda: wanted in controller.log_tail(50), 15, "the failed activation")
+            time.sleep(2.0)
+            attempts = controller.log_tail(10_000).count("activation_failed")
+            assert 1 <= attempts <= 8, f"{attempts} activations in about 2 s"
+            with pytest.raises(grpc.RpcError) as refused:
+                controller.stub.DescribeCluster(
+                    controller_pb2.DescribeClusterRequest(), timeout=RPC_TIMEOUT_S
+                )
+            assert rpc_error_code(refused.value) == ErrorCode.NOT_CONTROLLER
+            meta.delete(topic_key("broken"))
+            wait_for(
+                lambda: controller.stub.DescribeCluster(
+                    controller_pb2.DescribeClusterRequest(), timeout=RPC_TIMEOUT_S
+                ),
+                15,
+                "the activation after the repair",
+            )
+        finally:
+            controller.terminate()
+
+
 def test_create_describe_delete_topic(cluster: TestCluster) -> None:
     result = cluster.create_topic("orders", 6, 3, {"retention.ms": "3600000"})
     assert result.num_partitions == 6 and result.replication_factor == 3

@@ -23,10 +23,13 @@ receivers make (docs/METADATA.md §4): every controller write carries
 ``Guard("controller", create_revision=epoch)``, brokers reject older controller epochs.
 
 Thread-safety: ``start``, ``stop`` from the owner thread; ``resign``, ``epoch``,
-``known_controller`` from any thread. ``on_elected`` runs on the election thread;
-``on_resigned`` runs on the election thread or on the LeaseKeeper's thread (lease loss),
-never concurrently with itself, always after the matching ``on_elected`` returned or
-raised. Callbacks must not call ``stop()``.
+``known_controller`` from any thread. ``on_elected`` and ``on_resigned`` both run on the
+election thread, so ``on_resigned`` never runs concurrently with itself or with
+``on_elected``, and always after the matching ``on_elected`` returned or raised: a lease
+lost during a long activation is acted on when the activation is over (the keeper's
+thread used to call ``on_resigned`` at once, tearing down a term still being set up).
+Epoch fencing keeps the activation's late writes harmless. Callbacks must not call
+``stop()``.
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ class ControllerElection:
         self._active_term: int | None = None
         self._epoch: int | None = None
         self._resign_requested: int | None = None
+        # The term whose lease the keeper reported lost, and why.
+        self._lost_term: int | None = None
+        self._lost_reason = ""
         # The holder of the key as last seen (from a lost campaign or the watch).
         self._holder: ControllerInfo | None = None
         # A term's lease whose revoke failed (etcd away). Back from an outage longer than
@@ -203,11 +209,19 @@ class ControllerElection:
             self._wake.clear()
         _log.info("elected", controller_id=self.controller_id, epoch=epoch, lease=f"{lease.id:x}")
         keeper = LeaseKeeper(
-            lease, on_lost=lambda error: self._step_down(term, f"lease lost: {error}")
+            lease, on_lost=lambda error: self._lease_lost(term, f"lease lost: {error}")
         ).start()
+        activated = False
         try:
             if not self._stopping.is_set():
                 self._on_elected(epoch)
+            activated = True
+        except (MetaStoreError, TidelogError) as exc:
+            # Expected failures (etcd away, a malformed metadata key): one line naming it.
+            _log.error(
+                "activation_failed", controller_id=self.controller_id, epoch=epoch, error=str(exc)
+            )
+            self._step_down(term, "activation failed")
         except Exception:
             _log.exception("activation_failed", controller_id=self.controller_id, epoch=epoch)
             self._step_down(term, "activation failed")
@@ -217,14 +231,33 @@ class ControllerElection:
                 if (
                     self._stopping.is_set()
                     or self._active_term != term
-                    or self._resign_requested == term
+                    or term in (self._resign_requested, self._lost_term)
                 ):
                     break
                 self._wake.clear()
-        self._step_down(term, "stopping" if self._stopping.is_set() else "resigned")
+        if self._stopping.is_set():
+            reason = "stopping"
+        elif self._lost_term == term:
+            reason = self._lost_reason
+        else:
+            reason = "resigned"
+        self._step_down(term, reason)
         keeper.stop()
         # Delete the key now instead of after a TTL, so a standby takes over at once.
         self._revoke(lease)
+        if not activated:
+            # What failed the activation (a malformed key) usually fails the next one too:
+            # pause rather than re-elect and re-read the whole cluster in a hot loop.
+            self._stopping.wait(RETRY_BACKOFF_S)
+
+    def _lease_lost(self, term: int, reason: str) -> None:
+        """The keeper's report (on its thread): the election thread steps down."""
+        with self._lock:
+            if self._active_term != term:
+                return
+            self._lost_term = term
+            self._lost_reason = reason
+        self._wake.set()
 
     def _step_down(self, term: int, reason: str) -> None:
         with self._lock:
