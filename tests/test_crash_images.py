@@ -75,6 +75,7 @@ from tidelog.errors import (
     OutOfOrderSequenceError,
     StorageError,
 )
+from tidelog.formats import INT64_MAX
 from tidelog.records import encode_batch
 
 DEFAULT_SEEDS = 3
@@ -444,6 +445,8 @@ Op = (
 
 def make_config(rng: random.Random) -> LogConfig:
     return LogConfig(
+        # The records carry wall-clock timestamps, the logs a ManualClock of 2023.
+        message_timestamp_after_max_ms=INT64_MAX,
         segment_bytes=rng.choice((1500, 3000, 6000)),
         # 48 and 96 bytes fill the indexes within a segment, so full indexes roll it.
         segment_index_bytes=rng.choice((48, 96, 4096)),
@@ -826,7 +829,11 @@ def test_power_loss_images_recover(seeds: list[int], tmp_path: Path) -> None:
 # --- regression tests: the power-loss windows closed in 304b9f0 --------------------------------
 
 SCENARIO_CONFIG = LogConfig(
-    segment_index_bytes=4096, retention_ms=-1, file_delete_delay_ms=0, page_cache_window_bytes=0
+    segment_index_bytes=4096,
+    retention_ms=-1,
+    file_delete_delay_ms=0,
+    page_cache_window_bytes=0,
+    message_timestamp_after_max_ms=INT64_MAX,  # wall-clock records, a ManualClock log
 )
 
 

@@ -32,6 +32,7 @@ from tidelog.errors import (
     InvalidFetchSizeError,
     InvalidRecordError,
     InvalidRequestError,
+    InvalidTimestampError,
     MessageTooLargeError,
     OffsetOutOfRangeError,
 )
@@ -515,15 +516,58 @@ def test_segment_ms_age_survives_restarts(tmp_path: Path) -> None:
     log.close()
 
 
+def test_create_time_batches_outside_the_timestamp_window_are_refused(tmp_path: Path) -> None:
+    """message.timestamp.after/before.max.ms (Kafka's KIP-937): a leader refuses a
+    CreateTime batch whose first or largest timestamp lies too far from its clock, and
+    writes nothing. Unchecked, stepping producer timestamps forward by segment.ms rolled a
+    segment per request (files without bound), and a far-future max_timestamp kept every
+    later segment from time retention (found by an audit). Followers and LogAppendTime
+    topics are not checked: the leader's clock decided, or stamps."""
+    clock = ManualClock()
+    config = LogConfig(segment_ms=1000, message_timestamp_before_max_ms=DAY_MS)
+    directory = tmp_path / "p-0"
+    log = open_log(directory, config, clock=clock)
+    log.append(make_batch(1, ts=T0))
+    before = dir_state(directory)
+    hour_ms = 3_600_000
+    for ts, word in (
+        (T0 + hour_ms + 1, "ahead"),
+        ([T0, T0 + hour_ms + 1], "ahead"),  # the largest timestamp is not the first
+        (T0 - DAY_MS - 1, "behind"),
+        (f.INT64_MAX, "ahead"),
+    ):
+        with pytest.raises(InvalidTimestampError, match=f"ms {word} "):
+            log.append(make_batch(2 if isinstance(ts, list) else 1, ts=ts))
+    assert dir_state(directory) == before and log.log_end_offset == 1
+    log.append(make_batch(1, ts=T0 + hour_ms))  # the window's edges are inside
+    log.append(make_batch(1, ts=T0 - DAY_MS))
+    log.append(make_batch(1, ts=f.NO_TIMESTAMP))  # no timestamp at all: not checked
+    assert log.log_end_offset == 4
+    far = make_batch(1, ts=T0 + 100 * DAY_MS)
+    follower = open_log(tmp_path / "f-0", config, clock=clock)
+    while follower.log_end_offset < log.log_end_offset:  # a read stops at a segment's end
+        follower.append(log.read(follower.log_end_offset, 1 << 20), assign_offsets=False)
+    leader_batch = bytearray(far)
+    f.I64.pack_into(leader_batch, 0, 4)  # as the leader would have placed it
+    follower.append(reseal(leader_batch), assign_offsets=False)
+    assert follower.log_end_offset == 5
+    stamped = open_log(tmp_path / "s-0", LogConfig(message_timestamp_type="LogAppendTime"))
+    assert stamped.append(far).log_append_time_ms == T0
+    for opened in (log, follower, stamped):
+        opened.close()
+
+
 def test_segment_ms_age_is_by_record_time(tmp_path: Path) -> None:
     """As in Kafka, the age is the incoming batch's max timestamp minus the first batch's:
     records written late with their original timestamps (a backfill) roll segments by
     their own time rather than one segment per append, and the first batch's timestamp
     is read back from the file after a restart. A segment whose first batch has no
-    usable (non-negative) timestamp falls back to its age in this process."""
+    usable (non-negative) timestamp falls back to its age in this process. (Timestamps
+    far ahead of the clock are let in here: message.timestamp.after.max.ms has its own
+    test.)"""
     clock = ManualClock()
     directory = tmp_path / "p-0"
-    config = LogConfig(segment_ms=1000)
+    config = LogConfig(segment_ms=1000, message_timestamp_after_max_ms=f.INT64_MAX)
     log = open_log(directory, config, clock=clock)
     old = T0 - 30 * DAY_MS
     log.append(make_batch(1, ts=old))
@@ -847,7 +891,13 @@ def test_record_count_bound_accepts_the_densest_real_batches(
     """The bound is never below a real encoding: batches of empty values (the smallest
     records there are), with and without keys, timestamps and headers, are accepted, and
     for uncompressed ones the bound is exact: one record more is refused."""
-    log = open_log(tmp_path / "p-0", LogConfig(max_message_bytes=f.MAX_BATCH_BYTES))
+    log = open_log(
+        tmp_path / "p-0",
+        LogConfig(
+            max_message_bytes=f.MAX_BATCH_BYTES,
+            message_timestamp_after_max_ms=f.INT64_MAX,  # wall-clock records, 2023's clock
+        ),
+    )
     shapes: list[dict[str, object]] = [
         {},
         {"keys": [b""] * records},

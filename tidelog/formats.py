@@ -97,9 +97,11 @@ INT32_MAX: Final = (1 << 31) - 1
 INT64_MAX: Final = (1 << 63) - 1
 """The largest value of an int64 field (offsets, timestamps)."""
 MAX_BATCH_BYTES: Final = INT32_MAX
+"""Hard ceiling from the i32 length field; configured limits are far lower."""
 DEFAULT_MAX_MESSAGE_BYTES: Final = 1_048_588
 """max.message.bytes when a topic does not set it (Kafka's default, 1 MiB + 12)."""
-"""Hard ceiling from the i32 length field; configured limits are far lower."""
+NO_TIMESTAMP: Final = -1
+"""A batch timestamp meaning "none" (Kafka's RecordBatch.NO_TIMESTAMP)."""
 
 # --- offset and time indexes -----------------------------------------------------------
 

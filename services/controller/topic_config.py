@@ -17,6 +17,9 @@ Defaults (``TOPIC_CONFIG_DEFAULTS``)::
     max.message.bytes               1048588      largest batch accepted (Kafka's 1 MiB + 12)
     message.timestamp.type          CreateTime   or LogAppendTime: the leader stamps each batch
                                                  with its clock at the append (as Kafka)
+    message.timestamp.before.max.ms 9223372036854775807   a CreateTime batch may be any age
+    message.timestamp.after.max.ms  3600000      ... and at most an hour ahead of the leader's
+                                                 clock (Kafka 4.0's defaults, KIP-937)
     min.insync.replicas             1            acks=all needs this many in-sync replicas
     page.cache.window.bytes         67108864     newest 64 MiB per partition stay in the page
                                                  cache; older bytes are written back and dropped

@@ -59,6 +59,14 @@ class LogConfig:
     # "LogAppendTime" makes the leader stamp each batch with its clock at the append
     # (tidelog.batch.stamp_log_append_time), for the time index, retention and readers.
     message_timestamp_type: str = CREATE_TIME
+    # message.timestamp.before.max.ms / message.timestamp.after.max.ms (Kafka's KIP-937):
+    # how far a CreateTime batch's timestamps may lie behind / ahead of the leader's
+    # clock. Refused otherwise (INVALID_TIMESTAMP): a producer's clock drives segment.ms
+    # rolls and time retention, and stepping it forward rolled a segment per request (an
+    # unbounded number of files) or made segments that retention.ms never deletes. The
+    # defaults are Kafka 4.0's: any age, at most one hour ahead.
+    message_timestamp_before_max_ms: int = formats.INT64_MAX
+    message_timestamp_after_max_ms: int = 60 * 60 * 1000
 
     def __post_init__(self) -> None:
         def require(ok: bool, key: str, value: object, why: str) -> None:
@@ -132,6 +140,16 @@ class LogConfig:
             self.message_timestamp_type,
             f"must be one of {', '.join(TIMESTAMP_TYPES)}",
         )
+        for key, value in (
+            ("message.timestamp.before.max.ms", self.message_timestamp_before_max_ms),
+            ("message.timestamp.after.max.ms", self.message_timestamp_after_max_ms),
+        ):
+            require(
+                0 <= value <= formats.INT64_MAX,
+                key,
+                value,
+                f"must be between 0 and {formats.INT64_MAX}",
+            )
         require(
             self.page_cache_window_bytes >= 0,
             "page.cache.window.bytes",
@@ -183,6 +201,8 @@ TOPIC_CONFIG_FIELDS: Final[dict[str, str]] = {
     "file.delete.delay.ms": "file_delete_delay_ms",
     "page.cache.window.bytes": "page_cache_window_bytes",
     "message.timestamp.type": "message_timestamp_type",
+    "message.timestamp.before.max.ms": "message_timestamp_before_max_ms",
+    "message.timestamp.after.max.ms": "message_timestamp_after_max_ms",
 }
 """Kafka topic-config name -> LogConfig field."""
 STRING_FIELDS: Final = frozenset({"message_timestamp_type"})

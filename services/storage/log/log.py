@@ -67,6 +67,7 @@ from tidelog.errors import (
     InvalidFetchSizeError,
     InvalidRecordError,
     InvalidRequestError,
+    InvalidTimestampError,
     MessageTooLargeError,
     OffsetOutOfRangeError,
     StorageError,
@@ -79,7 +80,7 @@ from tidelog.records import (
 )
 
 from .checkpoint import fsync_dir
-from .config import LOG_APPEND_TIME, LogConfig
+from .config import CREATE_TIME, LOG_APPEND_TIME, LogConfig
 from .errors import CheckpointCorruptError
 from .leader_epoch import LeaderEpochCache
 from .producer_state import DEFAULT_PRODUCER_ID_EXPIRATION_MS, ProducerStateManager
@@ -460,16 +461,19 @@ class Log:
     # --- appending --------------------------------------------------------------------------
 
     def _validate(
-        self, view: memoryview, *, check_size: bool
+        self, view: memoryview, *, as_leader: bool
     ) -> tuple[list[BatchSpan], list[BatchHeader]]:
         """Check every batch in a request; O(1) Python work per batch, checksums in C.
-        ``check_size``: refuse batches over max.message.bytes (a leader's appends; a
-        follower copies what its leader took, whatever the limit is now, as Kafka's
-        followers do: lowering the limit must not stop replication for good)."""
+        ``as_leader``: also refuse batches over max.message.bytes, and CreateTime batches
+        whose timestamps lie outside message.timestamp.before/after.max.ms of this clock.
+        A follower copies what its leader took, whatever the limits are now, as Kafka's
+        followers do: changing a limit must not stop replication for good."""
         if not len(view):
             raise InvalidRequestError("no record batches in the request")
         spans: list[BatchSpan] = []
         headers: list[BatchHeader] = []
+        check_time = as_leader and self.config.message_timestamp_type == CREATE_TIME
+        now_ms = self._clock.now_ms() if check_time else 0
         position = 0
         while position < len(view):
             if len(view) - position < formats.LOG_OVERHEAD:
@@ -477,13 +481,15 @@ class Log:
                     f"{len(view) - position} trailing bytes at position {position} are not a batch"
                 )
             size = formats.LOG_OVERHEAD + formats.I32.unpack_from(view, position + 8)[0]
-            if check_size and size > self.config.max_message_bytes:
+            if as_leader and size > self.config.max_message_bytes:
                 raise MessageTooLargeError(
                     f"batch at position {position} is {size} bytes; max.message.bytes "
                     f"is {self.config.max_message_bytes}"
                 )
             header = check_batch(view, position)
             check_record_count(header, position)
+            if check_time:
+                self._check_timestamps(header, position, now_ms)
             headers.append(header)
             spans.append(
                 BatchSpan(
@@ -496,6 +502,29 @@ class Log:
             )
             position += size
         return spans, headers
+
+    def _check_timestamps(self, header: BatchHeader, position: int, now_ms: int) -> None:
+        """The batch's first and largest timestamps against the window around ``now_ms``
+        (the header's: records are opaque here). -1 is "no timestamp", as in Kafka."""
+        earliest_ms = now_ms - self.config.message_timestamp_before_max_ms
+        latest_ms = now_ms + self.config.message_timestamp_after_max_ms
+        for timestamp_ms in (header.base_timestamp, header.max_timestamp):
+            if timestamp_ms == formats.NO_TIMESTAMP:
+                continue
+            if timestamp_ms > latest_ms:
+                raise InvalidTimestampError(
+                    f"batch at position {position} has timestamp {timestamp_ms}, "
+                    f"{timestamp_ms - now_ms} ms ahead of the broker's clock; "
+                    "message.timestamp.after.max.ms is "
+                    f"{self.config.message_timestamp_after_max_ms}"
+                )
+            if timestamp_ms < earliest_ms:
+                raise InvalidTimestampError(
+                    f"batch at position {position} has timestamp {timestamp_ms}, "
+                    f"{now_ms - timestamp_ms} ms behind the broker's clock; "
+                    "message.timestamp.before.max.ms is "
+                    f"{self.config.message_timestamp_before_max_ms}"
+                )
 
     @_reports_disk_failure
     def append(
@@ -521,7 +550,7 @@ class Log:
         checkpointed before the data is written.
         """
         view = memoryview(batch).cast("B")
-        spans, headers = self._validate(view, check_size=assign_offsets)
+        spans, headers = self._validate(view, as_leader=assign_offsets)
         data: list[bytes | bytearray | memoryview] = [view]
         state = self.producer_state
         append_time_ms = -1
