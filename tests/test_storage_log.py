@@ -1048,7 +1048,9 @@ def test_retention_by_bytes(tmp_path: Path) -> None:
     log.close()
 
 
-def test_retention_bytes_zero_keeps_the_active_segment(tmp_path: Path) -> None:
+def test_retention_bytes_zero_empties_the_log_below_the_high_watermark(tmp_path: Path) -> None:
+    """As in Kafka, the active segment goes too once wholly below the HW (a new empty
+    one at the log end takes over); records above the HW stay."""
     size = len(make_batch(2))
     config = LogConfig(segment_bytes=2 * size, retention_bytes=0, file_delete_delay_ms=0)
     log = open_log(tmp_path / "p-0", config)
@@ -1056,17 +1058,23 @@ def test_retention_bytes_zero_keeps_the_active_segment(tmp_path: Path) -> None:
     for i in range(7):
         model.append(make_batch(2, tag=i))
     assert log.segment_base_offsets == [0, 4, 8, 12]
-    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 3
+    assert log.delete_retention_segments(high_watermark=12) == 3  # 12, 13: above the HW
     assert log.segment_base_offsets == [12]
     assert log.remove_deleted_files() == 9
     assert log.log_start_offset == 12
     assert log.recovery_point >= log.log_start_offset
     model.drop_below(12)
     assert read_all(log) == model.all_bytes()
-    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
-    # Appends continue in the surviving active segment.
-    model.append(make_batch(1))
-    assert read_all(log) == model.all_bytes()
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
+    assert log.segment_base_offsets == [14] and log.log_start_offset == log.log_end_offset == 14
+    with pytest.raises(OffsetOutOfRangeError):
+        log.read(12, 1 << 20)
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0  # empty
+    # Appends continue in the new active segment, and survive a reopen.
+    log.append(make_batch(1))
+    log.close()
+    log = open_log(tmp_path / "p-0", config)
+    assert (log.log_start_offset, log.log_end_offset) == (14, 15)
     log.close()
 
 
@@ -1133,16 +1141,17 @@ def test_retention_by_time(tmp_path: Path) -> None:
     assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 2
     assert log.log_start_offset == 12
     assert log.recovery_point >= 12
-    clock.advance(100_000)  # everything expired; the active segment stays
-    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
-    assert log.segment_base_offsets == [16]
-    model.drop_below(16)
-    assert read_all(log) == model.all_bytes()
+    clock.advance(100_000)  # everything expired, the active segment too (as in Kafka)
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 2
+    assert log.segment_base_offsets == [20]
+    assert (log.log_start_offset, log.log_end_offset) == (20, 20)
+    model.drop_below(20)
+    assert read_all(log) == model.all_bytes() == b""
     assert log.remove_deleted_files() == 9  # the first three retirements are due
     clock.advance(499)
     assert log.remove_deleted_files() == 0
     clock.advance(1)
-    assert log.remove_deleted_files() == 3
+    assert log.remove_deleted_files() == 6
     log.close()
 
 
@@ -1166,8 +1175,10 @@ def test_retention_stops_below_the_high_watermark(tmp_path: Path, by: str) -> No
     assert log.delete_retention_segments(high_watermark=4) == 1  # segment 0 ends at 4
     assert (log.segment_base_offsets, log.log_start_offset) == ([4, 8], 4)
     assert log.delete_retention_segments(high_watermark=7) == 0
-    assert log.delete_retention_segments(high_watermark=12) == 1  # the active one stays
+    assert log.delete_retention_segments(high_watermark=11) == 1  # the active ends at 12
     assert log.segment_base_offsets == [8]
+    assert log.delete_retention_segments(high_watermark=12) == 1  # now it goes as well
+    assert (log.segment_base_offsets, log.log_start_offset) == ([12], 12)
     log.close()
 
 
@@ -1217,9 +1228,9 @@ def test_retention_ms_ages_negative_timestamp_segments_by_file_mtime(tmp_path: P
     clock.advance(30_000)  # the file is 3630 s old, every record 30 s or less
     assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
     assert log.segment_base_offsets == [1, 2, 3]
-    clock.advance(31_000)  # records past 60 s: the rest goes, up to the active segment
-    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 2
-    assert log.segment_base_offsets == [3]
+    clock.advance(31_000)  # records past 60 s: the rest goes, the active segment too
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 3
+    assert log.segment_base_offsets == [4]
     log.close()
 
 
@@ -1244,13 +1255,13 @@ def test_deleted_files_left_at_close_are_removed_on_open(tmp_path: Path) -> None
     log = open_log(tmp_path / "p-0", config)
     for _ in range(3):
         log.append(make_batch(1))
-    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 2
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 3
     log.close()  # before file.delete.delay.ms passed
-    assert sum(p.name.endswith(".deleted") for p in (tmp_path / "p-0").iterdir()) == 6
+    assert sum(p.name.endswith(".deleted") for p in (tmp_path / "p-0").iterdir()) == 9
     reopened = open_log(tmp_path / "p-0", config)
     assert not any(p.name.endswith(".deleted") for p in reopened.dir.iterdir())
-    assert reopened.segment_base_offsets == [2]
-    assert (reopened.log_start_offset, reopened.log_end_offset) == (2, 3)
+    assert reopened.segment_base_offsets == [3]
+    assert (reopened.log_start_offset, reopened.log_end_offset) == (3, 3)
     reopened.close()
 
 
@@ -1364,7 +1375,7 @@ def test_truncate_below_log_start_truncates_fully(tmp_path: Path) -> None:
         model.append(make_batch(3, tag=i))
     log.delete_retention_segments(high_watermark=log.log_end_offset)
     log.remove_deleted_files()
-    assert log.log_start_offset == 18
+    assert log.log_start_offset == 24
     log.truncate_to(10)
     assert log.segment_base_offsets == [10]
     assert (log.log_start_offset, log.log_end_offset, log.recovery_point) == (10, 10, 10)
@@ -1400,7 +1411,7 @@ def test_truncation_then_retention_then_reopen(tmp_path: Path) -> None:
     for i in range(5):
         model.append(make_batch(3, tag=i + 20))
     log.update_config(LogConfig(segment_bytes=config.segment_bytes, retention_bytes=0))
-    log.delete_retention_segments(high_watermark=log.log_end_offset)
+    log.delete_retention_segments(high_watermark=log.log_end_offset - 1)  # the active stays
     model.drop_below(log.log_start_offset)
     check_state(log, model)
     check_reopen(log, model, config)

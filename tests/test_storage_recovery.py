@@ -16,6 +16,7 @@ files, interrupted deletions. Real files in ``tmp_path``; many seeds.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -28,6 +29,8 @@ from services.storage.log import AppendInfo, Log, LogConfig
 from services.storage.log.checkpoint import OffsetCheckpointFile
 from services.storage.log.segment import LogSegment
 from services.storage.log_manager import RECOVERY_POINT_CHECKPOINT, LogManager
+from services.storage.partition import PartitionState
+from services.storage.server import ReplicaManager
 from tidelog import formats as f
 from tidelog.batch import parse_header, stamp
 from tidelog.clock import ManualClock
@@ -792,11 +795,13 @@ def late_first_batch_log(directory: Path, clock: ManualClock) -> tuple[Log, LogC
 
 
 def check_late_first_batch_retention(log: Log, clock: ManualClock) -> None:
+    # The active segment's last record is above the HW here: segment 0 alone is judged.
+    high_watermark = log.log_end_offset - 1
     clock.advance(13_000 - (clock.now_ms() - T0))  # the newest record of segment 0 is 8 s old
-    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
+    assert log.delete_retention_segments(high_watermark=high_watermark) == 0
     assert log.log_start_offset == 0
     clock.advance(2001)  # now 10.001 s old: past retention.ms
-    assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 1
+    assert log.delete_retention_segments(high_watermark=high_watermark) == 1
 
 
 @pytest.mark.parametrize(
@@ -1137,4 +1142,54 @@ def test_log_manager_maintenance_applies_flush_and_retention(tmp_path: Path) -> 
     clock.advance(5000)
     manager.maintenance({("orders", 0): log.log_end_offset})
     assert not any(p.name.endswith(".deleted") for p in (tmp_path / "orders-0").iterdir())
+    manager.shutdown()
+
+
+def test_a_restarted_broker_runs_no_retention_until_its_topic_settings_arrive(
+    tmp_path: Path,
+) -> None:
+    """Logs load with the broker's defaults (retention.ms 7 days); a topic's own settings
+    come with the controller's LeaderAndIsr. Retention waits for them: a restarted broker
+    used to delete a retention.ms=-1 topic's month-old records in its first maintenance
+    pass, before the controller had spoken (found by an audit)."""
+    clock = ManualClock(start_ms=T0)
+    state = PartitionState(
+        topic="archive",
+        partition=0,
+        leader=1,
+        leader_epoch=0,
+        isr=(1,),
+        replicas=(1,),
+        partition_epoch=0,
+        configs={"retention.ms": "-1", "segment.bytes": "2000"},
+    )
+
+    def start() -> ReplicaManager:
+        manager = ReplicaManager(LogManager(tmp_path, LogConfig(), clock=clock), broker_id=1)
+        manager.startup()
+        return manager
+
+    manager = start()
+    manager.apply_leader_and_isr(1, [state])
+    partition = manager.get_partition("archive", 0)
+    month_old_ms = T0 - 30 * 24 * 3600 * 1000
+    for i in range(5):  # one segment each
+        partition.append(encode_batch([b"%d" % i * 1500], timestamps_ms=[month_old_ms]))
+    manager.maintenance(checkpoint=True)
+    assert partition.high_watermark == 5
+    manager.shutdown()
+
+    manager = start()  # no LeaderAndIsr yet: the broker's 7 days would delete everything
+    partition = manager.get_partition("archive", 0)
+    manager.maintenance(checkpoint=True)
+    assert partition.info().log_start_offset == 0
+    manager.apply_leader_and_isr(1, [state])
+    manager.maintenance(checkpoint=True)
+    assert partition.info().log_start_offset == 0
+    values = [r.value for b in decode_batches(partition.read(0, 1 << 20).records) for r in b]
+    assert values[0] == b"0" * 1500
+    # The settings are what retention runs by once known: the broker's default deletes.
+    manager.apply_leader_and_isr(1, [dataclasses.replace(state, configs={}, leader_epoch=1)])
+    manager.maintenance(checkpoint=True)
+    assert partition.info().log_start_offset == 5
     manager.shutdown()

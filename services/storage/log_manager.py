@@ -207,16 +207,26 @@ class LogManager:
 
     @staticmethod
     def maintain_log(
-        topic: str, partition: int, partition_log: Log, *, high_watermark: int
+        topic: str,
+        partition: int,
+        partition_log: Log,
+        *,
+        high_watermark: int,
+        retention: bool = True,
     ) -> None:
-        """flush.ms flushes, retention below ``high_watermark``, and unlinking of retired
+        """flush.ms flushes, retention below ``high_watermark`` (unless ``retention`` is
+        False: the log's topic settings are not known yet), and unlinking of retired
         segments for one log.
 
         Separate from ``maintenance`` so a caller that guards each log with its own lock
         can take one lock at a time instead of stopping every partition at once.
         """
         partition_log.flush_if_due()
-        retired = partition_log.delete_retention_segments(high_watermark=high_watermark)
+        retired = (
+            partition_log.delete_retention_segments(high_watermark=high_watermark)
+            if retention
+            else 0
+        )
         if retired:
             log.info(
                 "retention_deleted_segments",

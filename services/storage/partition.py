@@ -210,6 +210,9 @@ class Partition:
         # The topic incarnation this partition belongs to, from LeaderAndIsr ("": not
         # told yet). Appends that name another are refused (check_topic_id).
         self.topic_id = ""
+        # Whether the log runs its topic's settings (a LeaderAndIsr brought them), not just
+        # the broker's defaults it was loaded with: retention waits for them.
+        self.config_known = False
         self._log = log
         self._clock = clock
         self._lock = threading.Lock()

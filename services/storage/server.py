@@ -419,6 +419,7 @@ class ReplicaManager:
                 state.topic, state.partition, log, broker_id=self.broker_id, clock=self._clock
             )
             partition.apply_state(state)
+            partition.config_known = True
             self._partitions = {**self._partitions, key: partition}
             created = True
             self._update_fetcher(partition, state)
@@ -429,6 +430,7 @@ class ReplicaManager:
                     # The LogManager applies a changed config to the existing Log; done
                     # under the partition lock because it mutates the Log.
                     self._log_manager.get_or_create_log(state.topic, state.partition, config)
+                    partition.config_known = True
             created = False
             if not changed:
                 return
@@ -568,6 +570,11 @@ class ReplicaManager:
                             partition_id,
                             current_log,
                             high_watermark=partition.high_watermark,
+                            # A log loaded from disk runs the broker's defaults until a
+                            # LeaderAndIsr brings its topic's settings: retention by
+                            # those defaults deleted what the topic keeps (7 days against
+                            # retention.ms=-1) after every restart, as Kafka never does.
+                            retention=partition.config_known,
                         )
             if checkpoint:
                 self._log_manager.checkpoint()

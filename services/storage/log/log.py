@@ -960,7 +960,10 @@ class Log:
         Only segments wholly below ``high_watermark`` may go (as in Kafka): a record above
         it may not be on any other replica yet, and retiring it would let the HW later
         pass offsets no replica holds -- acknowledged acks=all records lost. It also keeps
-        ``log_start_offset <= high_watermark``. The active segment is never deleted.
+        ``log_start_offset <= high_watermark``. The active segment goes too once all its
+        records qualify (Kafka's rule: an idle partition's records expire like any
+        other's; kept, they stayed readable forever): a new empty segment at the log end
+        takes over first, so the log end offset stays and the log start moves to it.
         Retired files are renamed ``*.deleted`` and unlinked by ``remove_deleted_files``
         after ``file_delete_delay_ms``. Returns the number of segments retired.
         """
@@ -994,11 +997,15 @@ class Log:
         return retired
 
     def _first_below(self, high_watermark: int) -> bool:
-        """Whether the oldest segment is not the active one and ends at or below the HW
-        (its records end where the next segment begins)."""
-        return len(self._segments) > 1 and self._segments[1].base_offset <= high_watermark
+        """Whether the oldest segment holds records and ends at or below the HW: where
+        the next segment begins or, for the active segment, at the log end."""
+        if len(self._segments) > 1:
+            return self._segments[1].base_offset <= high_watermark
+        return self._segments.first.size_bytes > 0 and self._log_end_offset <= high_watermark
 
     def _retire_first(self, now_ms: int) -> None:
+        if len(self._segments) == 1:
+            self.roll()  # the active segment goes: an empty one at the log end takes over
         segment = self._segments.pop_first()
         self._pending_deletes.append(
             (now_ms + self.config.file_delete_delay_ms, segment.rename_to_deleted())
