@@ -546,6 +546,38 @@ def test_bad_input_gets_the_right_error_and_changes_nothing(cluster: TestCluster
         )
     )
     assert (status, code) == (grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INVALID_REQUEST)
+    # More new partitions than one request may place, in topics each within its own limit
+    # (placing 1,000 x 4,000 partitions held the controller's lock for 40 s; audit).
+    status, code, message = _status(
+        lambda: api.CreateTopics(
+            controller_pb2.CreateTopicsRequest(
+                topics=[
+                    controller_pb2.CreatableTopic(
+                        name=f"wide{i}", num_partitions=4_000, replication_factor=1
+                    )
+                    for i in range(3)
+                ],
+                validate_only=True,
+            ),
+            timeout=RPC_TIMEOUT_S,
+        )
+    )
+    assert (status, code) == (grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INVALID_REQUEST)
+    assert "12000 new partitions in one request; the limit is 10000" in message
+    status, code, message = _status(
+        lambda: api.CreatePartitions(
+            controller_pb2.CreatePartitionsRequest(
+                topics=[
+                    controller_pb2.PartitionIncrease(name=name, count=4_000)
+                    for name in ("existing", "nope1", "nope2")
+                ],
+                validate_only=True,
+            ),
+            timeout=RPC_TIMEOUT_S,
+        )
+    )
+    assert (status, code) == (grpc.StatusCode.INVALID_ARGUMENT, ErrorCode.INVALID_REQUEST)
+    assert "11997 new partitions in one request" in message  # "existing" has 3
     status, code, _ = _status(
         lambda: api.DeleteTopics(
             controller_pb2.DeleteTopicsRequest(names=["existing"], timeout_ms=-1),

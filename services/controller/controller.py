@@ -194,7 +194,9 @@ class ControllerConfig:
     max_wait_ms: int = 60_000
     # Request limits: topics per CreateTopics/DeleteTopics/CreatePartitions/Metadata,
     # partitions per topic (see MAX_PARTITIONS_PER_TOPIC), partitions per AlterPartition /
-    # ElectLeaders request.
+    # ElectLeaders request, and new partitions per CreateTopics / CreatePartitions request
+    # (all topics together: placing them runs under the controller's lock, which broker
+    # failures wait for; 1,000 topics of 4,000 partitions held it for 40 s).
     max_topics_per_request: int = 1_000
     max_partitions_per_topic: int = MAX_PARTITIONS_PER_TOPIC
     max_partitions_per_request: int = 10_000
@@ -1215,6 +1217,16 @@ class Controller:
         if count > limit:
             raise InvalidRequestError(f"{count} {what} in one request; the limit is {limit}")
 
+    def _check_new_partitions(self, per_topic: Iterable[int]) -> None:
+        """The request's new partitions against max_partitions_per_request. A topic over
+        the per-topic limit counts as that limit: it is refused on its own, unplaced."""
+        cap = self.config.max_partitions_per_topic
+        self._check_count(
+            "new partitions",
+            sum(min(max(count, 0), cap) for count in per_topic),
+            self.config.max_partitions_per_request,
+        )
+
     # --- CreateTopics -------------------------------------------------------------------------
 
     def create_topics(
@@ -1226,6 +1238,8 @@ class Controller:
         up to the timeout for the replicas to acknowledge their new partitions (a topic
         whose brokers are slow to answer is still created: the answer does not change).
         """
+
+        self._check_new_partitions(max(t.num_partitions, len(t.assignments)) for t in topics)
 
         def create(term: _Term, request: NewTopic) -> tuple[CreatedTopic, Completion | None]:
             if validate_only:
@@ -1385,6 +1399,15 @@ class Controller:
         timeout_ms: int = 0,
     ) -> list[TopicOutcome]:
         """Grow topics' partition counts (never shrink); per-topic errors."""
+        self._check_count("topics", len(increases), self.config.max_topics_per_request)
+        with self._lock:
+            topics = self._require_active().state.topics
+            current = {
+                i.name: topics[i.name].partition_count for i in increases if i.name in topics
+            }
+        self._check_new_partitions(
+            max(i.count - current.get(i.name, 0), len(i.assignments)) for i in increases
+        )
 
         def grow(term: _Term, request: NewPartitions) -> tuple[TopicOutcome, Completion | None]:
             if validate_only:
