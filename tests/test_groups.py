@@ -434,6 +434,32 @@ def test_group_rpcs_refuse_bad_input_and_change_nothing(gateway: GatewayProcess)
                 join(**fields)
             assert rpc_error_code(failed.value) == code, fields
             assert failed.value.code() == status, fields
+        # A member id longer than any the gateway hands out: refused before etcd, and
+        # not echoed whole (a 2 MB id came back in a 2 MB message; audit).
+        huge = "m" * 100_000
+        calls = [
+            lambda: join(member_id=huge),
+            lambda: stub.Heartbeat(
+                gateway_pb2.HeartbeatRequest(group_id="bad-input", member_id=huge), timeout=10
+            ),
+            lambda: stub.LeaveGroup(
+                gateway_pb2.LeaveGroupRequest(group_id="bad-input", member_id=huge), timeout=10
+            ),
+            lambda: stub.CommitOffsets(
+                gateway_pb2.CommitOffsetsRequest(
+                    group_id="bad-input",
+                    member_id=huge,
+                    offsets=[gateway_pb2.CommitOffset(topic="t", partition=0, offset=1)],
+                ),
+                timeout=10,
+            ),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as failed:
+                call()
+            assert rpc_error_code(failed.value) == ErrorCode.INVALID_REQUEST
+            assert "member id of 100000 characters" in failed.value.details()
+            assert len(failed.value.details()) < 200
         unknown = join(member_id="nobody")
         assert unknown.error.code == ErrorCode.UNKNOWN_MEMBER_ID
         heartbeat = stub.Heartbeat(

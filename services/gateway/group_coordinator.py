@@ -88,6 +88,9 @@ MAX_PENDING_MEMBERS: Final = MAX_GROUP_MEMBERS
 """Member ids handed out by first joins (KIP-394) whose members have not joined yet."""
 MAX_TOPICS_PER_MEMBER: Final = 1_000
 MAX_CLIENT_ID_CHARS: Final = 255
+MAX_MEMBER_ID_CHARS: Final = MAX_CLIENT_ID_CHARS + 1 + 36
+"""The longest member id this gateway hands out: ``<client id>-<uuid4>``. A longer one
+cannot be a member; refused before it reaches etcd (as a key) or an error message."""
 JOIN_WAIT_S: Final = 3.0
 """The longest one JoinGroup call waits for the others to join (then the member asks
 again): shorter than a client's request timeout, and a handler thread is not held long."""
@@ -268,6 +271,7 @@ class GroupCoordinator:
         instance_id: str = "",
     ) -> JoinOutcome:
         check_group_id(group_id)
+        check_member_id(member_id)
         wanted = _check_join(topics, session_timeout_ms, rebalance_timeout_ms, client_id)
         _check_instance_id(instance_id)
         ttl_s = max(1, math.ceil(session_timeout_ms / 1000))
@@ -447,6 +451,7 @@ class GroupCoordinator:
         self, group_id: str, member_id: str, generation: int, instance_id: str = ""
     ) -> TidelogError | None:
         check_group_id(group_id)
+        check_member_id(member_id)
         state, _, alive = self._read(group_id)
         try:
             group_state.check_instance(state, member_id, instance_id)
@@ -483,6 +488,7 @@ class GroupCoordinator:
 
     def leave(self, group_id: str, member_id: str, instance_id: str = "") -> None:
         check_group_id(group_id)
+        check_member_id(member_id)
         lease_id: list[int] = []
 
         def change(state: GroupState, alive: set[str], _deadline_passed: bool) -> GroupState:
@@ -531,6 +537,7 @@ class GroupCoordinator:
         """Check that this member may commit now (``group_state.check_commit``) and return
         the compares that keep it true in the commit's transaction: the state unchanged,
         and the member's session alive. Raises the group error otherwise."""
+        check_member_id(member_id)
         # The fence first: a membership change after this read moves it, and the
         # transaction's compare then fails even if the state read below is newer.
         fence = self._store.get(fence_key(group_id))
@@ -546,6 +553,13 @@ class GroupCoordinator:
 
 
 _INSTANCE_ID = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+
+
+def check_member_id(member_id: str) -> None:
+    if len(member_id) > MAX_MEMBER_ID_CHARS:
+        raise InvalidRequestError(
+            f"member id of {len(member_id)} characters; the limit is {MAX_MEMBER_ID_CHARS}"
+        )
 
 
 def _check_instance_id(instance_id: str) -> None:
@@ -586,4 +600,4 @@ def _check_join(
     return wanted
 
 
-__all__ = ["GroupCoordinator", "JoinOutcome", "session_key", "state_key"]
+__all__ = ["GroupCoordinator", "JoinOutcome", "check_member_id", "session_key", "state_key"]

@@ -23,7 +23,7 @@ import grpc
 from services.controller.state import Broker
 from services.gateway.controller_client import ControllerClient, ProducerIds
 from services.gateway.fetch import FetchHandler
-from services.gateway.group_coordinator import GroupCoordinator
+from services.gateway.group_coordinator import GroupCoordinator, check_member_id
 from services.gateway.groups import Committed, OffsetStore, check_partition_count
 from services.gateway.metadata_cache import MetadataCache, MetadataView
 from services.gateway.produce import ProduceHandler
@@ -434,6 +434,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     ) -> gateway_pb2.CommitOffsetsResponse:
         group_id, member_id, generation = request.group_id, request.member_id, request.generation_id
         instance_id = request.group_instance_id
+        check_member_id(member_id)  # the request's, not a partition's, fault
         outcomes = self._offsets.commit(
             group_id,
             [
