@@ -1108,6 +1108,15 @@ def test_log_append_time_stamps_each_batch_with_the_leaders_clock(tmp_path: Path
     follower = open_log(tmp_path / "p-0-follower", config, clock=clock)
     follower.append(data, assign_offsets=False)
     assert read_all(follower) == data
+    # A producer's retry, answered as a duplicate, reports the original's stamp, not -1
+    # (the SDK then reported the producer's own times for records stamped otherwise).
+    idempotent = encode_batch(
+        [b"x"], timestamps_ms=[old], producer_id=7, producer_epoch=0, base_sequence=0
+    )
+    first = log.append(idempotent)
+    clock.advance(1_000)
+    retry = log.append(idempotent)
+    assert retry.duplicate and retry.log_append_time_ms == first.log_append_time_ms == T0 + 1_000
     # CreateTime (the default) keeps the producer's timestamps and answers -1.
     plain = open_log(tmp_path / "q-0", clock=clock)
     assert plain.append(make_batch(2, ts=old)).log_append_time_ms == -1

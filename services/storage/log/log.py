@@ -58,6 +58,7 @@ from tidelog.batch import (
     LOG_APPEND_TIME_STAMPED_END,
     BatchHeader,
     check_batch,
+    parse_header,
     stamp,
     stamp_log_append_time,
 )
@@ -503,6 +504,14 @@ class Log:
             position += size
         return spans, headers
 
+    def _stamped_time_ms(self, offset: int) -> int:
+        """The LogAppendTime a retried request's original was stamped with (one time for
+        the whole request), so the retry reports what the log holds, as Kafka answers a
+        duplicate; -1 for CreateTime topics or offsets no longer known."""
+        if self.config.message_timestamp_type != LOG_APPEND_TIME or offset < self.log_start_offset:
+            return -1
+        return parse_header(self.read(offset, 1)).max_timestamp
+
     def _check_timestamps(self, header: BatchHeader, position: int, now_ms: int) -> None:
         """The batch's first and largest timestamps against the window around ``now_ms``
         (the header's: records are opaque here). -1 is "no timestamp", as in Kafka."""
@@ -557,7 +566,12 @@ class Log:
         if assign_offsets:
             duplicate = state.validate_append(headers)
             if duplicate is not None:
-                return AppendInfo(duplicate[0], duplicate[1], duplicate=True)
+                return AppendInfo(
+                    duplicate[0],
+                    duplicate[1],
+                    duplicate=True,
+                    log_append_time_ms=self._stamped_time_ms(duplicate[0]),
+                )
             # Only a batch's broker-owned prefix changes (base offset, leader epoch and the
             # checksum over them): each prefix is rewritten in a copy of its 25 bytes and
             # the rest goes to the file straight from the request, rather than copying the
