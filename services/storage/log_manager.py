@@ -16,11 +16,12 @@ each ``Log`` is additionally guarded by its partition).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -29,7 +30,7 @@ import structlog
 from services.storage.log import Log, LogConfig
 from services.storage.log.checkpoint import OffsetCheckpointFile, fsync_dir
 from services.storage.log.errors import CheckpointCorruptError
-from services.storage.log.log import DiskFailureHandler
+from services.storage.log.log import DiskFailureHandler, is_disk_failure
 from services.storage.log.partition_metadata import read_topic_id, write_topic_id
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.topics import parse_partition_dir_name, partition_dir_name
@@ -70,6 +71,20 @@ class LogManager:
         self._replication_checkpoint = OffsetCheckpointFile(
             self.data_dir / REPLICATION_OFFSET_CHECKPOINT
         )
+
+    @contextlib.contextmanager
+    def _reporting_disk_failure(self) -> Iterator[None]:
+        """Report a disk failure of the data directory's own files (checkpoints, a new
+        log's directory) as a log's are reported: they go through the same disk. Failures
+        here used to be logged and retried, a stale recovery point staying on disk and the
+        HW checkpoint never written again, or a partition failing to be created over and
+        over while this broker led it."""
+        try:
+            yield
+        except OSError as exc:
+            if is_disk_failure(exc) and self.on_disk_failure is not None:
+                self.on_disk_failure(self.data_dir, exc)
+            raise
 
     def startup(self) -> None:
         """Open (and where needed recover) every partition log in the data directory."""
@@ -128,7 +143,8 @@ class LogManager:
         hosted = self._logs[key]
         if self._topic_ids.get(key):
             raise ValueError(f"{topic}-{partition} already has topic id {self._topic_ids[key]}")
-        write_topic_id(hosted.dir, topic_id)
+        with self._reporting_disk_failure():
+            write_topic_id(hosted.dir, topic_id)
         self._topic_ids[key] = topic_id
 
     def get_or_create_log(
@@ -150,20 +166,22 @@ class LogManager:
                 existing.update_config(config)
             return existing
         directory = self.data_dir / partition_dir_name(topic, partition)
-        if topic_id:
-            # The id goes on disk before any segment: a crash in between leaves an empty
-            # directory without an id (it adopts the next id named, harmlessly: it holds
-            # nothing), never data without its id. The data directory is fsynced so the
-            # new directory's entry survives a power loss with the file inside it.
-            directory.mkdir(parents=True, exist_ok=True)
-            fsync_dir(self.data_dir)
-            write_topic_id(directory, topic_id)
-        created = Log.open(
-            directory,
-            config or self.default_config,
-            clock=self._clock,
-            rng=self._rng,
-        )
+        with self._reporting_disk_failure():
+            if topic_id:
+                # The id goes on disk before any segment: a crash in between leaves an
+                # empty directory without an id (it adopts the next id named, harmlessly:
+                # it holds nothing), never data without its id. The data directory is
+                # fsynced so the new directory's entry survives a power loss with the file
+                # inside it.
+                directory.mkdir(parents=True, exist_ok=True)
+                fsync_dir(self.data_dir)
+                write_topic_id(directory, topic_id)
+            created = Log.open(
+                directory,
+                config or self.default_config,
+                clock=self._clock,
+                rng=self._rng,
+            )
         created.on_disk_failure = self.on_disk_failure
         created.on_recovery_point_lowered = self.checkpoint
         self._logs[key] = created
@@ -185,7 +203,8 @@ class LogManager:
         suffix = f".{uuid.uuid4().hex}{DELETE_DIR_SUFFIX}"
         kept = removed.dir.name[: MAX_FILE_NAME_BYTES - len(suffix)]
         doomed = removed.dir.with_name(kept + suffix)
-        removed.dir.rename(doomed)
+        with self._reporting_disk_failure():
+            removed.dir.rename(doomed)
         self._logs.pop((topic, partition), None)
         self._topic_ids.pop((topic, partition), None)
         shutil.rmtree(doomed, ignore_errors=True)
@@ -247,7 +266,7 @@ class LogManager:
         point (on a fetcher thread, holding only that partition's lock): the lock keeps
         two writers off the one temporary file. Recovery points are plain ints, read
         without their logs' locks."""
-        with self._checkpoint_lock:
+        with self._checkpoint_lock, self._reporting_disk_failure():
             self._recovery_checkpoint.write(
                 {
                     key: partition_log.recovery_point
@@ -267,7 +286,8 @@ class LogManager:
 
     def write_high_watermarks(self, high_watermarks: dict[TopicPartitionKey, int]) -> None:
         """Write the replication-offset-checkpoint atomically (same format as recovery)."""
-        self._replication_checkpoint.write(high_watermarks)
+        with self._reporting_disk_failure():
+            self._replication_checkpoint.write(high_watermarks)
 
     def flush_all(self) -> None:
         for partition_log in self._logs.values():

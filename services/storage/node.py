@@ -48,7 +48,7 @@ from services.process import (
     serve_until_signal,
 )
 from services.status import error_from_proto, error_from_rpc_error
-from services.storage.log import Log, LogConfig
+from services.storage.log import LogConfig
 from services.storage.log_manager import LogManager
 from services.storage.registration import BrokerRegistration
 from services.storage.replication import IsrProposal
@@ -463,10 +463,10 @@ def main(args: argparse.Namespace) -> int:
     )
 
 
-def _halt(failed: Log, error: OSError) -> None:
+def _halt(failed: Path, error: OSError) -> None:
     """The log directory failed: halt now (see the module docstring). ``os._exit`` and not
     ``sys.exit``: nothing may run after this -- no clean shutdown that flushes, writes
     checkpoints or answers waiting producers."""
-    _log.critical("log_dir_failed", log_dir=str(failed.dir), error=str(error))
+    _log.critical("log_dir_failed", log_dir=str(failed), error=str(error))
     sys.stderr.flush()
     os._exit(EXIT_DISK_FAILURE)

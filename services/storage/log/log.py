@@ -31,9 +31,11 @@ Invariants:
   producer snapshot on disk is at or below it (snapshots above are deleted when the log
   shrinks, with a directory fsync, so a stale one cannot come back).
 
-Disk failures: an ``OSError`` that says the disk itself failed (``DISK_FAILURE_ERRNOS``:
-EIO, ENOSPC, EROFS, EDQUOT) from any operation that touches the files is reported to
-``on_disk_failure`` before it propagates. After a failed write or fsync the state of the
+Disk failures: an ``OSError`` from any operation that touches the files is reported to
+``on_disk_failure`` before it propagates (``is_disk_failure``: every errno but the few a
+path racing with a deletion gives, as Kafka treats every IOException; a short list of
+"disk" errnos once let EUCLEAN, what ext4 and xfs answer on detected corruption, pass as
+a per-request error after a failed fsync). After a failed write or fsync the state of the
 files is unknown (Linux may even drop the dirty pages a failed fsync was about, so a later
 fsync "succeeds" without the data), so the only safe answer is Kafka's: take the log
 directory offline -- the storage node halts (``services/storage/node.py``) and recovers
@@ -88,12 +90,18 @@ from .producer_state import DEFAULT_PRODUCER_ID_EXPIRATION_MS, ProducerStateMana
 from .segment import BatchSpan, LogSegment
 from .segments import LogSegments
 
-DISK_FAILURE_ERRNOS = frozenset({errno.EIO, errno.ENOSPC, errno.EROFS, errno.EDQUOT})
-"""OSErrors that mean the disk failed, as opposed to a path racing with a deletion."""
+NOT_DISK_FAILURE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
+"""OSErrors of a path racing with a deletion (a partition deleted while a request read
+it), not of a failing disk. Every other OSError from the files is a disk failure."""
 
-DiskFailureHandler = Callable[["Log", OSError], None]
-"""Called with the log and the error before a disk failure propagates (see the module
-docstring); the storage node's handler halts the process."""
+
+def is_disk_failure(error: OSError) -> bool:
+    return error.errno not in NOT_DISK_FAILURE_ERRNOS
+
+
+DiskFailureHandler = Callable[[Path, OSError], None]
+"""Called with the failed directory and the error before a disk failure propagates (see
+the module docstring); the storage node's handler halts the process."""
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -107,8 +115,8 @@ def _reports_disk_failure(
         try:
             return method(self, *args, **kwargs)
         except OSError as exc:
-            if exc.errno in DISK_FAILURE_ERRNOS and self.on_disk_failure is not None:
-                self.on_disk_failure(self, exc)
+            if is_disk_failure(exc) and self.on_disk_failure is not None:
+                self.on_disk_failure(self.dir, exc)
             raise
 
     return wrapper
