@@ -361,7 +361,11 @@ def test_records_buffered_before_an_offset_retention_deleted_are_handed_out_firs
     admin.create_topic(topic, config={"segment.bytes": "1500", "retention.ms": "5000"})
     small = encode_batch([b"a" * 10, b"b" * 10])  # timestamps: now
     large = encode_batch([b"c" * 300, b"d" * 300])
-    for records in [small, large] + [encode_batch([b"e" * 1000])] * 3:
+    # The last record is stamped ten minutes ahead so that it outlives the rest: the
+    # active segment expires too once all its records have (Kafka's rule).
+    later_ms = int(time.time() * 1000) + 600_000
+    last = encode_batch([b"e" * 1000], base_timestamp_ms=later_ms)
+    for records in [small, large] + [encode_batch([b"e" * 1000])] * 2 + [last]:
         assert ErrorCode(_produce_batch(gateway, topic, records).error.code) == ErrorCode.NONE
     # The first fetch brings exactly the first two batches, which fill the buffer: no
     # fetch reads ahead until the first batch is handed out.

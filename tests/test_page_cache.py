@@ -31,8 +31,10 @@ def log_dir(tmp_path: Path) -> Path:
 
 
 def _batch(i: int) -> bytes:
-    """~256 KiB: 256 records of 1 KiB, each value naming its batch and place."""
-    return encode_batch([(f"{i}:{j}:".encode()).ljust(1024, b"v") for j in range(256)])
+    """~256 KiB: 256 records of 1 KiB, each value naming its batch and place; stamped
+    with the logs' ManualClock time (a wall-clock stamp is years ahead of it)."""
+    values = [(f"{i}:{j}:".encode()).ljust(1024, b"v") for j in range(256)]
+    return encode_batch(values, base_timestamp_ms=ManualClock().now_ms())
 
 
 def _fill(log: Log, batches: int, first: int = 0) -> list[bytes | None]:
