@@ -30,11 +30,12 @@ pyspark = pytest.importorskip("pyspark")
 from pyspark.sql import functions as F  # noqa: E402, N812
 from pyspark.sql.types import BinaryType, StructField, StructType  # noqa: E402
 
-from tidelog.spark import activate, local_session  # noqa: E402
+from tidelog.leaders import Leader, directory_for  # noqa: E402
+from tidelog.spark import activate, direct, local_session  # noqa: E402
 from tidelog.spark.options import parse_read_options  # noqa: E402
 from tidelog.spark.planning import OffsetRange  # noqa: E402
-from tidelog.spark.reader import read_range  # noqa: E402
-from tidelog.spark.source import TidelogBatchReader  # noqa: E402
+from tidelog.spark.reader import planned_partition_state, read_range  # noqa: E402
+from tidelog.spark.source import TidelogBatchReader, TidelogStreamReader  # noqa: E402
 from tidelog.spark.writer import TidelogBatchWriter, TidelogStreamWriter  # noqa: E402
 
 
@@ -471,7 +472,11 @@ def test_exactly_once_tasks_keep_one_producer_id_across_micro_batches(
 def test_batch_read_by_assign_timestamps_ending_offsets_and_min_partitions(
     spark: Any, gateway: GatewayProcess
 ) -> None:
-    tidelog.Admin(gateway.address).create_topic("spark-ts", partitions=2, replication_factor=1)
+    # Records of 1970 (timestamps 1,000,000 and 2,000,000 ms): kept only without time
+    # retention, which would delete them all, the active segment included (Kafka's rule).
+    tidelog.Admin(gateway.address).create_topic(
+        "spark-ts", partitions=2, replication_factor=1, config={"retention.ms": "-1"}
+    )
     with tidelog.Producer(gateway.address) as producer:
         for p in range(2):
             producer.send_batch(
@@ -528,16 +533,44 @@ def test_batch_read_by_assign_timestamps_ending_offsets_and_min_partitions(
     assert mixed.where("partition = 1").count() == 100
 
 
+def test_assign_refuses_starting_offsets_that_leave_out_a_partition(
+    gateway: GatewayProcess,
+) -> None:
+    """Found by an audit: with ``assign``, startingOffsets JSON naming only some of the
+    partitions was accepted and the others started at earliest, reading what a
+    streaming query (default latest) meant to skip. Spark's Kafka source refuses it for
+    assign as for subscribe; so does this one, batch and streaming, before any read."""
+    topic = "spark-assign-partial"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=2, replication_factor=1)
+    options = {
+        "gateway": gateway.address,
+        "assign": f'{{"{topic}": [0, 1]}}',
+        "startingOffsets": f'{{"{topic}": {{"0": 0}}}}',
+    }
+    missing = rf"startingOffsets must give an offset for every partition read; missing: {topic}-1"
+    with pytest.raises(ConfigError, match=missing):
+        TidelogBatchReader(parse_read_options(options, streaming=False)).partitions()
+    with pytest.raises(ConfigError, match=missing):
+        TidelogStreamReader(parse_read_options(options, streaming=True)).initialOffset()
+
+
 def _stream_once(
-    spark: Any, gateway: str, topic: str, checkpoint: Path, **options: str
+    spark: Any,
+    gateway: str,
+    topic: str,
+    checkpoint: Path,
+    *,
+    selector: str = "subscribe",
+    **options: str,
 ) -> list[tuple[int, int, bytes]]:
-    """One ``Trigger.AvailableNow`` run of a streaming read of ``topic`` (from earliest
-    on a new checkpoint): the (partition, offset, value) rows it read. A failed query
-    raises. (A sink that can restart from a checkpoint: the memory sink cannot.)"""
+    """One ``Trigger.AvailableNow`` run of a streaming read of ``topic`` (a pattern with
+    ``selector="subscribePattern"``; from earliest on a new checkpoint): the (partition,
+    offset, value) rows it read. A failed query raises. (A sink that can restart from a
+    checkpoint: the memory sink cannot.)"""
     reader = (
         spark.readStream.format("tidelog")
         .option("gateway", gateway)
-        .option("subscribe", topic)
+        .option(selector, topic)
         .option("startingOffsets", "earliest")
     )
     for option, value in options.items():
@@ -764,6 +797,140 @@ def test_a_task_planned_before_its_topic_was_recreated_reports_data_loss(
     fresh, fresh_tasks = plan()
     rows = [row for task in fresh_tasks for b in fresh.read(task) for row in b.to_pylist()]
     assert [row["value"] for row in rows] == [f"new-{i}".encode() for i in range(30)]
+
+
+@pytest.mark.parametrize("mode", ["gateway", "direct"])
+def test_a_task_whose_topic_was_deleted_reports_data_loss_at_once(
+    gateway: GatewayProcess, mode: str
+) -> None:
+    """Found by an audit: a task whose topic was deleted after its batch was planned (or
+    replayed from a checkpoint after) retried UNKNOWN_TOPIC_OR_PARTITION for the whole
+    request timeout (30 s), then failed the query, failOnDataLoss=false or not. Once the
+    gateway's metadata no longer lists the topic, or lists another incarnation of it
+    without the partition, the task reports data loss at once: failed, or skipped with
+    failOnDataLoss=false."""
+    admin = tidelog.Admin(gateway.address)
+    topic = f"spark-deleted-{mode}"
+    admin.create_topic(topic, partitions=2, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(2):
+            producer.send_batch(topic, [b"x"] * 10, partition=p).result(30)
+
+    def plan(**extra: str) -> tuple[TidelogBatchReader, list[Any]]:
+        options = {"gateway": gateway.address, "subscribe": topic, "requestTimeoutMs": "30000"}
+        options["direct"] = "true" if mode == "direct" else "false"
+        batch = TidelogBatchReader(parse_read_options(options | extra, streaming=False))
+        return batch, list(batch.partitions())
+
+    strict, strict_tasks = plan()
+    lenient, lenient_tasks = plan(failOnDataLoss="false")
+    assert [t.offset_range.partition for t in strict_tasks] == [0, 1]
+    connection = GatewayConnection.get(gateway.address)
+    planned_id = strict_tasks[0].topic_id
+    assert planned_partition_state(connection, topic, 0, planned_id) == "listed"
+    admin.delete_topic(topic)
+    wait_for(
+        lambda: planned_partition_state(connection, topic, 0, planned_id) == "deleted",
+        30,
+        "the metadata to drop the topic",
+    )
+    started = time.monotonic()
+    with pytest.raises(
+        OffsetOutOfRangeError,
+        match=rf"{topic}-0: some data may have been lost: the partition no longer exists "
+        r"\(topic deleted since this batch was planned\): offsets \[0, 10\) were not read; "
+        r"set the option failOnDataLoss=false to go on without it$",
+    ):
+        list(strict.read(strict_tasks[0]))
+    assert [b for task in lenient_tasks for b in lenient.read(task)] == []
+    assert time.monotonic() - started < 10  # not the request timeout's 30 s per task
+    # Created again with one partition: the planned partition 1 is gone with the topic
+    # it was planned in (the metadata names another topic id).
+    wait_for(lambda: _created(admin, topic), 30, "the topic created again")
+    started = time.monotonic()
+    with pytest.raises(
+        OffsetOutOfRangeError,
+        match=rf"{topic}-1: some data may have been lost: .*created again since this batch "
+        "was planned",
+    ):
+        list(strict.read(strict_tasks[1]))
+    assert list(lenient.read(lenient_tasks[1])) == []
+    assert time.monotonic() - started < 10
+
+
+def test_a_direct_fetch_retries_a_broker_that_does_not_know_the_partition(
+    gateway: GatewayProcess,
+) -> None:
+    """A broker's UNKNOWN_TOPIC_OR_PARTITION is not taken for a deleted topic while the
+    gateway's metadata still lists it: a leader that has not heard of its new role yet
+    answers it too. A task told to fetch from a broker that does not host its partition
+    (a stale leader hint) finds the real leader and reads the whole range."""
+    admin = tidelog.Admin(gateway.address)
+    topic = "spark-direct-stale-hint"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    values = [f"v{i}".encode() for i in range(20)]
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, values).result(30)
+    connection = GatewayConnection.get(gateway.address)
+    directory = directory_for(connection)
+    leader = direct.leader_hints(connection, [(topic, 0)])[(topic, 0)]
+    assert leader is not None
+    other = next(
+        broker_id
+        for broker_id in (1, 2, 3)
+        if broker_id != leader.broker_id and directory.address(broker_id)
+    )
+    stale = Leader(other, leader.leader_epoch, directory.address(other) or "")
+    topic_id = directory.topic_id(topic)
+    fetcher = direct.PartitionFetcher(connection, (topic, 0), stale, 30_000, topic_id)
+    batches = read_range(
+        connection,
+        OffsetRange(topic, 0, 0, 20),
+        include_headers=False,
+        fail_on_data_loss=True,
+        fetch_max_bytes=1 << 20,
+        fetch=fetcher.fetch,
+        topic_id=topic_id,
+    )
+    assert [v for b in batches for v in b.column("value").to_pylist()] == values
+
+
+def test_a_stream_replayed_after_its_topic_was_deleted_reports_data_loss(
+    spark: Any, gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """Found by an audit: a subscribePattern query restarted from its checkpoint after
+    one of its topics was deleted replays its last micro-batch (not committed before the
+    crash), whose task met the deleted topic and failed the query after 30 s, even with
+    failOnDataLoss=false. Now the replay fails at once saying data may have been lost,
+    or with failOnDataLoss=false reads the other topic's records and goes on."""
+    admin = tidelog.Admin(gateway.address)
+    checkpoint = tmp_path / "checkpoint"
+    for topic in ("spark-replay-keep", "spark-replay-gone"):
+        admin.create_topic(topic, partitions=1, replication_factor=1)
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch(topic, [f"{topic}-{i}".encode() for i in range(5)]).result(30)
+
+    def run(**options: str) -> list[bytes]:
+        rows = _stream_once(
+            spark,
+            gateway.address,
+            "spark-replay-(keep|gone)",
+            checkpoint,
+            selector="subscribePattern",
+            **options,
+        )
+        return sorted(value for _, _, value in rows)
+
+    assert len(run()) == 10
+    _forget_last_commit(checkpoint)
+    admin.delete_topic("spark-replay-gone")
+    with pytest.raises(
+        Exception, match=r"spark-replay-gone-0: some data may have been lost: the partition "
+    ):
+        run()
+    started = time.monotonic()
+    assert run(failOnDataLoss="false") == [f"spark-replay-keep-{i}".encode() for i in range(5)]
+    assert time.monotonic() - started < 30  # the request timeout the task used to wait
 
 
 def test_default_batch_bytes_make_batches_the_broker_accepts(

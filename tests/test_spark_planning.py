@@ -218,25 +218,24 @@ BOUNDS = {("a", 0): Bounds(10, 100), ("a", 1): Bounds(0, 5)}
 
 
 def test_resolve_offsets_rules() -> None:
-    assert resolve_offsets(OffsetSpec("earliest"), BOUNDS, option="s", require_all=True) == {
+    assert resolve_offsets(OffsetSpec("earliest"), BOUNDS, option="s") == {
         ("a", 0): 10,
         ("a", 1): 0,
     }
-    assert resolve_offsets(OffsetSpec("latest"), BOUNDS, option="s", require_all=True) == {
+    assert resolve_offsets(OffsetSpec("latest"), BOUNDS, option="s") == {
         ("a", 0): 100,
         ("a", 1): 5,
     }
     spec = OffsetSpec("json", {("a", 0): 50, ("a", 1): LATEST})
-    assert resolve_offsets(spec, BOUNDS, option="s", require_all=True) == {
+    assert resolve_offsets(spec, BOUNDS, option="s") == {
         ("a", 0): 50,
         ("a", 1): 5,
     }
     partial = OffsetSpec("json", {("a", 0): 50})
     with pytest.raises(ConfigError, match="missing: a-1"):
-        resolve_offsets(partial, BOUNDS, option="s", require_all=True)
-    assert resolve_offsets(partial, BOUNDS, option="s", require_all=False)[("a", 1)] == 0
+        resolve_offsets(partial, BOUNDS, option="s")
     with pytest.raises(ConfigError, match="not being read: b-0"):
-        resolve_offsets(OffsetSpec("json", {("b", 0): 1}), BOUNDS, option="s", require_all=False)
+        resolve_offsets(OffsetSpec("json", {("b", 0): 1}), BOUNDS, option="s")
 
 
 def test_start_offsets_below_earliest_are_data_loss() -> None:

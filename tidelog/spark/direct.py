@@ -13,7 +13,9 @@ leader moved, the new leader. The executors must reach the brokers' registered a
   leader's epoch; a retriable answer or a broker that cannot be reached (the leader moved
   or died) makes it ask the gateway for the leader again (``LeaderDirectory``) and retry
   after ``RETRY_BACKOFF_S``, as the consumer's direct mode does, for up to the request
-  timeout from the first failed attempt; then the last error fails the task.
+  timeout from the first failed attempt; then the last error fails the task. A partition
+  the gateway's metadata no longer lists in the planned incarnation
+  (``reader.partition_gone``) is not waited for: the task reports it as data loss.
 - Writes: ``Appender`` sends each partition of a writer's request as one ``Append`` to its
   leader, on a few threads, and answers with the gateway's ``ProducePartitionResult``s so
   the writer checks them as it checks the gateway's. It re-routes exactly what the
@@ -44,6 +46,7 @@ from tidelog.errors import (
     error_for_code,
 )
 from tidelog.leaders import Leader, LeaderDirectory, directory_for
+from tidelog.spark.reader import partition_gone
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 from tidelog.wire import encode_append_request
 
@@ -84,6 +87,7 @@ class PartitionFetcher:
         request_timeout_ms: int,
         topic_id: str = "",
     ) -> None:
+        self._connection = connection
         self._directory: LeaderDirectory = directory_for(connection)
         self._tp = tp
         self._topic_id = topic_id  # the incarnation planned for; empty checks nothing
@@ -110,8 +114,13 @@ class PartitionFetcher:
                     return self._fetch_from(leader, offset, max_bytes, what)
                 except TidelogError as exc:
                     # The broker's own UNKNOWN_TOPIC_OR_PARTITION is retriable: it may not
-                    # have heard of its new role yet.
+                    # have heard of its new role yet. Unless the topic is gone, which only
+                    # the gateway's metadata tells.
                     if not exc.retriable:
+                        raise
+                    if isinstance(exc, UnknownTopicOrPartitionError) and partition_gone(
+                        self._connection, topic, partition, self._topic_id
+                    ):
                         raise
                     error = exc
             # The leader moved or died, or the gateway could not say who leads now.

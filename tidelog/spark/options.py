@@ -90,9 +90,10 @@ PartitionOffsets = dict[tuple[str, int], int]
 class OffsetSpec:
     """Where to start or end: ``"earliest"``, ``"latest"``, or explicit per partition.
 
-    ``per_partition`` is set only for ``kind == "json"``; a partition it does not name
-    defaults to earliest for starting offsets (as Spark's Kafka source does for new
-    partitions) and is an error for ending offsets.
+    ``per_partition`` is set only for ``kind == "json"``; it must name every partition
+    read, starting and ending offsets alike, whatever the topic selector (Spark's Kafka
+    source refuses a partial one for ``assign`` too): a partition left out would start
+    somewhere the user did not say.
     """
 
     kind: Literal["earliest", "latest", "json"]

@@ -5,7 +5,7 @@ lookups) and the checked options, these decide which offset range every Spark ta
 reads. The rules are those of Spark's Kafka source so results match users' experience:
 
 - ``resolve_offsets`` turns an ``OffsetSpec`` into one offset per partition (-2 earliest,
-  -1 latest); a JSON spec must name every partition for ``subscribe`` / pattern reads.
+  -1 latest); a JSON spec must name every partition read, whatever the selector.
 - ``check_start_offsets`` checks the offsets a query was asked to start at: past the
   latest offset is an error, below the earliest (removed by retention) is data loss.
 - ``resume_offsets`` checks where a streaming query resumes (its checkpoint) against what
@@ -72,13 +72,12 @@ def resolve_offsets(
     bounds: Mapping[TopicPartition, Bounds],
     *,
     option: str,
-    require_all: bool,
 ) -> dict[TopicPartition, int]:
     """One offset per partition in ``bounds`` from ``spec``.
 
-    ``require_all``: a JSON spec must name every partition (subscribe and pattern reads,
-    as in Spark); otherwise unnamed partitions start at earliest. A JSON spec naming a
-    partition that is not being read is an error either way.
+    A JSON spec must name exactly the partitions in ``bounds``, as Spark's Kafka source
+    requires for every selector: ``assign`` used to start the partitions it left out at
+    earliest, reading records the user may have meant to skip.
     """
     if spec.kind == "earliest":
         return {tp: b.earliest for tp, b in bounds.items()}
@@ -89,13 +88,13 @@ def resolve_offsets(
     if unknown:
         raise ConfigError(f"{option} names partitions that are not being read: {_names(unknown)}")
     missing = sorted(set(bounds) - set(spec.per_partition))
-    if missing and require_all:
+    if missing:
         raise ConfigError(
             f"{option} must give an offset for every partition read; missing: {_names(missing)}"
         )
     result: dict[TopicPartition, int] = {}
     for tp, b in bounds.items():
-        wanted = spec.per_partition.get(tp, EARLIEST)
+        wanted = spec.per_partition[tp]
         result[tp] = b.earliest if wanted == EARLIEST else b.latest if wanted == LATEST else wanted
     return result
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Final
+from typing import Any, Final, Literal
 
-from tidelog.client import GatewayConnection
+from tidelog.client import GatewayConnection, raise_for
 from tidelog.errors import (
     ConfigError,
     InconsistentTopicIdError,
@@ -39,7 +39,7 @@ from tidelog.spark.planning import (
     deleted_before_read,
     raise_for_data_loss,
 )
-from tidelog.v1 import storage_pb2
+from tidelog.v1 import common_pb2, storage_pb2
 
 SCHEMA_DDL: Final = (
     "key binary, value binary, topic string, partition int, offset long, "
@@ -107,8 +107,6 @@ def resolve_timestamps(
     bounds: dict[TopicPartition, Bounds],
 ) -> dict[TopicPartition, int]:
     """Start offsets from ``startingOffsetsByTimestamp`` / ``startingTimestamp``."""
-    from tidelog.v1 import common_pb2  # noqa: PLC0415  # keeps module import light
-
     spec = options.starting_timestamp
     assert spec is not None
     wanted: dict[TopicPartition, int] = {}
@@ -148,7 +146,40 @@ def resolve_timestamps(
 
 
 FetchFunction = Callable[[int, int], storage_pb2.FetchPartitionResult]
-"""``fetch(offset, max_bytes)``: one long-poll fetch of a range's partition, errors raised."""
+"""``fetch(offset, max_bytes)``: one long-poll fetch of a range's partition, errors raised.
+UNKNOWN_TOPIC_OR_PARTITION is retried while the metadata lists the partition, raised at
+once when it does not (``partition_gone``)."""
+
+PlannedPartitionState = Literal["listed", "deleted", "recreated"]
+
+
+def planned_partition_state(
+    connection: GatewayConnection, topic: str, partition: int, topic_id: str
+) -> PlannedPartitionState:
+    """Whether the partition a range was planned in still exists, as the gateway's
+    metadata has it now: ``"recreated"`` when it names another id than ``topic_id`` (the
+    incarnation planned; "" checks nothing), ``"deleted"`` when it lists no such topic or
+    partition. A fetch's UNKNOWN_TOPIC_OR_PARTITION alone does not tell: a leader that has
+    not heard of its new role yet answers it too, and that passes."""
+    (found,) = connection.metadata([topic]).topics
+    if found.error.code == common_pb2.UNKNOWN_TOPIC_OR_PARTITION:
+        return "deleted"
+    raise_for(found.error, f"metadata of topic {topic!r}")
+    if topic_id and found.topic_id and found.topic_id != topic_id:
+        return "recreated"
+    return "listed" if partition < len(found.partitions) else "deleted"
+
+
+def partition_gone(
+    connection: GatewayConnection, topic: str, partition: int, topic_id: str
+) -> bool:
+    """For a fetcher's retry loop after UNKNOWN_TOPIC_OR_PARTITION: whether to stop
+    retrying (``planned_partition_state``); a metadata question that failed is no answer,
+    so the fetch is retried as after any retriable failure."""
+    try:
+        return planned_partition_state(connection, topic, partition, topic_id) != "listed"
+    except TidelogError:
+        return False
 
 
 def _fetch_through_gateway(
@@ -165,13 +196,19 @@ def _fetch_through_gateway(
     direct mode's ``PartitionFetcher`` does: the gateway answers a leader's failure as it
     comes, and a task that failed on it failed the query (Spark's own task retries came
     too soon to find the new leader). OFFSET_OUT_OF_RANGE and other final errors are
-    raised at once."""
+    raised at once, and so is UNKNOWN_TOPIC_OR_PARTITION once the metadata confirms it
+    (``partition_gone``): waiting for a deleted topic used to fail the query after the
+    request timeout, failOnDataLoss=false or not."""
     give_up_at: float | None = None
     while True:
         try:
             return connection.fetch(topic, partition, offset, max_bytes, topic_id=topic_id)
         except TidelogError as exc:
             if not exc.retriable:
+                raise
+            if isinstance(exc, UnknownTopicOrPartitionError) and partition_gone(
+                connection, topic, partition, topic_id
+            ):
                 raise
             now = time.monotonic()
             give_up_at = give_up_at or now + connection.timeout_s
@@ -197,7 +234,8 @@ def read_range(
     ``topic_id`` is the incarnation of the topic the range was planned in: fetches name
     it, and a topic deleted and created again since is data loss (the range's offsets
     name records of the topic that is gone), not the new topic's records read as if they
-    were the planned ones. ``fetch`` must name it too."""
+    were the planned ones. ``fetch`` must name it too, and give up on
+    UNKNOWN_TOPIC_OR_PARTITION once ``partition_gone``: data loss as well."""
     import pyarrow as pa  # noqa: PLC0415  # executors only
     import pyarrow.compute as pc  # noqa: PLC0415
 
@@ -221,24 +259,30 @@ def read_range(
             loss = _lost_range(connection, topic, partition, position, end)
             if loss is None:
                 raise
+        except UnknownTopicOrPartitionError:
+            # Raised once the metadata no longer lists the partition, or when the request
+            # timeout ran out on one it still lists (not data loss: raised).
+            state = planned_partition_state(connection, topic, partition, topic_id)
+            if state == "listed":
+                raise
+            if state == "recreated":  # and the new topic has no such partition
+                loss = _recreated(topic, partition, topic_id, position, end)
+            else:
+                loss = DataLoss(
+                    topic,
+                    partition,
+                    "the partition no longer exists (topic deleted since this batch was "
+                    f"planned): offsets [{position}, {end}) were not read",
+                    None,
+                )
         except InconsistentTopicIdError:
-            # Final for this range: its offsets name records of an incarnation that is
-            # gone; the next micro-batch's plan starts the new topic at its beginning.
-            loss = DataLoss(
-                topic,
-                partition,
-                "the topic was deleted and created again since this batch was planned (topic "
-                f"id {topic_id}): offsets [{position}, {end}) of the topic planned were not "
-                "read",
-                end,
-            )
+            loss = _recreated(topic, partition, topic_id, position, end)
         # Handled outside the except block: the loss explains the out-of-range answer, so
         # a failure shows one line, not that answer's traceback too.
         if loss is not None:
             raise_for_data_loss([loss], fail_on_data_loss=fail_on_data_loss)
             warn_data_loss([loss])
-            assert loss.resume_at is not None
-            position = loss.resume_at
+            position = end if loss.resume_at is None else loss.resume_at
             continue
         batches = decode_batches(result.records)
         if not batches and 0 <= result.log_end_offset < end:
@@ -291,6 +335,18 @@ def read_range(
                 include_headers=include_headers,
             )
             position += count
+
+
+def _recreated(topic: str, partition: int, topic_id: str, position: int, end: int) -> DataLoss:
+    """Final for this range: its offsets name records of an incarnation that is gone; the
+    next micro-batch's plan starts the new topic at its beginning."""
+    return DataLoss(
+        topic,
+        partition,
+        "the topic was deleted and created again since this batch was planned (topic id "
+        f"{topic_id}): offsets [{position}, {end}) of the topic planned were not read",
+        end,
+    )
 
 
 def _lost_range(

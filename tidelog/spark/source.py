@@ -159,22 +159,17 @@ class TidelogBatchReader(DataSourceReader):
         # tasks' fetches rather than read in place of the one whose bounds were planned.
         topic_ids = _topic_ids(connection, (t for t, _ in tps))
         bounds = reader.resolve_bounds(connection, tps)
-        require_all = options.selector != "assign"
         if options.starting_timestamp is not None:
             starts = reader.resolve_timestamps(connection, options, bounds)
         else:
-            starts = planning.resolve_offsets(
-                options.starting, bounds, option="startingOffsets", require_all=require_all
-            )
+            starts = planning.resolve_offsets(options.starting, bounds, option="startingOffsets")
         starts, losses = planning.check_start_offsets(
             starts, bounds, fail_on_data_loss=options.fail_on_data_loss
         )
         reader.warn_data_loss(losses)
         # Every partition read needs an end (Spark's rule, assign mode too): one left out
         # would end at earliest and be read not at all.
-        ends = planning.resolve_offsets(
-            options.ending, bounds, option="endingOffsets", require_all=True
-        )
+        ends = planning.resolve_offsets(options.ending, bounds, option="endingOffsets")
         for tp, end in ends.items():
             if end > bounds[tp].latest:
                 # Not there yet: the read would wait for it and time out.
@@ -238,12 +233,7 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if options.starting_timestamp is not None:
             starts = reader.resolve_timestamps(connection, options, bounds)
         else:
-            starts = planning.resolve_offsets(
-                options.starting,
-                bounds,
-                option="startingOffsets",
-                require_all=options.selector != "assign",
-            )
+            starts = planning.resolve_offsets(options.starting, bounds, option="startingOffsets")
         starts, losses = planning.check_start_offsets(
             starts, bounds, fail_on_data_loss=options.fail_on_data_loss
         )
