@@ -14,9 +14,10 @@ from typing import Any
 import grpc
 import pytest
 
-from services.cluster_metadata import broker_key, decode_broker
+from services.cluster_metadata import CLUSTER_ID_KEY, broker_key, decode_broker, decode_cluster_id
 from services.controller.state import Broker
 from services.metastore import MetaStore
+from services.storage.meta_properties import MetaProperties, read_meta_properties
 from services.storage.registration import BrokerRegistration
 from tests.support.process import StorageProcess
 from tidelog.etcd_launcher import EtcdProcess, EtcdTuning
@@ -270,6 +271,43 @@ def test_a_stop_during_a_reregistration_leaves_no_registration(
         # Past the TTL of any lease the re-registration granted: only a kept one remains.
         time.sleep(TTL_S + 1)
         assert meta.get(broker_key(1)) is None
+
+
+def test_a_data_directory_of_another_cluster_or_broker_is_refused_and_kept(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """meta.properties (Kafka's) records whose directory it is. A volume copied into
+    another cluster, or mounted on another broker id, is refused at start with one line
+    and nothing on it changes: it used to be adopted, every log a stray to the new
+    cluster's controller, and deleted by its first UpdateMetadata (found by an audit)."""
+    node = start_member(tmp_path, etcd, store)
+    try:
+        registered = store.get(broker_key(1))
+        assert registered is not None
+        epoch = registered.create_revision
+        assert leader_and_isr(node, controller_epoch=1, broker_epoch=epoch).error.code == 0
+    finally:
+        assert node.terminate() == 0
+    data_dir = tmp_path / "data"
+    cluster_id = store.get(CLUSTER_ID_KEY)
+    assert cluster_id is not None
+    assert read_meta_properties(data_dir) == MetaProperties(1, decode_cluster_id(cluster_id))
+    before = sorted(p.name for p in data_dir.iterdir())
+    assert "members-0" in before
+    for broker_id, cluster, refusal in (
+        (1, "elsewhere", "belongs to cluster"),
+        (2, store.cluster, "belongs to broker 1"),
+    ):
+        refused = StorageProcess(
+            data_dir,
+            broker_id=broker_id,
+            extra_args=["--etcd", etcd.endpoint, "--cluster", cluster, "--session-ttl-s", "2"],
+        )
+        assert refused.wait(30) == 1
+        assert refusal in refused.log_tail(20)
+        assert sorted(p.name for p in data_dir.iterdir()) == before
+    again = start_member(tmp_path, etcd, store)  # its own broker id and cluster: fine
+    assert again.terminate() == 0
 
 
 def test_duplicate_broker_id_is_refused(

@@ -28,6 +28,15 @@ from services.storage.log.partition_metadata import (
     write_topic_id,
 )
 from services.storage.log_manager import LogManager
+from services.storage.meta_properties import (
+    META_PROPERTIES_FILE,
+    DataDirIdentityError,
+    MetaProperties,
+    check_identity,
+    decode_meta_properties,
+    read_meta_properties,
+    write_meta_properties,
+)
 from services.storage.partition import PartitionState
 from services.storage.server import ClusterMetadata, ReplicaManager, StopReplicaItem
 from services.storage.strays import (
@@ -356,3 +365,46 @@ def test_kill_9_while_deleting_a_stray_leaves_a_state_the_broker_starts_from(
     assert _lead(manager, _state(NEW)) == [ErrorCode.NONE]
     assert _values(manager) == []
     manager.shutdown()
+
+
+# --- meta.properties: whose data directory this is -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"version=1\nbroker.id=1\n",
+        b"version=0\n",
+        b"version=0\nbroker.id=one\n",
+        b"version=0\nbroker.id=1\nbroker.id=2\n",
+        b"version=0\nbroker.id=1\ncluster.id=a b\n",
+        b"version=0\nbroker.id=1\nno equals sign\n",
+        b"version=0\nbroker.id=\xff\n",
+        b"version=0\nbroker.id=1\n#" + b"x" * 2000 + b"\n",
+    ],
+)
+def test_a_damaged_meta_properties_is_refused_not_guessed(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / META_PROPERTIES_FILE).write_bytes(content)
+    with pytest.raises(DataDirIdentityError):
+        read_meta_properties(tmp_path)
+
+
+def test_meta_properties_round_trip_and_identity_rules(tmp_path: Path) -> None:
+    assert read_meta_properties(tmp_path) is None
+    write_meta_properties(tmp_path, MetaProperties(3, "abc"))
+    # Kafka's own file (a date comment, any key order) reads the same.
+    assert read_meta_properties(tmp_path) == MetaProperties(3, "abc")
+    kafka = b"#\n#Thu Nov 26 12:00:00 UTC 2026\ncluster.id=abc\nversion=0\nbroker.id=3\n"
+    assert decode_meta_properties(kafka) == MetaProperties(3, "abc")
+    found = MetaProperties(3, "")
+    assert check_identity(None, broker_id=3, cluster_id="c", data_dir=tmp_path) == MetaProperties(
+        3, "c"
+    )
+    assert check_identity(found, broker_id=3, cluster_id="c", data_dir=tmp_path).cluster_id == "c"
+    kept = check_identity(MetaProperties(3, "c"), broker_id=3, cluster_id="", data_dir=tmp_path)
+    assert kept == MetaProperties(3, "c")  # a node started outside a cluster keeps it
+    with pytest.raises(DataDirIdentityError, match="belongs to broker 3"):
+        check_identity(found, broker_id=4, cluster_id="c", data_dir=tmp_path)
+    with pytest.raises(DataDirIdentityError, match="belongs to cluster c"):
+        check_identity(MetaProperties(3, "c"), broker_id=3, cluster_id="d", data_dir=tmp_path)

@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,15 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.cluster_metadata import CONTROLLER_KEY, broker_key, decode_broker, decode_controller
+from services.cluster_metadata import (
+    CLUSTER_ID_KEY,
+    CONTROLLER_KEY,
+    broker_key,
+    decode_broker,
+    decode_cluster_id,
+    decode_controller,
+    encode_cluster_id,
+)
 from services.controller.state import Broker
 from services.metastore import MetaStore, MetaStoreError
 from services.process import (
@@ -50,6 +59,11 @@ from services.process import (
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.log import LogConfig
 from services.storage.log_manager import LogManager
+from services.storage.meta_properties import (
+    check_identity,
+    read_meta_properties,
+    write_meta_properties,
+)
 from services.storage.registration import BrokerRegistration
 from services.storage.replication import IsrProposal
 from services.storage.server import (
@@ -196,6 +210,7 @@ class StorageNode:
         StorageError if another storage node holds the data directory."""
         config = self.config
         self._lock_data_dir()
+        self._check_data_dir_identity()
         log_manager = LogManager(
             config.data_dir, config.log_config, clock=self._clock, on_disk_failure=_halt
         )
@@ -333,10 +348,26 @@ class StorageNode:
                 outcomes.append((error, None, -1))
         return outcomes
 
+    def _check_data_dir_identity(self) -> None:
+        """Refuse a data directory of another broker id or cluster before any log opens
+        (``meta_properties``): its logs would all look like strays, and be deleted."""
+        config = self.config
+        cluster_id = ""
+        if config.etcd:
+            self._store = MetaStore(config.etcd, cluster=config.cluster)
+            cluster_id = _cluster_id(self._store)
+        found = read_meta_properties(config.data_dir)
+        meta = check_identity(
+            found, broker_id=config.broker_id, cluster_id=cluster_id, data_dir=config.data_dir
+        )
+        if meta != found:
+            write_meta_properties(config.data_dir, meta)
+
     def _register(self, replicas: ReplicaManager) -> None:
         """Join the cluster: register in etcd (waiting out a previous incarnation)."""
         config = self.config
-        self._store = MetaStore(config.etcd or "", cluster=config.cluster)
+        if self._store is None:
+            self._store = MetaStore(config.etcd or "", cluster=config.cluster)
         host = config.advertised_host or config.listen_host
         if host in ("0.0.0.0", "::", ""):
             host = socket.getfqdn()  # a wildcard is not an address others can dial
@@ -461,6 +492,18 @@ def main(args: argparse.Namespace) -> int:
         StorageNode(config),
         f"tidelog storage broker {config.broker_id} listening on {{address}}",
     )
+
+
+def _cluster_id(store: MetaStore) -> str:
+    """etcd's cluster id, made here if no controller has yet (as the first broker of a
+    ZooKeeper-era Kafka cluster did); ``create_if_absent``: exactly one id is ever made."""
+    found = store.get(CLUSTER_ID_KEY)
+    if found is None:
+        store.create_if_absent(CLUSTER_ID_KEY, encode_cluster_id(uuid.uuid4().hex))
+        found = store.get(CLUSTER_ID_KEY)
+    if found is None:
+        raise BrokerNotAvailableError("the cluster id could not be read from etcd")
+    return decode_cluster_id(found)
 
 
 def _halt(failed: Path, error: OSError) -> None:
