@@ -1369,10 +1369,10 @@ def test_a_leader_and_isr_the_broker_failed_with_a_storage_error_is_sent_again(
     tmp_path: Path,
 ) -> None:
     """A partition whose LeaderAndIsr failed on the broker with STORAGE_ERROR (here a
-    stray file where its log directory goes; in production a full disk or too many open
-    files) used to be dropped by the controller: once the cause was gone, the broker
-    still did not host it, and its leader served nothing. It is sent again, with
-    backoff, until the broker takes the role."""
+    stray file where its log directory goes; a full disk halts the broker instead, see
+    tests/chaos/test_disk_failure.py) used to be dropped by the controller: once the
+    cause was gone, the broker still did not host it, and its leader served nothing. It
+    is sent again, with backoff, until the broker takes the role."""
     cluster = TestCluster(tmp_path)
     try:
         cluster.start_broker(1)

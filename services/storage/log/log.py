@@ -32,8 +32,8 @@ Invariants:
   shrinks, with a directory fsync, so a stale one cannot come back).
 
 Disk failures: an ``OSError`` from any operation that touches the files is reported to
-``on_disk_failure`` before it propagates (``is_disk_failure``: every errno but the few a
-path racing with a deletion gives, as Kafka treats every IOException; a short list of
+``on_disk_failure`` before it propagates (``is_disk_failure``: every errno but the few of a
+path conflict, as Kafka treats every IOException; a short list of
 "disk" errnos once let EUCLEAN, what ext4 and xfs answer on detected corruption, pass as
 a per-request error after a failed fsync). After a failed write or fsync the state of the
 files is unknown (Linux may even drop the dirty pages a failed fsync was about, so a later
@@ -90,9 +90,11 @@ from .producer_state import DEFAULT_PRODUCER_ID_EXPIRATION_MS, ProducerStateMana
 from .segment import BatchSpan, LogSegment
 from .segments import LogSegments
 
-NOT_DISK_FAILURE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR})
-"""OSErrors of a path racing with a deletion (a partition deleted while a request read
-it), not of a failing disk. Every other OSError from the files is a disk failure."""
+NOT_DISK_FAILURE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EEXIST})
+"""OSErrors of a path conflict, not of a failing disk: a path gone (a partition deleted
+while a request read it) or taken by a stray file where a log directory goes (that
+partition fails with STORAGE_ERROR and the controller sends it again). Every other
+OSError from the files is a disk failure."""
 
 
 def is_disk_failure(error: OSError) -> bool:
