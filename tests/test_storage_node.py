@@ -761,7 +761,8 @@ def test_fetch_offsets_out_of_range_are_per_partition_errors(
 
 def test_list_offsets(storage_node: StorageProcess) -> None:
     stub = storage_node.stub
-    make_leader(stub, "times")
+    # Records of 1970: time retention would delete them all, the active segment too.
+    make_leader(stub, "times", configs={"retention.ms": "-1"})
     append(stub, "times", encode_batch([b"a", b"b"], timestamps_ms=[1000, 1001]))  # 0, 1
     append(stub, "times", encode_batch([b"c"], timestamps_ms=[2000]))  # 2
     append(stub, "times", encode_batch([b"d", b"e"], timestamps_ms=[3000, 3005]))  # 3, 4
