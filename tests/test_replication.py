@@ -1183,6 +1183,56 @@ def test_a_consumer_past_an_unclean_truncation_reads_what_the_new_leader_wrote(
         assert poll_records(second, 5) == [(10 + i, v) for i, v in enumerate(new)]
 
 
+@pytest.mark.parametrize("mode", ["pause", "reset-latest", "seek-to-end"])
+def test_a_paused_or_reset_position_detects_an_unclean_truncation(
+    cluster: TestCluster, mode: str
+) -> None:
+    """KIP-320 for positions not reached by reading. Offsets 10-19 were written by A
+    alone; A dies and B, elected uncleanly, writes 10-39. A consumer whose position is
+    20 because it paused there (and committed meanwhile), or because auto_offset_reset
+    "latest" or seek_to_end put it there, moves back to 10 and reads all of B's records.
+    pause() used to drop the position's epoch, and a reset or seek_to_end never had
+    one: the fetch from 20 found no divergence and B's 10-19 were skipped silently
+    (found by an audit)."""
+    topic = f"unclean-position-{mode}"
+    cluster.create_topic(topic, 1, 2, configs={"unclean.leader.election.enable": "true"})
+    wait_for(lambda: len(state_of(cluster, topic).isr) == 2, 10, "ISR of two")
+    state = state_of(cluster, topic)
+    leader = state.leader
+    (follower,) = [b for b in state.replicas if b != leader]
+    gateway = cluster.start_gateway()
+    tp = (topic, 0)
+    assert cluster_append(cluster, topic, [b"both-%d" % i for i in range(10)])[0] == ErrorCode.NONE
+    cluster.brokers[follower].kill()
+    wait_for(lambda: state_of(cluster, topic).isr == [leader], 15, "ISR of the leader")
+    assert cluster_append(cluster, topic, [b"lost-%d" % i for i in range(10)])[0] == ErrorCode.NONE
+    with tidelog.Consumer(
+        gateway.address,
+        group_id=f"g-{topic}",
+        auto_offset_reset="latest" if mode == "reset-latest" else "earliest",
+        enable_auto_commit=False,
+    ) as consumer:
+        consumer.assign([tp])
+        if mode == "pause":
+            consumer.seek(tp, 0)
+            assert len(poll_records(consumer, 20)) == 20
+            consumer.pause([tp])
+        elif mode == "reset-latest":
+            assert consumer.poll(timeout_ms=500) == []
+        else:
+            consumer.seek_to_end([tp])
+        assert consumer.position(tp) == 20
+        consumer.commit()
+        cluster.brokers[leader].kill()
+        cluster.start_broker(follower)
+        wait_for(lambda: state_of(cluster, topic).leader == follower, 20, "unclean election")
+        new = [b"new-%d" % i for i in range(30)]
+        assert cluster_append(cluster, topic, new)[0] == ErrorCode.NONE
+        if mode == "pause":
+            consumer.resume([tp])
+        assert poll_records(consumer, 30) == [(10 + i, v) for i, v in enumerate(new)]
+
+
 def test_a_dead_follower_evicted_by_the_controller_does_not_freeze_the_hw(
     tmp_path: Path,
 ) -> None:

@@ -300,6 +300,18 @@ class GatewayConnection:
         ``partial``, one pass: partitions that failed (no leader, say) are left out
         instead of retried until the timeout and then raised for all.
         """
+        found = self.list_offset_results(partitions, spec, timestamp_ms, partial=partial)
+        return {tp: (item.offset, item.timestamp_ms) for tp, item in found.items()}
+
+    def list_offset_results(
+        self,
+        partitions: Iterable[tuple[str, int]],
+        spec: common_pb2.OffsetSpec,
+        timestamp_ms: int = -1,
+        *,
+        partial: bool = False,
+    ) -> dict[tuple[str, int], storage_pb2.ListOffsetsResult]:
+        """``list_offsets`` with each partition's whole answer (its leader epoch too)."""
         request = storage_pb2.ListOffsetsRequest(
             replica_id=-1,
             partitions=[
@@ -314,7 +326,7 @@ class GatewayConnection:
         # Partitions answered with a retriable error (a new leader not ready to answer,
         # a leader moving) are asked again after a pause, within the request timeout.
         deadline = time.monotonic() + self.timeout_s
-        result: dict[tuple[str, int], tuple[int, int]] = {}
+        result: dict[tuple[str, int], storage_pb2.ListOffsetsResult] = {}
         while True:
             response: storage_pb2.ListOffsetsResponse = self.call(
                 self.stub.ListOffsets, request, "list offsets"
@@ -331,7 +343,7 @@ class GatewayConnection:
                 if item.error.code != common_pb2.NONE:
                     again.append(item)
                     continue
-                result[(item.topic, item.partition)] = (item.offset, item.timestamp_ms)
+                result[(item.topic, item.partition)] = item
             if not again:
                 return result
             asked = {(p.topic, p.partition): p for p in request.partitions}

@@ -37,8 +37,10 @@ past the divergence are dropped; a position past it moves back to the leader's e
 for that epoch, so the records the new leader wrote there are read rather than skipped
 (or, with "none", ``OffsetOutOfRangeError`` says so). Commits carry the epoch of the
 record before the committed offset, and a position taken from a commit names it, so a
-consumer that starts after the truncation detects it too; after a seek or a reset the
-first fetch names no epoch.
+consumer that starts after the truncation detects it too. A position from a reset,
+``seek_to_beginning`` or ``seek_to_end`` names the epoch ListOffsets answered with (of
+the record before it), and ``pause`` keeps the epoch with the position; only ``seek`` to
+a given offset starts without one, as in Kafka.
 
 Group offsets are committed with ``commit()`` (the positions, or given offsets) and, with
 ``enable_auto_commit``, every ``auto_commit_interval_ms`` during ``poll`` and on
@@ -631,7 +633,9 @@ class Consumer:
         new assignment forgets the pause of partitions it takes away."""
         tps = {self._check_assigned(tp) for tp in partitions}
         self._paused_tps |= tps
-        self._drop_buffered(tps)
+        # The position stays, and so does its epoch: dropped, a log truncated during the
+        # pause went unnoticed after resume, and a commit meanwhile stored no epoch.
+        self._drop_buffered(tps, keep_epochs=True)
 
     def resume(self, partitions: Iterable[TopicPartition]) -> None:
         """Fetch these paused partitions again (from their positions)."""
@@ -681,11 +685,20 @@ class Consumer:
             if partitions is None
             else [self._check_assigned(tp) for tp in partitions]
         )
-        found = self._conn.list_offsets(tps, spec)
-        for tp in tps:
-            self._positions[tp] = found[tp][0]
+        self._set_positions(self._conn.list_offset_results(tps, spec))
+
+    def _set_positions(self, found: Mapping[TopicPartition, storage_pb2.ListOffsetsResult]) -> None:
+        """Move to offsets ListOffsets found, with the leader epoch each came with: the
+        first fetch names it, so a log truncated below the position on a failover is
+        found out (KIP-320). Without it a reset or seek_to_end position skipped the
+        records a new leader wrote in place of lost ones (found by an audit)."""
+        self._drop_buffered(set(found))
+        for tp, item in found.items():
+            self._positions[tp] = item.offset
             self._needs_position.discard(tp)
-        self._drop_buffered(set(tps))
+            if item.leader_epoch >= 0:
+                self._position_epoch[tp] = item.leader_epoch
+                self._fetched_epoch[tp] = item.leader_epoch
 
     def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """The high watermark of each partition: the offset after the last readable record
@@ -737,9 +750,10 @@ class Consumer:
         self._ensure_positions()
         return self._positions[tp]
 
-    def _drop_buffered(self, tps: set[TopicPartition]) -> None:
+    def _drop_buffered(self, tps: set[TopicPartition], *, keep_epochs: bool = False) -> None:
         """Forget what was fetched for ``tps`` (their position changed or they left the
-        assignment): buffered records, where the next fetch starts, fetches in flight."""
+        assignment): buffered records, where the next fetch starts, fetches in flight,
+        and, unless ``keep_epochs`` (the position stays), the position's leader epoch."""
         if not tps:
             return
         kept: deque[_Chunk] = deque()
@@ -752,8 +766,9 @@ class Consumer:
         for tp in tps:
             self._next_fetch.pop(tp, None)
             self._drain_first.discard(tp)
-            self._fetched_epoch.pop(tp, None)
-            self._position_epoch.pop(tp, None)
+            if not keep_epochs:
+                self._fetched_epoch.pop(tp, None)
+                self._position_epoch.pop(tp, None)
         for group, fetch in list(self._fetches.items()):
             if not tps.isdisjoint(fetch.offsets):
                 # Its answer for these partitions would start at the old offsets; the
@@ -784,11 +799,7 @@ class Consumer:
                 "auto_offset_reset is 'none'"
             )
         spec = common_pb2.EARLIEST if self._reset == "earliest" else common_pb2.LATEST
-        found = self._conn.list_offsets(tps, spec)
-        for tp in tps:
-            self._positions[tp] = found[tp][0]
-            self._needs_position.discard(tp)
-        self._drop_buffered(set(tps))
+        self._set_positions(self._conn.list_offset_results(tps, spec))
 
     # --- polling --------------------------------------------------------------------------
 

@@ -160,6 +160,10 @@ class ReadResult:
 class OffsetAndTimestamp:
     offset: int  # -1 when nothing matches
     timestamp_ms: int  # -1 when not known
+    # The epoch a consumer positioned here holds (Kafka's ListOffsets leaderEpoch): of the
+    # found record, or, at the high watermark, of the last record before it. A consumer
+    # checks it against the leader after a failover (KIP-320); -1 when unknown.
+    leader_epoch: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -643,8 +647,10 @@ class Partition:
         with self._lock:
             self._check_leader(current_leader_epoch)
             visible_end = self._high_watermark if replica_id < 0 else self._log.log_end_offset
+            log = self._log
             if spec is OffsetSpec.EARLIEST:
-                return OffsetAndTimestamp(self._log.log_start_offset, -1)
+                start = log.log_start_offset
+                return OffsetAndTimestamp(start, -1, log.epoch_for_offset(start))
             replication = self._replication
             if (
                 replica_id < 0
@@ -660,7 +666,8 @@ class Partition:
                     f"{replication.leader_epoch_start_offset}; retry"
                 )
             if spec is OffsetSpec.LATEST:
-                return OffsetAndTimestamp(visible_end, -1)
+                last = max(visible_end - 1, log.log_start_offset)
+                return OffsetAndTimestamp(visible_end, -1, log.epoch_for_offset(last))
             if spec is OffsetSpec.BY_TIMESTAMP:
                 if timestamp_ms < 0:
                     raise InvalidTimestampError(
@@ -669,14 +676,14 @@ class Partition:
                 found = self._log.offset_for_timestamp(timestamp_ms, max_offset=visible_end)
                 if found is None:
                     return OffsetAndTimestamp(-1, -1)
-                return OffsetAndTimestamp(found[0], found[1])
+                return OffsetAndTimestamp(found[0], found[1], log.epoch_for_offset(found[0]))
             if spec is OffsetSpec.MAX_TIMESTAMP:
                 best = self._log.max_timestamp()
                 # The record with the largest timestamp may not be committed yet; consumers
                 # must not learn of offsets they cannot read.
                 if best is None or best[1] >= visible_end:
                     return OffsetAndTimestamp(-1, -1)
-                return OffsetAndTimestamp(best[1], best[0])
+                return OffsetAndTimestamp(best[1], best[0], log.epoch_for_offset(best[1]))
             raise InvalidRequestError(f"unknown offset spec {spec!r}")
 
     def info(self) -> PartitionInfo:

@@ -1353,7 +1353,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                         error=to_error_proto(None),
                         offset=found.offset,
                         timestamp_ms=found.timestamp_ms,
-                        leader_epoch=partition.leader_epoch,
+                        leader_epoch=found.leader_epoch,
                     )
                 )
             except TidelogError as exc:

@@ -1093,6 +1093,10 @@ class Log:
         """The newest leader epoch in the log's cache; -1 when none is known."""
         return self._epochs.latest_epoch
 
+    def epoch_for_offset(self, offset: int) -> int:
+        """The leader epoch that wrote ``offset`` (-1 below the first known epoch)."""
+        return self._epochs.epoch_for_offset(offset)
+
     def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:
         """OffsetForLeaderEpoch: ``(largest epoch <= epoch, where it ends)``.
 
