@@ -1115,7 +1115,8 @@ def test_offset_fetches_and_list_offsets_keep_their_limits_and_entries(
     assert "10001 partitions in one offset fetch; the limit is 10000" in (
         raised.value.details() or ""
     )
-    admin.create_topic("stamped", partitions=1, replication_factor=1)
+    # Records of 1970: time retention would delete them all, the active segment too.
+    admin.create_topic("stamped", partitions=1, replication_factor=1, config={"retention.ms": "-1"})
     with tidelog.Producer(gateway.address) as producer:
         for stamp in (1000, 2000, 3000):
             producer.send("stamped", b"v", partition=0, timestamp_ms=stamp).result(30)
