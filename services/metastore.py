@@ -65,7 +65,7 @@ import grpc
 from etcd3 import etcdrpc
 from etcd3.etcdrpc import kv_pb2
 
-from tidelog.errors import BrokerNotAvailableError
+from tidelog.errors import BrokerNotAvailableError, ErrorCode
 from tidelog.logging import get_logger
 
 _log = get_logger(component="metastore")
@@ -117,6 +117,9 @@ _UNAVAILABLE_CODES = frozenset(
 )
 # What etcd says when a request names a lease that expired or was revoked.
 _LEASE_NOT_FOUND = "requested lease not found"
+# What etcd (or its gRPC server) says when it refuses a request for its size: more than
+# --max-txn-ops operations, more than --max-request-bytes, past the gRPC receive limit.
+_TOO_LARGE = ("too many operations in txn request", "request is too large", "larger than max")
 
 
 # ===================================================================== errors
@@ -128,6 +131,14 @@ class MetaStoreError(BrokerNotAvailableError):
 
 class MetaStoreUnavailableError(MetaStoreError):
     """etcd could not be reached or did not answer within the deadline."""
+
+
+class MetaStoreRequestTooLargeError(MetaStoreError):
+    """etcd refused the request for its size, before applying any of it: the outcome is
+    known (nothing changed), and asking again cannot succeed. Not retriable, unlike its
+    parent: a client retried such a write for ever, each try costing a full resync."""
+
+    code = ErrorCode.INVALID_REQUEST
 
 
 class LeaseLostError(MetaStoreError):
@@ -469,6 +480,12 @@ class MetaStore:
                 )
             if _LEASE_NOT_FOUND in details:
                 return LeaseLostError(f"{what}: the lease expired or was revoked ({details})")
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and (
+                any(marker in details for marker in _TOO_LARGE)
+            ):
+                return MetaStoreRequestTooLargeError(
+                    f"{what}: too large for one etcd request ({code.name}: {details})"
+                )
             return MetaStoreError(f"{what}: {where} failed ({code}: {details})")
         if isinstance(
             exc,

@@ -20,6 +20,7 @@ import shutil
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,14 +31,19 @@ import tidelog
 from services.cluster_metadata import (
     CONTROLLER_KEY,
     PRODUCER_IDS_KEY,
+    broker_key,
+    decode_partition,
     decode_producer_ids,
     deletion_key,
+    encode_broker,
     encode_partition,
     partition_key,
     topic_key,
 )
+from services.controller import controller as controller_module
+from services.controller.controller import Controller, ControllerConfig, NewTopic
 from services.controller.election import ControllerElection
-from services.controller.state import PartitionRecord
+from services.controller.state import Broker, PartitionRecord
 from services.metastore import Guard, MetaStore
 from tests.support.cluster import (
     RPC_TIMEOUT_S,
@@ -49,7 +55,7 @@ from tests.support.cluster import (
     wait_for,
 )
 from tidelog.errors import ErrorCode
-from tidelog.etcd_launcher import EtcdProcess
+from tidelog.etcd_launcher import EtcdProcess, EtcdTuning
 from tidelog.v1 import common_pb2, controller_pb2, storage_pb2
 
 pytestmark = pytest.mark.timeout(180)
@@ -348,6 +354,62 @@ def test_a_malformed_metadata_key_holds_activation_back_until_repaired(tmp_path:
             )
         finally:
             controller.terminate()
+
+
+def test_decisions_over_more_partitions_than_one_etcd_transaction_takes_are_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decision is written in transactions of at most TXN_CHUNK_OPS partitions. Here
+    etcd takes 128 operations per transaction and a chunk is 100 partitions: creating a
+    topic of 300 partitions, the failure of a broker leading about half of them, and a
+    new controller taking office all succeed. Each used to be one transaction, which
+    etcd refused every time: at 4,096 partitions (tidelog's own etcd limit) a broker's
+    failure left its partitions led by the dead broker and no controller could take
+    office (found by an audit). Brokers here are registrations only: the controller's
+    pushes to them fail and are retried, which the etcd side does not wait for."""
+    monkeypatch.setattr(controller_module, "TXN_CHUNK_OPS", 100)
+    tuning = EtcdTuning(max_txn_ops=128)
+    with (
+        EtcdProcess(tmp_path / "etcd", tuning=tuning) as server,
+        MetaStore(server.endpoint, cluster="wide") as meta,
+    ):
+        leases = {}
+        for broker_id in (1, 2):
+            leases[broker_id] = meta.grant_lease(3600)
+            registered = Broker(broker_id, "127.0.0.1", 1)
+            assert meta.create_if_absent(
+                broker_key(broker_id), encode_broker(registered), leases[broker_id]
+            )
+
+        def start(controller_id: int) -> Controller:
+            config = ControllerConfig(
+                controller_id=controller_id,
+                advertised_address=f"127.0.0.1:{controller_id}",
+                session_ttl_s=2,
+            )
+            return Controller(meta, config).start()
+
+        def leaders() -> Counter[int]:
+            records = [decode_partition(kv)[2] for kv in meta.get_prefix("partitions/")]
+            return Counter(record.leader for record in records)
+
+        first = start(1)
+        try:
+            wait_for(lambda: first.is_active, 15, "the first controller")
+            (created,) = first.create_topics([NewTopic("wide", 300, 2)])
+            assert created.error is None, created.error
+            assert sum(leaders().values()) == 300 and leaders()[1] > 100
+            meta.revoke_lease_id(leases[1].id)  # broker 1 fails
+            wait_for(lambda: leaders()[1] == 0, 15, "broker 1's leaderships moved")
+            assert leaders() == Counter({2: 300})
+        finally:
+            first.stop()
+        meta.put(broker_key(1), encode_broker(Broker(1, "127.0.0.1", 1)), leases[2])
+        second = start(2)  # takes office with broker 1 back: 300 partitions to reconcile
+        try:
+            wait_for(lambda: second.is_active, 15, "the second controller")
+        finally:
+            second.stop()
 
 
 def test_create_describe_delete_topic(cluster: TestCluster) -> None:

@@ -30,6 +30,7 @@ from services.metastore import (
     LeaseLostError,
     MetaStore,
     MetaStoreError,
+    MetaStoreRequestTooLargeError,
     MetaStoreUnavailableError,
     PutOp,
     PutResult,
@@ -640,3 +641,20 @@ def test_a_watch_on_a_member_without_a_leader_fails_instead_of_going_silent(
             os.kill(process.pid, signal.SIGCONT)
             process.kill()
             process.wait()
+
+
+def test_a_request_etcd_refuses_for_its_size_is_a_final_error_and_changes_nothing(
+    store: MetaStore,
+) -> None:
+    """More operations than --max-txn-ops, or more bytes than etcd takes in one request:
+    refused whole, so the outcome is known and retrying cannot help. It used to be a
+    retriable BROKER_NOT_AVAILABLE, retried by clients for ever, and taken by the
+    controller for an unknown outcome (a full re-read each time; found by an audit)."""
+    too_many = [PutOp(f"many/{i}", b"x") for i in range(5_000)]  # the limit is 4,096
+    too_big = [PutOp(f"big/{i}", b"x" * 200_000) for i in range(10)]  # 2 MB
+    for ops in (too_many, too_big):
+        with pytest.raises(MetaStoreRequestTooLargeError) as refused:
+            store.txn([], ops)
+        assert not refused.value.retriable
+        assert "too large for one etcd request" in str(refused.value)
+    assert store.get_prefix("many/") == [] and store.get_prefix("big/") == []

@@ -130,6 +130,7 @@ from services.metastore import (
     KeyValue,
     MetaStore,
     MetaStoreError,
+    MetaStoreRequestTooLargeError,
     PutOp,
     TxnOp,
     WatchEvent,
@@ -407,6 +408,44 @@ class _Plan:
         )
 
 
+TXN_CHUNK_OPS: Final = 1_000
+"""Partition changes (or finished deletions) per transaction when a decision is split:
+well inside the --max-txn-ops of 4096 tidelog's etcd runs with (docs/METADATA.md)."""
+TXN_CHUNK_BYTES: Final = 512 * 1024
+"""Estimated bytes per split transaction: a third of etcd's default 1.5 MiB request
+limit, with 249-character topic names in every key (each key goes in twice: its
+compare and its put)."""
+_PARTITION_VALUE_BYTES: Final = 128
+"""An upper estimate of an encoded partition record and of a compare's own fields."""
+
+
+def _chunks(plan: _Plan) -> list[_Plan]:
+    """``plan`` cut into transactions within ``TXN_CHUNK_OPS`` and ``TXN_CHUNK_BYTES``.
+    Topic and deletion records and producer ids stay in the first (a topic deletion's
+    records must go together); partition changes and finished deletions, each guarded
+    on its own, fill it and the next ones in order."""
+    first = dataclasses.replace(plan, changes=[], removed_deletions=[])
+    chunks = [first]
+    ops, size = 0, 0
+    items: list[PartitionChange | str] = [*plan.changes, *plan.removed_deletions]
+    for item in items:
+        key = (
+            partition_key(item.topic, item.partition)
+            if isinstance(item, PartitionChange)
+            else deletion_key(item)
+        )
+        cost = 2 * len(key) + _PARTITION_VALUE_BYTES
+        if ops and (ops + 1 > TXN_CHUNK_OPS or size + cost > TXN_CHUNK_BYTES):
+            chunks.append(_Plan())
+            ops, size = 0, 0
+        if isinstance(item, PartitionChange):
+            chunks[-1].changes.append(item)
+        else:
+            chunks[-1].removed_deletions.append(item)
+        ops, size = ops + 1, size + cost
+    return [chunk for chunk in chunks if not chunk.empty()] or [plan]
+
+
 @dataclass(eq=False)
 class _Term:
     """Everything that belongs to one period in office (one controller epoch).
@@ -601,11 +640,31 @@ class Controller:
     # --- persistence ------------------------------------------------------------------------
 
     def _commit(self, term: _Term, plan: _Plan) -> None:
-        """Write ``plan`` in one guarded transaction; then apply it and track revisions.
+        """Write ``plan`` in guarded transactions; apply each and track revisions.
+
+        One transaction when it fits etcd's limits (``_chunks``), else several: the first
+        holds everything but partition changes and finished deletions, the rest those,
+        each independent of the others (its own revision compare). A decision over many
+        partitions (a broker failure moving 5,000 leaderships, an AlterPartition of a
+        large leader) exceeded etcd's --max-txn-ops or request size, failed every time,
+        and wedged the controller. A failure after some chunks committed schedules a
+        resync: what is in etcd is then re-read, and a topic whose partition keys were
+        not all written is completed from its assignment.
 
         Raises _ConflictError (a compared revision moved), NotControllerError (the guard
         failed: deposed) or MetaStoreError (outcome unknown: a resync is scheduled).
         """
+        chunks = _chunks(plan)
+        for done, chunk in enumerate(chunks):
+            try:
+                self._commit_one(term, chunk)
+            except (_ConflictError, MetaStoreError):
+                if done:
+                    self._schedule_resync(term)
+                raise
+
+    def _commit_one(self, term: _Term, plan: _Plan) -> None:
+        """Write ``plan`` in one guarded transaction; then apply it (see ``_commit``)."""
         compares: list[Compare] = []
         ops: list[TxnOp] = []
         revisions = term.revisions
@@ -641,6 +700,8 @@ class Controller:
         compares.extend(guard.compares())
         try:
             result = self._store.txn(compares, ops, [GetOp(CONTROLLER_KEY)])
+        except MetaStoreRequestTooLargeError:
+            raise  # refused whole, nothing applied: no need to re-read
         except MetaStoreError:
             # The write may or may not have been applied: re-read before deciding again.
             self._schedule_resync(term)
@@ -986,7 +1047,10 @@ class Controller:
             except (MetaStoreError, TidelogError, ValueError, KeyError) as exc:
                 # Nothing was applied; the resync re-reads and reconciles.
                 self._log.warning(
-                    "broker_event_failed", broker_id=broker_id, event=event.type, error=str(exc)
+                    "broker_event_failed",
+                    broker_id=broker_id,
+                    event_type=event.type,
+                    error=str(exc),
                 )
                 self._schedule_resync(term)
 

@@ -64,6 +64,9 @@ def check_partition_count(count: int, what: str) -> None:
 
 OPS_PER_TXN: Final = 100
 """etcd's default --max-txn-ops is 128; stay below it for etcds configured by others."""
+BYTES_PER_TXN: Final = 512 * 1024
+"""A third of etcd's default 1.5 MiB request limit: 100 commits of 4 KiB metadata under
+long percent-encoded group ids exceeded it, and the commit failed for good."""
 MAX_GROUPS_LISTED: Final = 100_000
 
 
@@ -97,6 +100,21 @@ def offset_key(group_id: str, topic: str, partition: int) -> str:
 GUARD_ATTEMPTS: Final = 10
 DELETE_KEYS_PER_TXN: Final = 50
 """A compare and a delete each, under etcd's default --max-txn-ops of 128."""
+
+
+def _txn_ranges(writes: list[PutOp]) -> list[tuple[int, int]]:
+    """``[start, end)`` slices of ``writes`` within OPS_PER_TXN and BYTES_PER_TXN each."""
+    ranges: list[tuple[int, int]] = []
+    start, size = 0, 0
+    for i, op in enumerate(writes):
+        cost = len(op.key) + len(op.value)
+        if i > start and (i - start >= OPS_PER_TXN or size + cost > BYTES_PER_TXN):
+            ranges.append((start, i))
+            start, size = i, 0
+        size += cost
+    if start < len(writes):
+        ranges.append((start, len(writes)))
+    return ranges
 
 
 class GroupFencedError(Exception):
@@ -212,6 +230,9 @@ class OffsetStore:
                         },
                         separators=(",", ":"),
                         sort_keys=True,
+                        # UTF-8 as the limit counts it: escaped, control characters took
+                        # six bytes each, 24 KiB for 4 KiB of metadata.
+                        ensure_ascii=False,
                     ).encode()
                     key = offset_key(group_id, item.topic, item.partition)
                     puts.pop(key, None)  # the last one goes last, in order
@@ -219,9 +240,9 @@ class OffsetStore:
 
         self._cache.read(check)
         writes = list(puts.values())
-        for start in range(0, len(writes), OPS_PER_TXN):
+        for start, end in _txn_ranges(writes):
             try:
-                self._write_guarded(writes[start : start + OPS_PER_TXN], guard, deadline)
+                self._write_guarded(writes[start:end], guard, deadline)
             except (MetaStoreError, GroupFencedError) as exc:
                 error: TidelogError = exc.error if isinstance(exc, GroupFencedError) else exc
                 if start == 0 and isinstance(exc, MetaStoreError):
