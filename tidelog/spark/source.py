@@ -249,8 +249,12 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target = self._latest()
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, dict[str, int]]:
-        bounds = self._bounds()
-        topic_ids = _topic_ids(self._connection(), (t for t, _ in bounds))
+        connection = self._connection()
+        tps = reader.resolve_partitions(connection, self.options)
+        # Ids before bounds, as the batch reader does: bounds looked up first could be the
+        # old incarnation's and be labelled with the id of a topic created again between.
+        topic_ids = _topic_ids(connection, (t for t, _ in tps))
+        bounds = reader.resolve_bounds(connection, tps)
         # ``start`` is where the checkpoint says the query got to; what was lost since
         # (retention, a re-created topic) fails the query here, before any task runs, or
         # with failOnDataLoss=false moves the start to what is still there.
