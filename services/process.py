@@ -20,6 +20,7 @@ import grpc
 import structlog
 
 from services.allocator import retain_freed_memory
+from tidelog.addresses import format_host_port
 from tidelog.errors import TidelogError
 from tidelog.stop_flag import StopFlag
 
@@ -36,9 +37,8 @@ KEEPALIVE_SERVER_OPTIONS: Final = [
 """Options every tidelog gRPC server adds."""
 
 
-def format_address(host: str, port: int) -> str:
-    """``host:port``, with an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+format_address = format_host_port
+"""``host:port``, with an IPv6 host in brackets (the SDK's rule, shared)."""
 
 
 HEALTH_CHECK_METHOD: Final = "/grpc.health.v1.Health/Check"

@@ -50,6 +50,7 @@ from tests.support.cluster import (
     ControllerProcess,
     TestCluster,
     error_code,
+    poll_records,
     rpc_error_code,
     trailer,
     wait_for,
@@ -410,6 +411,27 @@ def test_decisions_over_more_partitions_than_one_etcd_transaction_takes_are_spli
             wait_for(lambda: second.is_active, 15, "the second controller")
         finally:
             second.stop()
+
+
+def test_a_cluster_on_ipv6_loopback_serves_both_sdk_modes(tmp_path: Path) -> None:
+    """Every process listens on [::1]: brokers register "::1" as their host. Whoever
+    dials a broker must put it in brackets: the controller (and direct-mode clients)
+    dialled "::1:PORT", which gRPC's resolver took for a name, so no topic was ever
+    created (found by an audit)."""
+    with TestCluster(tmp_path, storage_args=["--listen", "[::1]:0"]) as cluster:
+        cluster.start_broker(0)
+        cluster.start_controller(1, extra_args=["--listen", "[::1]:0"])
+        cluster.wait_brokers([0])
+        gateway = cluster.start_gateway(extra_args=["--listen", "[::1]:0"])
+        assert gateway.address.startswith("[::1]:")
+        cluster.create_topic("v6", 1, 1)
+        for direct in (False, True):
+            with tidelog.Producer(gateway.address, direct=direct) as producer:
+                producer.send("v6", b"direct" if direct else b"gateway").result(30)
+        with tidelog.Consumer(gateway.address, direct=True) as consumer:
+            consumer.assign([("v6", 0)])
+            consumer.seek(("v6", 0), 0)
+            assert [v for _, v in poll_records(consumer, 2)] == [b"gateway", b"direct"]
 
 
 def test_create_describe_delete_topic(cluster: TestCluster) -> None:

@@ -34,6 +34,13 @@ def parse_host_port(text: str) -> tuple[str, int]:
     return match["ipv6"] or match["host"], port
 
 
+def format_host_port(host: str, port: int) -> str:
+    """The address to dial: an IPv6 host in brackets (``[::1]:9092``), as
+    ``parse_host_port`` reads it back. Bare, gRPC's resolver took ``::1:9092`` for a name
+    and every call to a broker registered on IPv6 failed."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def check_connectable(text: str) -> str:
     """``text`` if it is HOST:PORT with a port a connection can use (1..65535); else
     ValueError."""

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Final
 
+from tidelog.addresses import format_host_port
 from tidelog.admin import Admin, TopicDescription
 from tidelog.cli import cut_echoes, echo
 from tidelog.consumer import Consumer
@@ -691,7 +692,10 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         print(f"controller {cluster.controller_id} at {cluster.controller_address or '-'}")
         _print_table(
             ["BROKER", "ADDRESS", "RACK"],
-            [[b.broker_id, f"{b.host}:{b.port}", b.rack or "-"] for b in cluster.brokers],
+            [
+                [b.broker_id, format_host_port(b.host, b.port), b.rack or "-"]
+                for b in cluster.brokers
+            ],
         )
         offline = cluster.offline_partitions
         under = cluster.under_replicated_partitions

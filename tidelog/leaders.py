@@ -32,6 +32,7 @@ from typing import Final
 
 import grpc
 
+from tidelog.addresses import format_host_port
 from tidelog.client import GatewayConnection, client_channel, leaders_by_topic
 from tidelog.errors import TidelogError
 from tidelog.v1 import common_pb2, controller_pb2, storage_pb2, storage_pb2_grpc
@@ -122,7 +123,7 @@ class LeaderDirectory:
         it since the question was asked (``invalidations`` then). A topic answered with
         an error (it was deleted) is forgotten, so that its next lookup asks the gateway
         and raises."""
-        self._addresses = {b.broker_id: f"{b.host}:{b.port}" for b in response.brokers}
+        self._addresses = {b.broker_id: format_host_port(b.host, b.port) for b in response.brokers}
         for topic in response.topics:
             if topic.error.code != common_pb2.NONE:
                 for key in [k for k in self._leaders if k[0] == topic.name]:

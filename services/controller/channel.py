@@ -38,6 +38,7 @@ import structlog
 
 from services.controller.state import Broker, PartitionRecord, TopicPartition
 from services.status import error_from_proto, error_from_rpc_error
+from tidelog.addresses import format_host_port
 from tidelog.errors import (
     BrokerNotAvailableError,
     ErrorCode,
@@ -390,7 +391,9 @@ class _BrokerSender:
         self._retry_at = 0.0
         self._backoff_s = INITIAL_BACKOFF_S
         self._metadata_turn = False  # after a failed partitions batch: UpdateMetadata next
-        self._channel = grpc.insecure_channel(f"{broker.host}:{broker.port}", _CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(
+            format_host_port(broker.host, broker.port), _CHANNEL_OPTIONS
+        )
         self._stub = storage_pb2_grpc.StorageStub(self._channel)
         self._thread = threading.Thread(
             target=self._run, name=f"controller-to-broker-{broker.broker_id}", daemon=True

@@ -20,6 +20,7 @@ import grpc
 import structlog
 
 from services.controller.state import Broker
+from tidelog.addresses import format_host_port
 from tidelog.v1 import controller_pb2_grpc, storage_pb2, storage_pb2_grpc
 
 _log = structlog.get_logger("tidelog.gateway.channels")
@@ -38,8 +39,7 @@ CHANNEL_OPTIONS: Final = [
 
 
 def broker_address(broker: Broker) -> str:
-    host = broker.host
-    return f"[{host}]:{broker.port}" if ":" in host else f"{host}:{broker.port}"
+    return format_host_port(broker.host, broker.port)
 
 
 class Channels:

@@ -73,6 +73,7 @@ from services.storage.server import (
     StorageServicer,
 )
 from tidelog import logging as tidelog_logging
+from tidelog.addresses import format_host_port
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import BrokerNotAvailableError, StorageError, TidelogError
 from tidelog.v1 import controller_pb2, controller_pb2_grpc, storage_pb2, storage_pb2_grpc
@@ -93,10 +94,6 @@ FETCH_SPARE_THREADS: Final = 8
 """Threads of the fetch pool beyond the fetches that may wait: they answer those that do
 not (data already there, an error, the waiting places full)."""
 """The file a running storage node holds an exclusive flock on, in its data directory."""
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +193,7 @@ class StorageNode:
 
     @property
     def address(self) -> str:
-        host = self.config.listen_host
-        return f"[{host}]:{self._port}" if ":" in host else f"{host}:{self._port}"
+        return format_host_port(self.config.listen_host, self._port)
 
     @property
     def replicas(self) -> ReplicaManager:
@@ -291,7 +287,7 @@ class StorageNode:
         if replicas is not None:
             found = replicas.metadata.brokers.get(broker_id)
             if found is not None:
-                return _host_port(found.host, found.port)
+                return format_host_port(found.host, found.port)
         store = self._store
         if store is None:
             return None
@@ -302,7 +298,7 @@ class StorageNode:
         if kv is None:
             return None
         broker = decode_broker(kv)
-        return _host_port(broker.host, broker.port)
+        return format_host_port(broker.host, broker.port)
 
     def _send_alter_partition(
         self, broker_epoch: int, items: Sequence[tuple[str, int, IsrProposal]]

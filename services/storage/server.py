@@ -66,6 +66,7 @@ from services.storage.strays import (
     strays_in_view,
 )
 from tidelog import tracing
+from tidelog.addresses import format_host_port
 from tidelog.batch import next_offset_after
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import (
@@ -303,8 +304,7 @@ class ReplicaManager:
         found = self._metadata.brokers.get(broker_id)
         if found is None:
             return None
-        host = f"[{found.host}]" if ":" in found.host else found.host
-        return f"{host}:{found.port}"
+        return format_host_port(found.host, found.port)
 
     def _check_controller_request(self, controller_epoch: int, broker_epoch: int) -> None:
         # Called with _lock held. A request from a deposed controller must not undo the
