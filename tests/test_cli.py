@@ -564,3 +564,41 @@ def test_dev_killed_outright_leaves_no_child_running(tmp_path: Path) -> None:
     finally:
         for pid in filter(_running, children):  # a failed run leaves no cluster behind
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value", "message"),
+    [
+        ("storage", "--etcd", "", "no etcd endpoint"),
+        ("storage", "--etcd", " , ", "no etcd endpoint"),
+        ("controller", "--etcd", "https://127.0.0.1:2379", "only http:// is supported"),
+        ("gateway", "--etcd", "127.0.0.1:99999", "bad port"),
+        ("controller", "--cluster", "a/b", "contain no '/'"),
+        ("storage", "--cluster", "", "must be non-empty"),
+        ("controller", "--session-ttl-s", "99999999999", "must be <= 9000000000"),
+        ("gateway", "--max-request-bytes", "3000000000", "must be <= 2139095039"),
+        ("gateway", "--max-fetch-bytes", "3000000000", "must be <= 2139095039"),
+    ],
+)
+def test_service_cluster_flags_are_checked_by_the_parser(
+    tmp_path: Path, command: str, flag: str, value: str, message: str
+) -> None:
+    """Refused before anything starts, with one line and status 2. An empty --etcd made a
+    storage node run outside any cluster (healthy, and ignoring --cluster); the others
+    failed only after the data directory was locked or the port bound, with status 1 (a
+    gateway's huge message size with an OverflowError; found by an audit)."""
+    args = {
+        "storage": ["--broker-id", "9", "--data-dir", str(tmp_path / "data")],
+        "controller": ["--controller-id", "1"],
+        "gateway": [],
+    }[command]
+    if flag != "--etcd":
+        args += ["--etcd", "127.0.0.1:2379"]
+    result = subprocess.run(
+        [sys.executable, "-m", "tidelog", command, *args, "--listen", "127.0.0.1:0", flag, value],
+        capture_output=True, text=True, cwd=REPO_ROOT, env=tidelog_env(), timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert not (tmp_path / "data").exists()

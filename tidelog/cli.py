@@ -133,17 +133,57 @@ def _add_cluster_membership(
 
     ``session_help`` None: the service holds no lease (the gateway), so no --session-ttl-s.
     """
-    parser.add_argument("--etcd", metavar="URL", required=etcd_required, help=etcd_help)
+    parser.add_argument(
+        "--etcd", type=_etcd_endpoints, metavar="URL", required=etcd_required, help=etcd_help
+    )
     parser.add_argument(
         "--cluster",
+        type=_cluster_name,
         default="default",
         metavar="NAME",
         help="cluster name: the etcd key prefix /tidelog/NAME/ (default: default)",
     )
     if session_help is not None:
         parser.add_argument(
-            "--session-ttl-s", type=_positive_int, default=10, metavar="S", help=session_help
+            "--session-ttl-s", type=_session_ttl_s, default=10, metavar="S", help=session_help
         )
+
+
+MAX_SESSION_TTL_S: Final = 9_000_000_000
+"""etcd's largest lease TTL (its MaxLeaseTTL): a longer one is refused at every grant."""
+
+
+def _etcd_endpoints(text: str) -> str:
+    """Checked here, not when the node starts: an empty value used to make a storage node
+    run outside any cluster, and a bad one failed only after the data directory was
+    locked or the port bound. Exits 2 with one line, as every other bad flag."""
+    from services.metastore import parse_endpoints  # noqa: PLC0415 - service commands only
+
+    try:
+        parse_endpoints(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _cluster_name(text: str) -> str:
+    if not text or "/" in text:
+        raise argparse.ArgumentTypeError(f"{echo(text)} must be non-empty and contain no '/'")
+    return text
+
+
+def _session_ttl_s(text: str) -> int:
+    return _int_at_least(text, 1, MAX_SESSION_TTL_S)
+
+
+MAX_MESSAGE_BYTES: Final = INT32_MAX - 8 * 1024 * 1024
+"""The largest request or fetch size a gateway takes: gRPC's message limits are C ints,
+and the gateway adds its framing allowance (4 MiB) to them; a larger value failed at
+start with an OverflowError."""
+
+
+def _message_bytes(text: str) -> int:
+    return _int_at_least(text, 1, MAX_MESSAGE_BYTES)
 
 
 def _add_max_concurrent_rpcs(parser: argparse.ArgumentParser) -> None:
@@ -368,14 +408,14 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     )
     parser.add_argument(
         "--max-request-bytes",
-        type=_positive_int,
+        type=_message_bytes,
         default=100 * 1024 * 1024,
         metavar="N",
         help="largest produce request accepted (default: 104857600, 100 MiB)",
     )
     parser.add_argument(
         "--max-fetch-bytes",
-        type=_positive_int,
+        type=_message_bytes,
         default=None,
         metavar="N",
         help=(
