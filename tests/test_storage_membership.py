@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cluster_metadata import CLUSTER_ID_KEY, broker_key, decode_broker, decode_cluster_id
 from services.controller.state import Broker
@@ -20,7 +21,7 @@ from services.metastore import MetaStore
 from services.storage.meta_properties import MetaProperties, read_meta_properties
 from services.storage.registration import BrokerRegistration
 from tests.support.process import StorageProcess
-from tidelog.etcd_launcher import EtcdProcess, EtcdTuning
+from tidelog.etcd_launcher import EtcdProcess, EtcdTuning, free_port
 from tidelog.records import encode_batch
 from tidelog.v1 import common_pb2, storage_pb2
 
@@ -145,6 +146,41 @@ def test_kill_9_expires_and_restart_gets_a_newer_epoch(
         assert second is not None
         assert second.create_revision > first.create_revision
         assert decode_broker(second).port == port_of(restarted)
+    finally:
+        restarted.terminate()
+
+
+def test_a_node_waiting_for_its_previous_registration_is_not_serving(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """Health says SERVING only once the node is in the cluster: while a restarted node
+    waits out its killed incarnation's registration it has no broker epoch, and it used
+    to be SERVING already, so readiness probes passed for it (found by an audit)."""
+    first = start_member(tmp_path, etcd, store)
+    first.kill()
+    port = free_port()
+    restarted = StorageProcess(
+        tmp_path / "data",
+        broker_id=1,
+        extra_args=[
+            *("--etcd", etcd.endpoint, "--cluster", store.cluster),
+            *("--session-ttl-s", str(TTL_S), "--controlled-shutdown-timeout-s", "1"),
+            *("--listen", f"127.0.0.1:{port}"),
+        ],
+    )
+    try:
+        wait_for(
+            lambda: "waiting_for_previous_registration" in restarted.log_tail(50),
+            10,
+            "the wait for the old registration",
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "tidelog.v1.Storage"):
+                answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        restarted.start()  # registered, then SERVING
+        assert store.get(broker_key(1)) is not None
     finally:
         restarted.terminate()
 

@@ -269,10 +269,10 @@ class StorageNode:
             replicas.shutdown()
             raise OSError(f"cannot listen on {target}")
         self._port = port
+        for service in ("", STORAGE_SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         server.start()
         self._server = server
-        for service in ("", STORAGE_SERVICE_NAME):
-            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._maintenance_thread = threading.Thread(
             target=self._maintenance_loop, name="storage-maintenance", daemon=True
         )
@@ -280,6 +280,11 @@ class StorageNode:
         _log.info("listening", address=self.address)
         if config.etcd:
             self._register(replicas)
+        # SERVING once in the cluster: a node waiting out its previous incarnation's
+        # registration (up to two TTLs) has no broker epoch yet, and readiness probes
+        # passed for it while it was in no cluster at all.
+        for service in ("", STORAGE_SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def _resolve_broker(self, broker_id: int) -> str | None:
         """A broker's address: the UpdateMetadata cache, else its registration in etcd."""
