@@ -380,6 +380,15 @@ def test_dev_says_why_a_process_did_not_start(tmp_path: Path) -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in line and "gateway did not start" in line
 
 
+def test_a_second_dev_on_the_same_directory_is_refused_at_once(dev: DevProcess) -> None:
+    """It used to fail after 15 s with etcd's log (its db "flocked by another process")."""
+    started = time.monotonic()
+    result = tidelog("dev", "--data-dir", str(dev.data_dir), gateway="", check=False)
+    assert result.returncode == 1
+    assert "is in use by another tidelog dev" in _one_line_failure(result)
+    assert time.monotonic() - started < 10
+
+
 def test_unreachable_gateway_is_one_line() -> None:
     result = tidelog("topics", "list", gateway="127.0.0.1:1", check=False)
     assert result.returncode == 1
@@ -602,3 +611,24 @@ def test_service_cluster_flags_are_checked_by_the_parser(
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_dev_reports_its_etcd_exiting(tmp_path: Path) -> None:
+    """etcd is watched like the other children: it used to die unseen, dev staying up and
+    silent with every request timing out (found by an audit)."""
+    dev = DevProcess(tmp_path / "data", env=tidelog_env())
+    try:
+        (etcd,) = [
+            pid
+            for pid in _children_of(dev.proc.pid)
+            if b"etcd" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        ]
+        os.kill(etcd, signal.SIGKILL)
+        assert dev.proc.wait(30) == 1
+        wait_for(
+            lambda: any("tidelog dev: error: etcd exited" in line for line in dev.lines),
+            10,
+            "the report of etcd's exit",
+        )
+    finally:
+        dev.kill()

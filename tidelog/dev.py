@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import re
 import signal
@@ -138,6 +139,13 @@ def main(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"tidelog dev: error: cannot use --data-dir {data_dir}: {exc}", file=sys.stderr)
         return 1
+    lock = _lock_data_dir(data_dir)
+    if lock is None:
+        print(
+            f"tidelog dev: error: data directory {data_dir} is in use by another tidelog dev",
+            file=sys.stderr,
+        )
+        return 1
     _python_path_env()
     stop = StopFlag()  # not a threading.Event: see tidelog.stop_flag
 
@@ -210,6 +218,14 @@ def main(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 1
+            if not etcd.is_running():
+                # Watched like the other children: without it nothing works, and a dead
+                # etcd used to leave dev running, silent, every request timing out.
+                print(
+                    f"tidelog dev: error: etcd exited; see {data_dir / 'etcd'}",
+                    file=sys.stderr,
+                )
+                return 1
         return 0
     except RuntimeError as exc:
         print(f"tidelog dev: error: {exc}", file=sys.stderr)
@@ -217,6 +233,20 @@ def main(args: argparse.Namespace) -> int:
     finally:
         _stop_all(children, etcd)
         print("tidelog dev stopped", flush=True)
+
+
+def _lock_data_dir(data_dir: Path) -> IO[bytes] | None:
+    """An exclusive flock on ``<data_dir>/.dev.lock``, held until this process ends (the
+    kernel drops it however it ends); None when another dev holds it. A second dev on
+    the same directory used to fail after 15 s with etcd's log (its db "flocked by
+    another process"), or worse, get as far as its brokers."""
+    lock = open(data_dir / ".dev.lock", "ab")  # noqa: SIM115 - held for the process's life
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
 
 
 def _wait_usable(address: str, brokers: int, stop: StopFlag) -> bool:
