@@ -306,9 +306,18 @@ def serve_until_signal(command: str, node: ServiceNode, announce: str) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     retain_freed_memory()  # before the first message buffer is allocated
+    # A node whose start can wait (a storage node waiting out its previous registration)
+    # gives up at a signal instead of finishing its start first and then stopping.
+    watch_abort = getattr(node, "abort_start_on", None)
+    if watch_abort is not None:
+        watch_abort(stop_requested)
     try:
         node.start()
     except Exception as exc:
+        if stop_requested.is_set():
+            _log.info("stopped_while_starting", error=str(exc))
+            node.stop()
+            return 0
         expected = isinstance(exc, (OSError, ValueError, TidelogError))
         if expected:
             _log.error("start_failed", error=str(exc))

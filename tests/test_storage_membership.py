@@ -6,6 +6,7 @@ interactions is tested in ``test_controller.py``; here the test plays the contro
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -183,6 +184,47 @@ def test_a_node_waiting_for_its_previous_registration_is_not_serving(
         assert store.get(broker_key(1)) is not None
     finally:
         restarted.terminate()
+
+
+def test_a_sigterm_while_waiting_for_the_previous_registration_stops_at_once(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """A stop requested during start-up ends it: the node waiting out its killed
+    incarnation's registration (10 s TTL here) exits at once with status 0, never
+    registered. The signal used to be read only after the start: the node registered,
+    then ran a whole controlled shutdown (found by an audit)."""
+
+    def member() -> StorageProcess:
+        return StorageProcess(
+            tmp_path / "data",
+            broker_id=1,
+            extra_args=[
+                *("--etcd", etcd.endpoint, "--cluster", store.cluster),
+                *("--session-ttl-s", "10", "--controlled-shutdown-timeout-s", "5"),
+            ],
+        )
+
+    first = member().start()
+    registered = store.get(broker_key(1))
+    assert registered is not None
+    first.kill()
+    registrations = first.log_path.read_text().count('"event": "registered"')
+    restarted = member()
+    try:
+        wait_for(
+            lambda: "waiting_for_previous_registration" in restarted.log_tail(50),
+            10,
+            "the wait for the old registration",
+        )
+        stopped_at = time.monotonic()
+        restarted.proc.send_signal(signal.SIGTERM)
+        assert restarted.wait(20) == 0
+        assert time.monotonic() - stopped_at < 3
+        assert restarted.log_path.read_text().count('"event": "registered"') == registrations
+        still = store.get(broker_key(1))
+        assert still is None or still.create_revision == registered.create_revision
+    finally:
+        restarted.kill()
 
 
 def test_expiry_without_restart_removes_the_key(

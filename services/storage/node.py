@@ -76,6 +76,7 @@ from tidelog import logging as tidelog_logging
 from tidelog.addresses import format_host_port
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import BrokerNotAvailableError, StorageError, TidelogError
+from tidelog.stop_flag import StopFlag
 from tidelog.v1 import controller_pb2, controller_pb2_grpc, storage_pb2, storage_pb2_grpc
 
 _log = structlog.get_logger("tidelog.storage.node")
@@ -182,6 +183,7 @@ class StorageNode:
         self._stopping = threading.Event()
         self._maintenance_thread: threading.Thread | None = None
         self._store: MetaStore | None = None
+        self._start_abort: StopFlag | None = None
         self._registration: BrokerRegistration | None = None
         self._stopped = False
         self._dir_lock: IO[str] | None = None
@@ -349,6 +351,12 @@ class StorageNode:
                 outcomes.append((error, None, -1))
         return outcomes
 
+    def abort_start_on(self, flag: StopFlag) -> None:
+        """Give up starting once ``flag`` is set (``serve_until_signal``'s signal flag):
+        a SIGTERM during the wait for a previous registration used to let the node
+        register, then run a whole controlled shutdown, half a minute after the signal."""
+        self._start_abort = flag
+
     def _check_data_dir_identity(self) -> None:
         """Refuse a data directory of another broker id or cluster before any log opens
         (``meta_properties``): its logs would all look like strays, and be deleted."""
@@ -377,6 +385,7 @@ class StorageNode:
             Broker(config.broker_id, host, self.port, config.rack or ""),
             ttl_s=config.session_ttl_s,
             on_epoch=replicas.set_broker_epoch,
+            abort=self._start_abort,
         )
         try:
             self._registration.start()

@@ -44,6 +44,7 @@ from services.controller.state import Broker
 from services.metastore import Lease, LeaseKeeper, LeaseLostError, MetaStore, MetaStoreError
 from services.status import error_from_rpc_error
 from tidelog.errors import BrokerNotAvailableError, TidelogError
+from tidelog.stop_flag import StopFlag
 from tidelog.v1 import common_pb2, controller_pb2, controller_pb2_grpc
 
 _log = structlog.get_logger("tidelog.storage.registration")
@@ -64,11 +65,13 @@ class BrokerRegistration:
         *,
         ttl_s: int,
         on_epoch: Callable[[int], None],
+        abort: StopFlag | None = None,
     ) -> None:
         self._store = store
         self._broker = broker
         self._ttl_s = ttl_s
         self._on_epoch = on_epoch
+        self._abort = abort  # set by a signal handler: ``start`` gives up waiting
         self._lease: Lease | None = None
         self._keeper: LeaseKeeper | None = None
         self._stopping = threading.Event()
@@ -95,7 +98,11 @@ class BrokerRegistration:
                     "process; broker ids must be unique"
                 )
             _log.info("waiting_for_previous_registration", broker_id=self._broker.broker_id)
-            if self._stopping.wait(RETRY_BACKOFF_S):
+            if self._abort is not None:  # a StopFlag: its wait lets signal handlers run
+                stopped = self._abort.wait(RETRY_BACKOFF_S) or self._stopping.is_set()
+            else:
+                stopped = self._stopping.wait(RETRY_BACKOFF_S)
+            if stopped:
                 raise BrokerNotAvailableError("stopped while registering")
         return self.epoch
 
