@@ -20,6 +20,9 @@ def test_every_log_setting_and_cluster_setting_has_a_default() -> None:
     assert TOPIC_CONFIG_DEFAULTS["unclean.leader.election.enable"] == "false"
     assert TOPIC_CONFIG_DEFAULTS["cleanup.policy"] == "delete"
     assert TOPIC_CONFIG_DEFAULTS["message.timestamp.type"] == "CreateTime"
+    # Documented in docs/DEPLOY.md and read by leaders, once refused as unknown (audit).
+    assert TOPIC_CONFIG_DEFAULTS["replica.lag.time.max.ms"] == "30000"
+    assert TOPIC_CONFIG_DEFAULTS["message.timestamp.after.max.ms"] == "3600000"
     # The log defaults are LogConfig's own, so the two can never disagree.
     assert LogConfig.from_topic_config(TOPIC_CONFIG_DEFAULTS) == LogConfig()
 
@@ -34,6 +37,8 @@ def test_valid_overrides_are_returned_canonical() -> None:
             "cleanup.policy": "delete",
             "message.timestamp.type": "LogAppendTime",
             "flush.messages": "9223372036854775807",
+            "replica.lag.time.max.ms": "5000",
+            "message.timestamp.after.max.ms": "60000",
         },
         replication_factor=3,
     )
@@ -68,6 +73,9 @@ def test_pairs_are_accepted_and_empty_is_fine() -> None:
         ({"min.insync.replicas": "4"}, 3, "larger than the replication factor 3"),
         ({"min.insync.replicas": "two"}, 3, "not an integer"),
         ({"unclean.leader.election.enable": "yes"}, 1, "true or false"),
+        ({"replica.lag.time.max.ms": "0"}, 1, "must be an integer >= 1"),
+        ({"replica.lag.time.max.ms": "soon"}, 1, "must be an integer >= 1"),
+        ({"message.timestamp.after.max.ms": "-1"}, 1, "must be between 0 and"),
         ({"cleanup.policy": "compact"}, 1, "compaction is not supported"),
         ({"cleanup.policy": "compact,delete"}, 1, "compaction is not supported"),
         ({"cleanup.policy": "archive"}, 1, "only supported policy is delete"),

@@ -21,6 +21,9 @@ Defaults (``TOPIC_CONFIG_DEFAULTS``)::
     message.timestamp.after.max.ms  3600000      ... and at most an hour ahead of the leader's
                                                  clock (Kafka 4.0's defaults, KIP-937)
     min.insync.replicas             1            acks=all needs this many in-sync replicas
+    replica.lag.time.max.ms         30000        a follower this far behind leaves the ISR
+                                                 (a broker setting in Kafka; per topic here,
+                                                 the storage node's flag overrides it)
     page.cache.window.bytes         67108864     newest 64 MiB per partition stay in the page
                                                  cache; older bytes are written back and dropped
                                                  (tidelog's own; 0 keeps all, as Kafka does)
@@ -45,6 +48,7 @@ from collections.abc import Iterable, Mapping
 from typing import Final
 
 from services.storage.log.config import STRING_FIELDS, TOPIC_CONFIG_FIELDS, LogConfig
+from services.storage.partition import DEFAULT_REPLICA_LAG_TIME_MAX_MS
 from tidelog.errors import InvalidConfigError
 
 _LONG_MAX: Final = str((1 << 63) - 1)
@@ -60,6 +64,7 @@ def _log_default(key: str) -> str:
 TOPIC_CONFIG_DEFAULTS: Final[Mapping[str, str]] = {
     **{key: _log_default(key) for key in TOPIC_CONFIG_FIELDS},
     "min.insync.replicas": "1",
+    "replica.lag.time.max.ms": str(DEFAULT_REPLICA_LAG_TIME_MAX_MS),
     "unclean.leader.election.enable": "false",
     "cleanup.policy": "delete",
 }
@@ -134,6 +139,12 @@ def _check_value(name: str, value: str, replication_factor: int) -> str:
                 f"invalid {name}={value}: larger than the replication factor "
                 f"{replication_factor}, so acks=all produce requests could never succeed"
             )
+        return value
+    if name == "replica.lag.time.max.ms":
+        # Documented (docs/DEPLOY.md) and read by the leaders (services/storage/partition.py)
+        # but refused here as unknown, so it could never be set (found by an audit).
+        if _INTEGER.fullmatch(value) is None or not 1 <= int(value) <= int(_LONG_MAX):
+            raise InvalidConfigError(f"invalid {name}={value!r}: must be an integer >= 1")
         return value
     if name == "unclean.leader.election.enable":
         canonical = _BOOLEANS.get(value.strip().lower())
