@@ -1347,7 +1347,8 @@ class Producer:
                 if batch.encoded is None:
                     self._encode(pq, batch)
                     self._metrics.record("batch-size", batch.encoded_bytes)
-                    self._metrics.add("record-send-total", len(batch))
+                    if not batch.attempts:  # not a refused batch encoded again
+                        self._metrics.add("record-send-total", len(batch))
                 parts += batch.encoded or ()
             encoded.append(parts)
         for _, batches in picked:
