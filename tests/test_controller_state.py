@@ -290,6 +290,42 @@ def test_controlled_shutdown_moves_leaders_and_reports_stuck_partitions() -> Non
         state.controlled_shutdown(2, 1)
 
 
+def test_a_broker_in_controlled_shutdown_cannot_join_an_isr() -> None:
+    """A stopping broker taken back into an ISR would be elected again, leaderships
+    bouncing onto a broker about to stop (a mutation doing so went unseen)."""
+    state = cluster()
+    changes, _ = state.controlled_shutdown(0, 100)
+    state.apply(changes)
+    old = state.partitions[("t", 0)]
+    with pytest.raises(InvalidRequestError, match="shutting down"):
+        state.alter_partition(
+            broker_id=old.leader,
+            broker_epoch=101,
+            topic="t",
+            partition=0,
+            leader_epoch=old.leader_epoch,
+            new_isr=[*old.isr, 0],
+            partition_epoch=old.partition_epoch,
+            joining={0: 100},
+        )
+    assert state.partitions[("t", 0)] == old
+
+
+def test_a_live_preferred_replica_out_of_the_isr_is_not_elected() -> None:
+    """Preferred election only moves leadership to an in-sync preferred replica: a live
+    one that fell behind would lose every record it lacks (acks=all ones included). A
+    mutation electing it went unseen."""
+    state = cluster()
+    step(state, state.on_broker_down(0))
+    state.on_broker_up(Broker(0, "h", 1, epoch=200))  # live again, not back in the ISR
+    before = state.partitions[("t", 0)]
+    assert before.leader == 1 and 0 not in before.isr
+    changes, errors = state.elect(ElectionType.PREFERRED, [("t", 0)])
+    assert changes == []
+    assert isinstance(errors[("t", 0)], EligibleLeadersNotAvailableError)
+    assert state.partitions[("t", 0)] == before
+
+
 def test_a_topic_turning_unclean_elects_its_offline_partitions_out_of_sync() -> None:
     """``elect_offline_partitions_of`` judges under the configs it is given (those about to
     be written), so turning unclean election on elects the live out-of-sync replica."""

@@ -840,3 +840,23 @@ def test_a_batch_before_a_producers_first_sequence_here_is_not_taken_for_written
         log.append(idem(1, 0, 0, n=1))
     assert log.append(idem(1, 0, 4, n=1)) == AppendInfo(-1, 1, duplicate=True)
     log.close()
+
+
+def test_a_new_epoch_first_seen_past_sequence_0_starts_its_window_there(tmp_path: Path) -> None:
+    """A follower copies epoch 0 from sequence 0, then epoch 1 from sequence 50 (its
+    leader had forgotten the producer: KIP-360 took it at 50). The new epoch's window
+    starts at 50: a later request at sequences 10-12 was never written, and must be
+    refused as out of order, not answered as a duplicate at unknown offsets and lost
+    (a mutation keeping epoch 0's start went unseen)."""
+    follower = open_log(tmp_path / "p-0")
+    batches = [idem(7, 0, 0)] + [idem(7, 1, 50 + 2 * k) for k in range(6)]
+    for batch in batches:
+        copy = bytearray(batch)
+        stamp(copy, 0, follower.log_end_offset, 1)
+        follower.append(bytes(copy), assign_offsets=False)
+    entry = follower.producer_state.entry(7)
+    assert entry is not None and entry.producer_epoch == 1 and entry.start_sequence == 50
+    follower.assign_epoch_start_offset(2)  # it leads now
+    with pytest.raises(OutOfOrderSequenceError):
+        follower.append(idem(7, 1, 10, n=3), 2)
+    follower.close()

@@ -494,3 +494,34 @@ def test_a_follower_back_under_steady_load_rejoins_because_the_hw_waits_for_it()
     # It dies: after the window the HW goes on without it.
     state.on_leader_append(leo + 2_000, now_ms + 20 + JOINER_FETCH_WINDOW_MS + 1)
     assert state.joiners() == [] and state.high_watermark == leo + 2_000 > hw
+
+
+def test_follower_truncation_stops_where_the_common_epoch_ends_on_either_side() -> None:
+    """The follower holds epochs [(1, 0), (3, 5)] up to 10; its leader holds [(1, 0),
+    (4, 8)] and answers epoch 1 ending at 8. Offsets 5-7 are epoch 3's on the follower
+    and epoch 1's on the leader: the logs agree only below 5, where epoch 1 ends on the
+    follower. Truncating to 8 kept divergent records, and every fetch after found the
+    same divergence again (a mutation doing so went unseen). Also the fallback: a leader
+    that knows no such epoch leaves what is committed, min(HW, LEO)."""
+    own_epochs = {1: (1, 5), 3: (3, 10)}  # epoch -> (epoch found, its end on the follower)
+
+    def own_end_offset_for(epoch: int) -> tuple[int, int]:
+        found = max((e for e in own_epochs if e <= epoch), default=None)
+        return own_epochs[found] if found is not None else (-1, -1)
+
+    step = follower_truncation(
+        log_end_offset=10,
+        high_watermark=4,
+        leader_epoch=1,
+        leader_end_offset=8,
+        own_end_offset_for=own_end_offset_for,
+    )
+    assert step == (5, True)
+    fallback = follower_truncation(
+        log_end_offset=10,
+        high_watermark=4,
+        leader_epoch=-1,
+        leader_end_offset=-1,
+        own_end_offset_for=own_end_offset_for,
+    )
+    assert fallback == (4, True)

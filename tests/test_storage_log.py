@@ -292,6 +292,23 @@ def test_read_honours_max_bytes_but_returns_at_least_one_batch(tmp_path: Path) -
     log.close()
 
 
+def test_read_of_many_small_batches_honours_max_offset(tmp_path: Path) -> None:
+    """More than 64 batches in one read take another path than a few do: it too stops
+    before the high watermark, never handing out the uncommitted batch at it (a mutation
+    letting that one through went unseen by the three-batch test above)."""
+    log = open_log(tmp_path / "p-0")
+    model = Model(log)
+    for i in range(200):
+        model.append(make_batch(1, tag=i))
+    for high_watermark in (1, 63, 64, 65, 100, 150, 199, 200):
+        for max_bytes in (1 << 20, 5000):
+            data = log.read(0, max_bytes, max_offset=high_watermark)
+            assert data == model.expected_read(0, max_bytes, high_watermark)
+            offsets = [b.header.last_offset for b in decode_batches(data)]
+            assert offsets and offsets[-1] < high_watermark
+    log.close()
+
+
 def test_read_honours_max_offset(tmp_path: Path) -> None:
     log = open_log(tmp_path / "p-0")
     model = Model(log)
@@ -1747,3 +1764,23 @@ def test_log_config_from_topic_config_rejects_bad_values(entries: dict[str, str]
     with pytest.raises(InvalidConfigError) as excinfo:
         LogConfig.from_topic_config(entries)
     assert next(iter(entries)) in str(excinfo.value)
+
+
+@pytest.mark.parametrize("delta", [0, 1, 10])
+def test_a_batch_whose_offset_delta_disagrees_with_its_record_count_is_refused(
+    tmp_path: Path, delta: int
+) -> None:
+    """Offsets are assigned from last_offset_delta, records decoded by record_count: a
+    batch of 3 records claiming a delta of 0 would share offsets with the next batch, one
+    claiming 10 would skip seven. Refused whole, nothing written (a mutation accepting
+    them went unseen: the test helpers always set both together)."""
+    directory = tmp_path / "p-0"
+    log = open_log(directory)
+    log.append(make_batch(1))
+    before = dir_state(directory)
+    buf = bytearray(make_batch(3))
+    f.I32.pack_into(buf, f.LAST_OFFSET_DELTA_OFFSET, delta)
+    with pytest.raises(CorruptBatchError, match="last_offset_delta"):
+        log.append(bytes(reseal(buf)))
+    assert dir_state(directory) == before and log.log_end_offset == 1
+    log.close()

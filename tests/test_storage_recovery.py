@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from services.storage.log import AppendInfo, Log, LogConfig
+from services.storage.log import checkpoint as checkpoint_module
 from services.storage.log.checkpoint import OffsetCheckpointFile
 from services.storage.log.segment import LogSegment
 from services.storage.log_manager import RECOVERY_POINT_CHECKPOINT, LogManager
@@ -1193,3 +1194,59 @@ def test_a_restarted_broker_runs_no_retention_until_its_topic_settings_arrive(
     manager.maintenance(checkpoint=True)
     assert partition.info().log_start_offset == 5
     manager.shutdown()
+
+
+@pytest.mark.parametrize("shift", [5, -2])
+def test_recovery_stops_at_a_batch_whose_offsets_do_not_continue(
+    tmp_path: Path, shift: int
+) -> None:
+    """A batch with valid checksums whose base offset does not continue the one before
+    it (stale bytes in the file, say) is where the log ends on recovery: trusted, it made
+    offsets skip or repeat (a mutation trusting it went unseen)."""
+    directory = tmp_path / "p-0"
+    log = Log.open(directory, LogConfig(), clock=ManualClock(start_ms=T0))
+    batches = [encode_batch([b"v%d" % i] * 2, timestamps_ms=[T0] * 2) for i in range(3)]
+    for batch in batches:
+        log.append(batch)
+    log.flush()
+    log.close()
+    segment = seg_file(directory, 0, ".log")
+    data = bytearray(segment.read_bytes())
+    third = 2 * len(batches[0])  # every batch is the same size
+    header = parse_header(data, third)
+    stamp(data, third, header.base_offset + shift, header.partition_leader_epoch)
+    segment.write_bytes(bytes(data))
+    recovered = Log.open(directory, LogConfig(), clock=ManualClock(start_ms=T0), recovery_point=0)
+    assert recovered.log_end_offset == 4
+    assert recovered.truncated_on_recovery_bytes == len(batches[2])
+    recovered.close()
+
+
+def test_an_atomic_write_syncs_the_new_file_before_renaming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order that makes a checkpoint, partition.metadata or meta.properties "old or
+    new, never torn" after a power loss: the new file's data is on disk before the
+    rename makes it the name, and the directory after (a mutation dropping the file's
+    fsync went unseen: only the directory's was checked)."""
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(f"fsync {Path(os.readlink(f'/proc/self/fd/{fd}')).name}")
+        real_fsync(fd)
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        events.append(f"rename {Path(src).name} -> {Path(dst).name}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint_module.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint_module.os, "replace", replace)
+    target = tmp_path / "state"
+    checkpoint_module.write_bytes_atomically(target, b"new")
+    assert events == [
+        "fsync state.tmp",
+        "rename state.tmp -> state",
+        f"fsync {tmp_path.name}",
+    ]
+    assert target.read_bytes() == b"new"
