@@ -470,11 +470,11 @@ def test_a_follower_back_under_steady_load_rejoins_because_the_hw_waits_for_it(
 ) -> None:
     """(With two replicas too: then no follower but the joiner is outside the ISR, a
     boundary a mutation got past.) Found by an audit: with the ISR down to the leader,
-    the HW is the leader's LEO, and under steady load a returning follower's LEO (one round behind, more when it
-    pipelines) never reached it, so it could not rejoin until producers paused. Once its
-    fetches show it caught up it is a joiner the HW waits for (Kafka's
-    shouldWaitForReplicaToJoinIsr): its LEO reaches the HW and it is proposed. A joiner
-    that stops fetching holds the HW no longer than JOINER_FETCH_WINDOW_MS."""
+    the HW is the leader's LEO, and under steady load a returning follower's LEO (one
+    round behind, more when it pipelines) never reached it, so it could not rejoin until
+    producers paused. Once its fetches show it caught up it is a joiner the HW waits for
+    (Kafka's shouldWaitForReplicaToJoinIsr): its LEO reaches the HW and it is proposed. A
+    joiner that stops fetching holds the HW no longer than JOINER_FETCH_WINDOW_MS."""
     state = leader(isr=(1, 3) if 3 in replicas else (1,), replicas=replicas)
     state.on_isr_committed((1,), partition_epoch=10)  # the leader alone
     leo, start, end = 0, 0, 0  # broker 2 fetches from 0: the answer it is writing
