@@ -288,12 +288,19 @@ def test_a_member_past_max_poll_interval_is_fenced_from_committing(
         other.subscribe(["stalled"])
         # The slow member does not poll; the other one takes everything over once the
         # slow one's heartbeat thread leaves (max_poll_interval_ms).
-        wait_for(
-            lambda: (other.poll(timeout_ms=200), len(other.assignment()) == 2)[1] or None,
-            30,
-            "the other member owning both partitions",
-        )
-        _poll_into([other], Counter(), 20)
+        seen: Counter[bytes] = Counter()
+
+        def owns_both() -> bool | None:
+            for record in other.poll(timeout_ms=200):
+                assert record.value is not None
+                seen[record.value] += 1
+            return len(other.assignment()) == 2 or None
+
+        wait_for(owns_both, 30, "the other member owning both partitions")
+        # Every record, counting those the polls above handed out (they were dropped,
+        # and this waited its whole minute for records already read).
+        _poll_into([other], seen, 20)
+        assert len(seen) == 20
         other.commit()
         committed = other.committed([("stalled", 0), ("stalled", 1)])
         with pytest.raises((UnknownMemberIdError, IllegalGenerationError)):
