@@ -14,7 +14,7 @@ import pytest
 
 import tidelog
 from services.gateway.server import ADMIN_TIMEOUT_S, _admin_budget_s
-from tests.support.cluster import GatewayProcess, TestCluster
+from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 from tidelog.admin import change_deadline_s
 from tidelog.errors import (
     ConfigError,
@@ -217,6 +217,14 @@ def test_topic_configs_are_altered_live_and_brokers_apply_them_at_once(
         assert admin.alter_topic_config("altered", delete_configs=["max.message.bytes"]) == {
             "min.insync.replicas": "2"
         }
+        # acks=all now needs both replicas in sync: a broker the test before stopped may
+        # have been evicted from the ISR when the controller saw it register again (a
+        # new epoch), after this topic was made; it rejoins once it fetches.
+        wait_for(
+            lambda: len(admin.describe_topic("altered").partitions[0].isr) == 2,
+            30,
+            "both replicas of altered-0 in sync",
+        )
         producer.send("altered", big, partition=0).result(30)
         # Setting what is set changes nothing and says so.
         assert admin.alter_topic_config("altered", {"min.insync.replicas": "2"}) == {
