@@ -413,6 +413,38 @@ def test_decisions_over_more_partitions_than_one_etcd_transaction_takes_are_spli
             second.stop()
 
 
+def test_a_housekeeping_step_that_always_fails_does_not_stop_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finishing deletions fails at every pass here (as a deletion whose writes etcd
+    refused did): offset expiry still runs, and marks a group found without members.
+    The housekeeping steps shared one guard: the first failing step skipped the ones
+    after it at every pass, for as long as it kept failing (found by an audit)."""
+
+    def always_fails(self: Controller, term: object) -> None:
+        raise RuntimeError("injected: finishing deletions fails")
+
+    monkeypatch.setattr(Controller, "_finish_deletions", always_fails)
+    with (
+        EtcdProcess(tmp_path / "etcd") as server,
+        MetaStore(server.endpoint, cluster="steps") as meta,
+    ):
+        # Committed by a group that has no members: the first expiry pass marks it empty.
+        meta.put("groups/idle/t/0", b'{"offset": 3, "commit_time_ms": 1}')
+        config = ControllerConfig(
+            controller_id=1,
+            advertised_address="127.0.0.1:1",
+            session_ttl_s=2,
+            offsets_retention_check_interval_s=0.2,
+        )
+        controller = Controller(meta, config).start()
+        try:
+            wait_for(lambda: controller.is_active, 15, "the controller")
+            wait_for(lambda: meta.get("group-emptied/idle"), 15, "offset expiry's empty mark")
+        finally:
+            controller.stop()
+
+
 def test_a_cluster_on_ipv6_loopback_serves_both_sdk_modes(tmp_path: Path) -> None:
     """Every process listens on [::1]: brokers register "::1" as their host. Whoever
     dials a broker must put it in brackets: the controller (and direct-mode clients)

@@ -1196,6 +1196,50 @@ def test_a_restarted_broker_runs_no_retention_until_its_topic_settings_arrive(
     manager.shutdown()
 
 
+def test_one_log_failing_its_maintenance_does_not_stop_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass over the logs goes on past a log whose maintenance raises: the logs after
+    it still have retention run and the recovery points are still checkpointed. The
+    first failing log used to end the pass, at every pass while it kept failing."""
+    clock = ManualClock(start_ms=T0)
+    manager = ReplicaManager(LogManager(tmp_path, LogConfig(), clock=clock), broker_id=1)
+    manager.startup()
+    configs = {"retention.ms": "1000", "segment.bytes": "2000"}
+    states = [
+        PartitionState(
+            topic=topic,
+            partition=0,
+            leader=1,
+            leader_epoch=0,
+            isr=(1,),
+            replicas=(1,),
+            partition_epoch=0,
+            configs=configs,
+        )
+        for topic in ("a-failing", "b-healthy")
+    ]
+    manager.apply_leader_and_isr(1, states)
+    for topic in ("a-failing", "b-healthy"):
+        for i in range(3):  # one segment each
+            batch = encode_batch([b"%d" % i * 1500], timestamps_ms=[T0])
+            manager.get_partition(topic, 0).append(batch)
+
+    def broken() -> None:
+        raise RuntimeError("injected: this log's maintenance fails")
+
+    with manager.get_partition("a-failing", 0).locked() as failing_log:
+        assert failing_log is not None
+        monkeypatch.setattr(failing_log, "flush_if_due", broken)
+    clock.advance(5_000)  # every segment but the active one is past retention.ms
+    manager.maintenance(checkpoint=True)
+    assert manager.get_partition("b-healthy", 0).info().log_start_offset == 3
+    assert manager.get_partition("a-failing", 0).info().log_start_offset == 0
+    checkpoint = OffsetCheckpointFile(tmp_path / RECOVERY_POINT_CHECKPOINT).read()
+    assert checkpoint[("b-healthy", 0)] == 3
+    manager.shutdown()
+
+
 @pytest.mark.parametrize("shift", [5, -2])
 def test_recovery_stops_at_a_batch_whose_offsets_do_not_continue(
     tmp_path: Path, shift: int

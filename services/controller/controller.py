@@ -1089,29 +1089,42 @@ class Controller:
             term = self._term
             if term is None or term.deposed or self._stopping.is_set():
                 continue
-            try:
-                if term.resync_needed:
-                    self._log.info("resync", epoch=term.epoch)
-                    self._resync(term)
-                self._finish_deletions(term)
-                if time.monotonic() >= term.next_offset_expiry:
-                    term.next_offset_expiry = (
-                        time.monotonic() + self.config.offsets_retention_check_interval_s
-                    )
-                    self._expire_group_offsets(term)
-                if time.monotonic() >= term.next_imbalance_check:
-                    term.next_imbalance_check = (
-                        time.monotonic() + self.config.imbalance_check_interval_s
-                    )
-                    self._auto_rebalance(term)
-            except (MetaStoreError, TidelogError) as exc:
-                self._log.warning("housekeeping_failed", epoch=term.epoch, error=str(exc))
-                self._schedule_resync(term)
+            if term.resync_needed:
+                self._log.info("resync", epoch=term.epoch)
+                if not self._housekeeping_step("resync", term, self._resync):
+                    continue  # the steps below would decide on a stale view
+            # Each step on its own: one that fails every time (a deletion whose writes
+            # etcd refuses, a bug) must not stop offset expiry or preferred elections.
+            failed = not self._housekeeping_step("finish_deletions", term, self._finish_deletions)
+            if time.monotonic() >= term.next_offset_expiry:
+                term.next_offset_expiry = (
+                    time.monotonic() + self.config.offsets_retention_check_interval_s
+                )
+                failed |= not self._housekeeping_step(
+                    "expire_group_offsets", term, self._expire_group_offsets
+                )
+            if time.monotonic() >= term.next_imbalance_check:
+                term.next_imbalance_check = (
+                    time.monotonic() + self.config.imbalance_check_interval_s
+                )
+                failed |= not self._housekeeping_step("auto_rebalance", term, self._auto_rebalance)
+            if failed:
+                # Not a busy loop against an etcd that is down or a step that always fails.
                 self._stopping.wait(min(1.0, self.config.session_ttl_s / 4))
-            except Exception:
-                self._log.exception("housekeeping_crashed", epoch=term.epoch)
-                self._schedule_resync(term)
-                self._stopping.wait(1.0)
+
+    def _housekeeping_step(self, name: str, term: _Term, step: Callable[[_Term], None]) -> bool:
+        """Run one housekeeping step; on failure log it, schedule a resync (the term's
+        view may be stale) and return False."""
+        try:
+            step(term)
+        except (MetaStoreError, TidelogError) as exc:
+            self._log.warning("housekeeping_failed", step=name, epoch=term.epoch, error=str(exc))
+        except Exception:
+            self._log.exception("housekeeping_crashed", step=name, epoch=term.epoch)
+        else:
+            return True
+        self._schedule_resync(term)
+        return False
 
     def _finish_deletions(self, term: _Term) -> None:
         """Complete the deletions whose replicas on live brokers are all deleted.

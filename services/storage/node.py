@@ -453,12 +453,17 @@ class StorageNode:
             checkpoint = now >= next_checkpoint
             if checkpoint:
                 next_checkpoint = now + config.checkpoint_interval_ms / 1000
+            # Never let housekeeping die: a failed step is logged and retried next tick,
+            # and on its own, so that retention failing every time never stops the ISR
+            # shrinking (acks=all would wait on a dead follower for ever).
             try:
                 self.replicas.maintenance(checkpoint=checkpoint)
+            except Exception:
+                _log.exception("maintenance_failed")
+            try:
                 self.replicas.isr_pass()
             except Exception:
-                # Never let housekeeping die: a failed pass is logged and retried next tick.
-                _log.exception("maintenance_failed")
+                _log.exception("isr_pass_failed")
 
 
 def main(args: argparse.Namespace) -> int:

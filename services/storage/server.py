@@ -564,7 +564,9 @@ class ReplicaManager:
                 return
             for (topic, partition_id), partition in sorted(self._partitions.items()):
                 with partition.locked() as current_log:
-                    if current_log is not None:  # None: deleted since the snapshot
+                    if current_log is None:  # deleted since the snapshot
+                        continue
+                    try:
                         LogManager.maintain_log(
                             topic,
                             partition_id,
@@ -575,6 +577,13 @@ class ReplicaManager:
                             # those defaults deleted what the topic keeps (7 days against
                             # retention.ms=-1) after every restart, as Kafka never does.
                             retention=partition.config_known,
+                        )
+                    except Exception:
+                        # One log's failure (a disk failure has halted the node by now)
+                        # must not keep every log after it from flushes and retention,
+                        # nor the checkpoint below from being written.
+                        _log.exception(
+                            "log_maintenance_failed", topic=topic, partition=partition_id
                         )
             if checkpoint:
                 self._log_manager.checkpoint()
