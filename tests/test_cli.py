@@ -613,6 +613,32 @@ def test_service_cluster_flags_are_checked_by_the_parser(
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.parametrize("command", ["storage", "controller", "gateway"])
+def test_a_service_that_cannot_reach_etcd_at_start_up_exits_with_one_line(
+    tmp_path: Path, command: str
+) -> None:
+    """Each service refuses to start without etcd: one line naming it, status 1. The
+    controller used to serve, SERVING to health checks, while campaigning in vain for
+    ever (found by an audit)."""
+    args = {
+        "storage": ["--broker-id", "9", "--data-dir", str(tmp_path / "data")],
+        "controller": ["--controller-id", "1"],
+        "gateway": [],
+    }[command]
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        args += ["--etcd", f"127.0.0.1:{closed.getsockname()[1]}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "tidelog", command, *args, "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, cwd=REPO_ROOT, env=tidelog_env(), timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tidelog ")]
+    assert len(errors) == 1 and "unreachable" in errors[0], result.stderr
+    assert "listening on" not in result.stdout and "Traceback" not in result.stderr
+
+
 def test_dev_reports_its_etcd_exiting(tmp_path: Path) -> None:
     """etcd is watched like the other children: it used to die unseen, dev staying up and
     silent with every request timing out (found by an audit)."""

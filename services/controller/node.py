@@ -3,8 +3,10 @@
 ``ControllerNode(config, etcd=...).start()`` binds the gRPC server (``tidelog.v1.Controller``
 plus the standard health and reflection services), then joins the election. The node
 reports SERVING as soon as it serves, active or standby: a standby is healthy, it answers
-NOT_CONTROLLER with the active controller's address. ``stop()`` resigns first (revoking
-the election lease, so a standby takes over at once), then stops serving.
+NOT_CONTROLLER with the active controller's address. Like a storage node or a gateway,
+it does not start when etcd cannot be reached (one line, exit status 1). ``stop()``
+resigns first (revoking the election lease, so a standby takes over at once), then stops
+serving.
 
 ``main(args)`` is what ``tidelog controller`` runs: logging, signal handling (SIGTERM /
 SIGINT -> resign and exit 0) and the line ``tidelog controller <id> listening on
@@ -25,6 +27,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.cluster_metadata import CONTROLLER_KEY
 from services.controller.controller import Controller, ControllerConfig
 from services.controller.offset_expiry import (
     OFFSETS_RETENTION_CHECK_INTERVAL_S,
@@ -112,6 +115,16 @@ class ControllerNode:
 
     def start(self) -> None:
         config = self.config
+        store = MetaStore(config.etcd, cluster=config.cluster, timeout_s=ETCD_TIMEOUT_S)
+        try:
+            # Fail like a storage node or a gateway: a controller that cannot reach etcd
+            # at start-up is misconfigured (or etcd is not up yet, and its supervisor
+            # restarts it); serving, it would report SERVING while campaigning in vain.
+            store.get(CONTROLLER_KEY)
+        except BaseException:
+            store.close()
+            raise
+        self._store = store
         server = new_server(
             role="controller",
             max_workers=MAX_WORKERS,
@@ -120,9 +133,8 @@ class ControllerNode:
         )
         port = bind(server, config.listen_host, config.listen_port)
         self._port = port
-        self._store = MetaStore(config.etcd, cluster=config.cluster, timeout_s=ETCD_TIMEOUT_S)
         self._controller = Controller(
-            self._store,
+            store,
             ControllerConfig(
                 controller_id=config.controller_id,
                 advertised_address=self.address,
