@@ -280,7 +280,10 @@ def test_controlled_shutdown_moves_leaders_and_reports_stuck_partitions() -> Non
     state.apply(state.new_topic_partitions(single))
     changes, remaining = state.controlled_shutdown(0, 100)
     state.apply(changes)
-    assert remaining == [("solo", 0)]
+    # Kafka's rule: a partition of one replica can move nowhere, and is not reported
+    # (the stopping broker used to wait its whole controlled-shutdown timeout for it).
+    assert remaining == []
+    assert state.partitions[("solo", 0)].leader == 0
     assert state.partitions[("t", 0)].leader == 1
     assert all(0 not in state.partitions[("t", p)].isr for p in range(3))
     # A broker in controlled shutdown is never elected.
@@ -288,6 +291,20 @@ def test_controlled_shutdown_moves_leaders_and_reports_stuck_partitions() -> Non
     assert state.partitions[("t", 0)].leader == 2
     with pytest.raises(StaleBrokerEpochError):
         state.controlled_shutdown(2, 1)
+
+
+def test_controlled_shutdown_reports_a_replicated_partition_with_no_other_replica_in_sync() -> None:
+    state = cluster()
+    pair = Topic("pair", "id-p", ((0, 1),), {})
+    state.add_topic(pair)
+    state.apply(state.new_topic_partitions(pair))
+    step(state, state.on_broker_down(1))
+    state.on_broker_up(Broker(1, "127.0.0.1", 9001, epoch=201))  # back, not in sync yet
+    assert state.partitions[("pair", 0)].isr == (0,)
+    changes, remaining = state.controlled_shutdown(0, 100)
+    state.apply(changes)
+    assert remaining == [("pair", 0)]
+    assert state.partitions[("pair", 0)].leader == 0
 
 
 def test_a_broker_in_controlled_shutdown_cannot_join_an_isr() -> None:

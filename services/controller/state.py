@@ -382,8 +382,10 @@ class ClusterState:
     ) -> tuple[list[PartitionChange], list[TopicPartition]]:
         """Move leadership off a broker about to stop, and take it out of every ISR.
 
-        Returns the changes and the partitions it still leads because no other in-sync
-        replica is alive (RF 1, or everyone else is out of sync).
+        Returns the changes and the replicated partitions it still leads because no other
+        in-sync replica is alive. Partitions of one replica are not among them, as in
+        Kafka: their leadership can move nowhere, and the broker would wait its whole
+        controlled-shutdown timeout for them to.
         """
         broker = self.brokers.get(broker_id)
         if broker is None:  # Kafka's answer to an unknown broker's ControlledShutdown
@@ -404,7 +406,8 @@ class ClusterState:
             if old.leader == broker_id:
                 leader, isr = self._elect(topic, p, others, allow_unclean=False)
                 if leader == NO_LEADER:
-                    remaining.append((name, p))
+                    if len(topic.assignment[p]) > 1:
+                        remaining.append((name, p))
                     continue
                 changes.append(PartitionChange(name, p, old, _next(old, leader, isr)))
             elif broker_id in old.isr and others:
