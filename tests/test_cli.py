@@ -556,6 +556,37 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+def test_dev_stopped_while_starting_does_not_wait_for_its_children(tmp_path: Path) -> None:
+    """A SIGTERM while a child is still starting stops the others at once. Here a broker
+    is frozen (SIGSTOP) before it announced itself: dev used to wait for it for its whole
+    start timeout (60 s) before stopping anything, and a slow start ignored Ctrl-C."""
+    dev = subprocess.Popen(
+        [sys.executable, "-m", "tidelog", "dev", "--data-dir", str(tmp_path / "data")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        text=True, cwd=REPO_ROOT, env=tidelog_env(),
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        wait_for(lambda: len(_children_of(dev.pid)) == 6, 60, "children")
+        children = _children_of(dev.pid)
+        roles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children}
+        broker = next(pid for pid, argv in roles.items() if b"storage" in argv)
+        gateway = next(pid for pid, argv in roles.items() if b"gateway" in argv)
+        os.kill(broker, signal.SIGSTOP)
+        dev.send_signal(signal.SIGTERM)
+        wait_for(lambda: not _running(gateway), 30, "the gateway stopped")
+        os.kill(broker, signal.SIGCONT)
+        output, _ = dev.communicate(timeout=60)
+        assert dev.returncode == 0, output
+        assert "tidelog dev stopped" in output and "ready" not in output, output
+    finally:
+        for pid in [*children, dev.pid]:
+            if _running(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        dev.wait(10)
+
+
 def test_dev_killed_outright_leaves_no_child_running(tmp_path: Path) -> None:
     """SIGKILL gives `tidelog dev` no chance to stop its children (each runs in a session
     of its own); the kernel sends them SIGTERM (PR_SET_PDEATHSIG) and every one ends,

@@ -84,8 +84,16 @@ class _Child:
                 self._ready.set()
         self._ready.set()
 
-    def wait_ready(self, timeout_s: float) -> str:
-        if not self._ready.wait(timeout_s) or self.address is None:
+    def wait_ready(self, timeout_s: float, stop: StopFlag) -> str | None:
+        """The child's address once it announced it; None when ``stop`` was set first
+        (a SIGTERM during start-up must not wait for every child to be ready)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if stop.is_set():
+                return None
+            if time.monotonic() >= deadline:
+                break
+        if not self._ready.is_set() or self.address is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(1.0)  # its output ended: it is exiting (a status, not None)
             cause = self._last_error_line()
@@ -199,7 +207,8 @@ def main(args: argparse.Namespace) -> int:
         )
         children.append(gateway)
         for child in children:
-            child.wait_ready(START_TIMEOUT_S)
+            if child.wait_ready(START_TIMEOUT_S, stop) is None:
+                return 0  # stopped while starting
         address = gateway.address
         assert address is not None
         if not _wait_usable(address, brokers, stop):
