@@ -287,6 +287,34 @@ def test_controller_and_broker_epoch_fencing(
         node.terminate()
 
 
+def test_the_cluster_view_is_accepted_whatever_its_partition_count(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """UpdateMetadata is the whole cluster's view, one request: a cluster of more
+    partitions than one data request may name (10,000) must still reach its brokers. It
+    was refused as INVALID_REQUEST at every change, and the controller gave up: brokers
+    kept a view that no longer matched the cluster."""
+    node = start_member(tmp_path, etcd, store)
+    try:
+        kv = store.get(broker_key(1))
+        assert kv is not None
+        update = storage_pb2.UpdateMetadataRequest(
+            controller_id=1,
+            controller_epoch=1,
+            broker_epoch=kv.create_revision,
+            brokers=[common_pb2.BrokerInfo(broker_id=1, host="127.0.0.1", port=port_of(node))],
+            partitions=[
+                common_pb2.PartitionState(
+                    topic=f"wide-{p // 4000}", partition=p % 4000, leader=1, isr=[1], replicas=[1]
+                )
+                for p in range(12_000)
+            ],
+        )
+        assert node.stub.UpdateMetadata(update, timeout=30).error.code == common_pb2.NONE
+    finally:
+        node.terminate()
+
+
 def test_a_registration_etcd_restores_after_an_outage_is_kept(tmp_path: Path) -> None:
     """etcd away longer than the lease's TTL: the broker's keeper reports the lease lost,
     but etcd, back with its data, restores the lease with a fresh TTL and the key with

@@ -1403,7 +1403,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     def UpdateMetadata(  # noqa: N802 - gRPC's method name
         self, request: storage_pb2.UpdateMetadataRequest, context: grpc.ServicerContext
     ) -> storage_pb2.UpdateMetadataResponse:
-        self._check_partition_count(len(request.partitions))
+        # Not limited to max_partitions_per_request: this is the whole cluster's view in
+        # one request (a view in parts would replace the cache with a part), bounded by
+        # the message size. Only the controller sends it, fenced by its epoch.
         metadata = ClusterMetadata(
             brokers={
                 b.broker_id: BrokerAddress(b.broker_id, b.host, b.port, b.rack, b.broker_epoch)
