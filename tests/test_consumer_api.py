@@ -1,17 +1,89 @@
 """Kafka consumer calls beyond poll and commit: pause / resume, offsets_for_times,
-partitions_for, subscription, wakeup (a real cluster)."""
+partitions_for, subscription, wakeup, invalid batches (a real cluster)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 
 import tidelog
 from tests.support.cluster import GatewayProcess, poll_records
-from tidelog.errors import ConfigError, UnknownTopicOrPartitionError, WakeupError
+from tidelog import formats as f
+from tidelog.batch import crc32c, header_crc_of
+from tidelog.errors import (
+    ConfigError,
+    CorruptBatchError,
+    UnknownTopicOrPartitionError,
+    WakeupError,
+)
+from tidelog.records import encode_batch
+from tidelog.v1 import common_pb2, gateway_pb2
+
+
+def invalid_batch(values: list[bytes]) -> bytes:
+    """A batch as a hostile producer writes it: both checksums valid, but its
+    max_timestamp is below its largest record timestamp (docs/FORMAT.md section 2.4), so
+    brokers (which check only headers and checksums) take it and decoders refuse it."""
+    base_ms = int(time.time() * 1000)
+    buf = bytearray(encode_batch(values, timestamps_ms=[base_ms + i for i in range(len(values))]))
+    f.I64.pack_into(buf, f.MAX_TIMESTAMP_OFFSET, base_ms)
+    f.U32.pack_into(buf, f.CRC_OFFSET, crc32c(buf[f.BODY_CRC_START :]))
+    f.U32.pack_into(buf, f.HEADER_CRC_OFFSET, header_crc_of(buf))
+    return bytes(buf)
+
+
+def produce_raw(gateway: GatewayProcess, topic: str, partition: int, records: bytes) -> int:
+    """Append ``records`` (whole batches, sent as they are) through the gateway; the
+    offset of the first record."""
+    response = gateway.stub.Produce(
+        gateway_pb2.ProduceRequest(
+            acks=common_pb2.ALL,
+            partitions=[
+                gateway_pb2.ProducePartitionData(topic=topic, partition=partition, records=records)
+            ],
+        ),
+        timeout=30,
+    )
+    [result] = response.partitions
+    assert result.error.code == common_pb2.NONE, result.error.message
+    return int(result.base_offset)
+
+
+def values(prefix: str, n: int) -> list[bytes]:
+    return [f"{prefix}{i}".encode() for i in range(n)]
+
+
+def write_valid_invalid_valid(gateway: GatewayProcess, topic: str, partition: int = 0) -> None:
+    """Offsets 0..4 valid, 5..7 one invalid batch, 8..11 valid: one append, so a fetch
+    from 0 brings all three batches in one answer."""
+    batches = encode_batch(values("a", 5)) + invalid_batch(values("b", 3))
+    assert produce_raw(gateway, topic, partition, batches + encode_batch(values("c", 4))) == 0
+
+
+def poll_until_error(
+    consumer: tidelog.Consumer, timeout_s: float = 30
+) -> tuple[list[Any], CorruptBatchError]:
+    """Records ``poll`` returns until it raises CorruptBatchError (which is returned)."""
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            got += consumer.poll(timeout_ms=500)
+        except CorruptBatchError as exc:
+            return got, exc
+    raise AssertionError(f"no CorruptBatchError within {timeout_s} s; polled {got}")
+
+
+INVALID_AT_5 = (
+    r"topic '{topic}' partition 0: the record batch at offsets 5\.\.7 is invalid "
+    r"\(max_timestamp .*\)\. The position stays at 5 and polling raises this again; to "
+    r"skip the batch and lose its records, consumer\.seek\(\('{topic}', 0\), 8\)"
+)
 
 
 def test_paused_partitions_are_not_read_until_resumed(
@@ -117,3 +189,114 @@ def test_wakeup_interrupts_a_blocked_poll_from_a_thread_or_a_signal_handler(
         assert seen == [0, 1, 2]
         assert consumer.position(("woken", 0)) == 3
         assert [offset for offset, _ in poll_records(consumer, 7)] == list(range(3, 10))
+
+
+def test_an_invalid_batch_is_raised_after_the_valid_records_before_it_until_a_seek(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka's "Record batch for partition X at offset Y is invalid": the valid records
+    fetched with the bad batch are handed out, then poll raises naming the topic, the
+    partition and the batch's offsets, again at every poll, until a seek skips it. It
+    used to raise "batch at position N: ..." at once, losing the records before it."""
+    topic = "invalid-batch"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    write_valid_invalid_valid(gateway, topic)
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([(topic, 0)])
+        got, error = poll_until_error(consumer)
+        assert [(r.offset, r.value) for r in got] == list(enumerate(values("a", 5)))
+        pattern = INVALID_AT_5.format(topic=topic)
+        assert re.search(pattern, str(error)), str(error)
+        for _ in range(2):  # the position stays at the bad batch: it is met again
+            with pytest.raises(CorruptBatchError, match=pattern):
+                consumer.poll(timeout_ms=5_000)
+        assert consumer.position((topic, 0)) == 5  # nothing skipped unasked
+        consumer.seek((topic, 0), 8)
+        assert poll_records(consumer, 4) == list(enumerate(values("c", 4), start=8))
+
+
+def test_an_invalid_batch_does_not_hold_back_other_partitions(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The error is the bad partition's alone: the other partition's records, fetched
+    with it and after it, keep coming between the errors, and pausing the bad partition
+    stops the errors until it is resumed. It used to raise at once, at every poll that
+    decoded the bad partition's answer, without naming it, and never handed out the
+    bad partition's valid records."""
+    topic = "invalid-batch-two"
+    admin.create_topic(topic, partitions=2, replication_factor=1)
+    write_valid_invalid_valid(gateway, topic, partition=0)
+    produce_raw(gateway, topic, 1, encode_batch(values("p1-", 10)))
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([(topic, 0), (topic, 1)])
+
+        def poll_partition_1(n: int) -> tuple[list[Any], int]:
+            """Poll until ``n`` records of partition 1 came; the others and the errors."""
+            got: list[Any] = []
+            errors = 0
+            deadline = time.monotonic() + 30
+            while sum(r.partition == 1 for r in got) < n and time.monotonic() < deadline:
+                try:
+                    got += consumer.poll(timeout_ms=500)
+                except CorruptBatchError:
+                    errors += 1
+            return got, errors
+
+        got, errors = poll_partition_1(10)
+        assert [r.value for r in got if r.partition == 1] == values("p1-", 10)
+        assert [r.value for r in got if r.partition == 0] == values("a", 5)
+        # Nothing else is buffered now: every poll raises, at once.
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(CorruptBatchError, match=INVALID_AT_5.format(topic=topic)):
+                consumer.poll(timeout_ms=10_000)
+            assert time.monotonic() - started < 5
+        # Records written to the other partition after the error still come, between
+        # the errors (each poll either hands some out or raises).
+        produce_raw(gateway, topic, 1, encode_batch(values("later-", 5)))
+        got, errors = poll_partition_1(5)
+        assert [r.value for r in got] == values("later-", 5)
+        assert errors >= 1
+        assert consumer.position((topic, 0)) == 5
+        # Paused, the bad partition raises no more; resumed, it does again.
+        consumer.pause([(topic, 0)])
+        produce_raw(gateway, topic, 1, encode_batch(values("paused-", 3)))
+        assert [v for _, v in poll_records(consumer, 3)] == values("paused-", 3)
+        assert consumer.poll(timeout_ms=300) == []
+        consumer.resume([(topic, 0)])
+        poll_until_error(consumer)
+        consumer.seek((topic, 0), 8)
+        assert poll_records(consumer, 4) == list(enumerate(values("c", 4), start=8))
+
+
+def test_poll_arrow_and_the_iterator_stop_at_an_invalid_batch_too(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """``poll_arrow`` and ``iter(consumer)`` hand out the valid records first and raise
+    the same error at the bad batch (they used to raise at once, without its place)."""
+    topic = "invalid-batch-arrow"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    write_valid_invalid_valid(gateway, topic)
+    pattern = INVALID_AT_5.format(topic=topic)
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([(topic, 0)])
+        offsets: list[int] = []
+        deadline = time.monotonic() + 30
+        with pytest.raises(CorruptBatchError, match=pattern):
+            while time.monotonic() < deadline:
+                offsets += consumer.poll_arrow(timeout_ms=500).column("offset").to_pylist()
+        assert offsets == list(range(5))
+        with pytest.raises(CorruptBatchError, match=pattern):
+            consumer.poll_arrow(timeout_ms=5_000)
+        consumer.seek((topic, 0), 8)
+        table = consumer.poll_arrow(timeout_ms=10_000)
+        assert table.column("offset").to_pylist() == list(range(8, 12))
+        assert table.column("value").to_pylist() == values("c", 4)
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([(topic, 0)])
+        seen: list[int] = []
+        with pytest.raises(CorruptBatchError, match=pattern):
+            for record in consumer:
+                seen.append(record.offset)
+        assert seen == list(range(5))
+        assert consumer.position((topic, 0)) == 5

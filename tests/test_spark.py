@@ -16,9 +16,11 @@ import pytest
 
 import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
+from tests.test_consumer_api import write_valid_invalid_valid
 from tidelog.client import GatewayConnection
 from tidelog.errors import (
     ConfigError,
+    CorruptBatchError,
     NetworkError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
@@ -753,6 +755,40 @@ def test_a_task_whose_range_is_past_the_log_end_reports_data_loss(
             read(fail_on_data_loss=True, start=start, end=30)
         read_rows = sum(b.num_rows for b in read(fail_on_data_loss=False, start=start, end=30))
         assert read_rows == 10 - start  # what exists is read, the rest skipped
+
+
+def test_a_task_fails_at_an_invalid_batch_naming_it(gateway: GatewayProcess) -> None:
+    """A batch whose checksums are valid but whose body is not (a hostile producer's,
+    which brokers take: they check only headers and checksums) fails the task reading
+    it with its topic, partition and offsets, after the valid batches before it, as
+    Kafka's source fails the query; a range that ends before it or starts after it is
+    read. It used to fail any range fetched with it, with "batch at position N"."""
+    topic = "spark-invalid-batch"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=1, replication_factor=1)
+    write_valid_invalid_valid(gateway, topic)  # 0..4 valid, 5..7 invalid, 8..11 valid
+    connection = GatewayConnection.get(gateway.address)
+
+    def offsets(start: int, end: int, got: list[int]) -> list[int]:
+        for batch in read_range(
+            connection,
+            OffsetRange(topic, 0, start, end),
+            include_headers=False,
+            fail_on_data_loss=True,
+            fetch_max_bytes=1 << 20,
+        ):
+            got += batch.column("offset").to_pylist()
+        return got
+
+    got: list[int] = []
+    with pytest.raises(
+        CorruptBatchError,
+        match=r"topic 'spark-invalid-batch' partition 0: the record batch at offsets 5\.\.7 "
+        r"is invalid \(max_timestamp .*\); the task reading offsets \[0, 12\) fails",
+    ):
+        offsets(0, 12, got)
+    assert got == list(range(5))  # the valid batch before it came first
+    assert offsets(0, 5, []) == list(range(5))
+    assert offsets(8, 12, []) == list(range(8, 12))
 
 
 @pytest.mark.parametrize("mode", ["gateway", "direct"])

@@ -42,6 +42,17 @@ consumer that starts after the truncation detects it too. A position from a rese
 the record before it), and ``pause`` keeps the epoch with the position; only ``seek`` to
 a given offset starts without one, as in Kafka.
 
+Invalid batches (Kafka's CorruptRecordException): brokers check only a batch's header and
+checksums, so a hostile or buggy producer can write a batch whose body breaks what a decoder
+checks (docs/FORMAT.md section 2.4). A fetched batch is decoded one at a time: the valid
+batches before a bad one are buffered and handed out as usual, and when the partition's
+position reaches the bad batch, ``poll`` (``poll_arrow``, the iterator) raises
+``CorruptBatchError`` naming the topic, the partition, the batch's offsets and what is
+wrong. The position stays at the bad batch and the partition is not fetched further, so
+the next poll raises again: nothing is skipped unless the application seeks past the
+batch (the message says to which offset); ``pause`` on the partition stops the errors
+meanwhile. Other partitions are not held back (see ``_raise_invalid``).
+
 Group offsets are committed with ``commit()`` (the positions, or given offsets) and, with
 ``enable_auto_commit``, every ``auto_commit_interval_ms`` during ``poll`` and on
 ``close``. ``subscribe`` with a ``group_id`` makes the consumer a member of its group,
@@ -72,7 +83,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, NamedTuple, NoReturn
 
 import grpc
 
@@ -80,6 +91,7 @@ from tidelog import tracing
 from tidelog.client import GatewayConnection, error_from_rpc, leaders_by_topic, raise_for
 from tidelog.errors import (
     ConfigError,
+    CorruptBatchError,
     ErrorCode,
     OffsetOutOfRangeError,
     TidelogError,
@@ -92,7 +104,7 @@ from tidelog.formats import INT32_MAX, INT64_MAX
 from tidelog.leaders import LeaderDirectory, directory_for
 from tidelog.membership import GroupMembership
 from tidelog.metrics import ClientMetrics
-from tidelog.records import Header, RecordBatch, arrow_schema, decode_batches
+from tidelog.records import Header, InvalidBatch, RecordBatch, arrow_schema, decode_valid_batches
 from tidelog.topics import validate_topic_name
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
 
@@ -140,11 +152,12 @@ class _Chunk:
     Arrow for ``poll_arrow``. ``skip`` records at its start were read before; of the
     records after them, the first ``taken`` were handed out (a partial take)."""
 
-    __slots__ = ("_records", "batch", "skip", "taken", "tp")
+    __slots__ = ("_records", "batch", "size_bytes", "skip", "taken", "tp")
 
     def __init__(self, tp: TopicPartition, batch: RecordBatch, skip: int) -> None:
         self.tp = tp
         self.batch = batch
+        self.size_bytes = batch.header.size_bytes
         self.skip = skip
         self.taken = 0
         self._records: list[ConsumerRecord] | None = None
@@ -191,6 +204,40 @@ class _Chunk:
         return table.add_column(
             0, schema.field("topic"), pa.repeat(pa.scalar(self.tp[0], pa.string()), n)
         )
+
+
+class _Invalid:
+    """Stands in the buffer for a partition's invalid batch, after that partition's valid
+    records fetched before it (module docstring: invalid batches)."""
+
+    __slots__ = ("message", "tp")
+
+    size_bytes: Final = 0  # nothing of it is buffered or handed out
+
+    def __init__(self, tp: TopicPartition, bad: InvalidBatch, start: int) -> None:
+        self.tp = tp
+        topic, partition = tp
+        if bad.header is None:
+            where = (
+                f"the record batch at offset {start} is invalid ({bad.reason}); its header "
+                "is damaged, so where it ends is unknown"
+            )
+            skip = f"consumer.seek(({topic!r}, {partition}), <an offset past it>)"
+        else:
+            last = bad.header.last_offset
+            where = (
+                f"the record batch at offsets {bad.header.base_offset}..{last} is invalid "
+                f"({bad.reason})"
+            )
+            skip = f"consumer.seek(({topic!r}, {partition}), {last + 1})"
+        self.message = (
+            f"topic {topic!r} partition {partition}: {where}. The position stays at "
+            f"{start} and polling raises this again; to skip the batch and lose its "
+            f"records, {skip}"
+        )
+
+
+_Buffered = _Chunk | _Invalid
 
 
 def _consumer_schema(pa: Any) -> Any:
@@ -303,7 +350,10 @@ class Consumer:
         self._subscription: list[str] = []
         self._positions: dict[TopicPartition, int] = {}
         self._needs_position: set[TopicPartition] = set()
-        self._buffer: deque[_Chunk] = deque()
+        self._buffer: deque[_Buffered] = deque()
+        # Partitions with an invalid batch in the buffer: not fetched until a seek or a
+        # pause drops it (module docstring: invalid batches).
+        self._invalid: set[TopicPartition] = set()
         self._last_commit = time.monotonic()
         self._last_refresh = 0.0
         self._committed_positions: dict[TopicPartition, int] = {}
@@ -756,14 +806,15 @@ class Consumer:
         and, unless ``keep_epochs`` (the position stays), the position's leader epoch."""
         if not tps:
             return
-        kept: deque[_Chunk] = deque()
+        kept: deque[_Buffered] = deque()
         for chunk in self._buffer:
             if chunk.tp in tps:
-                self._buffered_bytes -= chunk.batch.header.size_bytes
+                self._buffered_bytes -= chunk.size_bytes
             else:
                 kept.append(chunk)
         self._buffer = kept
         for tp in tps:
+            self._invalid.discard(tp)
             self._next_fetch.pop(tp, None)
             self._drain_first.discard(tp)
             if not keep_epochs:
@@ -923,6 +974,10 @@ class Consumer:
         out: list[ConsumerRecord] = []
         while self._buffer and len(out) < limit:
             chunk = self._buffer[0]
+            if isinstance(chunk, _Invalid):
+                if out:
+                    break  # these first; the next poll raises
+                self._raise_invalid()
             records = chunk.rest()
             room = limit - len(out)
             if len(records) <= room:
@@ -940,8 +995,23 @@ class Consumer:
     def _drop_first_chunk(self) -> None:
         """The buffer's first chunk is all handed out."""
         chunk = self._buffer.popleft()
-        self._buffered_bytes -= chunk.batch.header.size_bytes
-        self._metrics.add("bytes-consumed-total", chunk.batch.header.size_bytes)
+        self._buffered_bytes -= chunk.size_bytes
+        self._metrics.add("bytes-consumed-total", chunk.size_bytes)
+
+    def _raise_invalid(self) -> NoReturn:
+        """Raise for the invalid batch first in the buffer, its partition's turn come: the
+        records of its partition before it were all handed out, so the position is at it.
+
+        It moves to the back of the buffer and stays there (the partition is not fetched
+        again): what other partitions have buffered behind it is handed out by the next
+        polls, and the error is raised again when its turn comes round, at once when
+        nothing else is buffered. So one bad partition neither stops the others (Kafka's
+        consumer stops at a corrupt fetch until the application seeks) nor goes
+        unreported while they flow; ``pause`` or ``seek`` on it ends the errors."""
+        invalid = self._buffer.popleft()
+        assert isinstance(invalid, _Invalid)
+        self._buffer.append(invalid)
+        raise CorruptBatchError(invalid.message)
 
     def _take_arrow(self, limit: int) -> Any:
         import pyarrow as pa  # noqa: PLC0415  # only for Arrow consumers
@@ -950,6 +1020,10 @@ class Consumer:
         taken_total = 0
         while self._buffer and taken_total < limit:
             chunk = self._buffer[0]
+            if isinstance(chunk, _Invalid):
+                if pieces:
+                    break  # these first; the next poll raises
+                self._raise_invalid()
             table = chunk.arrow(pa)
             room = limit - taken_total
             if table.num_rows <= room:
@@ -1016,8 +1090,10 @@ class Consumer:
             else:
                 leaderless = True
                 continue
-            if tp in self._paused_tps:
-                continue  # paused by the application (pause / resume)
+            if tp in self._paused_tps or tp in self._invalid:
+                # Paused by the application (pause / resume), or stopped at an invalid
+                # batch (fetching on would only find it again).
+                continue
             position = self._positions.get(tp)
             if group in self._fetches or group in paused or position is None or tp in busy:
                 continue  # it joins its group's next fetch
@@ -1135,7 +1211,11 @@ class Consumer:
                 continue
             fetch_from = asked
             fetched_bytes += len(result.records)
-            for batch in decode_batches(result.records):
+            # One batch at a time: an invalid batch costs only itself and what follows it
+            # in this partition, never the valid batches before it nor other partitions
+            # (module docstring: invalid batches).
+            batches, bad = decode_valid_batches(result.records)
+            for batch in batches:
                 if batch.next_offset > asked:
                     skip = max(0, asked - batch.base_offset)
                     self._buffer.append(_Chunk(tp, batch, skip))
@@ -1143,6 +1223,16 @@ class Consumer:
                     fetched_records += batch.record_count - skip
                     fetch_from = batch.next_offset
                     self._fetched_epoch[tp] = batch.header.partition_leader_epoch
+            if bad is not None:
+                _log.warning(
+                    "%s-%d: invalid record batch at offset %d: %s",
+                    tp[0],
+                    tp[1],
+                    fetch_from,
+                    bad.reason,
+                )
+                self._buffer.append(_Invalid(tp, bad, fetch_from))
+                self._invalid.add(tp)
             self._next_fetch[tp] = fetch_from
         if response.throttle_time_ms > 0 and not fetched_bytes:
             # An answer with records was worth having, whatever throttle another leader's
@@ -1224,6 +1314,8 @@ class Consumer:
             ):
                 self._raise_if_woken()  # between records: none is skipped or repeated
                 chunk = self._buffer[0]
+                if isinstance(chunk, _Invalid):
+                    self._raise_invalid()
                 records = chunk.records()
                 record = records[chunk.taken]
                 chunk.taken += 1

@@ -69,7 +69,7 @@ import lz4.frame
 import zstandard
 
 from tidelog import formats as f
-from tidelog.batch import BatchHeader, header_crc_of, iter_batches
+from tidelog.batch import BatchHeader, check_batch, check_header, header_crc_of
 from tidelog.errors import ConfigError, CorruptBatchError
 
 if TYPE_CHECKING:
@@ -80,12 +80,14 @@ _TupleT = TypeVar("_TupleT", bound=tuple[Any, ...])
 __all__ = [
     "DEFAULT_MAX_UNCOMPRESSED_BYTES",
     "Header",
+    "InvalidBatch",
     "Record",
     "RecordBatch",
     "arrow_schema",
     "batches_to_arrow",
     "check_headers",
     "decode_batches",
+    "decode_valid_batches",
     "encode_batch",
     "encode_batch_arrow",
     "encode_batch_arrow_parts",
@@ -113,6 +115,7 @@ _INT64_MIN: Final = -(1 << 63)
 _ZERO_ONE_TO_ASCII: Final = bytes.maketrans(b"\x00\x01", b"01")
 _LITTLE_ENDIAN: Final = sys.byteorder == "little"
 _CONTINUATION_BYTE: Final = re.compile(rb"[\x80-\xbf]")
+_POSITION_PREFIX: Final = re.compile(r"^batch at position \d+: ")
 
 # array.array codes for the wire's i32 and i64; the format fixes the sizes, and a
 # platform where they differ would decode garbage (so not an assert, which -O drops).
@@ -512,19 +515,65 @@ def decode_batches(
     materialised lazily (``RecordBatch.records``, ``RecordBatch.to_arrow``).
     ``max_uncompressed_bytes`` bounds the memory a compressed body may inflate to.
     """
+    batches, bad = decode_valid_batches(data, max_uncompressed_bytes=max_uncompressed_bytes)
+    if bad is not None:
+        raise bad.error
+    return batches
+
+
+@dataclass(frozen=True, slots=True)
+class InvalidBatch:
+    """The first batch of a payload that does not decode (``decode_valid_batches``).
+
+    ``header`` is None when the header itself cannot be trusted (its checksum, magic or
+    counts are wrong, or it is cut short): the batch's offsets and length are then
+    unknown, and nothing after it can be found either."""
+
+    position: int
+    header: BatchHeader | None
+    error: CorruptBatchError
+
+    @property
+    def reason(self) -> str:
+        """What is wrong, without the byte position in the payload (meaningless to
+        whoever reads it: they know the batch by its offsets)."""
+        return _POSITION_PREFIX.sub("", self.error.message, count=1)
+
+
+def decode_valid_batches(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_uncompressed_bytes: int = DEFAULT_MAX_UNCOMPRESSED_BYTES,
+) -> tuple[list[RecordBatch], InvalidBatch | None]:
+    """``decode_batches`` one batch at a time: the batches before the first invalid one,
+    and that one (None when every batch is valid). Batches are opaque to brokers, so a
+    fetch answer may hold a checksum-valid batch that breaks a body invariant; a consumer
+    hands out the valid batches before it and then reports exactly which batch is bad
+    (``tidelog.consumer``), instead of losing the whole answer to one error."""
     view = memoryview(data).cast("B")
-    return [
-        RecordBatch(
-            header,
-            _parse_body(
+    batches: list[RecordBatch] = []
+    position = 0
+    while position < len(view):
+        try:
+            header = check_batch(view, position)
+        except CorruptBatchError as exc:
+            try:
+                trusted: BatchHeader | None = check_header(view, position)
+            except CorruptBatchError:
+                trusted = None  # the header itself is damaged
+            return batches, InvalidBatch(position, trusted, exc)
+        try:
+            body = _parse_body(
                 header,
                 view[position : position + header.size_bytes],
                 position,
                 max_uncompressed_bytes,
-            ),
-        )
-        for position, header in iter_batches(view)
-    ]
+            )
+        except CorruptBatchError as exc:
+            return batches, InvalidBatch(position, header, exc)
+        batches.append(RecordBatch(header, body))
+        position += header.size_bytes
+    return batches, None
 
 
 def arrow_schema() -> pyarrow.Schema:

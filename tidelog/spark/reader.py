@@ -21,6 +21,7 @@ from typing import Any, Final, Literal
 from tidelog.client import GatewayConnection, raise_for
 from tidelog.errors import (
     ConfigError,
+    CorruptBatchError,
     InconsistentTopicIdError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
@@ -29,7 +30,7 @@ from tidelog.errors import (
 )
 from tidelog.formats import ATTR_TIMESTAMP_LOG_APPEND
 from tidelog.logging import get_logger
-from tidelog.records import decode_batches
+from tidelog.records import InvalidBatch, decode_valid_batches
 from tidelog.spark.options import ReadOptions
 from tidelog.spark.planning import (
     Bounds,
@@ -284,7 +285,14 @@ def read_range(
             warn_data_loss([loss])
             position = end if loss.resume_at is None else loss.resume_at
             continue
-        batches = decode_batches(result.records)
+        # One batch at a time: a batch whose body breaks what a decoder checks (brokers
+        # check only headers and checksums) fails the task naming it, after the valid
+        # batches before it, as Kafka's source fails the query on a corrupt record.
+        batches, bad = decode_valid_batches(result.records)
+        if bad is not None and bad.header is not None and bad.header.base_offset >= end:
+            bad = None  # past the range: not this task's to read
+        if bad is not None and not batches:
+            raise CorruptBatchError(_invalid_batch_message(offset_range, bad, position))
         if not batches and 0 <= result.log_end_offset < end:
             # The leader's log ends inside the planned range, so its rest will never be
             # these records (a leader elected from the ISR holds everything below the high
@@ -335,6 +343,23 @@ def read_range(
                 include_headers=include_headers,
             )
             position += count
+        if bad is not None and position < end:
+            raise CorruptBatchError(_invalid_batch_message(offset_range, bad, position))
+
+
+def _invalid_batch_message(offset_range: OffsetRange, bad: InvalidBatch, start: int) -> str:
+    """What fails a task at an invalid batch that starts at ``start`` (when its header
+    is known, at ``bad.header.base_offset``)."""
+    if bad.header is None:
+        where = f"at offset {start} (its header is damaged, so where it ends is unknown)"
+    else:
+        where = f"at offsets {bad.header.base_offset}..{bad.header.last_offset}"
+    return (
+        f"topic {offset_range.topic!r} partition {offset_range.partition}: the record batch "
+        f"{where} is invalid ({bad.reason}); the task reading offsets "
+        f"[{offset_range.start}, {offset_range.end}) fails rather than skip its records "
+        "(start the query past it to skip them)"
+    )
 
 
 def _recreated(topic: str, partition: int, topic_id: str, position: int, end: int) -> DataLoss:
