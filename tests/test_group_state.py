@@ -159,3 +159,51 @@ def test_a_restarted_static_member_takes_its_place_back_without_a_rebalance() ->
     # Restarted with other topics: it takes the place, and the group rebalances.
     moved = group_state.join(state, static("a3", "a", "u"), COUNTS)
     assert moved.phase == "preparing" and "a3" in moved.joined and "a1" not in moved.members
+
+
+def test_preparing_waits_for_the_largest_rebalance_timeout_of_its_members() -> None:
+    # The coordinator's etcd lease for the rebalance deadline is this long: a member with
+    # a long rebalance timeout must not be dropped at a shorter member's deadline.
+    state = group_state.join(GroupState(), member("a", rebalance_timeout_ms=1_000), COUNTS)
+    state = group_state.join(state, member("b", rebalance_timeout_ms=30_000), COUNTS)
+    assert state.rebalance_timeout_ms() == 30_000
+    assert GroupState().rebalance_timeout_ms() == 0
+
+
+def test_a_stable_member_rejoining_with_other_topics_starts_a_rebalance() -> None:
+    state = group_state.join(GroupState(), member("a", "t"), COUNTS)
+    assert group_state.join(state, member("a", "t"), COUNTS) == state  # same topics: nothing
+    moved = group_state.join(state, member("a", "t", "u"), COUNTS)
+    assert (moved.phase, moved.generation) == ("stable", 2)
+    assert moved.assignment["a"] == tuple(("t", p) for p in range(6)) + tuple(
+        ("u", p) for p in range(3)
+    )
+
+
+def test_a_replaced_static_member_is_fenced_rather_than_taking_its_place_back() -> None:
+    state = group_state.join(GroupState(), static("a1", "a"), COUNTS)
+    restarted = group_state.join(state, static("a2", "a"), COUNTS)
+    assert list(restarted.members) == ["a2"]
+    # a1 was in the group and a2 holds its instance now: a1 rejoining is fenced.
+    with pytest.raises(FencedInstanceIdError):
+        group_state.join(restarted, static("a1", "a"), COUNTS, may_take_over=False)
+
+
+def test_a_heartbeat_in_an_old_generation_gets_illegal_generation() -> None:
+    state = group_state.join(GroupState(), member("a"), COUNTS)
+    state = group_state.join(state, member("b"), COUNTS)
+    state = group_state.join(state, member("a"), COUNTS)
+    assert (state.phase, state.generation) == ("stable", 2)
+    after, error = group_state.heartbeat(state, "a", 1, COUNTS)
+    assert isinstance(error, IllegalGenerationError) and after == state
+    assert group_state.heartbeat(state, "a", 2, COUNTS) == (state, None)
+
+
+def test_expiring_when_every_member_is_alive_changes_nothing() -> None:
+    state = group_state.join(GroupState(), member("a"), COUNTS)
+    state = group_state.join(state, member("b"), COUNTS)
+    state = group_state.join(state, member("a"), COUNTS)
+    assert state.phase == "stable"
+    # The coordinator passes the live sessions on every change: no rebalance for that.
+    assert group_state.expire(state, {"a", "b"}) == state
+    assert group_state.expire(state, {"a", "b", "someone-else"}) == state

@@ -10,6 +10,7 @@ KIP-279 loop a replica fetcher runs) and end byte-identical.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from services.storage.log import EpochEntry, LeaderEpochCache, Log, LogConfig
+from services.storage.log.checkpoint import OffsetCheckpointFile
 from services.storage.log.errors import CheckpointCorruptError
 from tidelog import formats as f
 from tidelog.clock import ManualClock
@@ -257,6 +259,51 @@ def test_corrupt_checkpoint_is_detected(tmp_path: Path, content: bytes) -> None:
     path.write_bytes(content)
     with pytest.raises(CheckpointCorruptError):
         LeaderEpochCache.load(path)
+
+
+def test_offset_checkpoint_round_trip_and_format(tmp_path: Path) -> None:
+    """The recovery-point and replication-offset checkpoints (``OffsetCheckpointFile``)."""
+    checkpoint = OffsetCheckpointFile(tmp_path / "recovery-point-offset-checkpoint")
+    assert checkpoint.read() == {}  # no file yet: nothing checkpointed
+    offsets = {("orders", 0): 1200, ("orders", 1): 1187}
+    checkpoint.write(offsets)
+    assert checkpoint.path.read_text() == "0\n2\norders 0 1200\norders 1 1187\n"  # FORMAT.md
+    assert checkpoint.read() == offsets
+    checkpoint.write({})
+    assert checkpoint.read() == {}
+    assert [p.name for p in tmp_path.iterdir()] == [checkpoint.path.name]  # no .tmp left
+
+
+def test_an_offset_checkpoint_is_replaced_not_rewritten_in_place(tmp_path: Path) -> None:
+    """A new inode renamed over the old name: a reader (or a crash) sees the old file or
+    the new one, never a half-written one."""
+    checkpoint = OffsetCheckpointFile(tmp_path / "replication-offset-checkpoint")
+    checkpoint.write({("orders", 0): 1})
+    old = tmp_path / "old-inode"
+    os.link(checkpoint.path, old)
+    checkpoint.write({("orders", 0): 2, ("orders", 1): 3})
+    assert OffsetCheckpointFile(old).read() == {("orders", 0): 1}
+    assert checkpoint.read() == {("orders", 0): 2, ("orders", 1): 3}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"1\n1\norders 0 5\n",  # unknown version
+        b"0\n2\norders 0 5\n",  # count says 2
+        b"0\n0\norders 0 5\n",  # count says 0
+        b"0\n1\norders 0\n",  # missing field
+        b"0\n1\norders x 5\n",
+        b"0\n1\norders 0 5 6\n",
+        b"\xff\xfe\x00garbage",  # a torn or zeroed file: not text
+    ],
+)
+def test_corrupt_offset_checkpoint_is_detected(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "recovery-point-offset-checkpoint"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointCorruptError):
+        OffsetCheckpointFile(path).read()
 
 
 # --- Log integration ---------------------------------------------------------------------------

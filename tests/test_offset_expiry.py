@@ -7,7 +7,12 @@ import time
 from pathlib import Path
 
 import tidelog
-from services.controller.offset_expiry import StoredOffset, decide_expiry
+from services.controller.offset_expiry import (
+    OFFSETS_RETENTION_CHECK_INTERVAL_S,
+    OFFSETS_RETENTION_MS,
+    StoredOffset,
+    decide_expiry,
+)
 from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 
 RETENTION_MS = 2_000
@@ -56,6 +61,23 @@ def test_a_group_expires_whole_a_retention_after_it_emptied_and_last_committed()
     assert decide_expiry(offsets, {"active"}, marks, 9_999, 8_000).expired == {}
     later = decide_expiry(offsets, set(), marks, now_ms=17_000, retention_ms=8_000)
     assert sorted(later.expired) == ["active", "late-empty", "old"]
+
+
+def test_a_group_with_any_offset_of_unknown_age_is_kept_whole() -> None:
+    """One offset written before commits carried a time keeps the whole group, even when
+    its other offsets and its mark are long past the retention."""
+    offsets = [
+        offset("mixed", None, "groups/mixed/t/0"),
+        offset("mixed", 1_000, "groups/mixed/t/1"),
+    ]
+    got = decide_expiry(offsets, set(), {"mixed": 0}, now_ms=1_000_000, retention_ms=8_000)
+    assert got.expired == {}
+    assert got.to_mark == set() and got.stale_marks == set()
+
+
+def test_the_retention_defaults_are_kafkas() -> None:
+    assert OFFSETS_RETENTION_MS == 10_080 * 60 * 1000  # offsets.retention.minutes=10080
+    assert OFFSETS_RETENTION_CHECK_INTERVAL_S == 600.0  # ...check.interval.ms=600000
 
 
 def test_the_controller_expires_memberless_groups_and_keeps_the_others(tmp_path: Path) -> None:

@@ -62,3 +62,8 @@ def test_every_partition_is_in_range(keys: list[bytes | None], count: int) -> No
     assert len(partitions) == len(keys)
     assert all(0 <= p < count for p in partitions)
     assert all(-(2**31) <= murmur2(k) < 2**31 for k in keys if k is not None)
+
+
+def test_a_negative_default_partition_is_refused() -> None:
+    with pytest.raises(ValueError, match="default partition"):
+        murmur2_partitions([None, b"k"], 4, default=-1)

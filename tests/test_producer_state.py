@@ -20,16 +20,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.storage.log import AppendInfo, Log, LogConfig
+from services.storage.log.errors import ProducerSnapshotCorruptError
 from services.storage.log.producer_state import (
     BatchMetadata,
-    ProducerSnapshotCorruptError,
     ProducerStateEntry,
+    ProducerStateManager,
     decode_snapshot,
     encode_snapshot,
     last_sequence,
+    snapshot_path,
 )
 from tidelog import formats as f
-from tidelog.batch import stamp
+from tidelog.batch import crc32c, stamp
 from tidelog.clock import ManualClock
 from tidelog.errors import (
     DuplicateSequenceError,
@@ -218,6 +220,38 @@ def test_sequence_wraparound(tmp_path: Path) -> None:
     assert other.append(idem(4, 0, 0, n=1)) == AppendInfo(2, 2)
     log.close()
     other.close()
+
+
+def test_the_batch_after_the_wrap_is_written_not_taken_for_an_old_duplicate(
+    tmp_path: Path,
+) -> None:
+    """A producer that started at sequence 0 and reached the top: its next batch, at 0,
+    lies numerically below the remembered window (and not below its start sequence), but
+    it is the next batch, not a resend of the first one. Taking it for a duplicate would
+    drop it while telling the producer it was written."""
+    log = open_log(tmp_path / "p-0")
+    log.append(restamped(idem(3, 0, 0, n=1), 0), assign_offsets=False)
+    for k in range(5):  # sequences MAX-9 .. MAX, as a follower copied them
+        first = MAX_SEQ - 9 + 2 * k
+        log.append(restamped(idem(3, 0, first, n=2), log.log_end_offset), assign_offsets=False)
+    entry = log.producer_state.entry(3)
+    assert entry is not None and entry.start_sequence == 0 and entry.last_sequence == MAX_SEQ
+    assert log.append(idem(3, 0, 0, n=2)) == AppendInfo(11, 12)
+    assert log.log_end_offset == 13
+    log.close()
+
+
+def test_a_follower_takes_even_an_older_epoch_from_its_leader(tmp_path: Path) -> None:
+    """The leader validated the batch (it had forgotten the producer, KIP-360), so the
+    follower mirrors it: the older epoch replaces the remembered one, as in Kafka."""
+    follower = open_log(tmp_path / "p-0")
+    for batch in (idem(7, 5, 0), idem(7, 3, 10)):
+        follower.append(restamped(batch, follower.log_end_offset), assign_offsets=False)
+    entry = follower.producer_state.entry(7)
+    assert entry is not None
+    assert (entry.producer_epoch, entry.start_sequence) == (3, 10)
+    assert list(entry.batches) == [BatchMetadata(10, 11, 2, 3)]
+    follower.close()
 
 
 @pytest.mark.parametrize(("epoch", "seq"), [(-1, 0), (0, -1), (-1, -1)])
@@ -533,6 +567,19 @@ def test_expiry(tmp_path: Path) -> None:
     log.close()
 
 
+def test_expiry_counts_from_a_producers_latest_batch_not_its_first(tmp_path: Path) -> None:
+    clock = ManualClock()
+    log = open_log(tmp_path / "p-0", clock=clock)
+    log.append(idem(1, 0, 0))
+    clock.advance(DAY_MS - 1)
+    log.append(idem(1, 0, 2))  # heard from again just before a day passed
+    clock.advance(DAY_MS - 1)
+    assert log.remove_expired_producers() == 0
+    clock.advance(1)
+    assert log.remove_expired_producers() == 1
+    log.close()
+
+
 def test_old_record_timestamps_do_not_expire_a_producer(tmp_path: Path) -> None:
     clock = ManualClock()
     log = open_log(tmp_path / "p-0", clock=clock)
@@ -582,6 +629,71 @@ def test_truncated_or_misnamed_snapshots_are_detected(cut: int) -> None:
         decode_snapshot(data[:cut], 40)
     with pytest.raises(ProducerSnapshotCorruptError):
         decode_snapshot(data, 41)  # renamed: the offset inside disagrees
+
+
+def resealed(data: bytes) -> bytes:
+    """``data`` with its header checksum recomputed: a snapshot that is consistent as
+    bytes, whatever it says."""
+    header = f.PRODUCER_SNAPSHOT_HEADER
+    version, _, offset, count = header.unpack_from(data)
+    crc = crc32c(data[f.PRODUCER_SNAPSHOT_CRC_START :])
+    return header.pack(version, crc, offset, count) + data[header.size :]
+
+
+def entry_with(producer_id: int, *batches: BatchMetadata) -> ProducerStateEntry:
+    entry = ProducerStateEntry(producer_id, 0, T0, 0)
+    entry.batches.extend(batches)
+    return entry
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # A batch reaching the snapshot's own offset: the state as of 40 covers offsets < 40.
+        encode_snapshot(40, [entry_with(1, BatchMetadata(0, 1, 39, 40))]),
+        # One producer twice.
+        encode_snapshot(
+            40, [entry_with(1, BatchMetadata(0, 0, 1, 1)), entry_with(1, BatchMetadata(1, 1, 2, 2))]
+        ),
+        # A producer without batches (an entry always has one).
+        encode_snapshot(40, [entry_with(1)]),
+        # Bytes after the last entry.
+        resealed(encode_snapshot(40, sample_entries()) + bytes(24)),
+    ],
+    ids=["batch-at-offset", "duplicate-producer", "no-batches", "trailing-bytes"],
+)
+def test_a_checksummed_but_inconsistent_snapshot_is_refused(data: bytes) -> None:
+    with pytest.raises(ProducerSnapshotCorruptError):
+        decode_snapshot(data, 40)
+
+
+def test_snapshot_entries_are_written_in_producer_id_order() -> None:
+    entries = sample_entries()  # ids 5, 1
+    assert encode_snapshot(40, entries) == encode_snapshot(40, entries[::-1])
+    body = encode_snapshot(40, entries)[f.PRODUCER_SNAPSHOT_HEADER.size :]
+    assert f.PRODUCER_SNAPSHOT_ENTRY.unpack_from(body)[0] == 1  # FORMAT.md 3.3: sorted by id
+
+
+def test_a_snapshot_below_the_replay_start_is_not_loaded(tmp_path: Path) -> None:
+    """Replay starts at ``min_offset`` (the log start): a snapshot below it describes
+    data that is gone, and replaying from it is impossible."""
+    manager = ProducerStateManager(tmp_path)
+    manager.end_offset = 10
+    manager.take_snapshot()
+    assert manager.load_snapshot(15, 30) is None
+    assert manager.end_offset == 15
+    assert manager.load_snapshot(10, 30) == 10
+
+
+def test_a_snapshot_taken_twice_at_one_offset_is_listed_once(tmp_path: Path) -> None:
+    manager = ProducerStateManager(tmp_path)
+    manager.end_offset = 10
+    manager.take_snapshot()
+    manager.take_snapshot()  # a close with nothing appended since the last snapshot
+    assert manager.snapshot_offsets == [10]
+    manager.retain_snapshots(keep=[])  # the newest is always kept
+    assert snapshot_path(tmp_path, 10).exists()
+    assert manager.snapshot_offsets == [10]
 
 
 # --- model test -------------------------------------------------------------------------------

@@ -167,6 +167,40 @@ def test_offset_index_is_full_and_rounds_size_down(tmp_path: Path) -> None:
     index.close()
 
 
+def test_truncating_a_trimmed_offset_index_shrinks_its_file(tmp_path: Path) -> None:
+    """A sealed segment's index truncated (the log is truncated into it) stays trimmed:
+    reopened, it has the kept entries, not zero slots counted as entries."""
+    path = tmp_path / "a.index"
+    index = offset_index(path, base=100)
+    for i in range(1, 5):
+        index.append(100 + 10 * i, 100 * i)
+    index.trim()
+    index.truncate_to(125)  # keeps 110 and 120
+    assert path.stat().st_size == 2 * OFFSET_ENTRY
+    index.close()
+    reopened = offset_index(path, base=100, writable=False)
+    assert reopened.entries == 2
+    reopened.sanity_check(log_size_bytes=10_000)
+    assert reopened.lookup(135) == (120, 200)
+    reopened.close()
+
+
+def test_an_index_larger_than_a_lowered_maximum_keeps_its_entries(tmp_path: Path) -> None:
+    """segment.index.bytes lowered below an active segment's index: reopened writable, it
+    keeps every entry (and is full, so the segment rolls) rather than being cut short."""
+    path = tmp_path / "a.index"
+    index = offset_index(path)
+    for i in range(1, 11):
+        index.append(i, 100 * i)
+    index.close()
+    smaller = offset_index(path, max_bytes=3 * OFFSET_ENTRY)
+    assert smaller.entries == 10 and smaller.is_full
+    assert smaller.lookup(7) == (7, 700)
+    smaller.sanity_check(log_size_bytes=10_000)
+    smaller.close()
+    assert path.stat().st_size == 10 * OFFSET_ENTRY
+
+
 def test_offset_index_trim_and_make_writable_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "a.index"
     index = offset_index(path, base=1000, max_bytes=4096)

@@ -61,6 +61,9 @@ def test_pairs_are_accepted_and_empty_is_fine() -> None:
         ({"retention.ms": "abc"}, 1, "not an integer"),
         ({"retention.ms": " 5"}, 1, "not an integer"),
         ({"retention.ms": "1_000"}, 1, "not an integer"),
+        ({"retention.ms": "+5"}, 1, "not an integer"),
+        ({"retention.ms": ""}, 1, "not an integer"),
+        ({"min.insync.replicas": ""}, 3, "not an integer"),
         ({"retention.ms": "-2"}, 1, "retention.ms"),
         ({"segment.bytes": "0"}, 1, "segment.bytes"),
         # Each index file is preallocated to it: 10^12 made terabyte files, 2^63-2 none.
@@ -99,3 +102,10 @@ def test_duplicates_and_too_many_entries_are_rejected() -> None:
     too_many = [("retention.ms", "1")] * (MAX_CONFIG_ENTRIES + 1)
     with pytest.raises(InvalidConfigError, match="at most"):
         validate_topic_configs(too_many, 1)
+
+
+def test_cleanup_policy_delete_is_stored_canonical() -> None:
+    for spelling in ("delete", " Delete ", "DELETE,delete"):
+        assert validate_topic_configs({"cleanup.policy": spelling}, 1) == {
+            "cleanup.policy": "delete"
+        }

@@ -89,7 +89,7 @@ class LeaderEpochCache:
                 raise CheckpointCorruptError(f"{path}: unknown version {lines[0]!r}")
             count = int(lines[1])
             body = lines[2:]
-            if False:
+            if len(body) != count:
                 raise CheckpointCorruptError(f"{path}: expected {count} entries, found {len(body)}")
             entries = []
             for line in body:
