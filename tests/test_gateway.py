@@ -24,6 +24,7 @@ from services.gateway.channels import Channels, ChannelSweeper, broker_address
 from services.gateway.groups import offset_key
 from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import MetadataView
+from services.gateway.node import GatewayNode, GatewayNodeConfig
 from services.metastore import KeyValue
 from tests.support.cluster import (
     GatewayProcess,
@@ -1088,6 +1089,81 @@ def test_channels_to_addresses_out_of_use_for_a_whole_sweep_are_closed() -> None
     finally:
         calls.close()
         channels.close()
+
+
+def _pool_threads(broker_id: int) -> list[str]:
+    prefix = f"gateway-produce-{broker_id}_"
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_the_produce_pool_of_a_broker_gone_from_the_metadata_is_dropped(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
+    """A gateway kept a worker pool (up to 64 threads) for every broker id that ever led
+    a partition, retired and replaced ids included (found by an audit). The sweeper now
+    drops the pool of an id gone from the metadata for a whole interval; appends queued
+    on a dropped pool finish, and later ones get a fresh pool."""
+    retired, topic = 7, "pools-of-gone-brokers"
+    broker = cluster.start_broker(retired)
+    node = GatewayNode(GatewayNodeConfig(etcd=cluster.etcd.endpoint, cluster=cluster.cluster))
+    try:
+        cluster.wait_brokers([*(b for b in cluster.brokers if b != retired), retired])
+        node.start()
+        admin.create_topic(topic, partitions=8, replication_factor=1)
+        leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+        assert retired in leaders.values()
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(node.address))
+
+        def request(i: int) -> gateway_pb2.ProduceRequest:
+            return gateway_pb2.ProduceRequest(
+                acks=common_pb2.ALL,
+                correlation_id=i,
+                partitions=[
+                    gateway_pb2.ProducePartitionData(
+                        topic=topic, partition=p, records=encode_batch([b"v%d" % i])
+                    )
+                    for p in sorted(leaders)
+                ],
+            )
+
+        def all_written(response: gateway_pb2.ProduceResponse) -> bool:
+            return {r.error.code for r in response.partitions} == {common_pb2.NONE}
+
+        # Every leader's pool in use (the gateway's cache may lag the topic a moment).
+        wait_for(lambda: all_written(stub.Produce(request(0), timeout=30)) or None, 15, "a write")
+        assert _pool_threads(retired)
+        produce = node._produce
+        assert produce is not None
+        # Pools dropped under a stream in flight: what was queued on them is answered,
+        # what comes later runs on fresh pools.
+        answers = []
+        for i, response in enumerate(stub.ProduceStream(iter(map(request, range(40))), timeout=60)):
+            answers.append(all_written(response))
+            if i == 5:
+                produce.retain_brokers(())
+        assert answers == [True] * 40
+        admin.delete_topic(topic)
+        wait_for(lambda: cluster.store.get(deletion_key(topic)) is None, 30, "the deletion")
+        broker.terminate()
+        cache = node._cache
+        assert cache is not None
+        wait_for(
+            lambda: cache.read(lambda view: retired not in view.brokers) or None,
+            15,
+            "the metadata to drop the broker",
+        )
+        sweeper = node._sweeper
+        assert sweeper is not None
+        sweeper.sweep()
+        sweeper.sweep()  # gone for a whole interval
+        wait_for(lambda: not _pool_threads(retired), 10, "the pool's threads to end")
+        assert retired not in produce.pool_broker_ids()
+        assert set(produce.pool_broker_ids()) <= set(cache.read(lambda view: set(view.brokers)))
+    finally:
+        node.stop()
+        if broker.proc.poll() is None:
+            cluster.kill(broker)
+        del cluster.brokers[retired]  # the later tests' cluster is the one they had
 
 
 def test_a_produce_timeout_above_the_limit_is_clamped_not_refused(

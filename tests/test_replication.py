@@ -617,6 +617,45 @@ def test_followers_pipeline_large_answers_only_and_stay_identical(trio: Trio) ->
     assert all(trio.log_bytes(b, end) == reference for b in (1, 2))
 
 
+def fetcher_threads() -> list[str]:
+    """Names of the replica fetcher threads alive in this process (every trio node's)."""
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("replica-fetcher-"))
+
+
+def test_a_fetcher_thread_ends_once_no_partition_follows_its_leader(trio: Trio) -> None:
+    """A broker used to keep a fetcher thread for every leader id it ever followed (idle
+    forever once that broker id was retired). The thread ends, joined before the
+    LeaderAndIsr or StopReplica answer, as soon as it has no partition left; following
+    that leader again starts a fresh one."""
+    trio.elect(0, 1, [0, 1, 2])
+    assert fetcher_threads() == ["replica-fetcher-0"] * 2
+    assert code(trio.append(0, [b"a"]).error) == ErrorCode.NONE
+    # Broker 1 leads: broker 1 follows nobody, brokers 0 and 2 follow broker 1.
+    trio.elect(1, 2, [0, 1, 2])
+    assert fetcher_threads() == ["replica-fetcher-1"] * 2
+    assert code(trio.append(1, [b"b"]).error) == ErrorCode.NONE
+    # Broker 0 leads again: fresh threads, which replicate (acks=all needs both).
+    trio.elect(0, 3, [0, 1, 2], configs={"min.insync.replicas": "3"})
+    assert fetcher_threads() == ["replica-fetcher-0"] * 2
+    appended = trio.append(0, [b"c"])
+    assert code(appended.error) == ErrorCode.NONE and appended.high_watermark == 3
+    # The followers' copies deleted (topic deletion): nothing is left to fetch.
+    for broker_id in (1, 2):
+        response = trio.stub(broker_id).StopReplica(
+            storage_pb2.StopReplicaRequest(
+                controller_epoch=trio.controller_epoch,
+                partitions=[
+                    storage_pb2.StopReplicaPartition(
+                        topic=TOPIC, partition=0, leader_epoch=3, delete_partition=True
+                    )
+                ],
+            ),
+            timeout=RPC_TIMEOUT_S,
+        )
+        assert [code(p.error) for p in response.partitions] == [ErrorCode.NONE], response
+    assert fetcher_threads() == []
+
+
 def test_new_follower_truncates_by_leader_epoch_not_to_its_high_watermark(trio: Trio) -> None:
     """KIP-101: broker 0 led epoch 1 and appended acks=1 data nobody copied; broker 1 then
     led epoch 2 and wrote other data at those offsets. Broker 0 returns as follower: it

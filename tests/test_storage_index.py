@@ -6,6 +6,7 @@ Real memory-mapped files in ``tmp_path``; the models are plain Python lists.
 from __future__ import annotations
 
 import bisect
+import os
 import tempfile
 from pathlib import Path
 
@@ -13,9 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.storage.log import Log, LogConfig
 from services.storage.log.errors import IndexCorruptError
 from services.storage.log.index import OffsetIndex, TimeIndex
 from tidelog import formats
+from tidelog.batch import iter_batches
+from tidelog.records import encode_batch
 
 OFFSET_ENTRY = formats.OFFSET_INDEX_ENTRY_SIZE
 TIME_ENTRY = formats.TIME_INDEX_ENTRY_SIZE
@@ -532,3 +536,57 @@ def test_sanity_checks_of_many_entries_span_chunks(tmp_path: Path) -> None:
     with pytest.raises(IndexCorruptError):
         index.sanity_check(log_size_bytes=10 * count + 100)
     index.close()
+
+
+# --- file descriptors -----------------------------------------------------------------------
+
+
+def open_fds(*paths: Path) -> dict[str, int]:
+    """File name -> descriptors of this process open on it (mmaps hold one each)."""
+    counts = dict.fromkeys((p.name for p in paths), 0)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed since
+        name = os.path.basename(target)
+        if name in counts and os.path.dirname(target) == str(paths[0].parent):
+            counts[name] += 1
+    return counts
+
+
+def test_a_rolled_segment_holds_one_descriptor_per_file(tmp_path: Path) -> None:
+    """The index kept its own descriptor next to the one Python's mmap duplicates, so
+    every segment held five for its lifetime (found by an audit). An inactive index
+    keeps only the mapping's, and reopens the file for a change or an fsync."""
+    config = LogConfig(index_interval_bytes=0)
+    log = Log.open(tmp_path / "p-0", config)
+    for i in range(5):
+        log.append(encode_batch([b"v%d" % i]))
+    files = [
+        log.dir / formats.segment_file_name(0, suffix)
+        for suffix in (formats.LOG_SUFFIX, formats.INDEX_SUFFIX, formats.TIME_INDEX_SUFFIX)
+    ]
+    assert open_fds(*files) == {f.name: 1 if f.suffix == ".log" else 2 for f in files}
+    log.roll()
+    log.append(encode_batch([b"next"]))
+    assert open_fds(*files) == dict.fromkeys((f.name for f in files), 1)
+    log.flush()  # fsyncs the rolled indexes through descriptors opened for it
+    assert open_fds(*files) == dict.fromkeys((f.name for f in files), 1)
+    assert next(h.base_offset for _, h in iter_batches(log.read(3, 1 << 20))) == 3
+    log.close()
+    assert open_fds(*files) == dict.fromkeys((f.name for f in files), 0)
+    # Loaded from disk, an old segment's indexes are read-only from the start.
+    log = Log.open(tmp_path / "p-0", config, recovery_point=6)
+    assert open_fds(*files) == dict.fromkeys((f.name for f in files), 1)
+    assert log.offset_for_timestamp(0) is not None
+    # Truncated into the old segment, it becomes the active one and writes again.
+    log.truncate_to(2)
+    assert log.log_end_offset == 2 and log.segment_base_offsets == [0]
+    log.append(encode_batch([b"again"]))
+    log.roll()
+    log.append(encode_batch([b"after"]))
+    log.flush()
+    assert open_fds(*files) == dict.fromkeys((f.name for f in files), 1)
+    assert [h.base_offset for _, h in iter_batches(log.read(0, 1 << 20))] == [0, 1, 2]
+    log.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Final
 
@@ -230,8 +231,20 @@ class GatewayNode:
                 )
             )
 
+        produce = self._produce
+        broker_ids_seen: list[set[int]] = [cache.read(lambda view: set(view.brokers))]
+
+        def retain_produce_pools(_addresses: Collection[str]) -> None:
+            # As the channels: the produce pools of broker ids gone from the metadata at
+            # two looks in a row (a whole interval: a broker re-registering keeps its
+            # pool). Every broker id that ever led kept up to 64 threads for ever.
+            current = cache.read(lambda view: set(view.brokers))
+            produce.retain_brokers(current | broker_ids_seen[0])
+            broker_ids_seen[0] = current
+
         self._sweeper = ChannelSweeper(
-            addresses_in_use, (self._channels.retain, self._leader_calls.retain)
+            addresses_in_use,
+            (self._channels.retain, self._leader_calls.retain, retain_produce_pools),
         )
         self._sweeper.start()
         server.start()

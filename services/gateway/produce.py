@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -54,6 +54,12 @@ refusing it failed every request of a client configured with a long request time
 MAX_PARTITIONS_PER_REQUEST: Final = 10_000
 LEADER_WATCH_S: Final = 0.5
 """How often an append waiting for its leader looks whether the metadata names another."""
+NO_LEADER_POOL: Final = -1
+"""The worker pool of appends whose partition has no leader known (never dropped)."""
+SUBMIT_ATTEMPTS: Final = 8
+"""Pools a submit tries before giving up: one is dropped (``retain_brokers``) only when its
+broker has left the metadata, and the next lookup then finds another leader's pool or the
+no-leader pool, so more than two attempts means the gateway is stopping."""
 ACKS_VALUES: Final = frozenset(
     {common_pb2.ACKS_UNSPECIFIED, common_pb2.NONE_ACKS, common_pb2.LEADER, common_pb2.ALL}
 )
@@ -124,35 +130,74 @@ def _failed(
     )
 
 
+def _stopping(data: gateway_pb2.ProducePartitionData) -> gateway_pb2.ProducePartitionResult:
+    return _failed(data, UnknownServerError("the gateway is stopping; nothing was written"))
+
+
 class ProduceHandler:
-    """Runs produce requests; owns the worker threads. Thread-safe."""
+    """Runs produce requests; owns the worker threads. Thread-safe.
+
+    Invariant: ``_executors`` holds a pool only for a broker id the metadata listed when
+    it was made (a partition's leader must be registered) or for ``NO_LEADER_POOL``;
+    ``retain_brokers`` (the gateway's sweeper) drops the pools of ids no longer listed, so
+    retired and replaced broker ids do not each keep up to ``workers`` threads for ever.
+    A dropped pool runs what was queued on it to the end; a submit that finds its pool
+    dropped after looking it up tries the pool the metadata names now.
+    """
 
     def __init__(self, router: Router, limits: ProduceLimits) -> None:
         self._router = router
         self.limits = limits
-        # Worker pools by leader broker id (-1: no leader known), started as needed. One
-        # pool for all used to let one stopped broker take every worker with appends
-        # waiting out their deadlines there, and requests for partitions on healthy
-        # brokers then queued behind them until theirs had passed.
+        # Worker pools by leader broker id (NO_LEADER_POOL: no leader known), started as
+        # needed. One pool for all used to let one stopped broker take every worker with
+        # appends waiting out their deadlines there, and requests for partitions on
+        # healthy brokers then queued behind them until theirs had passed.
         self._executors: dict[int, ThreadPoolExecutor] = {}
         self._executors_lock = threading.Lock()
+        self._closed = False
         self._background = threading.BoundedSemaphore(limits.max_background_appends)
         self.budget = ByteBudget(limits.queued_max_request_bytes)
 
     def close(self) -> None:
         with self._executors_lock:
+            self._closed = True
             executors = list(self._executors.values())
+            self._executors.clear()
         for executor in executors:
             executor.shutdown(wait=False, cancel_futures=True)
 
-    def _executor_for(self, data: gateway_pb2.ProducePartitionData) -> ThreadPoolExecutor:
-        """The worker pool of the partition's leader as the cache knows it now. (A leader
-        that moves before the append runs costs nothing but the pool choice.)"""
+    def pool_broker_ids(self) -> list[int]:
+        """The broker ids that have a worker pool now (observability and tests)."""
+        with self._executors_lock:
+            return sorted(self._executors)
+
+    def retain_brokers(self, broker_ids: Collection[int]) -> list[int]:
+        """Drop the worker pools of broker ids not in ``broker_ids``; the ids dropped.
+
+        A dropped pool is shut down without waiting: appends queued or running on it
+        finish (each answers, or fails with its deadline or a re-route) and its threads
+        end once it is idle. A partition led again by such an id gets a fresh pool.
+        """
+        with self._executors_lock:
+            gone = [b for b in self._executors if b != NO_LEADER_POOL and b not in broker_ids]
+            dropped = [self._executors.pop(b) for b in gone]
+        for executor in dropped:
+            executor.shutdown(wait=False)
+        if gone:
+            _log.info("produce_pools_dropped", brokers=sorted(gone))
+        return gone
+
+    def _executor_for(self, data: gateway_pb2.ProducePartitionData) -> ThreadPoolExecutor | None:
+        """The worker pool of the partition's leader as the cache knows it now (None once
+        closed). (A leader that moves before the append runs costs nothing but the pool
+        choice.)"""
         try:
             broker_id = self._router.cache.leader(data.topic, data.partition).broker.broker_id
         except TidelogError:
-            broker_id = -1
+            broker_id = NO_LEADER_POOL
         with self._executors_lock:
+            if self._closed:
+                return None
             executor = self._executors.get(broker_id)
             if executor is None:
                 executor = self._executors[broker_id] = ThreadPoolExecutor(
@@ -160,6 +205,29 @@ class ProduceHandler:
                     thread_name_prefix=f"gateway-produce-{broker_id}",
                 )
             return executor
+
+    def _start(
+        self,
+        data: gateway_pb2.ProducePartitionData,
+        fn: Callable[[], gateway_pb2.ProducePartitionResult],
+        refused: Callable[[], None] | None,
+    ) -> Future[gateway_pb2.ProducePartitionResult]:
+        """``fn`` on the pool of the partition's leader; never raises. When no pool takes
+        it (the gateway is stopping), ``refused`` runs and the future holds the failure."""
+        for _ in range(SUBMIT_ATTEMPTS):
+            executor = self._executor_for(data)
+            if executor is None:
+                break
+            try:
+                return executor.submit(fn)
+            except RuntimeError:
+                # Shut down since the lookup: dropped by retain_brokers (its broker left
+                # the metadata; the next lookup finds whom the metadata names now), or
+                # the gateway is closing (the next lookup says so).
+                continue
+        if refused is not None:
+            refused()
+        return Submitted.done(_stopping(data)).result
 
     # --- one partition ----------------------------------------------------------------------
 
@@ -333,9 +401,8 @@ class ProduceHandler:
         unknown = self._known(data)
         if unknown is not None:
             return Submitted.done(_failed(data, unknown))
-        executor = self._executor_for(data)
         if acks != common_pb2.NONE_ACKS:
-            future = self._chain(executor, after, lambda: self.append(data, acks, deadline))
+            future = self._chain(data, after, lambda: self.append(data, acks, deadline))
             return Submitted(result=future, tail=future)
         # acks=0: answer now; the append runs in the background, bounded.
         if not self._background.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -357,7 +424,7 @@ class ProduceHandler:
             finally:
                 self._background.release()
 
-        tail = self._chain(executor, after, run)
+        tail = self._chain(data, after, run, refused=self._background.release)
         accepted = Submitted.done(
             gateway_pb2.ProducePartitionResult(
                 topic=data.topic,
@@ -373,25 +440,27 @@ class ProduceHandler:
 
     def _chain(
         self,
-        executor: ThreadPoolExecutor,
+        data: gateway_pb2.ProducePartitionData,
         after: Future[gateway_pb2.ProducePartitionResult] | None,
         fn: Callable[[], gateway_pb2.ProducePartitionResult],
+        refused: Callable[[], None] | None = None,
     ) -> Future[gateway_pb2.ProducePartitionResult]:
+        """``fn`` on a worker once ``after`` is done; the pool is chosen when it starts
+        (the one it would have had at submit may have been dropped since)."""
         if after is None or after.done():
-            return executor.submit(fn)
+            return self._start(data, fn, refused)
         chained: Future[gateway_pb2.ProducePartitionResult] = Future()
 
-        def start(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
-            try:
-                inner = executor.submit(fn)
-            except RuntimeError as exc:  # the executor is shutting down
-                chained.set_result(
-                    gateway_pb2.ProducePartitionResult(
-                        error=to_error_proto(UnknownServerError(f"gateway stopping: {exc}"))
-                    )
-                )
+        def finished(inner: Future[gateway_pb2.ProducePartitionResult]) -> None:
+            if inner.cancelled():  # close() cancelled it before it ran
+                if refused is not None:
+                    refused()
+                chained.set_result(_stopping(data))
                 return
-            inner.add_done_callback(lambda f: chained.set_result(f.result()))
+            chained.set_result(inner.result())
+
+        def start(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
+            self._start(data, fn, refused).add_done_callback(finished)
 
         after.add_done_callback(start)
         return chained

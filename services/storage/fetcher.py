@@ -4,7 +4,7 @@ One ``ReplicaFetcherThread`` per source leader broker pulls every partition this
 follows from that leader in one long-polling Fetch loop (seed 000: ``min_bytes=1``,
 ``max_wait_ms=500``), identifying itself as the registered broker it is (``replica_id``,
 ``broker_epoch``). ``ReplicaFetcherManager`` maps partitions to threads as LeaderAndIsr
-changes roles.
+changes roles, and stops a thread once no partition is left to fetch from its leader.
 
 A partition that becomes follower first *truncates* (Kafka KIP-101 with KIP-279), never
 blindly to its own high watermark: the fetcher asks the leader (OffsetForLeaderEpoch)
@@ -643,7 +643,23 @@ class ReplicaFetcherThread(threading.Thread):
 
 
 class ReplicaFetcherManager:
-    """Which fetcher thread (by source leader) follows which partition."""
+    """Which fetcher thread (by source leader) follows which partition.
+
+    Invariants: ``_threads`` holds only threads that follow at least one partition once
+    ``add``/``remove`` return: a thread left with none (every partition it followed moved
+    to another leader, became led here, or was stopped or deleted) is stopped at once and
+    moved to ``_retired`` until ``join_retired`` (or ``shutdown``) joins it, as Kafka's
+    ``AbstractFetcherManager.shutdownIdleFetcherThreads`` does. A later ``add`` for that
+    leader starts a fresh thread. Without this a broker kept one idle thread per leader
+    id it had ever followed (retired and replaced broker ids never come back).
+
+    Thread-safety: every method may be called from any thread. ``_lock`` guards the
+    maps; lock order: ``_lock`` before a fetcher thread's own lock (a fetcher thread
+    never takes ``_lock``). Stopping a thread never blocks (it sets events and closes the
+    channel, which cancels a long-poll in flight); joining does, so ``join_retired``
+    joins outside ``_lock``, and callers call it outside their own locks too (the
+    thread may be waiting for a partition lock, or for the disk, to finish an append).
+    """
 
     def __init__(
         self, *, local_broker_id: int, broker_epoch: Callable[[], int], resolve: AddressResolver
@@ -653,6 +669,10 @@ class ReplicaFetcherManager:
         self._resolve = resolve
         self._lock = threading.Lock()
         self._threads: dict[int, ReplicaFetcherThread] = {}
+        # Stopped for having no partitions left, not joined yet (join_retired).
+        self._retired: list[ReplicaFetcherThread] = []
+        # pipelined_fetches of the threads already joined, so the total never goes down.
+        self._joined_pipelined_fetches = 0
         self._closed = False
 
     def add(self, partition: Partition, leader: int, leader_epoch: int) -> None:
@@ -675,27 +695,75 @@ class ReplicaFetcherManager:
                 self._threads[leader] = thread
                 thread.start()
             thread.add(partition, leader_epoch)
+            # The partition may have been the last one another leader's thread followed.
+            self._retire_idle_locked()
 
     def remove(self, key: tuple[str, int]) -> None:
         with self._lock:
             for thread in self._threads.values():
                 thread.remove(key)
+            self._retire_idle_locked()
+
+    def _retire_idle_locked(self) -> None:
+        # _lock held. Only add (under _lock) gives a thread partitions, so a thread found
+        # empty here stays empty: it can be stopped without losing anything.
+        for source, thread in list(self._threads.items()):
+            if thread.is_empty():
+                del self._threads[source]
+                thread.stop()
+                self._retired.append(thread)
+                _log.info(
+                    "replica_fetcher_retired",
+                    broker=self.local_broker_id,
+                    source_broker=source,
+                )
+
+    def join_retired(self) -> None:
+        """Join the fetcher threads stopped for being idle. Call with no lock held that a
+        fetcher thread may need (a partition's, or the caller's own state lock)."""
+        with self._lock:
+            retired = list(self._retired)
+        self._join(retired)
+        with self._lock:
+            # Kept listed while joining, so pipelined_fetches never misses them; a
+            # concurrent call may have counted one already.
+            for thread in retired:
+                if thread in self._retired:
+                    self._retired.remove(thread)
+                    self._joined_pipelined_fetches += thread.pipelined_fetches
+
+    @staticmethod
+    def _join(threads: list[ReplicaFetcherThread]) -> None:
+        for thread in threads:
+            thread.join(timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S + 1)
+            if thread.is_alive():
+                # Stopped all the same: it ends after the call it is in (a daemon thread).
+                _log.warning("replica_fetcher_join_timeout", source_broker=thread.source_broker_id)
+
+    def fetcher_sources(self) -> list[int]:
+        """The leader broker ids a fetcher thread runs for (observability and tests)."""
+        with self._lock:
+            return sorted(self._threads)
 
     def pipelined_fetches(self) -> int:
-        """Fetches, over every fetcher thread alive, sent before the previous answer was
-        appended."""
+        """Fetches, over every fetcher thread this manager ran, sent before the previous
+        answer was appended."""
         with self._lock:
-            return sum(thread.pipelined_fetches for thread in self._threads.values())
+            return (
+                self._joined_pipelined_fetches
+                + sum(thread.pipelined_fetches for thread in self._threads.values())
+                + sum(thread.pipelined_fetches for thread in self._retired)
+            )
 
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
             threads = list(self._threads.values())
             self._threads.clear()
+            retired, self._retired = self._retired, []
         for thread in threads:
             thread.stop()
-        for thread in threads:
-            thread.join(timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S + 1)
+        self._join(threads + retired)
 
 
 __all__ = ["AddressResolver", "ReplicaFetcherManager", "ReplicaFetcherThread"]

@@ -348,6 +348,7 @@ class ReplicaManager:
             self._metadata = metadata
             if metadata.topic_ids is not None:
                 self._delete_strays_in_view(metadata.topic_ids)
+        self._fetchers.join_retired()  # of strays deleted (see _each_partition)
 
     def _delete_strays_in_view(self, topic_ids: dict[str, str]) -> None:
         # Lock held. A complete view built after this incarnation registered: logs it
@@ -488,6 +489,9 @@ class ReplicaManager:
                 except OSError as exc:
                     _log.exception(failed_event, topic=item.topic)
                     results.append(StorageError(f"{item.topic}-{item.partition}: {exc}"))
+        # Fetcher threads left with no partition were stopped above; joined out here, not
+        # under _lock, which a controller request must not hold while a thread finishes.
+        self._fetchers.join_retired()
         return results
 
     def _stop_replica(self, item: StopReplicaItem) -> None:

@@ -17,12 +17,24 @@ and the mapping sees it (one page cache).
 An index is a cache derived from the ``.log``: a missing or damaged index is rebuilt from
 the log, never trusted over it. ``IndexCorruptError`` tells the owner to rebuild.
 
+File descriptors: Python's ``mmap`` keeps a duplicate of the descriptor it maps, so an
+index that also kept its own held two for the segment's lifetime (five per segment with
+the ``.log``; an audit counted them). Only the active index needs its own descriptor
+(``pwrite`` per entry); an inactive one (loaded read-only, or trimmed when its segment
+rolled) closes it and reopens the file by its path for the rare change (truncation, a
+rebuild, becoming active again) and for ``flush``: an fsync through a new descriptor
+makes the same pages durable (the page cache is the inode's) and reports a writeback
+error nobody has seen yet (Linux >= 4.16), and nothing else fsyncs index files. Its path
+does not change while it is open: segment files are renamed or unlinked, and log
+directories renamed, only after closing.
+
 Thread-safety: none. The owning segment (and ultimately the partition's lock) serializes
 every call.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import operator
 import os
@@ -51,6 +63,8 @@ class _MappedIndex:
 
     Invariant: entries ``[0, entries)`` are valid and strictly increasing in key and in
     relative offset; bytes past them are zero (preallocation) or absent (trimmed file).
+    ``_fd`` is open while the index is writable (-1 otherwise: the mapping's own
+    descriptor keeps the file readable; an empty inactive index holds none).
     """
 
     _ENTRY: struct.Struct
@@ -63,10 +77,14 @@ class _MappedIndex:
         self._max_bytes = max_index_bytes - max_index_bytes % self._entry_size
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         self._mm: mmap.mmap | None = None
+        self._closed = False
+        # Whether an fsync since the file was opened covers every change to it (False at
+        # first: the previous process may have left changes in the page cache only).
+        self._synced = False
         self.writable = False
         size = os.fstat(self._fd).st_size
         if size % self._entry_size:
-            os.close(self._fd)
+            self._release_fd()
             raise IndexCorruptError(
                 f"{path.name}: size {size} is not a multiple of {self._entry_size}"
             )
@@ -74,31 +92,52 @@ class _MappedIndex:
         self._map(size)
         if writable:
             self.make_writable()
+        else:
+            self._release_fd()  # read-only: the mapping's descriptor is enough
 
     # --- mapping -------------------------------------------------------------------------
+
+    def _open_fd(self) -> int:
+        """The index's own descriptor, reopened by path if it was released."""
+        if self._closed:  # as any call on a closed descriptor would fail
+            raise OSError(errno.EBADF, f"{self.path.name} is closed")
+        if self._fd < 0:
+            # No O_CREAT: the file exists while the index is open (see the module
+            # docstring); a file gone from under it fails here rather than reappearing.
+            self._fd = os.open(self.path, os.O_RDWR)
+        return self._fd
+
+    def _release_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def _map(self, size: int) -> None:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
         if size > 0:
-            self._mm = mmap.mmap(self._fd, size, prot=mmap.PROT_READ)
+            self._mm = mmap.mmap(self._open_fd(), size, prot=mmap.PROT_READ)
 
     def make_writable(self) -> None:
         """Preallocate to the maximum size: appends never grow the file or the mapping."""
         if self.writable:
             return
-        os.ftruncate(self._fd, max(self._max_bytes, self.entries * self._entry_size))
-        self._map(os.fstat(self._fd).st_size)
+        fd = self._open_fd()
+        os.ftruncate(fd, max(self._max_bytes, self.entries * self._entry_size))
+        self._synced = False
+        self._map(os.fstat(fd).st_size)
         self.writable = True
 
     def trim(self) -> None:
         """Shrink the file to its entries: done when the segment stops being active."""
         size = self.entries * self._entry_size
         self._map(0)
-        os.ftruncate(self._fd, size)
+        os.ftruncate(self._open_fd(), size)
+        self._synced = False
         self._map(size)
         self.writable = False
+        self._release_fd()  # not needed until a change or an fsync (module docstring)
 
     # --- reading -------------------------------------------------------------------------
 
@@ -149,6 +188,7 @@ class _MappedIndex:
             raise RuntimeError(f"{self.path.name} is full; the segment should have rolled")
         # pwrite, not a store into the mapping: see the module docstring.
         os.pwrite(self._fd, self._ENTRY.pack(key, value), self.entries * self._entry_size)
+        self._synced = False
         self.entries += 1
 
     def _truncate_entries(self, entries: int) -> None:
@@ -156,7 +196,8 @@ class _MappedIndex:
         if entries >= self.entries:
             return
         start, end = entries * self._entry_size, self.entries * self._entry_size
-        os.pwrite(self._fd, bytes(end - start), start)
+        os.pwrite(self._open_fd(), bytes(end - start), start)
+        self._synced = False
         self.entries = entries
         if not self.writable:
             self.trim()
@@ -166,17 +207,23 @@ class _MappedIndex:
         self._truncate_entries(0)
 
     def flush(self) -> None:
-        os.fsync(self._fd)
+        """fsync the file (an inactive one through a descriptor opened for it)."""
+        if self._synced and not self.writable:
+            return  # inactive and unchanged since this process fsynced it
+        os.fsync(self._open_fd())
+        self._synced = True
+        if not self.writable:
+            self._release_fd()
 
     def close(self) -> None:
         """Trim (if active) and release the mapping and the file."""
-        if self._fd < 0:
+        if self._closed:
             return
         if self.writable:
             self.trim()
         self._map(0)
-        os.close(self._fd)
-        self._fd = -1
+        self._release_fd()
+        self._closed = True
 
 
 class OffsetIndex(_MappedIndex):
