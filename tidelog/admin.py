@@ -6,6 +6,8 @@ Every method is one or two gateway calls with a deadline; failures raise the
 wrong type raise ``ConfigError`` before anything is sent. Create and delete return once the
 gateway's metadata shows the change, so the next call sees it; a create, delete or
 create-partitions that times out (``RequestTimedOutError``) may have been made all the same.
+An Admin made before ``os.fork()`` raises ConfigError for every call in the child: make
+one there (``tidelog.client.check_same_process``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, SupportsIndex
 
-from tidelog.client import GatewayConnection, raise_for
+from tidelog.client import GatewayConnection, check_same_process, current_pid, raise_for
 from tidelog.errors import (
     ConfigError,
     InvalidPartitionsError,
@@ -248,12 +250,21 @@ class Admin:
         timeout_ms = _integer("timeout_ms", timeout_ms)
         if not 1 <= timeout_ms <= INT32_MAX:
             raise ConfigError(f"timeout_ms must be between 1 and {INT32_MAX}, not {timeout_ms}")
-        self._conn = GatewayConnection.get(gateway, timeout_ms)
+        self._pid = current_pid()
+        self._connection = GatewayConnection.get(gateway, timeout_ms)
         self._timeout_ms = timeout_ms
 
     @property
+    def _conn(self) -> GatewayConnection:
+        """The connection, for a call: refused (ConfigError) in a child made by os.fork()
+        after this Admin was made. Its channel is the parent's there, and a call on it hung
+        whenever another thread of the parent was in a call at the fork."""
+        check_same_process(self._pid, "Admin")
+        return self._connection
+
+    @property
     def gateway(self) -> str:
-        return self._conn.address
+        return self._connection.address
 
     # --- topics ---------------------------------------------------------------------------
 

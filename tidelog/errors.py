@@ -9,7 +9,10 @@ Hierarchy::
     TidelogError                      code, retriable, message
     ├── (one subclass per ErrorCode, e.g. CorruptBatchError, NotLeaderOrFollowerError)
     ├── ConfigError                   bad arguments given to the SDK itself (INVALID_REQUEST)
-    └── WakeupError                   Consumer.wakeup() interrupted a blocking call
+    └── WakeupError                   Consumer.wakeup() interrupted a blocking call (WAKEUP)
+
+Errors that only the SDK raises, for no server's answer, and that no wire code fits have a
+``ClientErrorCode`` instead: never sent, so not in the protobuf enum.
 
 ``retriable`` says whether the same request may succeed if sent again later (after a
 metadata refresh, a leader election or a backoff): a client retries those and surfaces the
@@ -19,7 +22,7 @@ rest at once.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import ClassVar, Final
+from typing import ClassVar, Final, cast
 
 
 class ErrorCode(IntEnum):
@@ -78,6 +81,19 @@ class ErrorCode(IntEnum):
     INVALID_RECORD = 87
     INVALID_UPDATE_VERSION = 95
     INCONSISTENT_TOPIC_ID = 103
+
+
+class ClientErrorCode(IntEnum):
+    """Stable codes of errors the SDK raises itself and that are never on the wire.
+
+    Negative and from -1000 down, as librdkafka numbers its client-local errors below the
+    broker's: a wire code is 0 or more, or -1, so the two sets never meet (checked at
+    import; equal IntEnum values compare equal). A number is never reused."""
+
+    WAKEUP = -1000
+
+
+assert not {int(c) for c in ClientErrorCode} & {int(c) for c in ErrorCode}
 
 
 # Codes whose failures can clear up by themselves: a retry after backoff or a metadata
@@ -357,6 +373,11 @@ class WakeupError(TidelogError):
     """``Consumer.wakeup()`` (from another thread or a signal handler) interrupted the
     consumer's blocking call, as Kafka's WakeupException: nothing failed, the caller
     asked to stop waiting. The consumer stays usable. Never on the wire."""
+
+    # Typed as the base's ErrorCode so that the servers' error helpers (services.status,
+    # which only ever see wire errors) keep their exact types: this error never reaches
+    # them, and error_for_code never makes it (_CLIENT_ONLY).
+    code = cast(ErrorCode, ClientErrorCode.WAKEUP)
 
 
 # SDK-side refinements: no wire code maps to them.

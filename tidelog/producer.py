@@ -80,14 +80,27 @@ it takes: it never raises with part of its records queued. Futures are
 Thread-safety: ``send``/``send_batch``/``flush`` may be called from many threads.
 ``flush()`` waits for the records sent before it was called, not for those other threads
 send meanwhile (Kafka's rule; waiting for "nothing unfinished" never ended under steady
-load). ``close()`` first stops accepting sends (later ones raise ``ConfigError``), then
-waits for what was queued. Futures' done-callbacks run on the producer's threads: there
-``flush()`` raises ``ConfigError`` (it would wait for its own thread, as Kafka refuses
-too) and ``close()`` returns at once, as Kafka's ``close(0)``. A future cancelled by its
+load). ``close(timeout_s)`` first stops accepting sends (later ones raise ``ConfigError``),
+then waits up to ``timeout_s`` for what was queued; when that runs out it closes
+forcefully, as Kafka's ``close(Duration)``: every record not completed fails at once
+(``RequestTimedOutError``, "the producer was closed before ..."), nothing more is sent,
+and close returns (without raising) with every future done. Futures' done-callbacks run
+on the producer's threads: there ``flush()`` raises ``ConfigError`` (it would wait for its
+own thread, as Kafka refuses too) and ``close()`` stops accepting sends and returns at once
+without waiting (Kafka closes with no wait there too), while what was queued is still sent
+and a ``close()`` elsewhere waits for it. A future cancelled by its
 caller (``asyncio.wait_for`` on a timeout cancels it) only loses its result; the record
 is still sent. A producer not closed before the interpreter exits does not send what is
 queued (its threads are daemons, as Java Kafka's); it logs a warning naming how many
 batches were left.
+
+Fork: a producer belongs to the process that made it (its threads and gRPC channels do not
+exist in a child). In a child made by ``os.fork()``, ``send``, ``send_batch``, ``flush``
+and ``partitions_for`` raise ``ConfigError`` at once (``tidelog.client.check_same_process``)
+rather than wait for ever on threads that exist only in the parent, and ``close()`` marks
+the child's copy closed without touching the parent's threads; make a producer after
+forking (``multiprocessing``'s fork start method, Spark's Python workers). Kafka's clients
+are not fork-safe either.
 """
 
 from __future__ import annotations
@@ -112,7 +125,7 @@ from typing import Any, Final, cast, overload
 import grpc
 
 from tidelog import tracing
-from tidelog.client import GatewayConnection, error_from_rpc
+from tidelog.client import GatewayConnection, check_same_process, current_pid, error_from_rpc
 from tidelog.errors import (
     BrokerNotAvailableError,
     ConfigError,
@@ -181,6 +194,11 @@ as Kafka's client closes a connection on ``request.timeout.ms``. A gateway that 
 answers is left alone even when one answer is late (a busy machine during a failover):
 cancelling strands every partition's request in flight, and their retries race the
 originals the gateway is still carrying."""
+CLOSE_FORCE_MARGIN_S: Final = 1.0
+"""How long ``close(timeout_s)`` waits beyond ``timeout_s``, once it failed what was left, for
+the producer's threads: one completing a future at that moment, and the sender ending (a
+sender inside a blocking call, an InitProducerId or a metadata look-up, ends when the call
+does, sending nothing more: close returns without it)."""
 _STOP: Final = object()
 _ZERO_I32: Final = array("i", [0])
 _ZERO_I64: Final = array("q", [0])
@@ -472,7 +490,9 @@ class _PartitionQueue:
 
 def _warn_unsent_at_exit(ref: weakref.ref[Producer]) -> None:
     producer = ref()
-    if producer is not None and producer._unfinished:
+    # A child made by fork that exits normally inherited the registration and the parent's
+    # counts: the batches are the parent's to send, not the child's to warn about.
+    if producer is not None and producer._unfinished and producer._pid == current_pid():
         _log.warning(
             "a tidelog Producer was not closed before exit: %d batches of records were "
             "never sent or never answered (call close() or flush() first)",
@@ -505,6 +525,8 @@ class Producer:
         connections_max_idle_ms: int = 540_000,
         metadata_max_age_ms: int = 300_000,
     ) -> None:
+        # Its threads and channels exist in this process only (check_same_process).
+        self._pid = current_pid()
         acks_key = str(acks).lower()
         if acks_key not in ACKS:
             raise ConfigError(f"acks {acks!r} must be 'all' (-1), 1 or 0")
@@ -591,6 +613,9 @@ class Producer:
         self._unfinished_by_generation: dict[int, int] = {}
         self._flushing = 0
         self._closing = False
+        # Set by close() when its timeout ran out (why, for the records' errors): nothing is
+        # sent or retried any more, and what was unfinished has failed (_force_close).
+        self._aborted: str | None = None
         # Set on a thread while it completes futures, so flush() and close() called from
         # a done-callback know (module docstring).
         self._completing = threading.local()
@@ -676,6 +701,7 @@ class Producer:
         return self._metrics.snapshot()
 
     def partitions_for(self, topic: str) -> list[int]:
+        check_same_process(self._pid, "Producer")
         return list(range(self._partition_count(topic)))
 
     def _check_partition(self, topic: str, partition: int) -> None:
@@ -733,6 +759,7 @@ class Producer:
         timestamp_ms: int | None = None,
     ) -> Future[RecordMetadata]:
         """Queue one record; the future gives where it was written."""
+        check_same_process(self._pid, "Producer")
         if value is not None and not isinstance(value, bytes | bytearray | memoryview):
             raise ConfigError(f"value must be bytes or None, not {type(value).__name__}")
         if key is not None and not isinstance(key, bytes | bytearray | memoryview):
@@ -807,6 +834,7 @@ class Producer:
         with no Python work per record. Without keys or ``partition``, records go to the
         sticky partition as ``send``'s do, moving on after each ``batch_bytes`` worth.
         """
+        check_same_process(self._pid, "Producer")
         if tracing.ENABLED:
             tracing.event("c_call", topic)
         if _is_arrow(values) and keys is None:
@@ -1024,6 +1052,7 @@ class Producer:
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything queued now and wait until every record sent before this call
         has completed (records other threads send meanwhile are not waited for)."""
+        check_same_process(self._pid, "Producer")
         if self._in_callback():
             raise ConfigError(
                 "flush() in a future's done-callback would wait for the thread running the "
@@ -1044,22 +1073,85 @@ class Producer:
                 self._flushing -= 1
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Stop accepting sends, send what is queued and wait for it, then stop the
-        sender. Every call waits so (a second close() from another thread too). In a
+        """Stop accepting sends (later ones raise ConfigError), then wait up to
+        ``timeout_s`` (None: as long as it takes, each record failing by its
+        ``delivery_timeout_ms`` at the latest) for every record queued or in flight to
+        complete, and stop the producer's threads. Kafka's ``close(Duration)``:
+
+        * when ``timeout_s`` runs out first, the producer is closed forcefully: every
+          record not completed yet fails at once with ``RequestTimedOutError`` ("the
+          producer was closed before ... was acknowledged"; one that was sent may have
+          been written, one never sent was not), nothing more is sent or retried, and
+          close returns without raising, within ``timeout_s`` plus at most
+          ``CLOSE_FORCE_MARGIN_S``. ``close(0)`` fails whatever is unfinished at once;
+        * on return every future is done, and no thread of the producer completes one
+          later (one still inside a blocking call ends with it and sends nothing).
+
+        Every call waits so (a second close() from another thread too). In a
         done-callback: stop accepting sends and return at once; a close() elsewhere
-        still waits, and at exit without one the warning names what was left."""
+        still waits, and at exit without one the warning names what was left. In a child
+        made by ``os.fork()``: mark this copy closed and return, touching nothing of the
+        parent's (which its own close() sends and stops)."""
+        if self._pid != current_pid():
+            # Not under the lock: a thread of the parent may have held it at the fork.
+            self._closing = True
+            return
         with self._lock:
             self._closing = True
             self._lock.notify_all()
         if self._in_callback():
-            return  # Kafka's close(0): waiting would wait for this very thread
-        try:
-            self.flush(timeout_s)
+            return  # no wait (Kafka's close(0) there): it would wait for this very thread
+        with self._lock:
+            done = self._lock.wait_for(lambda: self._unfinished == 0, timeout_s)
+        margin_end_s = time.monotonic() + CLOSE_FORCE_MARGIN_S
+        if not done:
+            self._force_close(f"close(timeout_s={timeout_s}) ran out")
+            with self._lock:
+                # Batches another thread was completing as close failed the rest.
+                self._lock.wait_for(lambda: self._unfinished == 0, CLOSE_FORCE_MARGIN_S)
+        # The sender shuts the unary appenders' pool down as it ends: it is the pool's
+        # only user.
+        self._sender.join(timeout=max(0.0, margin_end_s - time.monotonic()))
+        if self._unfinished == 0:
             atexit.unregister(self._warn_at_exit)
-        finally:
-            # The sender shuts the unary appenders' pool down as it ends: it is the pool's
-            # only user, and a flush that timed out leaves it sending for a while yet.
-            self._sender.join(timeout=10)
+
+    def _force_close(self, why: str) -> None:
+        """Fail every unfinished batch now, send nothing more (the streams are cancelled,
+        so requests queued on them are not sent) and retry nothing (``_aborted``)."""
+        with self._lock:
+            if self._aborted is None:
+                self._aborted = why
+            batches = [b for _, taken in self._sending for b in taken]
+            batches += [b for picked in self._in_flight.values() for _, bs in picked for b in bs]
+            for pq in self._queues.values():
+                batches += pq.batches
+                pq.batches.clear()
+            batches += self._open.values()
+            self._open.clear()
+            # Answers still coming find nothing to complete.
+            self._in_flight.clear()
+            self._sent_at_s.clear()
+            calls = [self._stream.call] if self._stream is not None else []
+            calls += [pipe.call for pipe in self._pipes.values()]
+            self._lock.notify_all()
+        for call in calls:
+            if call is not None:
+                call.cancel()
+        for batch in batches:
+            self._fail(batch, self._closed_error(batch))
+
+    def _closed_error(self, batch: _Batch) -> TidelogError:
+        """The error of a batch that close() failed (``_aborted`` is set)."""
+        topic, partition = batch.tp
+        fate = (
+            "it was sent, and may have been written"
+            if batch.sent
+            else "it was never sent, and was not written"
+        )
+        return RequestTimedOutError(
+            f"the producer was closed before this record batch of {topic}-{partition} was "
+            f"acknowledged ({self._aborted}): {fate}"
+        )
 
     def __enter__(self) -> Producer:
         return self
@@ -1183,15 +1275,11 @@ class Producer:
         while True:
             with self._lock:
                 self._sending = []  # the last ones were dispatched
+                calls: list[Any] | None = None  # set once closed: the streams' calls
                 while True:
-                    if self._closing and self._unfinished == 0:
-                        if self._stream is not None:
-                            self._stream.requests.put(_STOP)
-                        for pipe in self._pipes.values():
-                            pipe.requests.put(_STOP)
-                        if self._appenders is not None:
-                            self._appenders.shutdown(wait=False)
-                        return
+                    if self._closing and (self._unfinished == 0 or self._aborted is not None):
+                        calls = self._end_streams()
+                        break
                     wait_s = 0.5
                     self._close_idle_pipes(time.monotonic())
                     hung = self._hung_stream(time.monotonic())
@@ -1206,6 +1294,9 @@ class Producer:
                             break
                     self._lock.wait(min(wait_s, 0.5))
                 stream = self._stream
+                aborted = self._aborted is not None
+            if calls is not None:
+                break
             if hung is not None:
                 hung.cancel()  # its reader strands what was in flight, for a retry
                 continue
@@ -1223,7 +1314,7 @@ class Producer:
                 # Registered and queued under the lock the reader takes when its stream
                 # ends, so a request is either stranded with the stream (and retried) or
                 # never put on a dead one.
-                if self._stream is stream:
+                if self._stream is stream and self._aborted is None:
                     self._in_flight[correlation_id] = picked
                     self._sent_at_s[correlation_id] = time.monotonic()
                     if tracing.ENABLED:
@@ -1231,6 +1322,27 @@ class Producer:
                     stream.requests.put(request)
                     continue
             self._complete_failed(picked, NetworkError("the produce stream ended"))
+        if aborted:
+            # Forced by close(): their queued requests are not sent, and a black-holed
+            # gateway's streams would never end by themselves.
+            for call in calls or ():
+                if call is not None:
+                    call.cancel()
+        if self._appenders is not None:
+            # Work not started yet is dropped when forced: close() failed its batches.
+            self._appenders.shutdown(wait=False, cancel_futures=aborted)
+
+    def _end_streams(self) -> list[Any]:
+        """(lock held) End the produce stream and the pipes after their last requests;
+        returns their calls (to cancel when the close is forced)."""
+        calls: list[Any] = []
+        if self._stream is not None:
+            self._stream.requests.put(_STOP)
+            calls.append(self._stream.call)
+        for pipe in self._pipes.values():
+            pipe.requests.put(_STOP)
+            calls.append(pipe.call)
+        return calls
 
     def _close_idle_pipes(self, now: float) -> None:
         """(lock held) End the pipes with nothing in flight for ``connections_max_idle_ms``.
@@ -1441,8 +1553,14 @@ class Producer:
             )
             if tracing.ENABLED:
                 tracing.event("c_send", correlation_id, partition)
+            future = None
+            append = leaders.append_encoded(leader.address) if pipe is None else None
             with self._lock:
-                if pipe is not None and pipe.closed:
+                # close() gave up (and failed these batches): nothing more is sent.
+                given_up = self._aborted is not None
+                if given_up:
+                    closed = False
+                elif pipe is not None and pipe.closed:
                     closed = True
                 else:
                     closed = False
@@ -1453,6 +1571,18 @@ class Producer:
                         # stranded with the pipe (and retried) or never put on a dead one.
                         pipe.pending.append(correlation_id)
                         pipe.requests.put(request)
+                    else:
+                        # Under the lock close() takes to give up, as the pipe's put: once
+                        # it has, nothing more is sent.
+                        assert self._appenders is not None and append is not None
+                        future = self._appenders.submit(
+                            append,
+                            request,
+                            timeout=self._request_timeout_ms / 1000,
+                        )
+            if given_up:
+                self._complete_failed([item], NetworkError("the producer was closed"))
+                continue
             if closed:
                 # The pipe ended before this request was queued on it: on a channel already
                 # failing (the broker died) a new pipe ends at once, so this is how every
@@ -1463,15 +1593,9 @@ class Producer:
                 ended = NetworkError(f"the append stream to {leader.address} ended")
                 self._complete_failed([item], ended)
                 continue
-            if pipe is not None:
-                continue
-            assert self._appenders is not None
-            future = self._appenders.submit(
-                leaders.append_encoded(leader.address),
-                request,
-                timeout=self._request_timeout_ms / 1000,
-            )
-            future.add_done_callback(partial(self._append_answered, correlation_id, leader))
+            if future is not None:
+                # Outside the lock: a call already answered runs the callback here.
+                future.add_done_callback(partial(self._append_answered, correlation_id, leader))
 
     def _pipe_for(self, leader: Leader) -> _Pipe | None:
         """The open pipe to the broker at ``address``, opened if need be; None while the
@@ -1564,6 +1688,9 @@ class Producer:
             picked = self._in_flight.pop(correlation_id, None)
             sent_at_s = self._sent_at_s.pop(correlation_id, None)
         if picked is None:
+            return
+        if future.cancelled():  # never sent: dropped by the sender's end (a forced close)
+            self._complete_failed(picked, NetworkError("the producer was closed"))
             return
         if sent_at_s is not None:
             self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
@@ -1703,23 +1830,31 @@ class Producer:
                 # The topic was deleted, or re-created with fewer partitions: the next
                 # records are placed by a count looked up again.
                 self._counts.pop(batches[0].tp[0], None)
+            closed = False
             if retry and len(retry) == len(batches):
-                self._metrics.add("record-retry-total", sum(len(b) for b in batches))
                 with self._lock:
-                    if refused and batches[0].producer_id != self._producer_id:
-                        # Encoded under a producer id given up since: not written (the
-                        # leader refused it), so it is sent again as new under the next id.
-                        for batch in batches:
-                            batch.encoded = None
-                            batch.sent = False
-                            batch.request_key = 0
-                    pq.requeue(batches)
-                    pq.retry_at_s = now + RETRY_BACKOFF_S
-                    pq.request_done(batches, failed=True)
-                    self._lock.notify_all()
-                continue
+                    # Checked again under the lock close() takes to fail what is queued:
+                    # a batch requeued after that would never complete.
+                    closed = self._aborted is not None
+                    if not closed:
+                        if refused and batches[0].producer_id != self._producer_id:
+                            # Encoded under a producer id given up since: not written (the
+                            # leader refused it), so it is sent again as new under the next
+                            # id.
+                            for batch in batches:
+                                batch.encoded = None
+                                batch.sent = False
+                                batch.request_key = 0
+                        pq.requeue(batches)
+                        pq.retry_at_s = now + RETRY_BACKOFF_S
+                        pq.request_done(batches, failed=True)
+                        self._lock.notify_all()
+                if not closed:
+                    self._metrics.add("record-retry-total", sum(len(b) for b in batches))
+                    continue
             for batch in batches:
-                self._fail(batch, error)
+                # A batch close() stopped from being retried fails as close() fails the rest.
+                self._fail(batch, self._closed_error(batch) if closed else error)
             with self._lock:
                 if self._idempotent and any(b.sent for b in batches):
                     # The leader's sequence state for this id is unknown now: start afresh.
