@@ -69,26 +69,48 @@ members). ``subscribe`` without a ``group_id`` reads every partition of the topi
 (records ``poll`` returned) and ``bytes-consumed-total`` (bytes of the batches ``poll``
 finished handing out).
 
-Not thread-safe, like Kafka's consumer: use one per thread (``metrics()`` excepted), and
-stop one blocked in another thread with ``wakeup()``, which makes its blocking call raise
-``WakeupError``.
+Threads (Kafka's KafkaConsumer rule): one thread at a time. Every public call except
+``wakeup()`` and ``metrics()`` notes the thread making it for its duration (the iterator:
+while it works out its next record, not while the loop body runs), and a call from another
+thread meanwhile raises ``ConfigError`` ("not safe for multi-threaded access", Kafka's
+ConcurrentModificationException) at once, changing nothing: two threads polling one
+consumer used to hand some records out twice. A call from the owning thread inside
+another (a rebalance callback calling ``commit`` or ``close``) is fine. To stop a consumer
+blocked in another thread, call ``wakeup()`` there, which makes its blocking call raise
+``WakeupError``; then ``close()`` in the thread that polls. ``close()`` from another
+thread during a poll raises the same ConfigError (as Kafka's does) and closes nothing.
+
+Processes: a consumer made before ``os.fork()`` cannot be used in the child (its fetches,
+heartbeat thread and channels are the parent's): every call there raises ``ConfigError``
+at once (``tidelog.client.check_same_process``), where a poll used to return nothing for
+ever. ``close()`` in the child only marks that copy closed: the group member is the
+parent's, which goes on owning it and leaves the group with its own ``close()``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Final, NamedTuple, NoReturn
+from typing import Any, Concatenate, Final, NamedTuple, NoReturn, ParamSpec, TypeVar
 
 import grpc
 
 from tidelog import tracing
-from tidelog.client import GatewayConnection, error_from_rpc, leaders_by_topic, raise_for
+from tidelog.client import (
+    GatewayConnection,
+    check_same_process,
+    current_pid,
+    error_from_rpc,
+    leaders_by_topic,
+    raise_for,
+)
 from tidelog.errors import (
     ConfigError,
     CorruptBatchError,
@@ -268,9 +290,44 @@ class GroupMetadata(NamedTuple):
 _WAKE: Final = _Fetch(-1, {}, None)
 """Put on the answer queue to end a poll's wait (the heartbeat thread: join again)."""
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_thread(
+    method: Callable[Concatenate[Consumer, _P], _R],
+) -> Callable[Concatenate[Consumer, _P], _R]:
+    """A public Consumer call: refused in a child made by ``os.fork()`` and while another
+    thread is in a call (``Consumer._acquire``)."""
+
+    @functools.wraps(method)
+    def guarded(self: Consumer, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._acquire()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._release()
+
+    return guarded
+
 
 class Consumer:
-    """See the module docstring."""
+    """See the module docstring.
+
+    Thread-safety (Kafka's): not safe for multi-threaded access. The thread in a call
+    owns the consumer until the call returns; a call from any other thread meanwhile
+    raises ``ConfigError`` at once and changes nothing (checked, not locked: no lock is
+    held across a poll). ``wakeup()`` (any thread, or a signal handler) and ``metrics()``
+    are the exceptions. To stop a poll from another thread: ``wakeup()`` there, then
+    ``close()`` in the polling thread once its poll raised ``WakeupError``; a
+    ``close()`` from another thread during a poll raises ConfigError, as Kafka's
+    ConcurrentModificationException, and the consumer goes on working in its thread.
+
+    Invariants: once ``close()`` returns (or a rebalance callback closed the consumer
+    inside a poll) no fetch is in flight or buffered, the group was left (unless static)
+    and no heartbeat thread runs; a poll in progress ends without joining again. Made
+    before ``os.fork()``, every call in the child raises ConfigError and ``close()``
+    there only marks the copy closed (module docstring)."""
 
     def __init__(
         self,
@@ -293,6 +350,14 @@ class Consumer:
         max_poll_interval_ms: int = 300_000,
         group_instance_id: str | None = None,
     ) -> None:
+        # Its fetches, heartbeat thread and channels exist in this process only.
+        self._pid = current_pid()
+        # The thread in a call (Kafka's currentThread, an AtomicLong there), how deeply
+        # (a rebalance callback may call in again), and its name for the error message.
+        self._owner_lock = threading.Lock()
+        self._owner: int | None = None
+        self._owner_depth = 0
+        self._owner_name = ""
         if auto_offset_reset not in AUTO_OFFSET_RESETS:
             raise ConfigError(
                 f"auto_offset_reset {auto_offset_reset!r} must be one of {AUTO_OFFSET_RESETS}"
@@ -387,6 +452,7 @@ class Consumer:
         # at once), or the fetch failed (back-off). Other groups go on meanwhile.
         self._paused_until: dict[int, float] = {}
         self._closed = False
+        self._closing = False  # inside close(): wake-ups are ignored, as in Kafka's
         # wakeup() requests not yet raised as WakeupError: a list append, which a signal
         # handler may do (a lock could deadlock it, see tidelog.stop_flag).
         self._wakeups: list[int] = []
@@ -400,6 +466,7 @@ class Consumer:
             raise ConfigError("group_instance_id needs a group_id and must not be empty")
         self._instance_id = group_instance_id or ""
         self._on_revoked: RebalanceCallback | None = None
+        self._revoking = False  # inside the revocation (or lost) callback
         self._on_assigned: RebalanceCallback | None = None
         self._on_lost: RebalanceCallback | None = None
         self._metrics = ClientMetrics(
@@ -407,8 +474,37 @@ class Consumer:
             sensors=("fetch-size", "records-per-request"),
         )
 
+    # --- one thread at a time (class docstring) --------------------------------------------
+
+    def _acquire(self) -> None:
+        """Enter a public call: ConfigError in a forked child, or when another thread is
+        in a call (Kafka's acquire()); re-entrant for the owning thread."""
+        # First, and without the lock: a parent's thread may have held it at the fork.
+        check_same_process(self._pid, "Consumer")
+        me = threading.get_ident()
+        with self._owner_lock:
+            if self._owner is not None and self._owner != me:
+                raise ConfigError(
+                    "this Consumer is not safe for multi-threaded access: thread "
+                    f"{self._owner_name!r} is in a call on it (Kafka's "
+                    "ConcurrentModificationException). Use one consumer per thread; to stop "
+                    "a poll from another thread, call wakeup() there, then close() in the "
+                    "polling thread"
+                )
+            if self._owner is None:
+                self._owner = me
+                self._owner_name = threading.current_thread().name
+            self._owner_depth += 1
+
+    def _release(self) -> None:
+        with self._owner_lock:
+            self._owner_depth -= 1
+            if self._owner_depth == 0:
+                self._owner = None
+
     # --- assignment -----------------------------------------------------------------------
 
+    @_one_thread
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
         """Read exactly these partitions (replaces any earlier assignment/subscription)."""
         wanted = list(dict.fromkeys((str(t), int(p)) for t, p in partitions))
@@ -426,6 +522,7 @@ class Consumer:
         self._subscription = []
         self._set_assignment(wanted, leaders)
 
+    @_one_thread
     def subscribe(
         self,
         topics: Sequence[str],
@@ -491,7 +588,9 @@ class Consumer:
         already be another member's, then ``on_partitions_revoked``, then its buffered
         records are dropped."""
         membership = self._membership
-        if membership is None or not self._assignment:
+        if membership is None or not self._assignment or self._revoking:
+            # (Revoking already: the callback called close, unsubscribe or assign, which
+            # give the same partitions up; telling it again would recurse.)
             return
         revoked = list(self._assignment)
         lost = membership.partitions_lost()
@@ -500,12 +599,17 @@ class Consumer:
         callback = self._on_revoked
         if lost and self._on_lost is not None:
             callback = self._on_lost
+        self._revoking = True
         try:
             if callback is not None:
                 callback(revoked)
         finally:
-            self._set_assignment([], {})
+            self._revoking = False
+            if self._closed or self._membership is membership:
+                # (Not when the callback assigned or subscribed anew: that one stands.)
+                self._set_assignment([], {})
 
+    @_one_thread
     def group_metadata(self) -> GroupMetadata | None:
         """This consumer's membership (Kafka's groupMetadata): None unless it subscribed
         with a ``group_id``; ``generation_id`` -1 while it is (re)joining."""
@@ -530,9 +634,16 @@ class Consumer:
         membership = self._membership
         assert membership is not None
         self._revoke_group_partitions()
+        if self._closed or self._membership is not membership:
+            # The revocation callback closed the consumer (or unsubscribed, or assigned):
+            # joining with the membership it left would make a member nobody polls for,
+            # holding partitions (found by an audit: a zombie member).
+            return
         assignment = membership.join(self._subscription, deadline, self._raise_if_woken)
         if assignment is None:
-            return  # the poll's time is up: the next poll goes on joining
+            # The poll's time is up (the next poll goes on joining), or the membership
+            # was left meanwhile.
+            return
         topics = sorted({t for t, _ in assignment})
         leaders: dict[str, list[int]] = {}
         for topic in topics:  # one by one: a topic deleted meanwhile has no leaders
@@ -662,13 +773,16 @@ class Consumer:
             for t, p in partitions
         }
 
+    @_one_thread
     def assignment(self) -> list[TopicPartition]:
         return list(self._assignment)
 
+    @_one_thread
     def subscription(self) -> list[str]:
         """The topics ``subscribe`` was given (empty after ``assign`` or ``unsubscribe``)."""
         return list(self._subscription)
 
+    @_one_thread
     def partitions_for(self, topic: str) -> list[int]:
         """The partition ids of ``topic`` (UnknownTopicOrPartitionError if it does not
         exist), as the producer's ``partitions_for``."""
@@ -676,6 +790,7 @@ class Consumer:
 
     # --- flow control (Kafka's pause / resume) --------------------------------------------
 
+    @_one_thread
     def pause(self, partitions: Iterable[TopicPartition]) -> None:
         """Fetch nothing more for these assigned partitions and hand out none of their
         records until ``resume``; their positions stay where they are. What was already
@@ -687,14 +802,17 @@ class Consumer:
         # pause went unnoticed after resume, and a commit meanwhile stored no epoch.
         self._drop_buffered(tps, keep_epochs=True)
 
+    @_one_thread
     def resume(self, partitions: Iterable[TopicPartition]) -> None:
         """Fetch these paused partitions again (from their positions)."""
         tps = {self._check_assigned(tp) for tp in partitions}
         self._paused_tps -= tps
 
+    @_one_thread
     def paused(self) -> list[TopicPartition]:
         return sorted(self._paused_tps)
 
+    @_one_thread
     def unsubscribe(self) -> None:
         self._commit_before_reassigning()
         self._revoke_group_partitions()
@@ -710,6 +828,7 @@ class Consumer:
             raise ConfigError(f"partition {tp[0]}-{tp[1]} is not assigned to this consumer")
         return tp
 
+    @_one_thread
     def seek(self, tp: TopicPartition, offset: int) -> None:
         """Read ``tp`` from ``offset`` next."""
         tp = self._check_assigned(tp)
@@ -719,10 +838,12 @@ class Consumer:
         self._needs_position.discard(tp)
         self._drop_buffered({tp})
 
+    @_one_thread
     def seek_to_beginning(self, tps: Iterable[TopicPartition] | None = None) -> None:
         """The next poll of ``tps`` (None: every assigned partition) starts at its log start."""
         self._seek_to(tps, common_pb2.EARLIEST)
 
+    @_one_thread
     def seek_to_end(self, tps: Iterable[TopicPartition] | None = None) -> None:
         """The next poll of ``tps`` (None: every assigned partition) starts at its HW."""
         self._seek_to(tps, common_pb2.LATEST)
@@ -750,17 +871,20 @@ class Consumer:
                 self._position_epoch[tp] = item.leader_epoch
                 self._fetched_epoch[tp] = item.leader_epoch
 
+    @_one_thread
     def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """The high watermark of each partition: the offset after the last readable record
         (Kafka's ``endOffsets``)."""
         found = self._conn.list_offsets(list(partitions), common_pb2.LATEST)
         return {tp: offset for tp, (offset, _) in found.items()}
 
+    @_one_thread
     def beginning_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """The first offset still retained in each partition."""
         found = self._conn.list_offsets(list(partitions), common_pb2.EARLIEST)
         return {tp: offset for tp, (offset, _) in found.items()}
 
+    @_one_thread
     def offsets_for_times(
         self, timestamps: Mapping[TopicPartition, int]
     ) -> dict[TopicPartition, OffsetAndTimestamp | None]:
@@ -794,6 +918,7 @@ class Consumer:
                 result[tp] = None if offset < 0 else OffsetAndTimestamp(offset, found_ms)
         return result
 
+    @_one_thread
     def position(self, tp: TopicPartition) -> int:
         """The offset of the next record ``poll`` returns for ``tp``."""
         tp = self._check_assigned(tp)
@@ -854,6 +979,7 @@ class Consumer:
 
     # --- polling --------------------------------------------------------------------------
 
+    @_one_thread
     def poll(self, max_records: int | None = None, timeout_ms: int = 1000) -> list[ConsumerRecord]:
         """Up to ``max_records`` records (default ``max_poll_records``), waiting at most
         ``timeout_ms`` for some to arrive; an empty list when none did."""
@@ -861,6 +987,7 @@ class Consumer:
         self._wait_for_data(timeout_ms)
         return self._take(limit)
 
+    @_one_thread
     def poll_arrow(self, max_records: int | None = None, timeout_ms: int = 1000) -> Any:
         """Like ``poll``, as a ``pyarrow.Table`` (topic, partition, offset, timestamp_ms,
         key, value, headers) built by Arrow kernels with no Python work per record: the
@@ -883,12 +1010,18 @@ class Consumer:
         ``wakeup()``): the way to stop a consumer loop from another thread or a signal
         handler. Safe in both; the consumer stays usable (close it, or poll again). A
         request already sent (a group join, a commit) is answered first: they are bounded
-        by the poll's timeout and ``request_timeout_ms``."""
+        by the poll's timeout and ``request_timeout_ms``.
+
+        The only call another thread may make while one polls (with ``metrics()``): to
+        stop a consumer from elsewhere, ``wakeup()`` there, then ``close()`` in the
+        thread that polls (a ``close()`` from another thread raises ConfigError)."""
         self._wakeups.append(1)
         self._answered.put(_WAKE)  # SimpleQueue.put is reentrant: safe in a handler
 
     def _raise_if_woken(self) -> None:
-        if self._wakeups:
+        if self._wakeups and not self._closing:
+            # (Closing ignores wake-ups, as Kafka's close disables them: a wake-up meant
+            # for a poll must not stop the commit and the leave of the close after it.)
             self._wakeups.clear()
             raise WakeupError("the consumer was woken up (Consumer.wakeup())")
 
@@ -920,6 +1053,8 @@ class Consumer:
             self._membership.polled()
             if self._membership.needs_join():
                 self._rejoin(deadline)
+        if self._closed:
+            return  # a rebalance callback closed the consumer: nothing more to wait for
         self._maybe_auto_commit()
         now = time.monotonic()
         if (self._leaders_stale and now >= self._refresh_after) or (
@@ -937,6 +1072,10 @@ class Consumer:
                     # records are dropped: another member may be reading them already.
                     return
                 self._rejoin(deadline)
+                if self._closed:
+                    # A rebalance callback closed the consumer: no join again, no fetch
+                    # (they used to go on until the poll's timeout).
+                    return
             if self._leaders_stale and time.monotonic() >= self._refresh_after:
                 # A leader moved or died while fetches to the others are in flight: regroup
                 # now, not when this poll ends (a long poll would otherwise send the moved
@@ -1301,36 +1440,53 @@ class Consumer:
         kafka-python's iterator does), not past a whole poll's worth: a loop left with
         ``break`` or an exception, then ``close()`` or ``commit()``, commits only what
         the loop was given, and the next iteration or poll resumes with the record after
-        it."""
-        while not self._closed:
-            self._wait_for_data(ITERATOR_POLL_TIMEOUT_MS)
-            membership = self._membership
-            while self._buffer and not (
-                # A rebalance: the next wait commits what was handed out and joins again
-                # at once, rather than after the whole buffer (the group waits for this
-                # member); records of partitions that may be another member's already
-                # are never handed out.
-                membership is not None and membership.needs_join()
-            ):
-                self._raise_if_woken()  # between records: none is skipped or repeated
-                chunk = self._buffer[0]
-                if isinstance(chunk, _Invalid):
-                    self._raise_invalid()
-                records = chunk.records()
-                record = records[chunk.taken]
-                chunk.taken += 1
-                if chunk.taken == len(records):
-                    self._drop_first_chunk()
-                self._positions[chunk.tp] = record.offset + 1
-                self._position_epoch[chunk.tp] = chunk.batch.header.partition_leader_epoch
-                self._metrics.add("records-consumed-total", 1)
-                yield record
-                if membership is not None:
-                    membership.polled()  # a loop taking records is not stuck
-                self._maybe_auto_commit()
+        it.
+
+        The consumer is this thread's while the iterator works out a record, not while
+        the loop body runs (class docstring): each ``next()`` is one call."""
+        held = False  # this generator is inside _acquire (a GeneratorExit may come at yield)
+        try:
+            self._acquire()
+            held = True
+            while not self._closed:
+                self._wait_for_data(ITERATOR_POLL_TIMEOUT_MS)
+                membership = self._membership
+                while self._buffer and not (
+                    # A rebalance: the next wait commits what was handed out and joins
+                    # again at once, rather than after the whole buffer (the group waits
+                    # for this member); records of partitions that may be another
+                    # member's already are never handed out.
+                    membership is not None and membership.needs_join()
+                ):
+                    self._raise_if_woken()  # between records: none is skipped or repeated
+                    chunk = self._buffer[0]
+                    if isinstance(chunk, _Invalid):
+                        self._raise_invalid()
+                    records = chunk.records()
+                    record = records[chunk.taken]
+                    chunk.taken += 1
+                    if chunk.taken == len(records):
+                        self._drop_first_chunk()
+                    self._positions[chunk.tp] = record.offset + 1
+                    self._position_epoch[chunk.tp] = chunk.batch.header.partition_leader_epoch
+                    self._metrics.add("records-consumed-total", 1)
+                    held = False
+                    self._release()
+                    yield record
+                    self._acquire()
+                    held = True
+                    if self._closed:
+                        return  # closed by the loop body: nothing more, not even a commit
+                    if membership is not None:
+                        membership.polled()  # a loop taking records is not stuck
+                    self._maybe_auto_commit()
+        finally:
+            if held:
+                self._release()
 
     # --- group offsets --------------------------------------------------------------------
 
+    @_one_thread
     def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
         """Commit ``offsets`` (the next offset to read per partition), by default the
         current positions of every assigned partition."""
@@ -1387,6 +1543,7 @@ class Consumer:
         self._committed_positions.update(offsets)
         self._last_commit = time.monotonic()
 
+    @_one_thread
     def committed(
         self, partitions: Iterable[TopicPartition] | None = None
     ) -> dict[TopicPartition, int]:
@@ -1418,7 +1575,7 @@ class Consumer:
         return self._membership is not None and self._membership.partitions_lost()
 
     def _maybe_auto_commit(self) -> None:
-        if not self._auto_commit or self._group_partitions_lost():
+        if not self._auto_commit or self._closed or self._group_partitions_lost():
             return
         if time.monotonic() - self._last_commit < self._auto_commit_interval_s:
             return
@@ -1436,18 +1593,49 @@ class Consumer:
     # --- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._closed:
+        """Commit the positions (auto-commit), give the group's partitions up (the
+        revocation callback), leave the group and cancel every fetch in flight; once it
+        returns nothing of the consumer runs. A second call does nothing.
+
+        From the thread that polls (or a rebalance callback in it): a ``close()`` from
+        another thread during a call raises ConfigError and closes nothing, as Kafka's
+        ConcurrentModificationException; stop the poll with ``wakeup()`` instead, then
+        close in its thread. In a child made by ``os.fork()``: marks this copy closed and
+        returns, touching nothing of the parent's (no LeaveGroup: the member is the
+        parent's)."""
+        if self._pid != current_pid():
+            self._closed = True  # (no lock: a parent's thread may have held it at the fork)
             return
+        self._acquire()
         try:
-            self._commit_before_reassigning()
-            self._revoke_group_partitions()
+            if self._closed or self._closing:
+                return  # (a callback of this close closing again)
+            self._closing = True
+            try:
+                self._commit_before_reassigning()
+                self._revoke_group_partitions()
+            finally:
+                try:
+                    with contextlib.suppress(TidelogError):
+                        self._leave_group()
+                finally:
+                    self._closed = True
+                    self._drop_fetched()
         finally:
-            with contextlib.suppress(TidelogError):
-                self._leave_group()
-            for fetch in self._fetches.values():
-                fetch.future.cancel()
-            self._fetches.clear()
-            self._closed = True
+            self._release()
+
+    def _drop_fetched(self) -> None:
+        """Cancel the fetches in flight and forget every answer and buffered record: a
+        cancelled fetch's callback only queues it, to a queue nothing reads any more."""
+        fetches = list(self._fetches.values())
+        self._fetches.clear()
+        for fetch in fetches:
+            fetch.future.cancel()  # done when it returns: cancelled, or answered before
+        self._buffer.clear()
+        self._buffered_bytes = 0
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._answered.get_nowait()
 
     def __enter__(self) -> Consumer:
         return self

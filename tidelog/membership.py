@@ -16,7 +16,10 @@ protocol is Kafka's eager one (docs/SDK.md, consumer groups):
 3. A ``poll`` more than ``max_poll_interval_ms`` after the previous one means the
    application is stuck: the heartbeat thread leaves the group, as Kafka's does, so the
    partitions move on; the next ``poll`` joins again.
-4. ``close`` and ``unsubscribe`` leave the group at once.
+4. ``close`` and ``unsubscribe`` leave the group at once. A membership left is done
+   for good: it never joins nor heartbeats again (the consumer makes a new one to join
+   again). A join or heartbeat thread started after the leave used to put a member
+   back in the group that nobody polled for, holding partitions: a zombie.
 
 Static membership (``group_instance_id``, Kafka's group.instance.id, KIP-345): the member
 keeps its place across restarts. It never sends LeaveGroup (not on ``close``, nor past
@@ -60,7 +63,11 @@ JOIN_RETRY_BACKOFF_S: Final = 0.1
 class GroupMembership:
     """Join, heartbeat and leave for one consumer. ``join`` and ``leave`` run on the
     consumer's thread; the heartbeat thread only sends heartbeats (and, past
-    ``max_poll_interval_ms``, a leave) and raises the rejoin flag."""
+    ``max_poll_interval_ms``, a leave) and raises the rejoin flag.
+
+    Invariant: after ``leave()`` nothing restarts the heartbeat thread and ``join`` joins
+    no more (returns None); a join answered after a leave that raced it is left at once.
+    ``_left`` is written under ``_lock``, as are the member id and generation."""
 
     def __init__(
         self,
@@ -98,6 +105,7 @@ class GroupMembership:
         self._fenced: TidelogError | None = None  # FENCED_INSTANCE_ID: fatal
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self._left = False  # leave() was called: no join, no heartbeats, ever again
 
     # --- the consumer's thread ------------------------------------------------------------
 
@@ -160,11 +168,15 @@ class GroupMembership:
         check_interrupt: Callable[[], None] = lambda: None,
     ) -> list[TopicPartition] | None:
         """Join (again) with ``topics``; this member's partitions, or None when
-        ``deadline`` (monotonic) came first (the next call goes on with the same member id).
-        Raises the gateway's error for a request it refuses (a bad topic name), and
-        whatever ``check_interrupt`` raises before each request (Consumer.wakeup())."""
+        ``deadline`` (monotonic) came first (the next call goes on with the same member id)
+        or the membership was left. Raises the gateway's error for a request it refuses (a
+        bad topic name), and whatever ``check_interrupt`` raises before each request
+        (Consumer.wakeup())."""
         self._start_heartbeats()
         while True:
+            with self._lock:
+                if self._left:
+                    return None
             check_interrupt()
             request = gateway_pb2.JoinGroupRequest(
                 group_id=self.group_id,
@@ -193,10 +205,17 @@ class GroupMembership:
             code = ErrorCode(response.error.code)
             if code == ErrorCode.NONE:
                 with self._lock:
-                    self._member_id = response.member_id
-                    self._generation = response.generation_id
-                    self._joined = True
-                    self._lost = False
+                    left = self._left
+                    if not left:
+                        self._member_id = response.member_id
+                        self._generation = response.generation_id
+                        self._joined = True
+                        self._lost = False
+                if left:
+                    # leave() ran while this join waited: the member it made is no one's.
+                    if not self.instance_id:
+                        self._send_leave(response.member_id)
+                    return None
                 assignment = [(tp.topic, tp.partition) for tp in response.assignment]
                 _log.info(
                     "joined group %r as %s in generation %d: %d partition(s)",
@@ -248,7 +267,9 @@ class GroupMembership:
 
     def leave(self) -> None:
         """Leave the group now (best effort: a gateway that cannot be reached lets the
-        session end by itself) and stop heartbeating."""
+        session end by itself) and stop heartbeating, for good (class docstring)."""
+        with self._lock:
+            self._left = True  # before the stop: _start_heartbeats checks it under the lock
         self._stopped.set()
         with self._lock:
             member_id, self._member_id = self._member_id, ""
@@ -279,13 +300,18 @@ class GroupMembership:
     # --- the heartbeat thread -------------------------------------------------------------
 
     def _start_heartbeats(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stopped.clear()
-        self._thread = threading.Thread(
-            target=self._heartbeat_loop, name=f"tidelog-heartbeat-{self.group_id}", daemon=True
-        )
-        self._thread.start()
+        with self._lock:
+            # Never after leave(): clearing _stopped there restarted the heartbeats of a
+            # member that had left (a join racing a close), and kept it in the group.
+            if self._left or (self._thread is not None and self._thread.is_alive()):
+                return
+            self._stopped.clear()
+            self._thread = threading.Thread(
+                target=self._heartbeat_loop,
+                name=f"tidelog-heartbeat-{self.group_id}",
+                daemon=True,
+            )
+            self._thread.start()
 
     def _heartbeat_loop(self) -> None:
         while not self._stopped.wait(self._heartbeat_s):
