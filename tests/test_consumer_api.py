@@ -191,6 +191,36 @@ def test_wakeup_interrupts_a_blocked_poll_from_a_thread_or_a_signal_handler(
         assert [offset for offset, _ in poll_records(consumer, 7)] == list(range(3, 10))
 
 
+def test_a_closed_consumer_refuses_every_call_but_close_wakeup_and_metrics(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka's IllegalStateException("This consumer has already been closed."): calls on
+    a closed consumer answered from its stale state (a position, a commit) as if open."""
+    admin.create_topic("closed-calls", partitions=1, replication_factor=1)
+    consumer = tidelog.Consumer(gateway.address, group_id="closed-calls")
+    consumer.assign([("closed-calls", 0)])
+    consumer.close()
+    calls = {
+        "poll": lambda: consumer.poll(timeout_ms=0),
+        "commit": lambda: consumer.commit({("closed-calls", 0): 1}),
+        "committed": lambda: consumer.committed([("closed-calls", 0)]),
+        "position": lambda: consumer.position(("closed-calls", 0)),
+        "assignment": consumer.assignment,
+        "seek": lambda: consumer.seek(("closed-calls", 0), 0),
+        "subscribe": lambda: consumer.subscribe(["closed-calls"]),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except ConfigError as exc:
+            assert "the consumer is closed" in str(exc), name
+        else:
+            pytest.fail(f"{name} on a closed consumer did not raise")
+    consumer.close()  # again: nothing
+    consumer.wakeup()
+    assert isinstance(consumer.metrics(), dict)
+
+
 def test_an_invalid_batch_is_raised_after_the_valid_records_before_it_until_a_seek(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -921,6 +921,7 @@ def test_a_member_that_lost_its_partitions_does_not_commit_them_on_close(
     _produce(gateway.address, "stale", 1, 30)
     slow = _member(gateway.address, "stale-closers", max_poll_interval_ms=1_500)
     other = _member(gateway.address, "stale-closers")
+    reader = tidelog.Consumer(gateway.address, group_id="stale-closers")  # never joins
     try:
         slow.subscribe(["stale"])
         wait_for(lambda: slow.poll(max_records=5, timeout_ms=200) or None, 30, "slow reads")
@@ -932,11 +933,12 @@ def test_a_member_that_lost_its_partitions_does_not_commit_them_on_close(
         )
         _poll_into([other], Counter(), 25)
         other.close()  # commits its position (30) and leaves: the group is empty
-        assert other.committed([("stale", 0)]) == {("stale", 0): 30}
+        assert reader.committed([("stale", 0)]) == {("stale", 0): 30}
         with pytest.raises(UnknownMemberIdError):
             slow.commit()
         slow.close()  # auto-commit on: must not write its stale position (5)
-        assert other.committed([("stale", 0)]) == {("stale", 0): 30}
+        assert reader.committed([("stale", 0)]) == {("stale", 0): 30}
     finally:
         slow.close()
         other.close()
+        reader.close()

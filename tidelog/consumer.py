@@ -79,6 +79,9 @@ another (a rebalance callback calling ``commit`` or ``close``) is fine. To stop 
 blocked in another thread, call ``wakeup()`` there, which makes its blocking call raise
 ``WakeupError``; then ``close()`` in the thread that polls. ``close()`` from another
 thread during a poll raises the same ConfigError (as Kafka's does) and closes nothing.
+Once closed, every call but ``close()`` (which does nothing again), ``wakeup()`` and
+``metrics()`` raises ``ConfigError`` ("the consumer is closed"), as Kafka's
+IllegalStateException.
 
 Processes: a consumer made before ``os.fork()`` cannot be used in the child (its fetches,
 heartbeat thread and channels are the parent's): every call there raises ``ConfigError``
@@ -304,6 +307,10 @@ def _one_thread(
     def guarded(self: Consumer, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         self._acquire()
         try:
+            if self._closed:
+                # Kafka's IllegalStateException: a closed consumer answers nothing (its
+                # group member is gone, its positions are no longer tracked).
+                raise ConfigError("the consumer is closed")
             return method(self, *args, **kwargs)
         finally:
             self._release()
