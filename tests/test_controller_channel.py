@@ -29,7 +29,7 @@ def test_waiters_on_an_unreachable_broker_are_bounded() -> None:
     try:
         completions = [Completion() for _ in range(MAX_WAITERS_PER_ENTRY + 40)]
         for completion in completions:
-            manager.send_update_metadata([broker], [], completion)
+            manager.send_update_metadata([broker], completion)
         given_up = completions[:40]
         assert all(c.wait(0) for c in given_up)
         assert all(c.errors for c in given_up)

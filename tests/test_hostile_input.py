@@ -857,7 +857,7 @@ def _control_requests(leader: int) -> list[tuple[str, pb_message.Message]]:
                     partitions=[storage_pb2.LeaderAndIsrPartition(state=partition)], **common
                 ),
             ),
-            ("UpdateMetadata", storage_pb2.UpdateMetadataRequest(partitions=[partition], **common)),
+            ("UpdateMetadata", storage_pb2.UpdateMetadataRequest(topic_ids={KNOWN: "x"}, **common)),
         ]
     return requests
 

@@ -324,11 +324,12 @@ class ControllerChannelManager:
     def send_update_metadata(
         self,
         brokers: Sequence[Broker],
-        partitions: Sequence[PartitionAssignmentState],
         completion: Completion | None = None,
         topic_ids: Mapping[str, str] | None = None,
     ) -> None:
-        """Queue the full cluster view for every broker with a sender.
+        """Queue the cluster view (live brokers, every topic's id) for every broker with
+        a sender. Partitions are not in it: a broker learns those it hosts from
+        LeaderAndIsr, and nothing else of them is its business.
 
         ``topic_ids``: every topic's id (name -> id), from which a broker finds its stray
         logs of deleted topics; None sends none (then the broker judges no log stray)."""
@@ -336,7 +337,6 @@ class ControllerChannelManager:
             controller_id=self.controller_id,
             controller_epoch=self.controller_epoch,
             brokers=[broker_info(broker) for broker in brokers],
-            partitions=[state.state_proto() for state in partitions],
             topic_ids=dict(topic_ids or {}),
             topic_ids_complete=topic_ids is not None,
         )

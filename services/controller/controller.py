@@ -969,7 +969,6 @@ class Controller:
         if metadata:
             term.channel.send_update_metadata(
                 [state.brokers[b] for b in state.live_broker_ids],
-                [self._assignment_state(term, key) for key in sorted(state.partitions)],
                 completion,
                 # Every topic (not only those with partition records): a broker deletes a
                 # log whose topic this leaves out, so none that exists may be left out.

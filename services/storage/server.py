@@ -178,7 +178,6 @@ class ClusterMetadata:
     """
 
     brokers: dict[int, BrokerAddress] = field(default_factory=dict)
-    partitions: dict[tuple[str, int], PartitionState] = field(default_factory=dict)
     controller_epoch: int = -1
     metadata_version: int = 0  # the controller's count of views it sent; 0 = unversioned
     # Every topic's id (name -> id); None when the controller sent none (an older one).
@@ -1407,16 +1406,13 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     def UpdateMetadata(  # noqa: N802 - gRPC's method name
         self, request: storage_pb2.UpdateMetadataRequest, context: grpc.ServicerContext
     ) -> storage_pb2.UpdateMetadataResponse:
-        # Not limited to max_partitions_per_request: this is the whole cluster's view in
-        # one request (a view in parts would replace the cache with a part), bounded by
-        # the message size. Only the controller sends it, fenced by its epoch.
+        # The whole cluster's view in one request (a view in parts would replace the
+        # cache with a part): every topic's id, bounded by the message size. Only the
+        # controller sends it, fenced by its epoch.
         metadata = ClusterMetadata(
             brokers={
                 b.broker_id: BrokerAddress(b.broker_id, b.host, b.port, b.rack, b.broker_epoch)
                 for b in request.brokers
-            },
-            partitions={
-                (p.topic, p.partition): partition_state_from_proto(p) for p in request.partitions
             },
             controller_epoch=request.controller_epoch,
             metadata_version=request.metadata_version,

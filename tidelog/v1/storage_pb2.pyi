@@ -234,7 +234,7 @@ class LeaderAndIsrResponse(_message.Message):
     def __init__(self, error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., partitions: _Optional[_Iterable[_Union[_common_pb2.PartitionResult, _Mapping]]] = ...) -> None: ...
 
 class UpdateMetadataRequest(_message.Message):
-    __slots__ = ("controller_id", "controller_epoch", "broker_epoch", "brokers", "partitions", "metadata_version", "topic_ids", "topic_ids_complete")
+    __slots__ = ("controller_id", "controller_epoch", "broker_epoch", "brokers", "metadata_version", "topic_ids", "topic_ids_complete")
     class TopicIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -246,7 +246,6 @@ class UpdateMetadataRequest(_message.Message):
     CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BROKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BROKERS_FIELD_NUMBER: _ClassVar[int]
-    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     METADATA_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOPIC_IDS_FIELD_NUMBER: _ClassVar[int]
     TOPIC_IDS_COMPLETE_FIELD_NUMBER: _ClassVar[int]
@@ -254,11 +253,10 @@ class UpdateMetadataRequest(_message.Message):
     controller_epoch: int
     broker_epoch: int
     brokers: _containers.RepeatedCompositeFieldContainer[_common_pb2.BrokerInfo]
-    partitions: _containers.RepeatedCompositeFieldContainer[_common_pb2.PartitionState]
     metadata_version: int
     topic_ids: _containers.ScalarMap[str, str]
     topic_ids_complete: bool
-    def __init__(self, controller_id: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., brokers: _Optional[_Iterable[_Union[_common_pb2.BrokerInfo, _Mapping]]] = ..., partitions: _Optional[_Iterable[_Union[_common_pb2.PartitionState, _Mapping]]] = ..., metadata_version: _Optional[int] = ..., topic_ids: _Optional[_Mapping[str, str]] = ..., topic_ids_complete: _Optional[bool] = ...) -> None: ...
+    def __init__(self, controller_id: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., brokers: _Optional[_Iterable[_Union[_common_pb2.BrokerInfo, _Mapping]]] = ..., metadata_version: _Optional[int] = ..., topic_ids: _Optional[_Mapping[str, str]] = ..., topic_ids_complete: _Optional[bool] = ...) -> None: ...
 
 class UpdateMetadataResponse(_message.Message):
     __slots__ = ("error",)
