@@ -28,6 +28,7 @@ import tidelog
 from services.storage.fetcher import PIPELINE_MIN_BYTES
 from services.storage.log.producer_state import SEQUENCE_MODULUS
 from services.storage.node import StorageNode, StorageNodeConfig
+from services.storage.partition import Role
 from tests.support.cluster import TestCluster, error_code, poll_records, rpc_error_code
 from tidelog.errors import ErrorCode, OffsetOutOfRangeError
 from tidelog.records import decode_batches, encode_batch
@@ -505,6 +506,44 @@ def test_a_clean_stop_answers_waiting_acks_all_appends_not_leader(trio: Trio) ->
     finally:
         channel.close()
     assert rpc_error_code(raised.value) == ErrorCode.NOT_LEADER_OR_FOLLOWER, raised.value
+
+
+def test_a_stopping_leader_takes_no_more_appends_on_streams_still_open(trio: Trio) -> None:
+    """A stopping broker leads nothing more once it starts stopping: an append stream
+    still open in the grace period gets NOT_LEADER_OR_FOLLOWER (its client retries at
+    the next leader), never an acknowledgement. It went on leading until a LeaderAndIsr
+    said otherwise, which races the server's stop and was often never delivered: acks=1
+    appends acknowledged in the grace period were lost when it truncated to the new
+    leader, and acks=all ones waited the grace period out (found by an audit)."""
+    trio.stop(2)
+    trio.elect(0, 1, [0, 1], replicas=(0, 1))
+    requests: queue.Queue[storage_pb2.AppendRequest | None] = queue.Queue()
+    stream = trio.stub(0).AppendStream(iter(requests.get, None), timeout=60)
+
+    def append(value: bytes) -> storage_pb2.AppendResponse:
+        requests.put(
+            storage_pb2.AppendRequest(
+                topic=TOPIC, partition=0, records=encode_batch([value]), acks=common_pb2.LEADER
+            )
+        )
+        return next(stream)  # type: ignore[no-any-return]
+
+    assert code(append(b"before").error) == ErrorCode.NONE
+    node = trio.nodes.pop(0)
+    channel = trio.channels.pop(0)  # kept open: the stream's answers come back on it
+    stopping = threading.Thread(target=node.stop)
+    stopping.start()
+    try:
+        partition = node.replicas.get_partition(TOPIC, 0)
+        wait_for(lambda: partition.role is not Role.LEADER, 10, "the stopping node resigning")
+        assert stopping.is_alive()  # still in its grace period: the stream is open
+        answer = append(b"after")
+        assert code(answer.error) == ErrorCode.NOT_LEADER_OR_FOLLOWER, answer
+        assert node.replicas.get_partition(TOPIC, 0).info().log_end_offset == 1
+    finally:
+        requests.put(None)
+        stopping.join(30)
+        channel.close()
 
 
 def test_a_follower_copies_batches_over_a_lowered_max_message_bytes(trio: Trio) -> None:

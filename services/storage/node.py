@@ -403,6 +403,12 @@ class StorageNode:
             # While still serving: leaderships move first, so producers fail over to
             # replicas that have everything instead of waiting out a session timeout.
             self._registration.controlled_shutdown(self.config.controlled_shutdown_timeout_s)
+        if self._replicas is not None:
+            # Leaderships moved (or will once the session ends): lead nothing more here,
+            # rather than until a LeaderAndIsr that races the server's stop says so.
+            resigned = self._replicas.stop_leading()
+            if resigned:
+                _log.info("stopped_leading", partitions=len(resigned))
         self._health.enter_graceful_shutdown()  # NOT_SERVING, so balancers move away first
         self._stopping.set()
         if self._server is not None:

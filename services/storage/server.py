@@ -653,6 +653,27 @@ class ReplicaManager:
                 continue  # deleted (or shut down) since the snapshot was taken
         return infos
 
+    def stop_leading(self) -> list[tuple[str, int]]:
+        """Stop leading every partition led here, at once (a stopping broker): appends,
+        reads and follower fetches are answered NOT_LEADER_OR_FOLLOWER from now on and
+        acks=all appends waiting are answered so; the logs stay. The partitions it led.
+
+        The controller has moved these leaderships already (controlled shutdown) or will
+        once this broker's session ends; the LeaderAndIsr telling this broker so races
+        its server stopping and is often never delivered. Until then it went on taking
+        appends as leader on the streams still open in the grace period: acks=1 appends
+        acknowledged there were lost when it truncated to the new leader, and acks=all
+        ones waited out the grace period (found by an audit)."""
+        with self._lock:
+            partitions = list(self._partitions.values())
+        resigned = []
+        for partition in partitions:
+            if partition.role is Role.LEADER:
+                with contextlib.suppress(TidelogError):  # deleted or closed meanwhile
+                    partition.make_offline()
+                    resigned.append((partition.topic, partition.partition))
+        return resigned
+
     def fail_ack_waiters(self, error: TidelogError) -> None:
         """Answer every acks=all append waiting on any partition with ``error``."""
         with self._lock:
