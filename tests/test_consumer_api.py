@@ -13,11 +13,13 @@ import pytest
 
 import tidelog
 from tests.support.cluster import GatewayProcess, poll_records
+from tests.support.tcp_proxy import TcpProxy
 from tidelog import formats as f
 from tidelog.batch import crc32c, header_crc_of
 from tidelog.errors import (
     ConfigError,
     CorruptBatchError,
+    TidelogError,
     UnknownTopicOrPartitionError,
     WakeupError,
 )
@@ -219,6 +221,41 @@ def test_a_closed_consumer_refuses_every_call_but_close_wakeup_and_metrics(
     consumer.close()  # again: nothing
     consumer.wakeup()
     assert isinstance(consumer.metrics(), dict)
+
+
+def test_commit_and_committed_ride_out_a_gateway_restart(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka's commitSync: a commit the gateway cannot answer (it is restarting) is sent
+    again until default_api_timeout_ms. It failed at the first refused connection, so a
+    gateway's rolling restart failed every manual commit made meanwhile (found by an
+    audit)."""
+    admin.create_topic("restarting", partitions=1, replication_factor=1)
+    tp = ("restarting", 0)
+    proxy = TcpProxy(gateway.address)
+    consumer = tidelog.Consumer(proxy.address, group_id="restarting", request_timeout_ms=2_000)
+    try:
+        consumer.assign([tp])
+        consumer.commit({tp: 3})
+        proxy.down()
+        back = threading.Timer(1.5, proxy.up)
+        back.start()
+        started = time.monotonic()
+        consumer.commit({tp: 5})
+        assert time.monotonic() - started >= 1.0  # it did wait for the gateway
+        assert consumer.committed([tp]) == {tp: 5}
+        back.join()
+        proxy.down()  # and for good: the error comes once default_api_timeout_ms passed
+        short = tidelog.Consumer(proxy.address, group_id="restarting", default_api_timeout_ms=1_500)
+        try:
+            with pytest.raises(TidelogError) as raised:
+                short.committed([tp])
+            assert raised.value.retriable
+        finally:
+            short.close()
+    finally:
+        consumer.close()
+        proxy.close()
 
 
 def test_an_invalid_batch_is_raised_after_the_valid_records_before_it_until_a_seek(

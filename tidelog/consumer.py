@@ -55,8 +55,10 @@ meanwhile. Other partitions are not held back (see ``_raise_invalid``).
 
 Group offsets are committed with ``commit()`` (the positions, or given offsets) and, with
 ``enable_auto_commit``, every ``auto_commit_interval_ms`` during ``poll`` and on
-``close``. ``subscribe`` with a ``group_id`` makes the consumer a member of its group,
-which shares the topics' partitions among its members and moves them as members come and
+``close``. ``commit()`` and ``committed()`` retry while the gateway cannot answer (a
+restart, an outage) for up to ``default_api_timeout_ms`` (60 s, Kafka's
+default.api.timeout.ms), then raise its last error. ``subscribe`` with a ``group_id``
+makes the consumer a member of its group, which shares the topics' partitions among its members and moves them as members come and
 go (``tidelog.membership``); commits then name the member's generation, and a member
 whose partitions were moved on cannot commit over their next owner. ``assign`` takes
 partitions outside group membership (its commits are refused while the group has
@@ -142,6 +144,8 @@ METADATA_REFRESH_S: Final = 30.0
 """How often ``subscribe`` looks for partitions added to its topics (Kafka's
 metadata.max.age.ms is 5 minutes; topics here grow rarely but users expect it sooner)."""
 RETRY_BACKOFF_S: Final = 0.1
+MAX_RETRY_BACKOFF_S: Final = 1.0
+"""The longest pause between two attempts of a group call (Kafka's retry.backoff.max.ms)."""
 ITERATOR_POLL_TIMEOUT_MS: Final = 1000
 """How long one wait of ``iter(consumer)`` for records lasts before it looks again."""
 MAX_FETCHES_IN_FLIGHT: Final = 16
@@ -350,6 +354,7 @@ class Consumer:
         max_partition_fetch_bytes: int = 1024 * 1024,
         max_poll_records: int = 500,
         request_timeout_ms: int = 30_000,
+        default_api_timeout_ms: int = 60_000,
         direct: bool = False,
         client_id: str = "tidelog-consumer",
         session_timeout_ms: int = 45_000,
@@ -380,6 +385,7 @@ class Consumer:
             ("session_timeout_ms", session_timeout_ms),
             ("heartbeat_interval_ms", heartbeat_interval_ms),
             ("max_poll_interval_ms", max_poll_interval_ms),
+            ("default_api_timeout_ms", default_api_timeout_ms),
         ):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, not {value}")
@@ -405,6 +411,7 @@ class Consumer:
             if value > INT32_MAX:
                 raise ConfigError(f"{name} {value} is outside 1..{INT32_MAX}")
         self._conn = GatewayConnection.get(gateway, request_timeout_ms)
+        self._api_timeout_s = default_api_timeout_ms / 1000
         # Direct mode (module docstring): fetches go to the leaders, found through here.
         self._directory: LeaderDirectory | None = directory_for(self._conn) if direct else None
         self.group_id = group_id
@@ -1524,7 +1531,7 @@ class Consumer:
         member_id, generation = (
             self._membership.commit_identity() if self._membership is not None else ("", -1)
         )
-        response: gateway_pb2.CommitOffsetsResponse = self._conn.call(
+        response: gateway_pb2.CommitOffsetsResponse = self._call_retrying(
             self._conn.stub.CommitOffsets,
             gateway_pb2.CommitOffsetsRequest(
                 group_id=self.group_id,
@@ -1565,7 +1572,7 @@ class Consumer:
         if self.group_id is None:
             raise ConfigError("committed needs a consumer with a group_id")
         tps = list(self._assignment if partitions is None else partitions)
-        response: gateway_pb2.FetchOffsetsResponse = self._conn.call(
+        response: gateway_pb2.FetchOffsetsResponse = self._call_retrying(
             self._conn.stub.FetchOffsets,
             gateway_pb2.FetchOffsetsRequest(
                 group_id=self.group_id,
@@ -1574,6 +1581,33 @@ class Consumer:
             f"committed offsets of group {self.group_id!r}",
         )
         return {(o.topic, o.partition): (o.offset, o.leader_epoch) for o in response.offsets}
+
+    def _call_retrying(self, method: Any, request: Any, what: str) -> Any:
+        """A group call sent again while the gateway cannot answer it (unreachable,
+        restarting, timed out: retriable errors), with a growing backoff, until
+        ``default_api_timeout_ms`` has passed (Kafka's commitSync and committed). An
+        answer is final, errors in it included. A commit gave up on after a timeout
+        cannot land late over a newer one: the gateway starts no write after the
+        request's deadline. It failed at the first refused connection: a gateway's
+        rolling restart failed every manual commit made meanwhile (found by an audit)."""
+        deadline = time.monotonic() + self._api_timeout_s
+        backoff_s = RETRY_BACKOFF_S
+        while True:
+            self._raise_if_woken()
+            remaining_s = deadline - time.monotonic()
+            try:
+                return self._conn.call(
+                    method,
+                    request,
+                    what,
+                    timeout_s=max(0.001, min(self._conn.timeout_s, remaining_s)),
+                )
+            except TidelogError as exc:
+                if not exc.retriable or time.monotonic() + backoff_s >= deadline:
+                    raise
+                _log.info("%s failed (%s); retrying in %.1f s", what, exc, backoff_s)
+            time.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, MAX_RETRY_BACKOFF_S)
 
     def _group_partitions_lost(self) -> bool:
         """The group may have given this member's partitions to another member (it was
