@@ -58,12 +58,13 @@ Group offsets are committed with ``commit()`` (the positions, or given offsets) 
 ``close``. ``commit()`` and ``committed()`` retry while the gateway cannot answer (a
 restart, an outage) for up to ``default_api_timeout_ms`` (60 s, Kafka's
 default.api.timeout.ms), then raise its last error. ``subscribe`` with a ``group_id``
-makes the consumer a member of its group, which shares the topics' partitions among its members and moves them as members come and
-go (``tidelog.membership``); commits then name the member's generation, and a member
-whose partitions were moved on cannot commit over their next owner. ``assign`` takes
-partitions outside group membership (its commits are refused while the group has
-members). ``subscribe`` without a ``group_id`` reads every partition of the topics
-(partitions added later are picked up on the next metadata refresh).
+makes the consumer a member of its group, which shares the topics' partitions among its
+members and moves them as members come and go (``tidelog.membership``); commits then name
+the member's generation, and a member whose partitions were moved on cannot commit over
+their next owner. ``assign`` takes partitions outside group membership (its commits are
+refused while the group has members). ``subscribe`` without a ``group_id`` reads every
+partition of the topics (partitions added later are picked up on the next metadata
+refresh).
 
 ``metrics()`` reports Kafka's fetch-manager metrics (``tidelog.metrics``): ``fetch-total``
 (fetch answers), ``fetch-size-avg`` and ``-max`` (record bytes an answer brought),
