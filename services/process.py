@@ -8,6 +8,7 @@ cleanly from the main thread.
 
 from __future__ import annotations
 
+import resource
 import signal
 import sys
 import threading
@@ -294,6 +295,31 @@ class ServiceNode(Protocol):
     def stop(self) -> None: ...
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit, as the JVM does for
+    Kafka (-XX:+MaxFDLimit): a storage node holds about three descriptors per segment
+    (docs/DEPLOY.md), and the soft limit a shell or container starts with (often 1,024)
+    is used up by a few hundred partitions; running out halts a storage node. Returns
+    the (soft, hard) limits now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # Linux refuses an unlimited soft limit for files: at most the kernel's maximum.
+    target = hard if hard != resource.RLIM_INFINITY else _nr_open()
+    if soft != resource.RLIM_INFINITY and target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            _log.warning("open_files_limit_not_raised", soft=soft, hard=hard, error=str(exc))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _nr_open() -> int:
+    try:
+        with open("/proc/sys/fs/nr_open", encoding="ascii") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1_048_576
+
+
 def serve_until_signal(command: str, node: ServiceNode, announce: str) -> int:
     """Start ``node``, print ``announce`` (it must contain ``listening on {address}``),
     serve until SIGTERM or SIGINT, then stop it. Returns the process exit status."""
@@ -306,6 +332,8 @@ def serve_until_signal(command: str, node: ServiceNode, announce: str) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     retain_freed_memory()  # before the first message buffer is allocated
+    soft, hard = raise_open_files_limit()
+    _log.info("open_files_limit", soft=soft, hard=hard)
     # A node whose start can wait (a storage node waiting out its previous registration)
     # gives up at a signal instead of finishing its start first and then stopping.
     watch_abort = getattr(node, "abort_start_on", None)

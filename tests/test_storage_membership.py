@@ -6,9 +6,10 @@ interactions is tested in ``test_controller.py``; here the test plays the contro
 
 from __future__ import annotations
 
+import resource
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,18 @@ def store(etcd: EtcdProcess, request: pytest.FixtureRequest) -> Iterator[MetaSto
 
 
 def start_member(
-    tmp_path: Path, etcd: EtcdProcess, store: MetaStore, broker_id: int = 1, name: str = "data"
+    tmp_path: Path,
+    etcd: EtcdProcess,
+    store: MetaStore,
+    broker_id: int = 1,
+    name: str = "data",
+    *,
+    command_prefix: Sequence[str] = (),
 ) -> StorageProcess:
     return StorageProcess(
         tmp_path / name,
         broker_id=broker_id,
+        command_prefix=command_prefix,
         extra_args=[
             "--etcd",
             etcd.endpoint,
@@ -307,6 +315,32 @@ def test_the_cluster_view_is_accepted_whatever_its_size(
             topic_ids_complete=True,
         )
         assert node.stub.UpdateMetadata(update, timeout=30).error.code == common_pb2.NONE
+    finally:
+        node.terminate()
+
+
+def _open_files_limits(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open files limit")
+
+
+def test_a_storage_node_raises_its_open_files_limit_to_the_hard_one(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """A storage node holds a few descriptors per segment: started with a shell's soft
+    limit of 1,024, it used that, and a few hundred partitions halted it (EMFILE is a
+    disk failure) in a loop at every restart (found by an audit at 3,000 partitions)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard limit here ({hard}) leaves nothing to raise")
+    lowered = ["sh", "-c", 'ulimit -Sn 1024 && exec "$@"', "sh"]  # exec keeps the PID
+    node = start_member(tmp_path, etcd, store, command_prefix=lowered)
+    try:
+        soft, node_hard = _open_files_limits(node.proc.pid)
+        assert soft == node_hard and soft > 1024
     finally:
         node.terminate()
 

@@ -22,8 +22,10 @@ replicas when the registration lease expires, and the restart recovers from the 
 from __future__ import annotations
 
 import argparse
+import errno
 import fcntl
 import os
+import resource
 import socket
 import sys
 import threading
@@ -531,6 +533,14 @@ def _halt(failed: Path, error: OSError) -> None:
     """The log directory failed: halt now (see the module docstring). ``os._exit`` and not
     ``sys.exit``: nothing may run after this -- no clean shutdown that flushes, writes
     checkpoints or answers waiting producers."""
-    _log.critical("log_dir_failed", log_dir=str(failed), error=str(error))
+    hint = ""
+    if error.errno in (errno.EMFILE, errno.ENFILE):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        hint = (
+            f"out of file descriptors (limit {soft}, hard {hard}): a storage node holds about "
+            "three per segment; raise the hard limit (ulimit -Hn, LimitNOFILE=, the "
+            "container's nofile) before restarting it"
+        )
+    _log.critical("log_dir_failed", log_dir=str(failed), error=str(error), hint=hint or None)
     sys.stderr.flush()
     os._exit(EXIT_DISK_FAILURE)
