@@ -4,13 +4,20 @@ address nothing listens on: the sender retries while changes keep coming."""
 from __future__ import annotations
 
 import socket
+from concurrent import futures
+
+import grpc
 
 from services.controller.channel import (
+    DEFAULT_RPC_TIMEOUT_S,
     MAX_WAITERS_PER_ENTRY,
+    PER_PARTITION_TIMEOUT_S,
     Completion,
     ControllerChannelManager,
+    PartitionAssignmentState,
 )
-from services.controller.state import Broker
+from services.controller.state import Broker, PartitionRecord
+from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 
 
 def _closed_port() -> int:
@@ -36,3 +43,56 @@ def test_waiters_on_an_unreachable_broker_are_bounded() -> None:
         assert not any(c.wait(0) for c in completions[40:])
     finally:
         manager.shutdown()
+
+
+class _DeadlineRecorder(storage_pb2_grpc.StorageServicer):
+    """A broker's Storage service that only notes how long each LeaderAndIsr had left
+    when it arrived, and accepts every partition."""
+
+    def __init__(self) -> None:
+        self.remaining_s: list[tuple[int, float]] = []
+
+    def LeaderAndIsr(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.LeaderAndIsrRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.LeaderAndIsrResponse:
+        remaining = context.time_remaining()
+        assert remaining is not None
+        self.remaining_s.append((len(request.partitions), remaining))
+        return storage_pb2.LeaderAndIsrResponse(
+            partitions=[
+                common_pb2.PartitionResult(topic=p.state.topic, partition=p.state.partition)
+                for p in request.partitions
+            ]
+        )
+
+
+def test_a_request_naming_many_partitions_gets_a_longer_deadline() -> None:
+    """A broker creating a log directory (fsynced) per partition of a 1,000-partition
+    LeaderAndIsr took longer than the 5 s deadline, and each retry was answered too late
+    again (an audit saw 15 in a row): the deadline grows with the partitions named."""
+    recorder = _DeadlineRecorder()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    storage_pb2_grpc.add_StorageServicer_to_server(recorder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    manager = ControllerChannelManager(1, 7, on_stale_controller=lambda error: None)
+    broker = Broker(0, "127.0.0.1", port, epoch=5)
+    manager.add_broker(broker)
+    try:
+        for count in (1, 1_000):
+            completion = Completion()
+            states = [
+                PartitionAssignmentState(
+                    f"wide-{count}", p, PartitionRecord(0, 0, (0,), 0), replicas=(0,)
+                )
+                for p in range(count)
+            ]
+            manager.send_leader_and_isr(0, states, completion)
+            assert completion.wait(10) and not completion.errors
+        (one, one_left_s), (many, many_left_s) = recorder.remaining_s
+        assert (one, many) == (1, 1_000)
+        assert one_left_s <= DEFAULT_RPC_TIMEOUT_S + PER_PARTITION_TIMEOUT_S
+        assert many_left_s > DEFAULT_RPC_TIMEOUT_S + 900 * PER_PARTITION_TIMEOUT_S
+    finally:
+        manager.shutdown()
+        server.stop(None)

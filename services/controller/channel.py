@@ -53,6 +53,10 @@ _log = structlog.get_logger("tidelog.controller.channel")
 DEFAULT_RPC_TIMEOUT_S: Final = 5.0
 DEFAULT_MAX_PARTITIONS_PER_REQUEST: Final = 5_000
 """Below the storage node's max_partitions_per_request (10,000), so chunks are accepted."""
+PER_PARTITION_TIMEOUT_S: Final = 0.01
+"""Added to a LeaderAndIsr / StopReplica deadline per partition it names: a broker
+creating 1,000 partitions' log directories (each fsynced) took longer than the base
+deadline, and every retry was answered too late again (an audit saw 15 in a row)."""
 INITIAL_BACKOFF_S: Final = 0.05
 MAX_BACKOFF_S: Final = 2.0
 _MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
@@ -586,10 +590,13 @@ class _BrokerSender:
             else:
                 self._backoff_s = INITIAL_BACKOFF_S
 
-    def _call(self, method: Callable[..., object], request: object) -> object:
-        """One RPC with the deadline; failures become _RetryError, _DeposedError, _GiveUpError."""
+    def _call(self, method: Callable[..., object], request: object, partitions: int = 0) -> object:
+        """One RPC with the deadline, longer by PER_PARTITION_TIMEOUT_S for each partition
+        the request names (a broker creates or deletes a log directory for each);
+        failures become _RetryError, _DeposedError, _GiveUpError."""
+        timeout_s = self._manager.rpc_timeout_s + PER_PARTITION_TIMEOUT_S * partitions
         try:
-            response = method(request, timeout=self._manager.rpc_timeout_s)
+            response = method(request, timeout=timeout_s)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -634,6 +641,7 @@ class _BrokerSender:
                         partitions=messages,  # type: ignore[arg-type]
                         live_leaders=live_leaders,
                     ),
+                    len(messages),
                 )
                 assert isinstance(response, storage_pb2.LeaderAndIsrResponse)
             else:
@@ -645,6 +653,7 @@ class _BrokerSender:
                         broker_epoch=self.broker.epoch,
                         partitions=[entry.message for entry in batch.values()],  # type: ignore[misc]
                     ),
+                    len(batch),
                 )
                 assert isinstance(response, storage_pb2.StopReplicaResponse)
         except _GiveUpError as give_up:
