@@ -102,6 +102,43 @@ def test_offset_index_floor_lookup_matches_model(
         reopened.close()
 
 
+@pytest.mark.parametrize("count", [255, 256, 257, 2_000])
+def test_a_large_active_index_answers_like_its_mapped_copy(tmp_path: Path, count: int) -> None:
+    """The active index is searched with reads (single entries, then the last window in
+    one): past the window size the search takes both steps, which the small examples
+    above never reach. Every key, its neighbours and the ends, active and reopened."""
+    offsets_index = offset_index(tmp_path / "x.index", 100, max_bytes=OFFSET_ENTRY * count)
+    times = time_index(tmp_path / "x.timeindex", 100, max_bytes=TIME_ENTRY * count)
+    entries = [(100 + 3 * i + 1, 4096 * (i + 1)) for i in range(count)]
+    stamps = [(1_000 + 7 * i, 100 + 3 * i + 1) for i in range(count)]
+    for (offset, position), (timestamp, at) in zip(entries, stamps, strict=True):
+        offsets_index.append(offset, position)
+        times.maybe_append(timestamp, at)
+    keys = [o for o, _ in entries]
+    probes = [k + d for k in keys for d in (-1, 0, 1)] + [0, 99, 10**9]
+    time_keys = [t for t, _ in stamps]
+    time_probes = [t + d for t in time_keys for d in (-1, 0, 1)] + [-5, 10**12]
+
+    def check(index: OffsetIndex, stamp_index: TimeIndex) -> None:
+        for probe in probes:
+            slot = model_floor(keys, probe)
+            assert index.lookup(probe) == ((100, 0) if slot < 0 else entries[slot]), probe
+        for probe in time_probes:
+            slot = model_floor(time_keys, probe)
+            assert stamp_index.lookup(probe) == ((-1, 100) if slot < 0 else stamps[slot]), probe
+
+    check(offsets_index, times)
+    active_answers = [times.lookup(p) for p in time_probes]
+    offsets_index.close()
+    times.close()
+    reopened = offset_index(tmp_path / "x.index", 100, writable=False)
+    reopened_times = time_index(tmp_path / "x.timeindex", 100, writable=False)
+    check(reopened, reopened_times)
+    assert [reopened_times.lookup(p) for p in time_probes] == active_answers
+    reopened.close()
+    reopened_times.close()
+
+
 @HYPOTHESIS_SETTINGS
 @given(data=offset_entries(), cut=st.integers(-5, 5100))
 def test_offset_index_truncate_to_matches_model(
@@ -555,10 +592,11 @@ def open_fds(*paths: Path) -> dict[str, int]:
     return counts
 
 
-def test_a_rolled_segment_holds_one_descriptor_per_file(tmp_path: Path) -> None:
+def test_a_segment_holds_one_descriptor_per_file_active_or_rolled(tmp_path: Path) -> None:
     """The index kept its own descriptor next to the one Python's mmap duplicates, so
-    every segment held five for its lifetime (found by an audit). An inactive index
-    keeps only the mapping's, and reopens the file for a change or an fsync."""
+    every segment held five for its lifetime (found by an audit; brokers with 3,000
+    partitions ran out). The active index has only its own and no mapping; an inactive
+    one keeps only the mapping's, and reopens the file for a change or an fsync."""
     config = LogConfig(index_interval_bytes=0)
     log = Log.open(tmp_path / "p-0", config)
     for i in range(5):
@@ -567,7 +605,9 @@ def test_a_rolled_segment_holds_one_descriptor_per_file(tmp_path: Path) -> None:
         log.dir / formats.segment_file_name(0, suffix)
         for suffix in (formats.LOG_SUFFIX, formats.INDEX_SUFFIX, formats.TIME_INDEX_SUFFIX)
     ]
-    assert open_fds(*files) == {f.name: 1 if f.suffix == ".log" else 2 for f in files}
+    assert open_fds(*files) == dict.fromkeys((f.name for f in files), 1)
+    assert next(h.base_offset for _, h in iter_batches(log.read(3, 1 << 20))) == 3
+    assert log.offset_for_timestamp(0) is not None
     log.roll()
     log.append(encode_batch([b"next"]))
     assert open_fds(*files) == dict.fromkeys((f.name for f in files), 1)

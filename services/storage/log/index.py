@@ -1,32 +1,35 @@
-"""Sparse, memory-mapped indexes of one segment: ``.index`` (offset) and ``.timeindex`` (time).
+"""Sparse indexes of one segment: ``.index`` (offset) and ``.timeindex`` (time).
 
 Both are arrays of fixed-size little-endian entries (``tidelog.formats``), appended in
 increasing key order and binary-searched with a floor lookup. Following Kafka's
 ``AbstractIndex``, the file of the active segment is preallocated to
-``segment_index_bytes`` and memory-mapped for lookups; when the segment rolls or closes
-the file is trimmed to its entries.
+``segment_index_bytes``; when the segment rolls or closes the file is trimmed to its
+entries and memory-mapped (read-only) for lookups.
 
-Unlike Kafka, entries are written with ``pwrite`` and the mapping is read-only. A store
+Unlike Kafka, entries are written with ``pwrite``, never stored into a mapping. A store
 into a shared file mapping can page-fault (the first write to a page, and again after
 writeback cleaned it), and Python takes that fault holding the GIL: the whole process
 stops for it. With 100 partitions per broker the faults of index stores were 62% of a
 broker's GIL time and the cluster ran at 2.4x less throughput (BENCHMARKS.md);
-``pwrite`` does the same page-cache write inside a system call that releases the GIL,
-and the mapping sees it (one page cache).
+``pwrite`` does the same page-cache write inside a system call that releases the GIL.
 
 An index is a cache derived from the ``.log``: a missing or damaged index is rebuilt from
 the log, never trusted over it. ``IndexCorruptError`` tells the owner to rebuild.
 
-File descriptors: Python's ``mmap`` keeps a duplicate of the descriptor it maps, so an
-index that also kept its own held two for the segment's lifetime (five per segment with
-the ``.log``; an audit counted them). Only the active index needs its own descriptor
-(``pwrite`` per entry); an inactive one (loaded read-only, or trimmed when its segment
-rolled) closes it and reopens the file by its path for the rare change (truncation, a
-rebuild, becoming active again) and for ``flush``: an fsync through a new descriptor
-makes the same pages durable (the page cache is the inode's) and reports a writeback
-error nobody has seen yet (Linux >= 4.16), and nothing else fsyncs index files. Its path
-does not change while it is open: segment files are renamed or unlinked, and log
-directories renamed, only after closing.
+File descriptors: one per index file, active or not (Python's ``mmap`` keeps a duplicate
+of the descriptor it maps, so a mapped index with its own held two: five per segment with
+the ``.log``, and an audit's brokers with 3,000 partitions ran out). The active index has
+its own descriptor, for ``pwrite`` and ``fsync``, and no mapping: lookups read it with
+``pread`` (one read for a key at or past the last entry, the log-end case followers and
+tailing consumers ask; a binary search of reads otherwise), so its entries cost no
+memory of their own and the page cache keeps them as for a mapping. An inactive one
+(loaded read-only, or trimmed when its segment rolled) keeps only the mapping's
+duplicate, and reopens the file by its path for the rare change (truncation, a rebuild,
+becoming active again) and for ``flush``: an fsync through a new descriptor makes the
+same pages durable (the page cache is the inode's) and reports a writeback error nobody
+has seen yet (Linux >= 4.16), and nothing else fsyncs index files. Its path does not
+change while it is open: segment files are renamed or unlinked, and log directories
+renamed, only after closing.
 
 Thread-safety: none. The owning segment (and ultimately the partition's lock) serializes
 every call.
@@ -34,7 +37,9 @@ every call.
 
 from __future__ import annotations
 
+import bisect
 import errno
+import functools
 import mmap
 import operator
 import os
@@ -42,6 +47,7 @@ import struct
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
+from typing import Final
 
 from tidelog import formats
 
@@ -58,13 +64,19 @@ def _increasing(values: tuple[int, ...], previous: int, *, strictly: bool) -> bo
     return compare(previous, values[0]) and all(map(compare, values, islice(values, 1, None)))
 
 
+_READ_WINDOW_ENTRIES: Final = 256
+"""An active index's search reads single entries until this many remain, then all of
+them at once (at most 3 KiB)."""
+
+
 class _MappedIndex:
     """Entries of ``_ENTRY`` layout whose first field is the search key.
 
     Invariant: entries ``[0, entries)`` are valid and strictly increasing in key and in
     relative offset; bytes past them are zero (preallocation) or absent (trimmed file).
-    ``_fd`` is open while the index is writable (-1 otherwise: the mapping's own
-    descriptor keeps the file readable; an empty inactive index holds none).
+    Writable: ``_fd`` is open and there is no mapping (reads are ``pread``s). Otherwise
+    ``_fd`` is -1 and ``_mm`` maps the trimmed file (the mapping's own descriptor keeps it
+    readable; an empty inactive index holds none).
     """
 
     _ENTRY: struct.Struct
@@ -89,10 +101,10 @@ class _MappedIndex:
                 f"{path.name}: size {size} is not a multiple of {self._entry_size}"
             )
         self.entries = size // self._entry_size
-        self._map(size)
         if writable:
             self.make_writable()
         else:
+            self._map(size)
             self._release_fd()  # read-only: the mapping's descriptor is enough
 
     # --- mapping -------------------------------------------------------------------------
@@ -120,13 +132,14 @@ class _MappedIndex:
             self._mm = mmap.mmap(self._open_fd(), size, prot=mmap.PROT_READ)
 
     def make_writable(self) -> None:
-        """Preallocate to the maximum size: appends never grow the file or the mapping."""
+        """Preallocate to the maximum size (appends never grow the file) and drop the
+        mapping: the active index is read through its own descriptor (module docstring)."""
         if self.writable:
             return
         fd = self._open_fd()
+        self._map(0)
         os.ftruncate(fd, max(self._max_bytes, self.entries * self._entry_size))
         self._synced = False
-        self._map(os.fstat(fd).st_size)
         self.writable = True
 
     def trim(self) -> None:
@@ -141,9 +154,27 @@ class _MappedIndex:
 
     # --- reading -------------------------------------------------------------------------
 
+    @classmethod
+    @functools.cache
+    def _keys_struct(cls, count: int) -> struct.Struct:
+        """Unpacks the keys of ``count`` consecutive entries (skipping the other fields)."""
+        key = cls._ENTRY.format.lstrip("<")[0]
+        pad = cls._ENTRY.size - struct.calcsize("<" + key)
+        return struct.Struct("<" + (key + f"{pad}x") * count)
+
+    def _pread(self, position: int, size: int) -> bytes:
+        """``size`` bytes of the active index's file at ``position``."""
+        data = os.pread(self._fd, size, position)
+        if len(data) != size:  # only another process could have shrunk the file
+            raise IndexCorruptError(f"{self.path.name}: file ends before {position + size}")
+        return data
+
     def entry(self, slot: int) -> tuple[int, int]:
-        assert self._mm is not None and 0 <= slot < self.entries
-        key, value = self._ENTRY.unpack_from(self._mm, slot * self._entry_size)
+        assert 0 <= slot < self.entries
+        if self._mm is not None:
+            key, value = self._ENTRY.unpack_from(self._mm, slot * self._entry_size)
+        else:
+            key, value = self._ENTRY.unpack(self._pread(slot * self._entry_size, self._entry_size))
         return int(key), int(value)
 
     def columns(self) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -155,11 +186,15 @@ class _MappedIndex:
         """
         if not self.entries:
             return
-        assert self._mm is not None
         pair = self._ENTRY.format.lstrip("<")
         for first in range(0, self.entries, _CHECK_CHUNK_ENTRIES):
             count = min(_CHECK_CHUNK_ENTRIES, self.entries - first)
-            flat = struct.unpack_from("<" + pair * count, self._mm, first * self._entry_size)
+            position = first * self._entry_size
+            if self._mm is not None:
+                flat = struct.unpack_from("<" + pair * count, self._mm, position)
+            else:
+                chunk = self._pread(position, count * self._entry_size)
+                flat = struct.unpack("<" + pair * count, chunk)
             yield flat[0::2], flat[1::2]
 
     @property
@@ -169,8 +204,18 @@ class _MappedIndex:
     def _floor_slot(self, key: int) -> int:
         """Slot of the largest entry whose key is <= ``key``, or -1 if there is none."""
         lo, hi = 0, self.entries - 1
-        found = -1
+        if hi >= 0 and self.entry(hi)[0] <= key:
+            # At or past the last entry: followers and consumers at the log end ask this
+            # most, and the active index answers it with one read instead of a search.
+            return hi
+        found = -1  # slots before lo have keys <= key (found is the last), after hi > key
         while lo <= hi:
+            if self._mm is None and hi - lo < _READ_WINDOW_ENTRIES:
+                # The rest in one read, searched in memory: a read per probe cost ~4 us.
+                count = hi - lo + 1
+                chunk = self._pread(lo * self._entry_size, count * self._entry_size)
+                below = bisect.bisect_right(self._keys_struct(count).unpack(chunk), key)
+                return lo + below - 1 if below else found
             mid = (lo + hi) // 2
             if self.entry(mid)[0] <= key:
                 found = mid
@@ -182,7 +227,7 @@ class _MappedIndex:
     # --- writing -------------------------------------------------------------------------
 
     def _append_entry(self, key: int, value: int) -> None:
-        if not self.writable or self._mm is None:
+        if not self.writable:
             raise RuntimeError(f"{self.path.name} is not the active segment's index")
         if self.is_full:
             raise RuntimeError(f"{self.path.name} is full; the segment should have rolled")
