@@ -19,7 +19,7 @@ import pytest
 import tidelog
 from tests.support.cluster import GatewayProcess, poll_records, wait_for
 from tidelog.client import GatewayConnection
-from tidelog.errors import ConfigError, WakeupError
+from tidelog.errors import ConcurrentAccessError, ConfigError, WakeupError
 from tidelog.membership import GroupMembership
 
 FAST = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 300}
@@ -181,7 +181,7 @@ def test_a_second_thread_using_a_polling_consumer_is_refused_and_nothing_is_read
             ("assignment", idle.assignment),
             ("close", idle.close),  # (no group: it used to leave a fetch in flight)
         ):
-            with pytest.raises(ConfigError, match=f"{CONCURRENT}: thread 'long-poller'"):
+            with pytest.raises(ConcurrentAccessError, match=f"{CONCURRENT}: thread 'long-poller'"):
                 call()
             assert poller.is_alive(), f"{name} ended the poll"
         started = time.monotonic()

@@ -21,6 +21,7 @@ import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 from tidelog.errors import (
     ClientErrorCode,
+    ConcurrentAccessError,
     ConfigError,
     ErrorCode,
     InvalidReplicationFactorError,
@@ -303,3 +304,9 @@ def test_wakeup_error_has_a_client_code_of_its_own() -> None:
     assert int(error.code) not in {int(c) for c in ErrorCode}
     # Never on the wire: a server's -1000 would be an unknown code, not a wakeup.
     assert not isinstance(error_for_code(-1000), WakeupError)
+    # The consumer's concurrent-use error: a ConfigError with a code of its own.
+    concurrent = ConcurrentAccessError("not safe for multi-threaded access")
+    assert isinstance(concurrent, ConfigError)
+    assert concurrent.code is ClientErrorCode.CONCURRENT_ACCESS and int(concurrent.code) == -1001
+    assert str(concurrent) == "CONCURRENT_ACCESS: not safe for multi-threaded access"
+    assert not isinstance(error_for_code(-1001), ConcurrentAccessError)

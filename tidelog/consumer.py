@@ -75,13 +75,14 @@ finished handing out).
 Threads (Kafka's KafkaConsumer rule): one thread at a time. Every public call except
 ``wakeup()`` and ``metrics()`` notes the thread making it for its duration (the iterator:
 while it works out its next record, not while the loop body runs), and a call from another
-thread meanwhile raises ``ConfigError`` ("not safe for multi-threaded access", Kafka's
-ConcurrentModificationException) at once, changing nothing: two threads polling one
-consumer used to hand some records out twice. A call from the owning thread inside
-another (a rebalance callback calling ``commit`` or ``close``) is fine. To stop a consumer
-blocked in another thread, call ``wakeup()`` there, which makes its blocking call raise
-``WakeupError``; then ``close()`` in the thread that polls. ``close()`` from another
-thread during a poll raises the same ConfigError (as Kafka's does) and closes nothing.
+thread meanwhile raises ``ConcurrentAccessError`` (a ConfigError: "not safe for
+multi-threaded access", Kafka's ConcurrentModificationException) at once, changing
+nothing: two threads polling one consumer used to hand some records out twice. A call
+from the owning thread inside another (a rebalance callback calling ``commit`` or
+``close``) is fine. To stop a consumer blocked in another thread, call ``wakeup()``
+there, which makes its blocking call raise ``WakeupError``; then ``close()`` in the
+thread that polls. ``close()`` from another thread during a poll raises the same
+ConcurrentAccessError (as Kafka's does) and closes nothing.
 Once closed, every call but ``close()`` (which does nothing again), ``wakeup()`` and
 ``metrics()`` raises ``ConfigError`` ("the consumer is closed"), as Kafka's
 IllegalStateException.
@@ -118,6 +119,7 @@ from tidelog.client import (
     raise_for,
 )
 from tidelog.errors import (
+    ConcurrentAccessError,
     ConfigError,
     CorruptBatchError,
     ErrorCode,
@@ -499,7 +501,7 @@ class Consumer:
         me = threading.get_ident()
         with self._owner_lock:
             if self._owner is not None and self._owner != me:
-                raise ConfigError(
+                raise ConcurrentAccessError(
                     "this Consumer is not safe for multi-threaded access: thread "
                     f"{self._owner_name!r} is in a call on it (Kafka's "
                     "ConcurrentModificationException). Use one consumer per thread; to stop "

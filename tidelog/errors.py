@@ -9,6 +9,7 @@ Hierarchy::
     TidelogError                      code, retriable, message
     ├── (one subclass per ErrorCode, e.g. CorruptBatchError, NotLeaderOrFollowerError)
     ├── ConfigError                   bad arguments given to the SDK itself (INVALID_REQUEST)
+    │   └── ConcurrentAccessError     a Consumer used by two threads at once (CONCURRENT_ACCESS)
     └── WakeupError                   Consumer.wakeup() interrupted a blocking call (WAKEUP)
 
 Errors that only the SDK raises, for no server's answer, and that no wire code fits have a
@@ -91,6 +92,7 @@ class ClientErrorCode(IntEnum):
     import; equal IntEnum values compare equal). A number is never reused."""
 
     WAKEUP = -1000
+    CONCURRENT_ACCESS = -1001
 
 
 assert not {int(c) for c in ClientErrorCode} & {int(c) for c in ErrorCode}
@@ -380,8 +382,17 @@ class WakeupError(TidelogError):
     code = cast(ErrorCode, ClientErrorCode.WAKEUP)
 
 
+class ConcurrentAccessError(ConfigError):
+    """A call on a Consumer from a second thread while another thread is in a call on it
+    (Kafka's ConcurrentModificationException): refused at once, nothing changed. A
+    ConfigError, as it is a misuse of the SDK; its own code says which. Never on the
+    wire."""
+
+    code = cast(ErrorCode, ClientErrorCode.CONCURRENT_ACCESS)  # as WakeupError's
+
+
 # SDK-side refinements: no wire code maps to them.
-_CLIENT_ONLY: Final = (TidelogError, ConfigError, WakeupError)
+_CLIENT_ONLY: Final = (TidelogError, ConfigError, WakeupError, ConcurrentAccessError)
 
 
 def _build_registry() -> dict[ErrorCode, type[TidelogError]]:
