@@ -67,7 +67,11 @@ class Trio:
 
     def start(self, broker_id: int) -> StorageNode:
         node = StorageNode(
-            StorageNodeConfig(broker_id=broker_id, data_dir=self.base / f"b{broker_id}")
+            StorageNodeConfig(
+                broker_id=broker_id,
+                data_dir=self.base / f"b{broker_id}",
+                log_retention_check_interval_ms=250,  # tests of retention wait seconds
+            )
         )
         node.start()
         self.nodes[broker_id] = node

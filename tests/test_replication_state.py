@@ -337,6 +337,32 @@ def test_long_polls_wake_only_on_what_their_fetch_can_answer_with(tmp_path: Path
     assert not follower_fetch.is_set() and not consumer_fetch.is_set()
 
 
+def test_a_watch_since_a_count_wakes_for_changes_after_that_count(tmp_path: Path) -> None:
+    """A waiting fetch reads each partition once, noting ``changes`` before the read, and
+    registers with that count: a change between its read and its registration must wake
+    it at once (it used to read every partition a second time to find out), and only a
+    change of the kind its fetch answers with counts."""
+    leader = Partition("t", 0, Log.open(tmp_path / "t-0"), broker_id=0)
+    leader.apply_state(PartitionState("t", 0, 0, 1, (0, 1, 2), (0, 1, 2), 1))
+    follower_seen = leader.changes(replica=True)
+    consumer_seen = leader.changes(replica=False)
+    leader.append(encode_batch([b"a"]))  # new data; the HW waits for the followers
+
+    follower_fetch, consumer_fetch = threading.Event(), threading.Event()
+    leader.watch(follower_fetch, replica=True, since=follower_seen)
+    leader.watch(consumer_fetch, replica=False, since=consumer_seen)
+    assert follower_fetch.is_set()  # the data arrived after its read
+    assert not consumer_fetch.is_set()  # the HW did not move: nothing to answer with
+
+    # Nothing changed since the counts noted now: no wake-up until something does.
+    quiet = threading.Event()
+    leader.unwatch(follower_fetch, replica=True)
+    leader.watch(quiet, replica=True, since=leader.changes(replica=True))
+    assert not quiet.is_set()
+    leader.append(encode_batch([b"b"]))
+    assert quiet.is_set()
+
+
 def test_an_append_that_commits_at_once_wakes_consumers(tmp_path: Path) -> None:
     """With the leader alone in the ISR an append moves the HW itself: consumers wake."""
     leader = Partition("t", 0, Log.open(tmp_path / "t-0"), broker_id=0)

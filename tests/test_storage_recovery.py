@@ -20,6 +20,7 @@ import dataclasses
 import os
 import random
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from services.storage.log import checkpoint as checkpoint_module
 from services.storage.log.checkpoint import OffsetCheckpointFile
 from services.storage.log.segment import LogSegment
 from services.storage.log_manager import RECOVERY_POINT_CHECKPOINT, LogManager
+from services.storage.node import _Every
 from services.storage.partition import PartitionState
 from services.storage.server import ReplicaManager
 from tidelog import formats as f
@@ -1294,3 +1296,56 @@ def test_an_atomic_write_syncs_the_new_file_before_renaming_it(
         f"fsync {tmp_path.name}",
     ]
     assert target.read_bytes() == b"new"
+
+
+def test_retention_and_producer_expiry_run_only_on_their_own_passes(tmp_path: Path) -> None:
+    """The 250 ms pass flushes and removes retired files; retention and producer expiry
+    visit every log too, and run only when the node says they are due (Kafka's
+    log.retention.check.interval.ms, 5 min, and producer.id.expiration.check.interval.ms,
+    10 min). Every pass used to run them: a broker with thousands of idle partitions
+    spent a good part of a core on it."""
+    clock = ManualClock(start_ms=T0)
+    manager = ReplicaManager(LogManager(tmp_path, LogConfig(), clock=clock), broker_id=1)
+    manager.startup()
+    state = PartitionState(
+        topic="aged",
+        partition=0,
+        leader=1,
+        leader_epoch=0,
+        isr=(1,),
+        replicas=(1,),
+        partition_epoch=0,
+        configs={"retention.ms": "1000", "segment.bytes": "2000"},
+    )
+    manager.apply_leader_and_isr(1, [state])
+    partition = manager.get_partition("aged", 0)
+    for i in range(3):  # one segment each
+        batch = encode_batch(
+            [b"%d" % i * 1500], timestamps_ms=[T0], producer_id=7, producer_epoch=0, base_sequence=i
+        )
+        partition.append(batch)
+    clock.advance(2 * 24 * 3600 * 1000)  # past retention.ms and producer.id.expiration.ms
+
+    manager.maintenance(checkpoint=True, retention=False, expire_producers=False)
+    assert partition.info().log_start_offset == 0
+    with partition.locked() as log:
+        assert log is not None and log.producer_state.entry(7) is not None
+
+    manager.maintenance(checkpoint=False, retention=True, expire_producers=False)
+    assert partition.info().log_start_offset == 3
+    with partition.locked() as log:
+        assert log is not None and log.producer_state.entry(7) is not None
+
+    manager.maintenance(checkpoint=False, retention=False, expire_producers=True)
+    with partition.locked() as log:
+        assert log is not None and log.producer_state.entry(7) is None
+    manager.shutdown()
+
+
+def test_a_slower_maintenance_step_is_due_once_per_interval() -> None:
+    every = _Every(1_000)
+    start = time.monotonic()
+    assert not every(start)
+    assert every(start + 1.0)
+    assert not every(start + 1.5)  # counted from when it last ran
+    assert every(start + 2.1)

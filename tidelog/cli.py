@@ -248,6 +248,14 @@ def _add_storage(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         "for this long leaves the ISR (default: the topic's, else 30000)",
     )
     parser.add_argument(
+        "--log-retention-check-interval-ms",
+        type=_positive_int,
+        default=300_000,
+        metavar="MS",
+        help="how often retention.ms and retention.bytes are applied to every log "
+        "(Kafka's log.retention.check.interval.ms; default: 300000)",
+    )
+    parser.add_argument(
         "--max-append-streams",
         type=_positive_int,
         default=16,

@@ -232,10 +232,12 @@ class LogManager:
         *,
         high_watermark: int,
         retention: bool = True,
+        expire_producers: bool = True,
     ) -> None:
         """flush.ms flushes, retention below ``high_watermark`` (unless ``retention`` is
-        False: the log's topic settings are not known yet), and unlinking of retired
-        segments for one log.
+        False: not due, or the log's topic settings are not known yet), unlinking of
+        retired segments, and producer expiry (unless ``expire_producers`` is False) for
+        one log.
 
         Separate from ``maintenance`` so a caller that guards each log with its own lock
         can take one lock at a time instead of stopping every partition at once.
@@ -255,9 +257,10 @@ class LogManager:
                 log_start_offset=partition_log.log_start_offset,
             )
         partition_log.remove_deleted_files()
-        # producer.id.expiration.ms: idempotence state of producers gone quiet for a day
-        # would otherwise accumulate forever.
-        partition_log.remove_expired_producers()
+        if expire_producers:
+            # producer.id.expiration.ms: idempotence state of producers gone quiet for a
+            # day would otherwise accumulate forever.
+            partition_log.remove_expired_producers()
 
     def checkpoint(self) -> None:
         """Write every log's recovery point atomically.

@@ -131,10 +131,16 @@ class StorageNodeConfig:
     # RESOURCE_EXHAUSTED instead of queueing without bound.
     max_concurrent_rpcs: int = 1024
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    # How often the maintenance pass runs, and how often it also writes the
-    # recovery-point checkpoint (a restart re-verifies only data after it).
+    # How often the maintenance pass runs (flush.ms flushes, the ISR pass), and how often
+    # it also writes the recovery-point checkpoint (a restart re-verifies only data after
+    # it), applies retention (Kafka's log.retention.check.interval.ms, 5 min) and forgets
+    # expired producers (producer.id.expiration.check.interval.ms, 10 min). Retention and
+    # producer expiry visit every log: at every 250 ms pass they cost a broker with
+    # thousands of partitions a good part of a core while idle (BENCHMARKS.md, scale).
     maintenance_interval_ms: int = 250
     checkpoint_interval_ms: int = 5_000
+    log_retention_check_interval_ms: int = 300_000
+    producer_id_expiration_check_interval_ms: int = 600_000
     # How long calls in progress may run on after stop() before they are cancelled.
     shutdown_grace_ms: int = 5_000
     limits: ServerLimits = field(default_factory=ServerLimits)
@@ -155,6 +161,8 @@ class StorageNodeConfig:
             "max_message_bytes",
             "maintenance_interval_ms",
             "checkpoint_interval_ms",
+            "log_retention_check_interval_ms",
+            "producer_id_expiration_check_interval_ms",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -455,23 +463,41 @@ class StorageNode:
     def _maintenance_loop(self) -> None:
         config = self.config
         interval_s = config.maintenance_interval_ms / 1000
-        next_checkpoint = time.monotonic() + config.checkpoint_interval_ms / 1000
+        checkpoint_due = _Every(config.checkpoint_interval_ms)
+        retention_due = _Every(config.log_retention_check_interval_ms)
+        expiry_due = _Every(config.producer_id_expiration_check_interval_ms)
         while not self._stopping.wait(interval_s):
             now = time.monotonic()
-            checkpoint = now >= next_checkpoint
-            if checkpoint:
-                next_checkpoint = now + config.checkpoint_interval_ms / 1000
             # Never let housekeeping die: a failed step is logged and retried next tick,
             # and on its own, so that retention failing every time never stops the ISR
             # shrinking (acks=all would wait on a dead follower for ever).
             try:
-                self.replicas.maintenance(checkpoint=checkpoint)
+                self.replicas.maintenance(
+                    checkpoint=checkpoint_due(now),
+                    retention=retention_due(now),
+                    expire_producers=expiry_due(now),
+                )
             except Exception:
                 _log.exception("maintenance_failed")
             try:
                 self.replicas.isr_pass()
             except Exception:
                 _log.exception("isr_pass_failed")
+
+
+class _Every:
+    """True once per ``interval_ms`` (monotonic seconds in, the first time one interval
+    after it is made): the maintenance loop's slower steps."""
+
+    def __init__(self, interval_ms: int) -> None:
+        self._interval_s = interval_ms / 1000
+        self._next = time.monotonic() + self._interval_s
+
+    def __call__(self, now: float) -> bool:
+        if now < self._next:
+            return False
+        self._next = now + self._interval_s
+        return True
 
 
 def main(args: argparse.Namespace) -> int:
@@ -502,6 +528,9 @@ def main(args: argparse.Namespace) -> int:
             session_ttl_s=args.session_ttl_s,
             controlled_shutdown_timeout_s=args.controlled_shutdown_timeout_s,
             replica_lag_time_max_ms=getattr(args, "replica_lag_time_max_ms", None),
+            log_retention_check_interval_ms=getattr(
+                args, "log_retention_check_interval_ms", 300_000
+            ),
             max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", 1024),
             limits=limits,
             # Each open append stream holds a pool thread (fetches have a pool of their own).

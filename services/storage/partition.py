@@ -231,6 +231,11 @@ class Partition:
         # Long-polling fetches: followers' (woken by new data) and consumers' (by the HW).
         self._log_end_watchers: set[Watcher] = set()
         self._high_watermark_watchers: set[Watcher] = set()
+        # How many times each kind of watcher has been woken (``changes``): a fetch notes
+        # the count before its read and hands it to ``watch``, which tells it whether
+        # anything changed in between, instead of the fetch reading every partition again.
+        self._log_end_changes = 0
+        self._high_watermark_changes = 0
         self._configs: dict[str, str] = {}
         # Leader only: follower progress, HW and ISR decisions (pure, see replication.py).
         self._replication: LeaderReplicationState | None = None
@@ -706,7 +711,12 @@ class Partition:
 
     # --- long-poll support --------------------------------------------------------------
 
-    def watch(self, waiter: Watcher, *, replica: bool) -> None:
+    def changes(self, *, replica: bool) -> int:
+        """A count that grows with every change ``watch`` would wake a ``replica`` (or
+        consumer) fetch for. Read without the lock: a plain int, only ever replaced."""
+        return self._log_end_changes if replica else self._high_watermark_changes
+
+    def watch(self, waiter: Watcher, *, replica: bool, since: int | None = None) -> None:
         """Set ``waiter`` on every change of this partition that a fetch may answer with:
         for a follower's fetch (``replica``) new data or a new log end, for a consumer's a
         moved high watermark, for both a role change or closing. Kafka completes a
@@ -716,14 +726,19 @@ class Partition:
         per append (BENCHMARKS.md).
 
         Register *before* checking for data, then wait: a change between the check and
-        the wait has already set the event, so no wake-up is lost. Stays registered until
-        ``unwatch``; the waiter clears the event itself before each re-check.
+        the wait has already set the event, so no wake-up is lost. Or check first, noting
+        ``changes`` before the check, and pass that count as ``since``: the waiter is set
+        at once if anything changed after it, which is as good as checking again. Stays
+        registered until ``unwatch``; the waiter clears the event itself before each
+        re-check.
         """
         with self._lock:
             if self._closed_error is not None:
                 waiter.set()
                 return
             self._watchers_for(replica=replica).add(waiter)
+            if since is not None and since != self.changes(replica=replica):
+                waiter.set()
 
     def unwatch(self, waiter: Watcher, *, replica: bool) -> None:
         with self._lock:
@@ -743,9 +758,11 @@ class Partition:
         # sets hold at most the fetches currently waiting on this partition - a number the
         # server bounds.
         if log_end_moved:
+            self._log_end_changes += 1
             for waiter in self._log_end_watchers:
                 waiter.set()
         if high_watermark_moved:
+            self._high_watermark_changes += 1
             for waiter in self._high_watermark_watchers:
                 waiter.set()
 

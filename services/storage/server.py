@@ -555,8 +555,12 @@ class ReplicaManager:
             current_topic_id=named or None,
         )
 
-    def maintenance(self, *, checkpoint: bool) -> None:
-        """One pass of flush.ms flushes, retention and file removal; maybe a checkpoint.
+    def maintenance(
+        self, *, checkpoint: bool, retention: bool = True, expire_producers: bool = True
+    ) -> None:
+        """One pass of flush.ms flushes and file removal; retention and producer expiry
+        when asked (each has its own, slower interval: ``StorageNodeConfig``); maybe a
+        checkpoint.
 
         Each partition is locked only while its own log is maintained, so the pass never
         stalls appends to other partitions. The checkpoint only reads recovery points
@@ -579,7 +583,8 @@ class ReplicaManager:
                             # LeaderAndIsr brings its topic's settings: retention by
                             # those defaults deleted what the topic keeps (7 days against
                             # retention.ms=-1) after every restart, as Kafka never does.
-                            retention=partition.config_known,
+                            retention=retention and partition.config_known,
+                            expire_producers=expire_producers,
                         )
                     except Exception:
                         # One log's failure (a disk failure has halted the node by now)
@@ -1043,6 +1048,10 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         if request.replica_id >= 0:
             self._check_follower_broker_epoch(request.replica_id, request.broker_epoch)
         partitions = self._resolve(request.partitions)
+        replica = params.replica_id >= 0
+        # Noted before the read, so that registering the watchers below tells which
+        # partitions changed since (``Partition.watch``'s ``since``).
+        seen = [p.changes(replica=replica) if isinstance(p, Partition) else 0 for p in partitions]
         reads = self._read_all(request, partitions, params)
         if not self._should_wait(reads, params):
             return self._fetch_response(request, reads)
@@ -1057,7 +1066,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         waiter = threading.Event()
         changed: set[int] = set()  # places in the request of partitions that changed
         watched = [
-            (p, _ChangeWatcher(waiter, changed, i))
+            (p, _ChangeWatcher(waiter, changed, i), seen[i])
             for i, p in enumerate(partitions)
             if isinstance(p, Partition)
         ]
@@ -1067,15 +1076,14 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 waiter.set()
         try:
             context.add_callback(waiter.set)  # the client went away: stop waiting
-            replica = params.replica_id >= 0
-            for partition, watcher in watched:
-                partition.watch(watcher, replica=replica)
-            # Re-read after registering: data that arrived in between is not missed, and
-            # anything later sets the event. After that, only the partitions that changed
-            # are read again: a follower's fetch names every partition it follows from
-            # this leader, and re-reading them all on each wake-up multiplied the
-            # leader's per-partition work (BENCHMARKS.md, idle partitions).
-            reads = self._read_all(request, partitions, params)
+            # A partition that changed since its read above is noted in ``changed`` as it
+            # is registered, and anything later sets the event; only the partitions that
+            # changed are read again. A follower's fetch names every partition it follows
+            # from this leader, and reading them all again (after registering, then on
+            # each wake-up) multiplied the leader's per-partition work when idle
+            # (BENCHMARKS.md, idle partitions and scale).
+            for partition, watcher, since in watched:
+                partition.watch(watcher, replica=replica, since=since)
             while True:
                 remaining_s = deadline - time.monotonic()
                 if not self._should_wait(reads, params) or remaining_s <= 0:
@@ -1091,8 +1099,8 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 if again:
                     reads = self._read_all(request, partitions, params, again, reads)
         finally:
-            for partition, watcher in watched:
-                partition.unwatch(watcher, replica=params.replica_id >= 0)
+            for partition, watcher, _ in watched:
+                partition.unwatch(watcher, replica=replica)
             with self._waiters_lock:
                 self._waiters.discard(waiter)
             self._waiting_fetch_slots.release()

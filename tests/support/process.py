@@ -184,6 +184,10 @@ class StorageProcess(TidelogProcess):
                 str(data_dir),
                 "--listen",
                 "127.0.0.1:0",
+                # Retention within a maintenance pass (the default checks every 5 min, as
+                # Kafka's): tests of retention wait seconds, not minutes.
+                "--log-retention-check-interval-ms",
+                "250",
                 *extra_args,
             ],
             log_path=log_path or data_dir.with_name(data_dir.name + ".stderr.log"),
