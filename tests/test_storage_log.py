@@ -1028,6 +1028,40 @@ def test_rolled_segments_are_flushed_without_a_flush_policy(tmp_path: Path) -> N
     log.close()
 
 
+def test_maintenance_is_due_exactly_when_flush_if_due_or_file_removal_has_work(
+    tmp_path: Path,
+) -> None:
+    """The 250 ms pass skips a log whose ``maintenance_due`` is False without locking it:
+    it must be True whenever ``flush_if_due`` or ``remove_deleted_files`` would act."""
+    size = len(make_batch(2))
+    clock = ManualClock()
+    config = LogConfig(segment_bytes=2 * size, retention_bytes=0, file_delete_delay_ms=1000)
+    log = open_log(tmp_path / "p-0", config, clock=clock)
+    assert not log.maintenance_due()
+    log.append(make_batch(2))
+    assert not log.maintenance_due()  # no flush policy, nothing rolled
+    for i in range(3):
+        log.append(make_batch(2, tag=i))
+    assert log.maintenance_due()  # rolled: those segments are to be flushed
+    assert log.flush_if_due()
+    assert not log.maintenance_due()
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) > 0
+    assert log.maintenance_due()  # retired files wait for their removal
+    clock.advance(1000)
+    log.flush_if_due()  # retention rolled a new active segment: flush up to it
+    assert log.remove_deleted_files() > 0
+    assert not log.maintenance_due()
+    log.close()
+
+    timed = open_log(tmp_path / "p-1", LogConfig(flush_ms=1000), clock=clock)
+    timed.append(make_batch(1))
+    assert timed.maintenance_due()  # flush.ms: the unflushed append is to be timed
+    clock.advance(1000)
+    assert timed.flush_if_due()
+    assert not timed.maintenance_due()
+    timed.close()
+
+
 # --- retention --------------------------------------------------------------------------------
 
 

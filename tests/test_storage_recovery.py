@@ -1328,6 +1328,10 @@ def test_retention_and_producer_expiry_run_only_on_their_own_passes(tmp_path: Pa
 
     manager.maintenance(checkpoint=True, retention=False, expire_producers=False)
     assert partition.info().log_start_offset == 0
+    # The rolled segments were flushed all the same (the pass only skips logs with
+    # nothing to flush or remove), and the checkpoint says so.
+    checkpoint = OffsetCheckpointFile(tmp_path / RECOVERY_POINT_CHECKPOINT).read()
+    assert checkpoint[("aged", 0)] == 2
     with partition.locked() as log:
         assert log is not None and log.producer_state.entry(7) is not None
 

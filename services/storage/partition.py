@@ -377,6 +377,10 @@ class Partition:
                 self._wake_watchers()
             return self._log
 
+    def maintenance_due(self) -> bool:
+        """``Log.maintenance_due`` of an open partition, read without the lock."""
+        return self._closed_error is None and self._log.maintenance_due()
+
     @contextmanager
     def locked(self) -> Iterator[Log | None]:
         """Hold this partition's lock; yields its Log, or None once closed."""
@@ -470,6 +474,10 @@ class Partition:
 
     def propose_isr_change(self, replica_lag_time_max_ms: int | None = None) -> IsrProposal | None:
         """As leader: the AlterPartition to send now, if any (at most one pending)."""
+        if self._replication is None:
+            # Not leading (read without the lock: a plain reference, replaced whole). The
+            # ISR pass asks every partition four times a second; most are followers.
+            return None
         with self._lock:
             if self._closed_error is not None or self._replication is None:
                 return None

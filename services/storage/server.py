@@ -563,13 +563,18 @@ class ReplicaManager:
         checkpoint.
 
         Each partition is locked only while its own log is maintained, so the pass never
-        stalls appends to other partitions. The checkpoint only reads recovery points
-        (plain ints that only a flush raises), so it needs no partition lock.
+        stalls appends to other partitions; without retention or producer expiry, only
+        the logs that have flushing or file removal to do (``Log.maintenance_due``) are
+        locked at all. The checkpoint only reads recovery points (plain ints that only a
+        flush raises), so it needs no partition lock.
         """
+        every_log = retention or expire_producers
         with self._lock:
             if self._closed:
                 return
-            for (topic, partition_id), partition in sorted(self._partitions.items()):
+            for (topic, partition_id), partition in list(self._partitions.items()):
+                if not every_log and not partition.maintenance_due():
+                    continue
                 with partition.locked() as current_log:
                     if current_log is None:  # deleted since the snapshot
                         continue

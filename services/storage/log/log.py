@@ -864,6 +864,22 @@ class Log:
         self.last_flush_ms = self._clock.now_ms()
 
     @_reports_disk_failure
+    def maintenance_due(self) -> bool:
+        """Whether ``flush_if_due`` or ``remove_deleted_files`` may have work now.
+
+        Read without the caller's lock, so that a pass over thousands of idle logs need
+        not lock each one: plain attributes, each replaced whole. An answer made stale
+        by a concurrent append or roll only moves that work to the next pass.
+        """
+        if self._pending_deletes:
+            return True
+        if self._first_unflushed_ms is not None and self.config.flush_ms is not None:
+            return True
+        try:
+            return self._recovery_point < self._segments.last.base_offset
+        except IndexError:  # a truncation is replacing every segment right now
+            return True
+
     def flush_if_due(self) -> bool:
         """Apply ``flush_ms``: flush when the oldest unflushed append is old enough.
         Otherwise flush the segments rolled since the last flush, up to the active one,
