@@ -341,6 +341,24 @@ def test_consumer_long_poll_completes_when_follower_moves_the_high_watermark(tri
     assert time.monotonic() - started < 2.0
 
 
+def test_followers_replicate_through_fetch_sessions_that_survive_a_leader_restart(
+    trio: Trio,
+) -> None:
+    """Each follower's fetcher keeps one incremental fetch session (KIP-227) with its
+    leader; a restarted leader holds none, and the followers open new ones (their calls
+    failed, which forgets a session) and replicate on, losing nothing acknowledged."""
+    trio.elect(0, 1, [0, 1, 2])
+    assert trio.append(0, [b"a", b"b"], acks=common_pb2.ALL).high_watermark == 2
+    wait_for(lambda: trio.nodes[0].fetch_sessions() == 2, 10, "a session per follower")
+    trio.stop(0)
+    trio.start(0)
+    trio.elect(0, 2, [0, 1, 2])
+    assert trio.append(0, [b"c"], acks=common_pb2.ALL).high_watermark == 3
+    wait_for(lambda: trio.nodes[0].fetch_sessions() == 2, 10, "new sessions after the restart")
+    for broker_id in (1, 2):
+        wait_for(lambda b=broker_id: trio.log(b).log_end_offset == 3, 10, "replicated")
+
+
 # --- acks=all ---------------------------------------------------------------------------------
 
 

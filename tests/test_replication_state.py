@@ -16,6 +16,8 @@ from services.storage.replica_rules import (
     follower_truncation,
 )
 from services.storage.replication import JOINER_FETCH_WINDOW_MS, LeaderReplicationState
+from tidelog.clock import ManualClock
+from tidelog.errors import NotLeaderOrFollowerError
 from tidelog.records import encode_batch
 
 LAG_MS = 1_000
@@ -361,6 +363,33 @@ def test_a_watch_since_a_count_wakes_for_changes_after_that_count(tmp_path: Path
     assert not quiet.is_set()
     leader.append(encode_batch([b"b"]))
     assert quiet.is_set()
+
+
+def test_a_session_fetch_that_leaves_a_partition_out_still_counts_as_progress(
+    tmp_path: Path,
+) -> None:
+    """A follower's fetch session names a partition only when its position moves; the
+    leader counts every fetch of the session as its progress report on the others
+    (``follower_fetched``), so an idle follower is not dropped from the ISR after the
+    lag limit, while one that stopped fetching is."""
+    clock = ManualClock(start_ms=1_000_000)
+    leader = Partition("t", 0, Log.open(tmp_path / "t-0"), broker_id=0, clock=clock)
+    leader.apply_state(PartitionState("t", 0, 0, 1, (0, 1, 2), (0, 1, 2), 1))
+    leader.append(encode_batch([b"a"]))
+    for follower in (1, 2):
+        leader.read(1, 1 << 20, replica_id=follower, current_leader_epoch=1)
+    assert leader.high_watermark == 1
+    for _ in range(4):
+        clock.advance(10_000)
+        leader.follower_fetched(
+            1, replica_id=1, current_leader_epoch=1, written_offset=None, broker_epoch=-1
+        )
+    proposal = leader.propose_isr_change(30_000)
+    assert proposal is not None and proposal.new_isr == (0, 1)  # broker 2 went quiet
+    with pytest.raises(NotLeaderOrFollowerError):
+        leader.follower_fetched(
+            1, replica_id=5, current_leader_epoch=1, written_offset=None, broker_epoch=-1
+        )
 
 
 def test_an_append_that_commits_at_once_wakes_consumers(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from services.status import (
     error_from_rpc_error,
     to_error_proto,
 )
-from tests.support.cluster import wait_for
+from tests.support.cluster import rpc_error_code, wait_for
 from tests.support.page_cache import on_tmpfs, resident_pages
 from tests.support.process import REPO_ROOT, StartStorage, StorageProcess, tidelog_env
 from tidelog import formats
@@ -328,6 +328,117 @@ def fetch_as_follower_2(
     )
     answer: storage_pb2.FetchResponse = stub.Fetch(request, timeout=RPC_TIMEOUT_S)
     return answer.partitions[0]
+
+
+def session_fetch(
+    stub: storage_pb2_grpc.StorageStub,
+    session_id: int,
+    epoch: int,
+    named: dict[str, int],
+    *,
+    forgotten: tuple[str, ...] = (),
+    max_wait_ms: int = 0,
+) -> storage_pb2.FetchResponse:
+    """A fetch of broker 2's session (KIP-227) naming ``named`` (topic -> offset)."""
+    request = storage_pb2.FetchRequest(
+        replica_id=2,
+        max_wait_ms=max_wait_ms,
+        session_id=session_id,
+        session_epoch=epoch,
+        partitions=[
+            storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=offset)
+            for topic, offset in named.items()
+        ],
+        forgotten=[common_pb2.TopicPartition(topic=topic, partition=0) for topic in forgotten],
+    )
+    answer: storage_pb2.FetchResponse = stub.Fetch(
+        request, timeout=RPC_TIMEOUT_S + max_wait_ms / 1000
+    )
+    return answer
+
+
+def answered(response: storage_pb2.FetchResponse) -> dict[str, tuple[int, list[bytes | None]]]:
+    """topic -> (high watermark, values) of each partition a fetch answered."""
+    return {
+        r.topic: (r.high_watermark, [x.value for b in decode_batches(r.records) for x in b.records])
+        for r in response.partitions
+    }
+
+
+def test_a_fetch_session_names_and_answers_only_partitions_that_changed(
+    storage_node: StorageProcess,
+) -> None:
+    """KIP-227: after the full fetch that opens a session, the follower names only the
+    partitions whose position moved, and the leader answers only those with something
+    new (records, a moved HW); a partition forgotten is no longer answered. An idle
+    follower of thousands of partitions named and was answered every one, twice a
+    second, in both directions (BENCHMARKS.md, scale)."""
+    stub = storage_node.stub
+    topics = ["sess-a", "sess-b", "sess-c"]
+    for topic in topics:
+        _lead_with_follower_2(stub, topic)
+        assert code(append(stub, topic, encode_batch([topic.encode()]), acks=1).error) == 0
+
+    opened = session_fetch(stub, 0, 0, dict.fromkeys(topics, 0))
+    assert opened.session_id > 0
+    assert answered(opened) == {t: (0, [t.encode()]) for t in topics}
+    sid = opened.session_id
+
+    # Broker 2 has them all now: its next fetch moves every HW, which it is told.
+    moved = session_fetch(stub, sid, 1, dict.fromkeys(topics, 1))
+    assert answered(moved) == {t: (1, []) for t in topics}
+    # Nothing new: nothing named, nothing answered (after the long poll).
+    assert answered(session_fetch(stub, sid, 2, {}, max_wait_ms=100)) == {}
+
+    # New data wakes the long poll, for that partition only.
+    waiting = threading.Thread(
+        target=lambda: (
+            time.sleep(0.2),
+            append(stub, "sess-b", encode_batch([b"b2"]), acks=1),
+        )
+    )
+    waiting.start()
+    assert answered(session_fetch(stub, sid, 3, {}, max_wait_ms=10_000)) == {"sess-b": (1, [b"b2"])}
+    waiting.join()
+
+    # Forgotten: no longer answered, though it has news.
+    left = session_fetch(stub, sid, 4, {"sess-b": 2}, forgotten=("sess-c",))
+    assert answered(left) == {"sess-b": (2, [])}
+    assert code(append(stub, "sess-c", encode_batch([b"c2"]), acks=1).error) == 0
+    assert answered(session_fetch(stub, sid, 5, {}, max_wait_ms=100)) == {}
+
+    # Out of sequence (an answer the follower never got): refused, and the session is
+    # gone, so the follower fetches in full again.
+    with pytest.raises(grpc.RpcError) as refused:
+        session_fetch(stub, sid, 5, {})
+    assert rpc_error_code(refused.value) == ErrorCode.INVALID_FETCH_SESSION_EPOCH
+    with pytest.raises(grpc.RpcError) as gone:
+        session_fetch(stub, sid, 6, {})
+    assert rpc_error_code(gone.value) == ErrorCode.FETCH_SESSION_ID_NOT_FOUND
+    reopened = session_fetch(stub, 0, 0, {"sess-a": 1, "sess-c": 1})
+    assert reopened.session_id not in (0, sid)
+    assert answered(reopened) == {"sess-a": (1, []), "sess-c": (1, [b"c2"])}
+
+
+@pytest.mark.parametrize(
+    ("session_id", "epoch", "forgotten", "error"),
+    [
+        (5, 0, (), "carries session_id 0"),
+        (0, 0, ("sess-x",), "no forgotten partitions"),
+        (0, -2, (), "is not -1, 0 or positive"),
+    ],
+)
+def test_a_malformed_session_fetch_is_refused(
+    storage_node: StorageProcess,
+    session_id: int,
+    epoch: int,
+    forgotten: tuple[str, ...],
+    error: str,
+) -> None:
+    with pytest.raises(grpc.RpcError) as refused:
+        session_fetch(storage_node.stub, session_id, epoch, {}, forgotten=forgotten)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error in str(refused.value.details())
 
 
 def test_a_new_leader_answers_offsets_only_once_its_hw_reaches_its_epoch(

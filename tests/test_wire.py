@@ -117,10 +117,13 @@ RESULT = st.fixed_dictionaries(
 
 
 @settings(max_examples=300, deadline=None)
-@given(results=st.lists(RESULT, max_size=4), throttle_time_ms=EDGY_INT32)
-def test_fetch_response(results: list[dict[str, object]], throttle_time_ms: int) -> None:
+@given(results=st.lists(RESULT, max_size=4), throttle_time_ms=EDGY_INT32, session_id=EDGY_INT32)
+def test_fetch_response(
+    results: list[dict[str, object]], throttle_time_ms: int, session_id: int
+) -> None:
     expected = storage_pb2.FetchResponse(
         throttle_time_ms=throttle_time_ms,
+        session_id=session_id,
         partitions=[
             storage_pb2.FetchPartitionResult(
                 error=common_pb2.Error(
@@ -135,6 +138,7 @@ def test_fetch_response(results: list[dict[str, object]], throttle_time_ms: int)
     encoded = wire.encode_fetch_response(
         [wire.encode_fetch_partition_result(**r) for r in results],  # type: ignore[arg-type]
         throttle_time_ms,
+        session_id,
     )
     assert encoded == expected.SerializeToString()
     # An empty error is still present, as the servers always set one.

@@ -72,6 +72,8 @@ class ErrorCode(IntEnum):
     UNKNOWN_LEADER_EPOCH = 75
     NON_EMPTY_GROUP = 68
     GROUP_ID_NOT_FOUND = 69
+    FETCH_SESSION_ID_NOT_FOUND = 70
+    INVALID_FETCH_SESSION_EPOCH = 71
     STALE_BROKER_EPOCH = 77
     OFFSET_NOT_AVAILABLE = 78
     MEMBER_ID_REQUIRED = 79
@@ -337,6 +339,20 @@ class UnknownLeaderEpochError(TidelogError):
 
 class StaleBrokerEpochError(TidelogError):
     code = ErrorCode.STALE_BROKER_EPOCH
+
+
+class FetchSessionIdNotFoundError(TidelogError):
+    """The leader holds no fetch session of that id (evicted, or the leader restarted):
+    the follower fetches in full again, opening a new one (KIP-227)."""
+
+    code = ErrorCode.FETCH_SESSION_ID_NOT_FOUND
+
+
+class InvalidFetchSessionEpochError(TidelogError):
+    """A fetch session's request is not the one the leader expects next (a lost answer,
+    or two fetches at once): the follower fetches in full again (KIP-227)."""
+
+    code = ErrorCode.INVALID_FETCH_SESSION_EPOCH
 
 
 class OffsetNotAvailableError(TidelogError):

@@ -176,10 +176,13 @@ def encode_fetch_partition_result(
     return parts
 
 
-def encode_fetch_response(results: Sequence[list[_Buffer]], throttle_time_ms: int = 0) -> bytes:
+def encode_fetch_response(
+    results: Sequence[list[_Buffer]], throttle_time_ms: int = 0, session_id: int = 0
+) -> bytes:
     """``FetchResponse`` of results made by ``encode_fetch_partition_result``."""
     parts: list[_Buffer] = []
     for result in results:
         _message_field(1, result, parts)
     _int_field(2, throttle_time_ms, parts)
+    _int_field(3, session_id, parts)
     return b"".join(parts)

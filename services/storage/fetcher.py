@@ -46,6 +46,7 @@ import grpc
 import structlog
 
 from services.status import error_from_proto, error_from_rpc_error
+from services.storage.fetch_session import FetchPlan, FetchSessionHandler, Key
 from services.storage.partition import Partition
 from services.storage.replica_rules import follower_truncation
 from tidelog import tracing
@@ -53,6 +54,8 @@ from tidelog.batch import iter_batches
 from tidelog.errors import (
     CorruptBatchError,
     ErrorCode,
+    FetchSessionIdNotFoundError,
+    InvalidFetchSessionEpochError,
     NotLeaderOrFollowerError,
     TidelogError,
 )
@@ -93,6 +96,15 @@ class _Fetched(NamedTuple):
     state: _FetchState
     offset: int
     epoch: int
+
+    @property
+    def key(self) -> Key:
+        return (self.state.partition.topic, self.state.partition.partition)
+
+
+_Position = tuple[int, int, int | None, int, str]
+"""What a fetch says about one partition (fetch offset, last fetched epoch, written
+offset, leader epoch, topic id): a fetch session names it again only when it changed."""
 
 
 def _end_after(records: bytes, offset: int) -> tuple[int, int] | None:
@@ -138,6 +150,10 @@ class ReplicaFetcherThread(threading.Thread):
         self._channel: grpc.Channel | None = None
         self._channel_stub: storage_pb2_grpc.StorageStub | None = None
         self._address: str | None = None
+        # The incremental fetch session with the leader (KIP-227): after the first full
+        # fetch, only partitions whose position changed are named, and only those with
+        # something new are answered. Forgotten with the channel and after any failure.
+        self._session: FetchSessionHandler[_Position] = FetchSessionHandler()
 
     # --- membership (any thread) ----------------------------------------------------------
 
@@ -207,6 +223,15 @@ class ReplicaFetcherThread(threading.Thread):
                             # The leader had no place to hold the fetch waiting: asking
                             # again at once would spin until one frees.
                             self._changed.wait(throttle_s)
+                except (FetchSessionIdNotFoundError, InvalidFetchSessionEpochError) as exc:
+                    # The leader no longer holds our session (it restarted, or evicted
+                    # it) or lost track of it: fetch in full at once, opening a new one.
+                    _log.info(
+                        "replica_fetch_session_reset",
+                        source_broker=self.source_broker_id,
+                        error=str(exc),
+                    )
+                    self._session.reset()
                 except TidelogError as exc:
                     # The leader is unreachable or refused the whole request: back off, and
                     # re-resolve its address (it may have moved after a restart).
@@ -248,6 +273,7 @@ class ReplicaFetcherThread(threading.Thread):
         return self._channel_stub
 
     def _close_channel(self) -> None:
+        self._session.reset()
         if self._channel is not None:
             self._channel.close()
             self._channel = None
@@ -367,7 +393,6 @@ class ReplicaFetcherThread(threading.Thread):
         as expected; anything else (a failed append, a truncation, a role change) drops it
         and the loop fetches afresh from the real log end.
         """
-        parts: list[storage_pb2.FetchPartition] = []
         items: list[_Fetched] = []
         for state in states:
             try:
@@ -376,44 +401,49 @@ class ReplicaFetcherThread(threading.Thread):
                 self._drop(state)
                 continue
             items.append(_Fetched(state, leo, epoch))
-            parts.append(self._fetch_partition(state, leo, epoch))
         if not items:
             return 0.0
         # The first round is a blocking call: grpc's ``future()`` starts a thread per
         # call whenever none of the channel's calls is in flight, which at moderate rates
         # is every call; only a pipelined round needs a call running in the background.
-        response = self._call(stub, parts)
+        plan = self._plan(items)
+        response = self._call(stub, plan, items)
         future: _FetchFuture | None = None
         pipelined = False
         try:
             while True:
-                # Read each partition's records once: every access copies them.
-                records = [result.records for result in response.partitions]
-                following = self._predict(items, response, records)
+                self._session.answered(plan, response.session_id)
+                # In a session only partitions with something new are answered; the
+                # others have nothing to append. Each one's records are read once:
+                # every access copies them.
+                results = {(r.topic, r.partition): r for r in response.partitions}
+                records = {key: result.records for key, result in results.items()}
+                following = self._predict(items, results, records)
                 if following is not None:
                     self.pipelined_fetches += 1
                     # The next round goes out before this one is written, saying how far
                     # the log is written (``written_offset``): the leader must not count
                     # the rest before the append below has happened.
-                    future = self._send(
-                        stub,
-                        [
-                            self._fetch_partition(i.state, i.offset, i.epoch, written=w.offset)
-                            for i, w in zip(following, items, strict=True)
-                        ],
-                    )
+                    written = [w.offset for w in items]
+                    plan = self._plan(following, written)
+                    future = self._send(stub, plan, following, written)
                 if tracing.ENABLED:
                     tracing.event(
                         "fr_recv",
                         ",".join(
-                            f"{i.state.partition.partition}:{i.offset}:{len(d)}"
-                            for i, d in zip(items, records, strict=True)
+                            f"{i.state.partition.partition}:{i.offset}:{len(records[i.key])}"
+                            for i in items
+                            if i.key in records
                         ),
                     )
-                for item, result, data in zip(items, response.partitions, records, strict=True):
+                for item in items:
+                    result = results.get(item.key)
+                    if result is None:
+                        continue
                     if pipelined and not self._still_expected(item):
                         item.state.stale = True  # ends the pipeline: _predict declines
                         continue
+                    data = records[item.key]
                     self._handle(item.state, item.offset, result, data)
                     if tracing.ENABLED and data:
                         tracing.event("fr_app", item.state.partition.partition, item.offset)
@@ -427,6 +457,39 @@ class ReplicaFetcherThread(threading.Thread):
                 item.state.stale = False
             if future is not None:
                 future.cancel()  # an exception left a pipelined fetch unanswered
+
+    def _plan(
+        self, items: list[_Fetched], written: list[int] | None = None
+    ) -> FetchPlan[_Position]:
+        """The session's next fetch for ``items`` (``written``: pipelined, see _fetch)."""
+        wanted: dict[Key, _Position] = {}
+        for index, item in enumerate(items):
+            state = item.state
+            done = written[index] if written is not None else None
+            wanted[item.key] = (
+                item.offset,
+                item.epoch,
+                done if done is not None and done < item.offset else None,
+                state.leader_epoch,
+                state.partition.topic_id,
+            )
+        return self._session.plan(wanted)
+
+    def _parts(
+        self, plan: FetchPlan[_Position], items: list[_Fetched], written: list[int] | None
+    ) -> list[storage_pb2.FetchPartition]:
+        """The partitions ``plan`` names, as FetchPartitions."""
+        send = set(plan.send)
+        return [
+            self._fetch_partition(
+                item.state,
+                item.offset,
+                item.epoch,
+                written=written[index] if written is not None else None,
+            )
+            for index, item in enumerate(items)
+            if item.key in send
+        ]
 
     @staticmethod
     def _fetch_partition(
@@ -450,14 +513,21 @@ class ReplicaFetcherThread(threading.Thread):
         return part
 
     def _send(
-        self, stub: storage_pb2_grpc.StorageStub, parts: list[storage_pb2.FetchPartition]
+        self,
+        stub: storage_pb2_grpc.StorageStub,
+        plan: FetchPlan[_Position],
+        items: list[_Fetched],
+        written: list[int],
     ) -> _FetchFuture:
         future: _FetchFuture = stub.Fetch.future(
-            self._request(parts), timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S
+            self._request(plan, self._parts(plan, items, written)),
+            timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S,
         )
         return future
 
-    def _request(self, parts: list[storage_pb2.FetchPartition]) -> storage_pb2.FetchRequest:
+    def _request(
+        self, plan: FetchPlan[_Position], parts: list[storage_pb2.FetchPartition]
+    ) -> storage_pb2.FetchRequest:
         return storage_pb2.FetchRequest(
             replica_id=self.local_broker_id,
             broker_epoch=self._broker_epoch(),
@@ -465,16 +535,24 @@ class ReplicaFetcherThread(threading.Thread):
             min_bytes=FETCH_MIN_BYTES,
             max_bytes=FETCH_MAX_BYTES,
             partitions=parts,
+            session_id=plan.session_id,
+            session_epoch=plan.epoch,
+            forgotten=[
+                common_pb2.TopicPartition(topic=topic, partition=partition)
+                for topic, partition in plan.forgotten
+            ],
         )
 
     def _call(
-        self, stub: storage_pb2_grpc.StorageStub, parts: list[storage_pb2.FetchPartition]
+        self, stub: storage_pb2_grpc.StorageStub, plan: FetchPlan[_Position], items: list[_Fetched]
     ) -> storage_pb2.FetchResponse:
         try:
             response: storage_pb2.FetchResponse = stub.Fetch(
-                self._request(parts), timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S
+                self._request(plan, self._parts(plan, items, None)),
+                timeout=FETCH_MAX_WAIT_MS / 1000 + RPC_SLACK_S,
             )
         except grpc.RpcError as exc:
+            self._session.reset()
             raise error_from_rpc_error(exc) from None
         return response
 
@@ -489,8 +567,8 @@ class ReplicaFetcherThread(threading.Thread):
     def _predict(
         self,
         items: list[_Fetched],
-        response: storage_pb2.FetchResponse,
-        records: list[bytes],
+        results: dict[Key, storage_pb2.FetchPartitionResult],
+        records: dict[Key, bytes],
     ) -> list[_Fetched] | None:
         """Where each partition will be once ``response`` is appended, when that is certain.
 
@@ -503,8 +581,6 @@ class ReplicaFetcherThread(threading.Thread):
         """
         if self._changed.is_set() or self._stopping.is_set():
             return None
-        if len(response.partitions) != len(items):
-            return None
         now = time.monotonic()
         following: list[_Fetched] = []
         # Pipelining makes the HW trail by one extra round trip (the pipelined Fetch
@@ -512,15 +588,20 @@ class ReplicaFetcherThread(threading.Thread):
         # answer takes about as long as the leader's next read and send; a small answer
         # appends in far less than a round trip, so fetching after it keeps acks=all and
         # consumer latency low at moderate rates and loses no throughput.
-        if sum(len(batches) for batches in records) < PIPELINE_MIN_BYTES:
+        if sum(len(batches) for batches in records.values()) < PIPELINE_MIN_BYTES:
             return None
         data = False
-        for item, result, batches in zip(items, response.partitions, records, strict=True):
+        for item in items:
             state = item.state
             if state.truncating or state.stale or state.delayed_until > now:
                 return None
+            result = results.get(item.key)
+            if result is None:  # not answered (a session's partition with nothing new)
+                following.append(item)
+                continue
             if int(result.error.code) != ErrorCode.NONE or result.diverging_end_offset >= 0:
                 return None
+            batches = records[item.key]
             if not batches:
                 following.append(item)
                 continue

@@ -213,6 +213,10 @@ class StorageNode:
             raise RuntimeError("the node is not started")
         return self._replicas
 
+    def fetch_sessions(self) -> int:
+        """Followers' fetch sessions this node holds as leader (observability, tests)."""
+        return self._servicer.fetch_sessions() if self._servicer is not None else 0
+
     def start(self) -> None:
         """Recover the logs, bind, serve, report SERVING. Raises OSError if it cannot bind,
         StorageError if another storage node holds the data directory."""

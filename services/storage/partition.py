@@ -648,6 +648,23 @@ class Partition:
                 leader_epoch=self._leader_epoch,
             )
 
+    def follower_fetched(
+        self,
+        fetch_offset: int,
+        *,
+        replica_id: int,
+        current_leader_epoch: int,
+        written_offset: int | None,
+        broker_epoch: int,
+    ) -> None:
+        """A follower's fetch session (``fetch_session.py``) left this partition out: its
+        position is still ``fetch_offset`` and nothing changed here since it was last
+        read. Count the fetch as the follower's progress report, as ``read`` would, so an
+        idle follower stays caught up; raises what ``read`` would for a changed role."""
+        with self._lock:
+            self._check_leader(current_leader_epoch)
+            self._on_follower_fetch(replica_id, fetch_offset, written_offset, broker_epoch)
+
     def list_offset(
         self,
         spec: OffsetSpec,

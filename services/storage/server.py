@@ -42,6 +42,14 @@ from services.status import (
     to_error_proto,
     unary_errors,
 )
+from services.storage.fetch_session import (
+    FINAL_EPOCH,
+    INITIAL_EPOCH,
+    FetchSession,
+    FetchSessionCache,
+    Key,
+    worth_answering,
+)
 from services.storage.fetcher import AddressResolver, ReplicaFetcherManager
 from services.storage.log import LogConfig
 from services.storage.log.partition_metadata import valid_topic_id
@@ -73,6 +81,7 @@ from tidelog.errors import (
     BrokerNotAvailableError,
     FencedLeaderEpochError,
     InconsistentTopicIdError,
+    InvalidFetchSessionEpochError,
     InvalidFetchSizeError,
     InvalidRequestError,
     InvalidRequiredAcksError,
@@ -93,6 +102,7 @@ _log = structlog.get_logger("tidelog.storage.server")
 
 
 _T = TypeVar("_T", bound=NamedPartition)
+_K = TypeVar("_K")
 
 # Fetch defaults are Kafka's consumer defaults (fetch.max.wait.ms, fetch.min.bytes,
 # fetch.max.bytes, max.partition.fetch.bytes), as documented in storage.proto.
@@ -854,6 +864,67 @@ class _ChangeWatcher:
         self._event.set()
 
 
+class _SessionWatcher:
+    """What a fetch session registers with each of its partitions for as long as the
+    partition is in it (``Partition.watch``, follower rules): a change notes the key and
+    wakes the session's fetch if one is waiting; otherwise the next fetch reads it.
+    ``set`` runs under the partition's lock: a set insertion and an event."""
+
+    __slots__ = ("_changed", "_event", "_key")
+
+    def __init__(self, event: threading.Event, changed: set[Key], key: Key) -> None:
+        self._event = event
+        self._changed = changed
+        self._key = key
+
+    def set(self) -> None:
+        self._changed.add(self._key)
+        self._event.set()
+
+
+class _LiveSession:
+    """The long-poll side of a fetch session on the leader (its bookkeeping is
+    ``fetch_session.FetchSession``): the partitions it watches between fetches and the
+    keys that changed since they were last read.
+
+    Invariant: every partition object in ``watched`` has its watcher registered, until
+    ``forget``/``forget_all`` unregisters it; ``busy`` is held by the one fetch of the
+    session running (a second one is refused)."""
+
+    def __init__(self, session: FetchSession[storage_pb2.FetchPartition]) -> None:
+        self.session = session
+        self.event = threading.Event()
+        self.changed: set[Key] = set()
+        self.watched: dict[Key, tuple[Partition, _SessionWatcher]] = {}
+        self.busy = threading.Lock()
+
+    def drain_changed(self) -> set[Key]:
+        keys: set[Key] = set()
+        while self.changed:
+            keys.add(self.changed.pop())
+        return keys
+
+    def watch(self, key: Key, partition: Partition) -> None:
+        """Watch ``partition`` for ``key`` (replacing another object's watch, e.g. a
+        log deleted and created again)."""
+        held = self.watched.get(key)
+        if held is not None and held[0] is partition:
+            return
+        self.forget([key])
+        watcher = _SessionWatcher(self.event, self.changed, key)
+        partition.watch(watcher, replica=True)
+        self.watched[key] = (partition, watcher)
+
+    def forget(self, keys: Iterable[Key]) -> None:
+        for key in keys:
+            held = self.watched.pop(key, None)
+            if held is not None:
+                held[0].unwatch(held[1], replica=True)
+
+    def forget_all(self) -> None:
+        self.forget(list(self.watched))
+
+
 class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     """tidelog.v1.Storage. Thread-safe: state lives in ReplicaManager and Partition."""
 
@@ -877,6 +948,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         self._waiters_lock = threading.Lock()
         self._waiters: set[threading.Event] = set()
         self._shutting_down = False
+        # Followers' incremental fetch sessions (KIP-227, fetch_session.py).
+        self._sessions_lock = threading.Lock()
+        self._session_cache: FetchSessionCache[storage_pb2.FetchPartition] = FetchSessionCache(
+            max_partitions=self._limits.max_partitions_per_request
+        )
+        self._live_sessions: dict[int, _LiveSession] = {}
 
     def begin_shutdown(self) -> None:
         """End every long-poll now (each answers with what it has); no new waits start.
@@ -1052,66 +1129,310 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         params = self._fetch_params(request, context)
         if request.replica_id >= 0:
             self._check_follower_broker_epoch(request.replica_id, request.broker_epoch)
+            if request.HasField("session_epoch"):
+                return self._session_fetch(request, context, params)
+        # Consumers' fetches (through gateways) have no sessions: they name few partitions.
+        return self._fetch_named(request, context, params)
+
+    def _fetch_named(
+        self,
+        request: storage_pb2.FetchRequest,
+        context: grpc.ServicerContext,
+        params: _FetchParams,
+    ) -> bytes:
+        """A fetch without a session: every partition named, every one answered."""
         partitions = self._resolve(request.partitions)
         replica = params.replica_id >= 0
         # Noted before the read, so that registering the watchers below tells which
         # partitions changed since (``Partition.watch``'s ``since``).
         seen = [p.changes(replica=replica) if isinstance(p, Partition) else 0 for p in partitions]
         reads = self._read_all(request, partitions, params)
-        if not self._should_wait(reads, params):
-            return self._fetch_response(request, reads)
+        throttle_time_ms = 0
+        if self._should_wait(reads, params):
+            event = threading.Event()
+            changed: set[int] = set()  # places in the request of partitions that changed
+            watched = [
+                (p, _ChangeWatcher(event, changed, i), seen[i])
+                for i, p in enumerate(partitions)
+                if isinstance(p, Partition)
+            ]
+
+            def register() -> None:
+                # A partition that changed since its read above is noted in ``changed``
+                # as it is registered, and anything later sets the event; only the
+                # partitions that changed are read again. A follower's fetch named every
+                # partition it follows, and reading them all again (after registering,
+                # then on each wake-up) multiplied the leader's per-partition work when
+                # idle (BENCHMARKS.md, idle partitions and scale).
+                for partition, watcher, since in watched:
+                    partition.watch(watcher, replica=replica, since=since)
+
+            def unregister() -> None:
+                for partition, watcher, _ in watched:
+                    partition.unwatch(watcher, replica=replica)
+
+            def reread(places: set[int]) -> None:
+                nonlocal reads
+                reads = self._read_all(request, partitions, params, places, reads)
+
+            if not self._wait_for_data(
+                params,
+                context,
+                event,
+                changed,
+                still_waiting=lambda: self._should_wait(reads, params),
+                reread=reread,
+                register=register,
+                unregister=unregister,
+            ):
+                throttle_time_ms = max(1, int(params.max_wait_s * 1000))
+        return self._fetch_response(
+            zip(request.partitions, reads, strict=True), throttle_time_ms=throttle_time_ms
+        )
+
+    def _wait_for_data(
+        self,
+        params: _FetchParams,
+        context: grpc.ServicerContext,
+        event: threading.Event,
+        changed: set[_K],
+        *,
+        still_waiting: Callable[[], bool],
+        reread: Callable[[set[_K]], None],
+        register: Callable[[], None] | None = None,
+        unregister: Callable[[], None] | None = None,
+    ) -> bool:
+        """The long poll: until ``still_waiting()`` is False or ``params.max_wait_s``
+        passes, sleep on ``event``, which a change sets after noting its partition in
+        ``changed``; ``reread`` those. False, without waiting, when no waiting slot is
+        free: the caller answers now and tells the client to wait what it would have
+        waited here before it asks again (answered at once, it would poll in a loop)."""
         if not self._take_waiting_slot(params.replica_id >= 0):
-            # Too many fetches already hold threads waiting; answer now rather than starve
-            # appends of threads, and tell the client to wait what it would have waited
-            # here before it asks again: answered at once, it would poll in a loop.
-            return self._fetch_response(
-                request, reads, throttle_time_ms=max(1, int(params.max_wait_s * 1000))
-            )
+            return False
         deadline = time.monotonic() + params.max_wait_s
-        waiter = threading.Event()
-        changed: set[int] = set()  # places in the request of partitions that changed
-        watched = [
-            (p, _ChangeWatcher(waiter, changed, i), seen[i])
-            for i, p in enumerate(partitions)
-            if isinstance(p, Partition)
-        ]
         with self._waiters_lock:
-            self._waiters.add(waiter)
+            self._waiters.add(event)
             if self._shutting_down:
-                waiter.set()
+                event.set()
         try:
-            context.add_callback(waiter.set)  # the client went away: stop waiting
-            # A partition that changed since its read above is noted in ``changed`` as it
-            # is registered, and anything later sets the event; only the partitions that
-            # changed are read again. A follower's fetch names every partition it follows
-            # from this leader, and reading them all again (after registering, then on
-            # each wake-up) multiplied the leader's per-partition work when idle
-            # (BENCHMARKS.md, idle partitions and scale).
-            for partition, watcher, since in watched:
-                partition.watch(watcher, replica=replica, since=since)
+            context.add_callback(event.set)  # the client went away: stop waiting
+            if register is not None:
+                register()
             while True:
                 remaining_s = deadline - time.monotonic()
-                if not self._should_wait(reads, params) or remaining_s <= 0:
+                if not still_waiting() or remaining_s <= 0:
                     break
                 if self._shutting_down or not context.is_active():
                     break
-                waiter.wait(remaining_s)
-                waiter.clear()
+                event.wait(remaining_s)
+                event.clear()
                 # Drained after the clear: a change noted later sets the event again.
                 again = set()
                 while changed:
                     again.add(changed.pop())
                 if again:
-                    reads = self._read_all(request, partitions, params, again, reads)
+                    reread(again)
         finally:
-            for partition, watcher, _ in watched:
-                partition.unwatch(watcher, replica=replica)
+            if unregister is not None:
+                unregister()
             with self._waiters_lock:
-                self._waiters.discard(waiter)
+                self._waiters.discard(event)
             self._waiting_fetch_slots.release()
             if params.replica_id < 0:
                 self._consumer_fetch_slots.release()
-        return self._fetch_response(request, reads)
+        return True
+
+    # --- fetch sessions (KIP-227, fetch_session.py) ----------------------------------------
+
+    def _session_fetch(
+        self,
+        request: storage_pb2.FetchRequest,
+        context: grpc.ServicerContext,
+        params: _FetchParams,
+    ) -> bytes:
+        """A follower's fetch in a session: open one (epoch 0) or go on with one. Reads
+        the partitions named, those whose watchers fired since the last fetch and those
+        whose high watermark moved; the others only count as the follower's progress
+        report (``Partition.follower_fetched``). Answers what is new."""
+        epoch = request.session_epoch
+        if epoch == FINAL_EPOCH:
+            self._close_session(request.session_id)
+            return self._fetch_named(request, context, params)
+        if epoch < FINAL_EPOCH:
+            raise InvalidRequestError(f"session_epoch {epoch} is not -1, 0 or positive")
+        named = [((fp.topic, fp.partition), fp) for fp in request.partitions]
+        live, joined, left = self._begin_session_fetch(request, epoch, named)
+        if not live.busy.acquire(blocking=False):
+            raise InvalidFetchSessionEpochError(
+                f"fetch session {live.session.session_id} has another fetch in progress"
+            )
+        try:
+            live.forget(left)
+            live.event.clear()
+            must_read = {key for key, _ in named} | set(joined) | live.drain_changed()
+            self._report_unchanged(live, must_read, params)
+            reads: dict[Key, _PartitionRead] = {}
+            self._read_session(live, must_read, params, reads)
+            throttle_time_ms = 0
+            if self._should_wait(list(reads.values()), params) and not self._wait_for_data(
+                params,
+                context,
+                live.event,
+                live.changed,
+                still_waiting=lambda: self._should_wait(list(reads.values()), params),
+                reread=lambda keys: self._read_session(live, keys, params, reads),
+            ):
+                throttle_time_ms = max(1, int(params.max_wait_s * 1000))
+            return self._session_response(live.session, reads, throttle_time_ms)
+        finally:
+            live.busy.release()
+
+    def _begin_session_fetch(
+        self,
+        request: storage_pb2.FetchRequest,
+        epoch: int,
+        named: list[tuple[Key, storage_pb2.FetchPartition]],
+    ) -> tuple[_LiveSession, list[Key], list[Key]]:
+        """The session a fetch opens or resumes, with the keys that joined and left it."""
+        now_s = time.monotonic()
+        gone: list[_LiveSession] = []
+        try:
+            with self._sessions_lock:
+                if epoch == INITIAL_EPOCH:
+                    if request.session_id != 0 or request.forgotten:
+                        raise InvalidRequestError(
+                            "a fetch opening a session (session_epoch 0) carries "
+                            "session_id 0 and no forgotten partitions"
+                        )
+                    session, displaced = self._session_cache.open(request.replica_id, named, now_s)
+                    for old in displaced:
+                        dropped = self._live_sessions.pop(old.session_id, None)
+                        if dropped is not None:
+                            gone.append(dropped)
+                    live = self._live_sessions[session.session_id] = _LiveSession(session)
+                    return live, list(session.partitions), []
+                try:
+                    session = self._session_cache.resume(
+                        request.session_id, epoch, request.replica_id, now_s
+                    )
+                except InvalidFetchSessionEpochError:
+                    self._session_cache.close(request.session_id)
+                    dropped = self._live_sessions.pop(request.session_id, None)
+                    if dropped is not None:
+                        gone.append(dropped)
+                    raise
+                live = self._live_sessions[session.session_id]
+                self._session_cache.check_size(session, len(named))
+                joined, left = session.update(
+                    named, [(tp.topic, tp.partition) for tp in request.forgotten]
+                )
+                return live, joined, left
+        finally:
+            for dropped in gone:
+                dropped.forget_all()
+
+    def _close_session(self, session_id: int) -> None:
+        with self._sessions_lock:
+            self._session_cache.close(session_id)
+            live = self._live_sessions.pop(session_id, None)
+        if live is not None:
+            live.forget_all()
+
+    def fetch_sessions(self) -> int:
+        """Fetch sessions held (observability and tests)."""
+        with self._sessions_lock:
+            return len(self._session_cache)
+
+    def _report_unchanged(
+        self, live: _LiveSession, must_read: set[Key], params: _FetchParams
+    ) -> None:
+        """Count the fetch as the follower's progress on every partition not to be read
+        (its position unchanged, nothing new noted); adds to ``must_read`` those whose
+        high watermark moved since the last answer, or that refuse the report (a role
+        changed: the read answers why)."""
+        replica_id = params.replica_id
+        for key, entry in live.session.partitions.items():
+            if key in must_read:
+                continue
+            held = live.watched.get(key)
+            if held is None:
+                must_read.add(key)
+                continue
+            partition = held[0]
+            fp = entry.position
+            try:
+                partition.follower_fetched(
+                    fp.fetch_offset,
+                    replica_id=replica_id,
+                    current_leader_epoch=requested_epoch(fp),
+                    written_offset=fp.written_offset if fp.HasField("written_offset") else None,
+                    broker_epoch=params.broker_epoch,
+                )
+            except TidelogError:
+                must_read.add(key)
+                continue
+            if partition.high_watermark != entry.high_watermark:
+                must_read.add(key)
+
+    def _read_session(
+        self,
+        live: _LiveSession,
+        keys: set[Key],
+        params: _FetchParams,
+        reads: dict[Key, _PartitionRead],
+    ) -> None:
+        """Read ``keys`` of the session into ``reads``, within what is left of the
+        response's byte budget (the first data may exceed it, as in ``_read_all``)."""
+        total = sum(len(r.records) for r in reads.values() if not isinstance(r, TidelogError))
+        remaining = max(params.max_bytes - total, 0)
+        partitions = live.session.partitions
+        for key in keys:
+            entry = partitions.get(key)
+            if entry is None:
+                continue
+            partition: Partition | TidelogError
+            try:
+                partition = self._replicas.get_partition(*key)
+                live.watch(key, partition)  # before the read: no change goes unseen
+            except TidelogError as exc:
+                partition = exc
+            read = self._read_one(entry.position, partition, remaining, params)
+            if not isinstance(read, TidelogError):
+                size = len(read.records)
+                if size > remaining and total > 0:
+                    read = dataclasses.replace(read, records=b"")
+                    size = 0
+                total += size
+                remaining = max(remaining - size, 0)
+            reads[key] = read
+
+    @staticmethod
+    def _session_response(
+        session: FetchSession[storage_pb2.FetchPartition],
+        reads: dict[Key, _PartitionRead],
+        throttle_time_ms: int,
+    ) -> bytes:
+        answered: list[tuple[storage_pb2.FetchPartition, _PartitionRead]] = []
+        for key, read in reads.items():
+            entry = session.partitions.get(key)
+            if entry is None:
+                continue
+            if isinstance(read, TidelogError):
+                worth = worth_answering(
+                    entry, high_watermark=-1, log_start_offset=-1, has_news=True
+                )
+            else:
+                worth = worth_answering(
+                    entry,
+                    high_watermark=read.high_watermark,
+                    log_start_offset=read.log_start_offset,
+                    has_news=bool(read.records) or read.diverging_end_offset >= 0,
+                )
+            if worth:
+                answered.append((entry.position, read))
+        return StorageServicer._fetch_response(
+            answered, throttle_time_ms=throttle_time_ms, session_id=session.session_id
+        )
 
     def _take_waiting_slot(self, replica: bool) -> bool:
         """A place for a fetch to wait in, if one is free; a consumer's must leave the
@@ -1327,12 +1648,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
 
     @staticmethod
     def _fetch_response(
-        request: storage_pb2.FetchRequest,
-        reads: Sequence[_PartitionRead],
+        answered: Iterable[tuple[storage_pb2.FetchPartition, _PartitionRead]],
         throttle_time_ms: int = 0,
+        session_id: int = 0,
     ) -> bytes:
         results = []
-        for fp, read in zip(request.partitions, reads, strict=True):
+        for fp, read in answered:
             if isinstance(read, TidelogError):
                 error = to_error_proto(read)
                 results.append(
@@ -1366,7 +1687,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     diverging_end_offset=read.diverging_end_offset,
                 )
             )
-        return encode_fetch_response(results, throttle_time_ms)
+        return encode_fetch_response(results, throttle_time_ms, session_id)
 
     # --- ListOffsets --------------------------------------------------------------------
 

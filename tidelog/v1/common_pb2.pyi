@@ -52,6 +52,8 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNKNOWN_LEADER_EPOCH: _ClassVar[ErrorCode]
     NON_EMPTY_GROUP: _ClassVar[ErrorCode]
     GROUP_ID_NOT_FOUND: _ClassVar[ErrorCode]
+    FETCH_SESSION_ID_NOT_FOUND: _ClassVar[ErrorCode]
+    INVALID_FETCH_SESSION_EPOCH: _ClassVar[ErrorCode]
     STALE_BROKER_EPOCH: _ClassVar[ErrorCode]
     OFFSET_NOT_AVAILABLE: _ClassVar[ErrorCode]
     MEMBER_ID_REQUIRED: _ClassVar[ErrorCode]
@@ -120,6 +122,8 @@ FENCED_LEADER_EPOCH: ErrorCode
 UNKNOWN_LEADER_EPOCH: ErrorCode
 NON_EMPTY_GROUP: ErrorCode
 GROUP_ID_NOT_FOUND: ErrorCode
+FETCH_SESSION_ID_NOT_FOUND: ErrorCode
+INVALID_FETCH_SESSION_EPOCH: ErrorCode
 STALE_BROKER_EPOCH: ErrorCode
 OFFSET_NOT_AVAILABLE: ErrorCode
 MEMBER_ID_REQUIRED: ErrorCode

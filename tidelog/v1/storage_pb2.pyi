@@ -46,20 +46,26 @@ class AppendResponse(_message.Message):
     def __init__(self, error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., base_offset: _Optional[int] = ..., last_offset: _Optional[int] = ..., log_append_time_ms: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., correlation_id: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("replica_id", "broker_epoch", "max_wait_ms", "min_bytes", "max_bytes", "partitions")
+    __slots__ = ("replica_id", "broker_epoch", "max_wait_ms", "min_bytes", "max_bytes", "partitions", "session_id", "session_epoch", "forgotten")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     BROKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
     replica_id: int
     broker_epoch: int
     max_wait_ms: int
     min_bytes: int
     max_bytes: int
     partitions: _containers.RepeatedCompositeFieldContainer[FetchPartition]
-    def __init__(self, replica_id: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., min_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[FetchPartition, _Mapping]]] = ...) -> None: ...
+    session_id: int
+    session_epoch: int
+    forgotten: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopicPartition]
+    def __init__(self, replica_id: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., min_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[FetchPartition, _Mapping]]] = ..., session_id: _Optional[int] = ..., session_epoch: _Optional[int] = ..., forgotten: _Optional[_Iterable[_Union[_common_pb2.TopicPartition, _Mapping]]] = ...) -> None: ...
 
 class FetchPartition(_message.Message):
     __slots__ = ("topic", "partition", "fetch_offset", "max_bytes", "current_leader_epoch", "last_fetched_epoch", "log_start_offset", "written_offset", "topic_id")
@@ -84,12 +90,14 @@ class FetchPartition(_message.Message):
     def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., fetch_offset: _Optional[int] = ..., max_bytes: _Optional[int] = ..., current_leader_epoch: _Optional[int] = ..., last_fetched_epoch: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., written_offset: _Optional[int] = ..., topic_id: _Optional[str] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("partitions", "throttle_time_ms")
+    __slots__ = ("partitions", "throttle_time_ms", "session_id")
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     THROTTLE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     partitions: _containers.RepeatedCompositeFieldContainer[FetchPartitionResult]
     throttle_time_ms: int
-    def __init__(self, partitions: _Optional[_Iterable[_Union[FetchPartitionResult, _Mapping]]] = ..., throttle_time_ms: _Optional[int] = ...) -> None: ...
+    session_id: int
+    def __init__(self, partitions: _Optional[_Iterable[_Union[FetchPartitionResult, _Mapping]]] = ..., throttle_time_ms: _Optional[int] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class FetchPartitionResult(_message.Message):
     __slots__ = ("topic", "partition", "error", "high_watermark", "log_start_offset", "log_end_offset", "records", "leader_epoch", "diverging_epoch", "diverging_end_offset")
