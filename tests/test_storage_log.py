@@ -8,6 +8,7 @@ byte for byte, not just decoded.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import random
@@ -1060,6 +1061,47 @@ def test_maintenance_is_due_exactly_when_flush_if_due_or_file_removal_has_work(
     assert timed.flush_if_due()
     assert not timed.maintenance_due()
     timed.close()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "append",
+        "roll",
+        "read",
+        "flush",
+        "flush_if_due",
+        "truncate_to",
+        "truncate_fully_and_start_at",
+        "delete_retention_segments",
+        "remove_deleted_files",
+        "assign_epoch_start_offset",
+    ],
+)
+def test_every_log_method_that_touches_files_reports_disk_failures(name: str) -> None:
+    """Each goes through ``_reports_disk_failure`` (the storage node halts on a failed
+    disk). A method added in front of one once took its decorator, silently."""
+    assert hasattr(getattr(Log, name), "__wrapped__"), f"Log.{name} is not wrapped"
+
+
+def test_a_failed_flush_of_the_maintenance_pass_is_reported_as_a_disk_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    size = len(make_batch(2))
+    log = open_log(tmp_path / "p-0", LogConfig(segment_bytes=2 * size))
+    for i in range(3):
+        log.append(make_batch(2, tag=i))
+    reported: list[OSError] = []
+    log.on_disk_failure = lambda _directory, error: reported.append(error)
+
+    def failing_fsync(_fd: int) -> None:
+        raise OSError(errno.EIO, "injected: the disk is gone")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    monkeypatch.setattr(os, "fdatasync", failing_fsync)
+    with pytest.raises(OSError):
+        log.flush_if_due()
+    assert [e.errno for e in reported] == [errno.EIO]
 
 
 # --- retention --------------------------------------------------------------------------------

@@ -863,7 +863,6 @@ class Log:
         self._first_unflushed_ms = None
         self.last_flush_ms = self._clock.now_ms()
 
-    @_reports_disk_failure
     def maintenance_due(self) -> bool:
         """Whether ``flush_if_due`` or ``remove_deleted_files`` may have work now.
 
@@ -880,6 +879,7 @@ class Log:
         except IndexError:  # a truncation is replacing every segment right now
             return True
 
+    @_reports_disk_failure
     def flush_if_due(self) -> bool:
         """Apply ``flush_ms``: flush when the oldest unflushed append is old enough.
         Otherwise flush the segments rolled since the last flush, up to the active one,
