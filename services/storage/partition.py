@@ -237,6 +237,7 @@ class Partition:
         self._log_end_changes = 0
         self._high_watermark_changes = 0
         self._configs: dict[str, str] = {}
+        self._replica_lag_time_max_ms = DEFAULT_REPLICA_LAG_TIME_MAX_MS
         # Leader only: follower progress, HW and ISR decisions (pure, see replication.py).
         self._replication: LeaderReplicationState | None = None
         # acks=all purgatory: (required offset, sequence, waiter), smallest offset first.
@@ -314,6 +315,10 @@ class Partition:
             self._leader = state.leader
             self._leader_epoch = state.leader_epoch
             self._configs = dict(state.configs)
+            # Parsed once: the ISR pass asks for it four times a second per partition.
+            self._replica_lag_time_max_ms = _int_config(
+                self._configs, "replica.lag.time.max.ms", DEFAULT_REPLICA_LAG_TIME_MAX_MS
+            )
             if state.topic_id:
                 self.topic_id = state.topic_id
             if role is Role.LEADER:
@@ -483,9 +488,7 @@ class Partition:
                 return None
             lag_ms = replica_lag_time_max_ms
             if lag_ms is None:
-                lag_ms = _int_config(
-                    self._configs, "replica.lag.time.max.ms", DEFAULT_REPLICA_LAG_TIME_MAX_MS
-                )
+                lag_ms = self._replica_lag_time_max_ms
             return self._replication.propose_isr_change(self._clock.now_ms(), lag_ms)
 
     def on_isr_result(

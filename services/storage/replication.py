@@ -220,6 +220,8 @@ class LeaderReplicationState:
 
     def ready_to_join(self) -> list[int]:
         """Followers outside the ISR that hold everything committed and this epoch's start."""
+        if len(self.isr) == len(self.replicas):
+            return []  # everyone is in (the usual case, asked four times a second)
         threshold = max(self.high_watermark, self.leader_epoch_start_offset)
         return [
             b

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import grpc
 import structlog
@@ -846,39 +846,23 @@ def partition_state_from_proto(
     )
 
 
-class _ChangeWatcher:
-    """What a waiting Fetch registers with each of its partitions (``Partition.watch``):
-    a change notes the partition's place in the request, then wakes the fetch, so only
-    the partitions that changed are read again. ``set`` runs under the partition's lock:
-    a set insertion and an event, nothing that blocks."""
+class _ChangeWatcher(Generic[_K]):
+    """What a fetch registers with each of its partitions (``Partition.watch``): a
+    change notes which partition (its place in the request, or a session's key), then
+    wakes the fetch, so only the partitions that changed are read again. A session's
+    watchers stay registered between its fetches: what changed meanwhile is read by the
+    next one. ``set`` runs under the partition's lock: a set insertion and an event,
+    nothing that blocks."""
 
-    __slots__ = ("_changed", "_event", "_index")
+    __slots__ = ("_changed", "_event", "_noted")
 
-    def __init__(self, event: threading.Event, changed: set[int], index: int) -> None:
+    def __init__(self, event: threading.Event, changed: set[_K], noted: _K) -> None:
         self._event = event
         self._changed = changed
-        self._index = index
+        self._noted = noted
 
     def set(self) -> None:
-        self._changed.add(self._index)
-        self._event.set()
-
-
-class _SessionWatcher:
-    """What a fetch session registers with each of its partitions for as long as the
-    partition is in it (``Partition.watch``, follower rules): a change notes the key and
-    wakes the session's fetch if one is waiting; otherwise the next fetch reads it.
-    ``set`` runs under the partition's lock: a set insertion and an event."""
-
-    __slots__ = ("_changed", "_event", "_key")
-
-    def __init__(self, event: threading.Event, changed: set[Key], key: Key) -> None:
-        self._event = event
-        self._changed = changed
-        self._key = key
-
-    def set(self) -> None:
-        self._changed.add(self._key)
+        self._changed.add(self._noted)
         self._event.set()
 
 
@@ -895,7 +879,7 @@ class _LiveSession:
         self.session = session
         self.event = threading.Event()
         self.changed: set[Key] = set()
-        self.watched: dict[Key, tuple[Partition, _SessionWatcher]] = {}
+        self.watched: dict[Key, tuple[Partition, _ChangeWatcher[Key]]] = {}
         self.busy = threading.Lock()
 
     def drain_changed(self) -> set[Key]:
@@ -911,7 +895,7 @@ class _LiveSession:
         if held is not None and held[0] is partition:
             return
         self.forget([key])
-        watcher = _SessionWatcher(self.event, self.changed, key)
+        watcher = _ChangeWatcher(self.event, self.changed, key)
         partition.watch(watcher, replica=True)
         self.watched[key] = (partition, watcher)
 
