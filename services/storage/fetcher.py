@@ -84,6 +84,11 @@ class _FetchState:
     truncating: bool = True  # KIP-279 reconciliation still to do
     delayed_until: float = 0.0  # monotonic; back off this partition after an error
     stale: bool = False  # a pipelined answer did not fit: end the pipeline (see _fetch)
+    # (log end offset, latest epoch) as this thread last left the log, None until asked
+    # (``follower_state``) or after anything but a clean append: this thread is the one
+    # writer of a followed log, and asking every partition under its lock each round
+    # cost a round O(partitions) even when few had data.
+    known: tuple[int, int] | None = None
 
 
 if TYPE_CHECKING:
@@ -366,6 +371,7 @@ class ReplicaFetcherThread(threading.Thread):
                 state.leader_epoch, epoch
             ),
         )
+        state.known = None
         new_leo = partition.follower_truncate(state.leader_epoch, target)
         if new_leo < leo:
             _log.info(
@@ -395,12 +401,14 @@ class ReplicaFetcherThread(threading.Thread):
         """
         items: list[_Fetched] = []
         for state in states:
-            try:
-                leo, epoch = state.partition.follower_state(state.leader_epoch)
-            except TidelogError:
-                self._drop(state)
-                continue
-            items.append(_Fetched(state, leo, epoch))
+            known = state.known
+            if known is None:
+                try:
+                    known = state.known = state.partition.follower_state(state.leader_epoch)
+                except TidelogError:
+                    self._drop(state)
+                    continue
+            items.append(_Fetched(state, *known))
         if not items:
             return 0.0
         # The first round is a blocking call: grpc's ``future()`` starts a thread per
@@ -677,6 +685,7 @@ class ReplicaFetcherThread(threading.Thread):
         records: bytes,
     ) -> None:
         partition = state.partition
+        state.known = None  # unless the append below succeeds
         code = int(result.error.code)
         if code == ErrorCode.NONE and result.diverging_end_offset >= 0:
             # KIP-320: our last epoch ends earlier (or not at all) on the leader; redo the
@@ -692,7 +701,9 @@ class ReplicaFetcherThread(threading.Thread):
             return
         if code == ErrorCode.NONE:
             try:
-                partition.follower_append(state.leader_epoch, records, result.high_watermark)
+                state.known = partition.follower_append(
+                    state.leader_epoch, records, result.high_watermark
+                )
             except NotLeaderOrFollowerError:
                 self._drop(state)
             except TidelogError as exc:

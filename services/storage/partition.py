@@ -557,8 +557,11 @@ class Partition:
                 self._log.truncate_fully_and_start_at(offset)
                 self._high_watermark = offset
 
-    def follower_append(self, leader_epoch: int, records: bytes, leader_high_watermark: int) -> int:
-        """Append replicated batches (leader's offsets and epochs); returns the new LEO.
+    def follower_append(
+        self, leader_epoch: int, records: bytes, leader_high_watermark: int
+    ) -> tuple[int, int]:
+        """Append replicated batches (leader's offsets and epochs); returns what
+        ``follower_state`` would now: the new LEO and the latest epoch in the log.
 
         Follower HW = min(leader HW, own LEO), never backwards.
         """
@@ -574,7 +577,7 @@ class Partition:
             self._high_watermark = follower_high_watermark(
                 self._high_watermark, leader_high_watermark, self._log.log_end_offset
             )
-            return self._log.log_end_offset
+            return self._log.log_end_offset, self._log.latest_epoch
 
     def read(
         self,

@@ -758,6 +758,13 @@ class _StartedAppend:
     error: Exception | None = None
 
 
+SESSION_PROGRESS_INTERVAL_S: Final = 0.25
+"""How often a fetch session's fetch also counts as its follower's progress on the
+partitions it leaves out (``_report_unchanged``): a pass over every partition of the
+session, too much for every round of a follower fetching under load (a round every few
+ms). Their positions did not change, so what it keeps fresh is only the follower's
+caught-up time (against replica.lag.time.max.ms, 30 s) and the HW it was told."""
+
 _PUT_POLL_S: Final = 0.5
 """How often a reader blocked on a full pipeline looks whether the stream is over."""
 
@@ -881,6 +888,7 @@ class _LiveSession:
         self.changed: set[Key] = set()
         self.watched: dict[Key, tuple[Partition, _ChangeWatcher[Key]]] = {}
         self.busy = threading.Lock()
+        self.reported_s = 0.0  # when unchanged partitions last counted as progress
 
     def drain_changed(self) -> set[Key]:
         keys: set[Key] = set()
@@ -1254,7 +1262,10 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             live.forget(left)
             live.event.clear()
             must_read = {key for key, _ in named} | set(joined) | live.drain_changed()
-            self._report_unchanged(live, must_read, params)
+            now_s = time.monotonic()
+            if now_s - live.reported_s >= SESSION_PROGRESS_INTERVAL_S:
+                live.reported_s = now_s
+                self._report_unchanged(live, must_read, params)
             reads: dict[Key, _PartitionRead] = {}
             self._read_session(live, must_read, params, reads)
             throttle_time_ms = 0
