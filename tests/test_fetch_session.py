@@ -122,3 +122,17 @@ def test_a_plan_answered_late_does_not_count_positions_never_sent() -> None:
     handler.answered(first, session_id=3)
     second = handler.plan({A: 2, B: 5})
     assert second.send == [B] and second.epoch == 2
+
+
+def test_sessions_unused_for_the_expiry_go() -> None:
+    """A follower that stops following this leader leaves its session (and, on the
+    server, a watcher on every partition it named): the maintenance pass drops it."""
+    cache: FetchSessionCache[int] = FetchSessionCache(idle_expiry_s=60.0)
+    quiet, _ = cache.open(2, [(A, 1)], now_s=0.0)
+    busy, _ = cache.open(3, [(A, 1)], now_s=0.0)
+    cache.resume(busy.session_id, 1, 3, now_s=50.0)
+    assert cache.expire(now_s=59.0) == []
+    assert cache.expire(now_s=61.0) == [quiet]
+    assert cache.sessions() == [busy]
+    with pytest.raises(FetchSessionIdNotFoundError):
+        cache.resume(quiet.session_id, 1, 2, now_s=62.0)

@@ -49,8 +49,10 @@ MAX_SESSIONS: Final = 1_000
 """Sessions one leader keeps (Kafka's max.incremental.fetch.session.cache.slots). Each
 follower holds one per leader, so a cluster needs as many as it has other brokers."""
 SESSION_IDLE_EXPIRY_S: Final = 120.0
-"""A session unused this long goes when another is opened (Kafka's
-min.incremental.fetch.session.eviction.ms): its follower died or moved on."""
+"""A session unused this long goes (Kafka's min.incremental.fetch.session.eviction.ms):
+its follower died or follows nothing here any more. Kafka keeps such a session until the
+cache is full; here each holds a watcher on every partition it named, which every append
+there would go on waking, so the storage node's maintenance pass drops it."""
 _MAX_EPOCH: Final = 2**31 - 1
 
 
@@ -172,6 +174,14 @@ class FetchSessionCache(Generic[P]):
         session.update(positions, ())
         self._sessions[session.session_id] = session
         return session, displaced
+
+    def expire(self, now_s: float) -> list[FetchSession[P]]:
+        """Drop the sessions unused for ``idle_expiry_s`` (their followers stopped
+        following this leader, or died); returns them for the caller's watchers."""
+        idle = [s for s in self._sessions.values() if now_s - s.last_used_s > self._idle_expiry_s]
+        for session in idle:
+            del self._sessions[session.session_id]
+        return idle
 
     def resume(self, session_id: int, epoch: int, replica_id: int, now_s: float) -> FetchSession[P]:
         """The session an incremental fetch names, its epoch checked and advanced."""

@@ -487,6 +487,12 @@ class StorageNode:
                 self.replicas.isr_pass()
             except Exception:
                 _log.exception("isr_pass_failed")
+            try:
+                servicer = self._servicer
+                if servicer is not None and (expired := servicer.expire_fetch_sessions()):
+                    _log.info("fetch_sessions_expired", sessions=expired)
+            except Exception:
+                _log.exception("fetch_session_expiry_failed")
 
 
 class _Every:

@@ -1333,6 +1333,17 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         if live is not None:
             live.forget_all()
 
+    def expire_fetch_sessions(self) -> int:
+        """Drop fetch sessions unused for a while (``FetchSessionCache.expire``) and
+        their watchers; returns how many. The storage node's maintenance pass calls it."""
+        with self._sessions_lock:
+            expired = self._session_cache.expire(time.monotonic())
+            gone = [self._live_sessions.pop(s.session_id, None) for s in expired]
+        for live in gone:
+            if live is not None:
+                live.forget_all()
+        return len(expired)
+
     def fetch_sessions(self) -> int:
         """Fetch sessions held (observability and tests)."""
         with self._sessions_lock:
