@@ -11,6 +11,10 @@ Rules (Kafka's ``Partition`` / ``Replica``, seeds 000 and 004):
   before it has been written to its log. A follower that pipelines its fetches
   (``fetcher.py``: it asks for the next range while appending the previous answer) says
   how far its log is written (``written_offset``), and that is what counts here.
+- A follower's fetch session (KIP-227, ``fetch_session.py``) names a partition only when
+  its position moves; the leader counts the session's fetches as reports of the
+  unchanged position for the others (at most every 250 ms), so they feed this state as
+  if every fetch named every partition.
 - A follower is *caught up* at time t if at t it had fetched up to the leader's LEO as it
   was at its previous fetch (Kafka's ``lastCaughtUpTimeMs``); it falls out of sync once it
   has not been caught up for ``replica_lag_time_max_ms``. "Fetched up to" is the fetch
