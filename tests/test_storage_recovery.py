@@ -1148,6 +1148,20 @@ def test_log_manager_maintenance_applies_flush_and_retention(tmp_path: Path) -> 
     manager.shutdown()
 
 
+def sole_leader(topic: str, configs: dict[str, str]) -> PartitionState:
+    """``topic``-0 led by broker 1, the only replica."""
+    return PartitionState(
+        topic=topic,
+        partition=0,
+        leader=1,
+        leader_epoch=0,
+        isr=(1,),
+        replicas=(1,),
+        partition_epoch=0,
+        configs=configs,
+    )
+
+
 def test_a_restarted_broker_runs_no_retention_until_its_topic_settings_arrive(
     tmp_path: Path,
 ) -> None:
@@ -1156,16 +1170,7 @@ def test_a_restarted_broker_runs_no_retention_until_its_topic_settings_arrive(
     used to delete a retention.ms=-1 topic's month-old records in its first maintenance
     pass, before the controller had spoken (found by an audit)."""
     clock = ManualClock(start_ms=T0)
-    state = PartitionState(
-        topic="archive",
-        partition=0,
-        leader=1,
-        leader_epoch=0,
-        isr=(1,),
-        replicas=(1,),
-        partition_epoch=0,
-        configs={"retention.ms": "-1", "segment.bytes": "2000"},
-    )
+    state = sole_leader("archive", {"retention.ms": "-1", "segment.bytes": "2000"})
 
     def start() -> ReplicaManager:
         manager = ReplicaManager(LogManager(tmp_path, LogConfig(), clock=clock), broker_id=1)
@@ -1208,19 +1213,7 @@ def test_one_log_failing_its_maintenance_does_not_stop_the_others(
     manager = ReplicaManager(LogManager(tmp_path, LogConfig(), clock=clock), broker_id=1)
     manager.startup()
     configs = {"retention.ms": "1000", "segment.bytes": "2000"}
-    states = [
-        PartitionState(
-            topic=topic,
-            partition=0,
-            leader=1,
-            leader_epoch=0,
-            isr=(1,),
-            replicas=(1,),
-            partition_epoch=0,
-            configs=configs,
-        )
-        for topic in ("a-failing", "b-healthy")
-    ]
+    states = [sole_leader(topic, configs) for topic in ("a-failing", "b-healthy")]
     manager.apply_leader_and_isr(1, states)
     for topic in ("a-failing", "b-healthy"):
         for i in range(3):  # one segment each
@@ -1307,16 +1300,7 @@ def test_retention_and_producer_expiry_run_only_on_their_own_passes(tmp_path: Pa
     clock = ManualClock(start_ms=T0)
     manager = ReplicaManager(LogManager(tmp_path, LogConfig(), clock=clock), broker_id=1)
     manager.startup()
-    state = PartitionState(
-        topic="aged",
-        partition=0,
-        leader=1,
-        leader_epoch=0,
-        isr=(1,),
-        replicas=(1,),
-        partition_epoch=0,
-        configs={"retention.ms": "1000", "segment.bytes": "2000"},
-    )
+    state = sole_leader("aged", {"retention.ms": "1000", "segment.bytes": "2000"})
     manager.apply_leader_and_isr(1, [state])
     partition = manager.get_partition("aged", 0)
     for i in range(3):  # one segment each

@@ -782,6 +782,21 @@ def _put_unless(
     return False
 
 
+def _within_budget(
+    read: _PartitionRead, remaining: int, total: int
+) -> tuple[_PartitionRead, int, int]:
+    """One partition's read counted against a fetch response's byte budget: ``(read,
+    bytes left, bytes taken)``. Like Kafka, only the first data may exceed the budget (a
+    batch larger than max_bytes still makes progress); later data that would overflow
+    is dropped from this answer, left for the next fetch."""
+    if isinstance(read, TidelogError):
+        return read, remaining, total
+    size = len(read.records)
+    if size > remaining and total > 0:
+        return dataclasses.replace(read, records=b""), remaining, total
+    return read, max(remaining - size, 0), total + size
+
+
 def _client_gone() -> RequestTimedOutError:
     return RequestTimedOutError("the client went away before the acknowledgement")
 
@@ -1403,14 +1418,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             except TidelogError as exc:
                 partition = exc
             read = self._read_one(entry.position, partition, remaining, params)
-            if not isinstance(read, TidelogError):
-                size = len(read.records)
-                if size > remaining and total > 0:
-                    read = dataclasses.replace(read, records=b"")
-                    size = 0
-                total += size
-                remaining = max(remaining - size, 0)
-            reads[key] = read
+            reads[key], remaining, total = _within_budget(read, remaining, total)
 
     @staticmethod
     def _session_response(
@@ -1585,13 +1593,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 read = previous[index]
             else:
                 read = self._read_one(fp, partition, remaining, params)
-            if not isinstance(read, TidelogError):
-                size = len(read.records)
-                if size > remaining and total > 0:
-                    read = dataclasses.replace(read, records=b"")
-                    size = 0
-                total += size
-                remaining = max(remaining - size, 0)
+            read, remaining, total = _within_budget(read, remaining, total)
             reads.append(read)
         return reads
 
