@@ -894,8 +894,10 @@ class _LiveSession:
     keys that changed since they were last read.
 
     Invariant: every partition object in ``watched`` has its watcher registered, until
-    ``forget``/``forget_all`` unregisters it; ``busy`` is held by the one fetch of the
-    session running (a second one is refused)."""
+    ``forget``/``forget_all`` unregisters it, and none is registered after ``forget_all``
+    (the session was dropped, perhaps while a fetch of it still runs: ``_lock`` orders
+    the two; it is taken before a partition's lock, never after); ``busy`` is held by
+    the one fetch of the session running (a second one is refused)."""
 
     def __init__(self, session: FetchSession[storage_pb2.FetchPartition]) -> None:
         self.session = session
@@ -904,6 +906,8 @@ class _LiveSession:
         self.watched: dict[Key, tuple[Partition, _ChangeWatcher[Key]]] = {}
         self.busy = threading.Lock()
         self.reported_s = 0.0  # when unchanged partitions last counted as progress
+        self._lock = threading.Lock()
+        self._dropped = False
 
     def drain_changed(self) -> set[Key]:
         keys: set[Key] = set()
@@ -914,22 +918,30 @@ class _LiveSession:
     def watch(self, key: Key, partition: Partition) -> None:
         """Watch ``partition`` for ``key`` (replacing another object's watch, e.g. a
         log deleted and created again)."""
-        held = self.watched.get(key)
-        if held is not None and held[0] is partition:
-            return
-        self.forget([key])
-        watcher = _ChangeWatcher(self.event, self.changed, key)
-        partition.watch(watcher, replica=True)
-        self.watched[key] = (partition, watcher)
+        with self._lock:
+            held = self.watched.get(key)
+            if self._dropped or (held is not None and held[0] is partition):
+                return
+            self._forget_locked([key])
+            watcher = _ChangeWatcher(self.event, self.changed, key)
+            partition.watch(watcher, replica=True)
+            self.watched[key] = (partition, watcher)
 
     def forget(self, keys: Iterable[Key]) -> None:
+        with self._lock:
+            self._forget_locked(keys)
+
+    def forget_all(self) -> None:
+        """The session is dropped: unwatch everything, and watch nothing from now on."""
+        with self._lock:
+            self._dropped = True
+            self._forget_locked(list(self.watched))
+
+    def _forget_locked(self, keys: Iterable[Key]) -> None:
         for key in keys:
             held = self.watched.pop(key, None)
             if held is not None:
                 held[0].unwatch(held[1], replica=True)
-
-    def forget_all(self) -> None:
-        self.forget(list(self.watched))
 
 
 class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
