@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from array import array
 from collections.abc import Iterator
 from typing import Any
@@ -566,18 +567,24 @@ def test_a_second_close_waits_for_what_a_callbacks_close_left(
     and a later close() on the main thread returned at once too, as the producer was
     already closing: at exit the records still queued were dropped without a word. Every
     close() outside a callback now waits for what was queued, and the sender's end."""
-    admin.create_topic("second-close")
+    # Its own name per run: a rerun (pytest --reruns) shares the module's cluster.
+    topic = f"second-close-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic)
     closed_in_callback = threading.Event()
-    producer = tidelog.Producer(gateway.address, linger_ms=500)
-    first = producer.send("second-close", b"first")
+    # Generous timeouts: 30 MB through one gateway on a loaded 2-core machine; what is
+    # tested is that close() waits, not how fast.
+    producer = tidelog.Producer(
+        gateway.address, linger_ms=500, request_timeout_ms=120_000, delivery_timeout_ms=300_000
+    )
+    first = producer.send(topic, b"first")
 
     def close_in_callback(_: Any) -> None:
         producer.close()
         closed_in_callback.set()
 
     first.add_done_callback(close_in_callback)
-    big = producer.send_batch("second-close", [b"x" * 100] * 300_000)  # ~30 MB, still queued
-    assert closed_in_callback.wait(30)
+    big = producer.send_batch(topic, [b"x" * 100] * 300_000)  # ~30 MB, still queued
+    assert closed_in_callback.wait(60)
     producer.close()
     assert big.done() and len(big.result(0).offsets) == 300_000
     assert not producer._sender.is_alive()
