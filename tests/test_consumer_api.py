@@ -7,6 +7,7 @@ import re
 import signal
 import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -290,7 +291,8 @@ def test_an_invalid_batch_does_not_hold_back_other_partitions(
     stops the errors until it is resumed. It used to raise at once, at every poll that
     decoded the bad partition's answer, without naming it, and never handed out the
     bad partition's valid records."""
-    topic = "invalid-batch-two"
+    # Its own topic name per run: a rerun (pytest --reruns) shares the module's cluster.
+    topic = f"invalid-batch-two-{uuid.uuid4().hex[:8]}"
     admin.create_topic(topic, partitions=2, replication_factor=1)
     write_valid_invalid_valid(gateway, topic, partition=0)
     produce_raw(gateway, topic, 1, encode_batch(values("p1-", 10)))

@@ -1110,7 +1110,8 @@ def test_the_produce_pool_of_a_broker_gone_from_the_metadata_is_dropped(
     a partition, retired and replaced ids included (found by an audit). The sweeper now
     drops the pool of an id gone from the metadata for a whole interval; appends queued
     on a dropped pool finish, and later ones get a fresh pool."""
-    retired, topic = 7, "pools-of-gone-brokers"
+    # Its own topic name per run: a rerun (pytest --reruns) shares the module's cluster.
+    retired, topic = 7, f"pools-of-gone-brokers-{uuid.uuid4().hex[:8]}"
     broker = cluster.start_broker(retired)
     node = GatewayNode(GatewayNodeConfig(etcd=cluster.etcd.endpoint, cluster=cluster.cluster))
     try:
