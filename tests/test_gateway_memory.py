@@ -5,6 +5,7 @@ being OOM-killed. Before the produce stream stopped keeping answered requests al
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -33,7 +34,7 @@ def test_a_gateway_in_a_256_mib_cgroup_carries_100_partitions_of_acks_all(
     cluster: TestCluster, admin: tidelog.Admin, cgroup: MemoryCgroup
 ) -> None:
     capped = cluster.start_gateway(command_prefix=cgroup.command_prefix)
-    topic = "capped-gateway"
+    topic = f"capped-gateway-{uuid.uuid4().hex[:8]}"  # a rerun shares the module's cluster
     admin.create_topic(topic, partitions=100, replication_factor=3)
     values = pa.array([b"m" * RECORD_BYTES] * CHUNK, pa.binary())
     with tidelog.Producer(capped.address, acks="all", linger_ms=2) as producer:
