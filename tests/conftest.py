@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -15,8 +16,10 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 import tidelog  # noqa: E402
+from services.cluster_metadata import TOPICS_PREFIX  # noqa: E402
 from tests.support.cluster import GatewayProcess, TestCluster, running_cluster  # noqa: E402
 from tests.support.process import StartStorage, StorageProcess  # noqa: E402
+from tidelog.v1 import controller_pb2  # noqa: E402
 
 LONGEST_MODULES_FIRST: tuple[str, ...] = (
     "test_spark.py",
@@ -50,6 +53,63 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from tidelog.spark import start_jvm
 
         start_jvm(driver_memory="2g")  # as tests/test_spark.py's session asks
+
+
+# --- reruns ----------------------------------------------------------------------------
+# ``make test`` runs a failed test once more (``--reruns 1``). A module's shared cluster
+# keeps what the failed attempt made, so a rerun would meet its own topics and fail on
+# TOPIC_ALREADY_EXISTS instead of showing whether the failure was real: the fixture below
+# deletes them first. And -q prints nothing of a first attempt that failed when the rerun
+# passed, so the summary prints the end of each such failure.
+
+RERUN_REPORT_LINES = 40
+_TOPICS_BEFORE: dict[str, frozenset[str]] = {}
+"""The topics each test's first attempt started with, by node id."""
+
+
+def _topic_names(cluster: TestCluster) -> frozenset[str]:
+    return frozenset(
+        kv.key.removeprefix(TOPICS_PREFIX) for kv in cluster.store.get_prefix(TOPICS_PREFIX)
+    )
+
+
+def _delete_topics(cluster: TestCluster, names: frozenset[str]) -> None:
+    cluster.api.DeleteTopics(
+        controller_pb2.DeleteTopicsRequest(names=sorted(names), timeout_ms=10_000), timeout=30
+    )
+    deadline = time.monotonic() + 30
+    while _topic_names(cluster) & names and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@pytest.fixture(autouse=True)
+def _a_rerun_starts_without_its_failed_attempts_topics(
+    request: pytest.FixtureRequest,
+) -> Iterator[None]:
+    if "cluster" in request.fixturenames:
+        cluster = request.getfixturevalue("cluster")
+        if isinstance(cluster, TestCluster):
+            node_id = request.node.nodeid
+            before = _TOPICS_BEFORE.get(node_id)
+            if before is not None and getattr(request.node, "execution_count", 1) > 1:
+                made = _topic_names(cluster) - before
+                if made:
+                    _delete_topics(cluster, made)
+            else:
+                _TOPICS_BEFORE[node_id] = _topic_names(cluster)
+    yield
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    reruns = terminalreporter.stats.get("rerun", [])
+    if not reruns:
+        return
+    terminalreporter.section("first attempts of rerun tests (the end of each failure)")
+    for report in reruns:
+        lines = str(getattr(report, "longreprtext", "") or report.longrepr).splitlines()
+        terminalreporter.write_line(f"--- {report.nodeid} ({report.when})")
+        for line in lines[-RERUN_REPORT_LINES:]:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture
