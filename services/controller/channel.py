@@ -529,11 +529,14 @@ class _BrokerSender:
                 closed = True
             else:
                 closed = False
+                # The failed batch's waiters are older than a newer entry's: they go
+                # first, so the cap gives up the oldest whichever batch held them.
                 if isinstance(batch, tuple):
                     if self._update_metadata is None:
                         self._update_metadata = batch
                     else:  # a newer view is pending: its send satisfies these waiters too
-                        self._update_metadata[1].extend(batch[1])
+                        template, waiters = self._update_metadata
+                        self._update_metadata = (template, _capped(batch[1] + waiters))
                 else:
                     mailbox = (
                         self._leader_and_isr if kind == "leader_and_isr" else self._stop_replica
@@ -543,7 +546,7 @@ class _BrokerSender:
                         if newer is None:
                             mailbox[key] = entry
                         elif (key in mailbox) and newer is mailbox[key]:
-                            newer.completions.extend(entry.completions)
+                            newer.completions[:] = _capped(entry.completions + newer.completions)
                         else:
                             _resolve_all(entry.completions)
         if closed:
