@@ -1174,6 +1174,87 @@ def test_the_produce_pool_of_a_broker_gone_from_the_metadata_is_dropped(
         del cluster.brokers[retired]  # the later tests' cluster is the one they had
 
 
+def test_partitions_sharing_a_leader_go_in_one_append_many(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A produce request's acks=1/all partitions are sent one AppendMany per leader (as
+    Kafka's produce request names all of a broker's partitions), each answered on its
+    own, in order on a stream. A leader stopped under a group (SIGSTOP, then replaced) is
+    given up once the metadata names its successor: the group's partitions go alone to
+    their new leaders, and nothing acknowledged is lost."""
+    cluster.wait_brokers([0, 1, 2], 30)
+    topic = f"grouped-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=6, replication_factor=3)
+    node = GatewayNode(GatewayNodeConfig(etcd=cluster.etcd.endpoint, cluster=cluster.cluster))
+    node.start()
+    try:
+        produce = node._produce
+        assert produce is not None
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(node.address))
+
+        def request(i: int, timeout_ms: int = 0) -> gateway_pb2.ProduceRequest:
+            return gateway_pb2.ProduceRequest(
+                acks=common_pb2.ALL,
+                timeout_ms=timeout_ms,
+                correlation_id=i,
+                partitions=[
+                    gateway_pb2.ProducePartitionData(
+                        topic=topic, partition=p, records=encode_batch([b"v%d-%d" % (i, p)])
+                    )
+                    for p in range(6)
+                ],
+            )
+
+        # (The gateway's cache may lag the new topic a moment.)
+        first = wait_for(
+            lambda: (
+                (r := stub.Produce(request(0), timeout=30)).partitions[0].error.code
+                == common_pb2.NONE
+                and r
+            ),
+            15,
+            "a first write",
+        )
+        assert [(r.error.code, r.base_offset) for r in first.partitions] == [(0, 0)] * 6
+        leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+        shared = {b for b in leaders.values() if list(leaders.values()).count(b) > 1}
+        calls, alone = produce.group_counts()
+        assert calls >= len(shared) >= 1 and alone == 0, (leaders, calls, alone)
+
+        # A stream: each partition's appends stay in request order.
+        answers = list(stub.ProduceStream(iter(map(request, range(1, 21))), timeout=60))
+        offsets = {
+            a.correlation_id: [(r.partition, r.error.code, r.base_offset) for r in a.partitions]
+            for a in answers
+        }
+        assert offsets == {i: [(p, 0, i) for p in range(6)] for i in range(1, 21)}
+
+        # A leader of several partitions stops answering, and is replaced.
+        stopped = next(iter(shared))
+        os.kill(cluster.brokers[stopped].pid, signal.SIGSTOP)
+        try:
+            moved = stub.Produce(request(21, timeout_ms=20_000), timeout=60)
+        finally:
+            os.kill(cluster.brokers[stopped].pid, signal.SIGCONT)
+        assert [(r.error.code, r.base_offset) for r in moved.partitions] == [(0, 21)] * 6
+        assert produce.group_counts()[1] >= 2  # its partitions went alone to their successors
+        now = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+        assert stopped not in now.values()
+    finally:
+        node.stop()
+    for p in range(6):
+        with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+            consumer.assign([(topic, p)])
+            got = poll_records(consumer, 22)
+        assert got == [(i, b"v%d-%d" % (i, p)) for i in range(22)], p
+    cluster.wait_brokers([0, 1, 2], 30)
+    wait_for(
+        lambda: all(len(p.isr) == 3 for p in admin.describe_topic(topic).partitions) or None,
+        60,
+        "the stopped broker back in every ISR",
+    )
+
+
 def test_a_produce_timeout_above_the_limit_is_clamped_not_refused(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

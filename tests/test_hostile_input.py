@@ -482,6 +482,14 @@ def _name_requests(name: str) -> list[tuple[str, str, str, pb_message.Message]]:
         (
             "storage-0",
             "Storage",
+            "AppendMany",
+            storage_pb2.AppendManyRequest(
+                appends=[storage_pb2.AppendRequest(records=batch, acks=common_pb2.LEADER, **tp)]
+            ),
+        ),
+        (
+            "storage-0",
+            "Storage",
             "Fetch",
             storage_pb2.FetchRequest(
                 replica_id=-1,
@@ -655,6 +663,8 @@ def test_damaged_batches_are_refused_and_change_nothing(env: Env, label: str) ->
     stream = call(env.storage(leader), method("Storage", "AppendStream"), [append, append], 10.0)
     assert stream.status == grpc.StatusCode.OK, stream
     assert [ErrorCode(c) for r in stream.responses for c in error_codes(r)] == [expected] * 2
+    many = storage_pb2.AppendManyRequest(appends=[append])
+    assert_refused(rpc(env.storage(leader), "Storage", "AppendMany", many), expected, "many")
     produce = gateway_pb2.ProduceRequest(
         acks=common_pb2.ALL,
         partitions=[gateway_pb2.ProducePartitionData(topic=KNOWN, partition=0, records=records)],

@@ -112,13 +112,14 @@ class Trio:
         to: tuple[int, ...] | None = None,
         configs: dict[str, str] | None = None,
         topic_ids: dict[int, str] | None = None,
+        partition: int = 0,
     ) -> None:
-        """Send LeaderAndIsr for TOPIC-0 to ``to`` (default: every running replica), naming
-        ``topic_ids[broker]`` as the incarnation where given."""
+        """Send LeaderAndIsr for TOPIC-``partition`` to ``to`` (default: every running
+        replica), naming ``topic_ids[broker]`` as the incarnation where given."""
         self.publish_brokers()
         state = common_pb2.PartitionState(
             topic=TOPIC,
-            partition=0,
+            partition=partition,
             leader=leader,
             leader_epoch=epoch,
             isr=isr,
@@ -155,11 +156,15 @@ class Trio:
             return storage_pb2.AppendResponse(error=common_pb2.Error(code=int(found)))
         return response
 
-    def log(self, broker_id: int) -> storage_pb2.LogDescription:
+    def log(self, broker_id: int, partition: int = 0) -> storage_pb2.LogDescription:
         response = self.stub(broker_id).DescribeLogDirs(
             storage_pb2.DescribeLogDirsRequest(), timeout=RPC_TIMEOUT_S
         )
-        (found,) = [p for p in response.log_dirs[0].partitions if p.topic == TOPIC]
+        (found,) = [
+            p
+            for p in response.log_dirs[0].partitions
+            if (p.topic, p.partition) == (TOPIC, partition)
+        ]
         return found
 
     def log_bytes(self, broker_id: int, end: int) -> bytes:
@@ -493,6 +498,98 @@ def test_acks_all_appends_whose_clients_went_away_free_their_threads(trio: Trio)
         "a new append stream accepted",
     )
     assert code(streamed.error) == ErrorCode.NONE
+
+
+def _append_entry(
+    partition: int, values: list[bytes], acks: int = common_pb2.ALL, timeout_ms: int = 0
+) -> storage_pb2.AppendRequest:
+    return storage_pb2.AppendRequest(
+        topic=TOPIC,
+        partition=partition,
+        records=encode_batch(values),
+        acks=acks,
+        timeout_ms=timeout_ms,
+        correlation_id=100 + partition,
+    )
+
+
+def test_append_many_appends_every_partition_and_answers_each_on_its_own(trio: Trio) -> None:
+    """Kafka's multi-partition produce: one call, each partition's outcome its own. An
+    acks=all entry is answered once its partition's ISR has it; a partition this broker
+    does not host fails alone; a partition named twice refuses the whole call."""
+    for partition in (0, 1):
+        trio.elect(0, 1, [0, 1, 2], partition=partition)
+    stub = trio.stub(0)
+    assert code(trio.append(0, [b"before"]).error) == ErrorCode.NONE
+    response = stub.AppendMany(
+        storage_pb2.AppendManyRequest(
+            appends=[
+                _append_entry(0, [b"a", b"b"]),
+                _append_entry(7, [b"nowhere"]),
+                _append_entry(1, [b"c"], acks=common_pb2.LEADER),
+            ]
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    first, missing, second = response.responses
+    assert (code(first.error), first.base_offset, first.last_offset) == (ErrorCode.NONE, 1, 2)
+    assert first.high_watermark >= 3  # acks=all: the ISR has both records
+    assert first.correlation_id == 100
+    assert code(missing.error) == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+    assert missing.error.message and missing.correlation_id == 107
+    assert (code(second.error), second.base_offset, second.last_offset) == (ErrorCode.NONE, 0, 0)
+    wait_for(lambda: trio.log(1).log_end_offset == 3, 10, "the follower to copy partition 0")
+
+    # Named twice: refused whole, nothing appended anywhere.
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.AppendMany(
+            storage_pb2.AppendManyRequest(
+                appends=[
+                    _append_entry(1, [b"x"]),
+                    _append_entry(0, [b"y"]),
+                    _append_entry(1, [b"z"]),
+                ]
+            ),
+            timeout=RPC_TIMEOUT_S,
+        )
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rep-1 appears twice" in (raised.value.details() or "")
+    assert (trio.log(0).log_end_offset, trio.log(0, 1).log_end_offset) == (3, 1)
+
+
+def test_append_many_waits_for_its_acknowledgements_together(trio: Trio) -> None:
+    """The entries' acks=all waits overlap: with followers that never fetch, two entries
+    of 2 s each time out after about 2 s, not 4 (each wait counts from the call's start).
+    A client that goes away withdraws every waiter of its call."""
+    trio.stop(2)
+    for partition in (0, 1):
+        trio.elect(0, 1, [0, 1], replicas=(0, 1), partition=partition)
+    trio.stop(1)  # still in the ISR (this test is the controller): the HW cannot move
+    stub = trio.stub(0)
+    started = time.monotonic()
+    response = stub.AppendMany(
+        storage_pb2.AppendManyRequest(
+            appends=[
+                _append_entry(0, [b"a"], timeout_ms=2_000),
+                _append_entry(1, [b"b"], timeout_ms=2_000),
+            ]
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    elapsed_s = time.monotonic() - started
+    assert [code(r.error) for r in response.responses] == [ErrorCode.REQUEST_TIMED_OUT] * 2
+    assert 1.9 < elapsed_s < 3.5, elapsed_s
+
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.AppendMany(
+            storage_pb2.AppendManyRequest(
+                appends=[_append_entry(p, [b"gone"], timeout_ms=600_000) for p in (0, 1)]
+            ),
+            timeout=0.3,
+        )
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    partitions = [trio.nodes[0].replicas.get_partition(TOPIC, p) for p in (0, 1)]
+    wait_for(lambda: not any(p._ack_waiters for p in partitions), 10, "the waiters withdrawn")
 
 
 def _stream_once(

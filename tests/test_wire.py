@@ -86,15 +86,48 @@ def test_append_request(  # noqa: PLR0917 - one argument per field
     )
     if current_leader_epoch is not None:
         expected.current_leader_epoch = current_leader_epoch
-    encoded = wire.encode_append_request(
-        topic=topic,
-        partition=partition,
-        batches=(memoryview(records[:3]), records[3:]),
-        acks=acks,
-        timeout_ms=timeout_ms,
-        current_leader_epoch=current_leader_epoch,
-        correlation_id=correlation_id,
-        topic_id=topic_id,
+    encoded = b"".join(
+        wire.append_request_parts(
+            topic=topic,
+            partition=partition,
+            batches=(memoryview(records[:3]), records[3:]),
+            acks=acks,
+            timeout_ms=timeout_ms,
+            current_leader_epoch=current_leader_epoch,
+            correlation_id=correlation_id,
+            topic_id=topic_id,
+        )
+    )
+    assert encoded == expected.SerializeToString()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    appends=st.lists(
+        st.tuples(TEXT, EDGY_INT32, st.binary(max_size=100), ACKS, st.none() | EDGY_INT32),
+        max_size=4,
+    )
+)
+def test_append_many_request(appends: list[tuple[str, int, bytes, int, int | None]]) -> None:
+    expected = storage_pb2.AppendManyRequest()
+    for topic, partition, records, acks, epoch in appends:
+        entry = expected.appends.add(
+            topic=topic, partition=partition, records=records, acks=acks, timeout_ms=7
+        )  # type: ignore[arg-type]
+        if epoch is not None:
+            entry.current_leader_epoch = epoch
+    encoded = wire.encode_append_many_request(
+        [
+            wire.append_request_parts(
+                topic=topic,
+                partition=partition,
+                batches=(records,),
+                acks=acks,
+                timeout_ms=7,
+                current_leader_epoch=epoch,
+            )
+            for topic, partition, records, acks, epoch in appends
+        ]
     )
     assert encoded == expected.SerializeToString()
 

@@ -155,7 +155,7 @@ from tidelog.records import (
     record_bytes,
 )
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
-from tidelog.wire import encode_append_request, encode_produce_request
+from tidelog.wire import append_request_parts, encode_produce_request
 
 _log = logging.getLogger(__name__)
 
@@ -1541,15 +1541,17 @@ class Producer:
         for (item, leader, pipe), chunks in zip(routed, encoded, strict=True):
             topic, partition = item[1][0].tp
             correlation_id = self._count_request([item])
-            request = encode_append_request(
-                topic=topic,
-                partition=partition,
-                batches=chunks,
-                acks=self._acks,
-                timeout_ms=wait_ms,
-                current_leader_epoch=leader.leader_epoch,
-                correlation_id=correlation_id,
-                topic_id=item[1][0].topic_id,
+            request = b"".join(
+                append_request_parts(
+                    topic=topic,
+                    partition=partition,
+                    batches=chunks,
+                    acks=self._acks,
+                    timeout_ms=wait_ms,
+                    current_leader_epoch=leader.leader_epoch,
+                    correlation_id=correlation_id,
+                    topic_id=item[1][0].topic_id,
+                )
             )
             if tracing.ENABLED:
                 tracing.event("c_send", correlation_id, partition)

@@ -119,7 +119,7 @@ def encode_produce_request(
 # --- storage.proto --------------------------------------------------------------------------
 
 
-def encode_append_request(
+def append_request_parts(
     *,
     topic: str,
     partition: int,
@@ -129,8 +129,9 @@ def encode_append_request(
     current_leader_epoch: int | None,
     correlation_id: int = 0,
     topic_id: str = "",
-) -> bytes:
-    """``AppendRequest`` whose ``records`` are ``batches`` concatenated."""
+) -> list[_Buffer]:
+    """The parts of one ``AppendRequest``, the batches among them (not copied): an
+    ``AppendRequest`` is ``b"".join`` of them, ``encode_append_many_request`` nests them."""
     parts: list[_Buffer] = []
     _string_field(1, topic, parts)
     _int_field(2, partition, parts)
@@ -140,6 +141,14 @@ def encode_append_request(
     _optional_int_field(6, current_leader_epoch, parts)
     _int_field(7, correlation_id, parts)
     _string_field(8, topic_id, parts)
+    return parts
+
+
+def encode_append_many_request(appends: Sequence[list[_Buffer]]) -> bytes:
+    """``AppendManyRequest`` of entries made by ``append_request_parts``."""
+    parts: list[_Buffer] = []
+    for body in appends:
+        _message_field(1, body, parts)
     return b"".join(parts)
 
 

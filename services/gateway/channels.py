@@ -54,6 +54,9 @@ class Channels:
         self._appends: dict[
             str, grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse]
         ] = {}
+        self._append_manys: dict[
+            str, grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendManyResponse]
+        ] = {}
         self._fetches: dict[str, grpc.UnaryUnaryMultiCallable[storage_pb2.FetchRequest, bytes]] = {}
         self._closed = False
 
@@ -90,6 +93,20 @@ class Channels:
             )
         return append
 
+    def storage_append_many_encoded(
+        self, broker: Broker
+    ) -> grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendManyResponse]:
+        """``Storage.AppendMany`` taking a request already encoded (``tidelog.wire``)."""
+        address = broker_address(broker)
+        append_many = self._append_manys.get(address)
+        if append_many is None:
+            append_many = self._append_manys[address] = self._channel(address).unary_unary(
+                "/tidelog.v1.Storage/AppendMany",
+                request_serializer=None,
+                response_deserializer=storage_pb2.AppendManyResponse.FromString,
+            )
+        return append_many
+
     def storage_fetch_encoded(
         self, broker: Broker
     ) -> grpc.UnaryUnaryMultiCallable[storage_pb2.FetchRequest, bytes]:
@@ -116,6 +133,7 @@ class Channels:
             for address in gone:
                 self._stubs.pop(address, None)
                 self._appends.pop(address, None)
+                self._append_manys.pop(address, None)
                 self._fetches.pop(address, None)
         for channel in closing:
             channel.close()
@@ -127,6 +145,7 @@ class Channels:
             channels, self._channels = list(self._channels.values()), {}
             self._stubs.clear()
             self._appends.clear()
+            self._append_manys.clear()
             self._fetches.clear()
         for channel in channels:
             channel.close()

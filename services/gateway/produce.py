@@ -6,11 +6,17 @@ sequence). What the gateway checks is the request as a whole — acks, timeout, 
 size, duplicate partitions — and that each partition exists; a request that fails those
 checks changes nothing anywhere.
 
+Grouping: a request's acks=1/all partitions that share a leader go to it in one
+AppendMany (Kafka's produce request carries every partition it has for a broker), on one
+worker thread; a partition that call cannot settle (its leader moved, the call failed) is
+then appended alone, re-routed and retried as a single-partition request always is.
+
 Order: within one ProduceStream, the batches for one partition are appended in the order
-the requests arrived (each waits for the previous one of its partition to be answered);
-different partitions proceed concurrently. acks=0 answers at once and appends in the
-background, bounded by ``max_background_appends`` (a full queue makes the request wait,
-which is the backpressure an acks=0 client gets).
+the requests arrived (each waits for the previous one of its partition to be answered; a
+group, for those of all its partitions); different partitions proceed concurrently.
+acks=0 answers at once and appends in the background, bounded by
+``max_background_appends`` (a full queue makes the request wait, which is the
+backpressure an acks=0 client gets).
 """
 
 from __future__ import annotations
@@ -18,11 +24,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import grpc
 import structlog
@@ -30,9 +36,10 @@ import structlog
 from services.gateway.byte_budget import ByteBudget
 from services.gateway.metadata_cache import Leader
 from services.gateway.router import DEADLINE_MARGIN_S, Router
-from services.status import to_error_proto
+from services.status import error_from_proto, to_error_proto
 from tidelog import tracing
 from tidelog.errors import (
+    REROUTE_CODES,
     InvalidRequestError,
     InvalidRequiredAcksError,
     NotLeaderOrFollowerError,
@@ -42,9 +49,11 @@ from tidelog.errors import (
     UnknownServerError,
 )
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
-from tidelog.wire import encode_append_request
+from tidelog.wire import append_request_parts, encode_append_many_request
 
 _log = structlog.get_logger("tidelog.gateway.produce")
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_MS: Final = 30_000
 """Kafka's request.timeout.ms: the default end-to-end budget of a produce request."""
@@ -134,6 +143,65 @@ def _stopping(data: gateway_pb2.ProducePartitionData) -> gateway_pb2.ProducePart
     return _failed(data, UnknownServerError("the gateway is stopping; nothing was written"))
 
 
+def _appended(
+    data: gateway_pb2.ProducePartitionData, response: storage_pb2.AppendResponse
+) -> gateway_pb2.ProducePartitionResult:
+    return gateway_pb2.ProducePartitionResult(
+        topic=data.topic,
+        partition=data.partition,
+        error=to_error_proto(None),
+        base_offset=response.base_offset,
+        last_offset=response.last_offset,
+        log_append_time_ms=response.log_append_time_ms,
+        log_start_offset=response.log_start_offset,
+    )
+
+
+def _append_parts(
+    data: gateway_pb2.ProducePartitionData, leader: Leader, acks: int, wait_ms: int
+) -> list[bytes | bytearray | memoryview]:
+    """The encoded ``AppendRequest`` (``tidelog.wire`` parts) of ``data`` for ``leader``."""
+    return append_request_parts(
+        topic=data.topic,
+        partition=data.partition,
+        batches=(data.records,),
+        acks=acks,
+        timeout_ms=wait_ms,
+        current_leader_epoch=leader.leader_epoch,
+        topic_id=data.topic_id,
+    )
+
+
+def _pass_on(
+    future: Future[gateway_pb2.ProducePartitionResult],
+    data: gateway_pb2.ProducePartitionData,
+    inner: Future[gateway_pb2.ProducePartitionResult],
+) -> None:
+    """Complete ``future`` with ``inner``'s result (a stopping failure if cancelled)."""
+    future.set_result(_stopping(data) if inner.cancelled() else inner.result())
+
+
+def _when_all_done(futures: Sequence[Future[Any]], then: Callable[[], None]) -> None:
+    """``then()`` once every one of ``futures`` is done: at once if they are, else in the
+    thread that completes the last."""
+    pending = [f for f in futures if not f.done()]
+    if not pending:
+        then()
+        return
+    remaining = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        then()
+
+    for future in pending:
+        future.add_done_callback(one_done)
+
+
 class ProduceHandler:
     """Runs produce requests; owns the worker threads. Thread-safe.
 
@@ -157,6 +225,9 @@ class ProduceHandler:
         self._closed = False
         self._background = threading.BoundedSemaphore(limits.max_background_appends)
         self.budget = ByteBudget(limits.queued_max_request_bytes)
+        self._counts_lock = threading.Lock()
+        self._append_many_calls = 0  # AppendMany calls made (observability, tests)
+        self._group_partitions_alone = 0  # of their partitions, those appended alone after
 
     def close(self) -> None:
         with self._executors_lock:
@@ -165,6 +236,12 @@ class ProduceHandler:
             self._executors.clear()
         for executor in executors:
             executor.shutdown(wait=False, cancel_futures=True)
+
+    def group_counts(self) -> tuple[int, int]:
+        """(AppendMany calls made, partitions of a group that were appended alone after
+        it: their leader moved or the call failed)."""
+        with self._counts_lock:
+            return self._append_many_calls, self._group_partitions_alone
 
     def pool_broker_ids(self) -> list[int]:
         """The broker ids that have a worker pool now (observability and tests)."""
@@ -206,14 +283,11 @@ class ProduceHandler:
                 )
             return executor
 
-    def _start(
-        self,
-        data: gateway_pb2.ProducePartitionData,
-        fn: Callable[[], gateway_pb2.ProducePartitionResult],
-        refused: Callable[[], None] | None,
-    ) -> Future[gateway_pb2.ProducePartitionResult]:
-        """``fn`` on the pool of the partition's leader; never raises. When no pool takes
-        it (the gateway is stopping), ``refused`` runs and the future holds the failure."""
+    def _on_leader_pool(
+        self, data: gateway_pb2.ProducePartitionData, fn: Callable[[], T]
+    ) -> Future[T] | None:
+        """``fn`` on the pool of the partition's leader; None when no pool takes it (the
+        gateway is stopping)."""
         for _ in range(SUBMIT_ATTEMPTS):
             executor = self._executor_for(data)
             if executor is None:
@@ -225,6 +299,19 @@ class ProduceHandler:
                 # the metadata; the next lookup finds whom the metadata names now), or
                 # the gateway is closing (the next lookup says so).
                 continue
+        return None
+
+    def _start(
+        self,
+        data: gateway_pb2.ProducePartitionData,
+        fn: Callable[[], gateway_pb2.ProducePartitionResult],
+        refused: Callable[[], None] | None,
+    ) -> Future[gateway_pb2.ProducePartitionResult]:
+        """``fn`` on the pool of the partition's leader; never raises. When no pool takes
+        it (the gateway is stopping), ``refused`` runs and the future holds the failure."""
+        future = self._on_leader_pool(data, fn)
+        if future is not None:
+            return future
         if refused is not None:
             refused()
         return Submitted.done(_stopping(data)).result
@@ -247,16 +334,7 @@ class ProduceHandler:
             if tracing.ENABLED:
                 tracing.event("g_ap_in", data.partition)
             pending = append.future(
-                encode_append_request(
-                    topic=data.topic,
-                    partition=data.partition,
-                    batches=(data.records,),
-                    acks=acks,
-                    timeout_ms=wait_ms,
-                    current_leader_epoch=leader.leader_epoch,
-                    topic_id=data.topic_id,
-                ),
-                timeout=timeout_s,
+                b"".join(_append_parts(data, leader, acks, wait_ms)), timeout=timeout_s
             )
             response: storage_pb2.AppendResponse = self._answer_unless_moved(pending, data, leader)
             if tracing.ENABLED:
@@ -272,15 +350,154 @@ class ProduceHandler:
         except Exception as exc:  # a bug: answer for this partition, keep the rest going
             _log.exception("append_failed", topic=data.topic, partition=data.partition)
             return _failed(data, UnknownServerError(f"{type(exc).__name__}: {exc}"))
-        return gateway_pb2.ProducePartitionResult(
-            topic=data.topic,
-            partition=data.partition,
-            error=to_error_proto(None),
-            base_offset=response.base_offset,
-            last_offset=response.last_offset,
-            log_append_time_ms=response.log_append_time_ms,
-            log_start_offset=response.log_start_offset,
+        return _appended(data, response)
+
+    # --- the partitions of one leader ---------------------------------------------------
+
+    def submit_all(
+        self,
+        partitions: Sequence[gateway_pb2.ProducePartitionData],
+        acks: common_pb2.Acks,
+        deadline: float,
+        afters: Sequence[Future[gateway_pb2.ProducePartitionResult] | None] | None = None,
+    ) -> list[Submitted]:
+        """``submit`` for each partition, ``afters[i]`` being partition i's; but the
+        acks=1/all appends of partitions that share a leader go in one AppendMany (Kafka's
+        produce request names every partition it has for a broker), which starts once
+        each of theirs in ``afters`` is done. One call and one worker thread for the
+        group, where one Append each held a thread and paid a call each. A partition the
+        group call cannot settle (its leader moved, the call failed) is appended alone,
+        with the re-routing and retries of ``append``."""
+        wanted = list(afters) if afters is not None else [None] * len(partitions)
+        if acks == common_pb2.NONE_ACKS or len(partitions) < 2:
+            return [
+                self.submit(d, acks, deadline, a) for d, a in zip(partitions, wanted, strict=True)
+            ]
+        submitted: dict[int, Submitted] = {}
+        by_leader: dict[int, list[int]] = {}
+        for i, data in enumerate(partitions):
+            try:
+                leader = self._router.cache.leader(data.topic, data.partition)
+            except TidelogError:  # unknown (answered now) or leaderless (waited for alone)
+                submitted[i] = self.submit(data, acks, deadline, wanted[i])
+                continue
+            by_leader.setdefault(leader.broker.broker_id, []).append(i)
+        for indexes in by_leader.values():
+            if len(indexes) == 1:
+                (i,) = indexes
+                submitted[i] = self.submit(partitions[i], acks, deadline, wanted[i])
+                continue
+            futures = self._submit_group(
+                [partitions[i] for i in indexes],
+                acks,
+                deadline,
+                [after for i in indexes if (after := wanted[i]) is not None],
+            )
+            for i, future in zip(indexes, futures, strict=True):
+                submitted[i] = Submitted(result=future, tail=future)
+        return [submitted[i] for i in range(len(partitions))]
+
+    def _submit_group(
+        self,
+        group: list[gateway_pb2.ProducePartitionData],
+        acks: common_pb2.Acks,
+        deadline: float,
+        afters: list[Future[gateway_pb2.ProducePartitionResult]],
+    ) -> list[Future[gateway_pb2.ProducePartitionResult]]:
+        """One future per partition of ``group``, which never fail."""
+        futures: list[Future[gateway_pb2.ProducePartitionResult]] = [Future() for _ in group]
+
+        def settle(results: Sequence[gateway_pb2.ProducePartitionResult | None]) -> None:
+            with self._counts_lock:
+                self._group_partitions_alone += sum(result is None for result in results)
+            for data, future, result in zip(group, futures, results, strict=True):
+                if result is not None:
+                    future.set_result(result)
+                    continue
+                alone = self._start(data, partial(self.append, data, acks, deadline), None)
+                alone.add_done_callback(partial(_pass_on, future, data))
+
+        def run() -> None:
+            try:
+                results = self._append_group(group, acks, deadline)
+            except Exception:  # a bug: each partition alone still gets its answer
+                _log.exception("append_group_failed", partitions=len(group))
+                results = [None] * len(group)
+            settle(results)
+
+        def stopped(task: Future[None]) -> None:
+            if task.cancelled():  # close() cancelled it before it ran
+                for data, future in zip(group, futures, strict=True):
+                    future.set_result(_stopping(data))
+
+        def start() -> None:
+            task = self._on_leader_pool(group[0], run)
+            if task is None:
+                for data, future in zip(group, futures, strict=True):
+                    future.set_result(_stopping(data))
+            else:
+                task.add_done_callback(stopped)
+
+        _when_all_done(afters, start)
+        return futures
+
+    def _append_group(
+        self,
+        group: list[gateway_pb2.ProducePartitionData],
+        acks: common_pb2.Acks,
+        deadline: float,
+    ) -> list[gateway_pb2.ProducePartitionResult | None]:
+        """One AppendMany of ``group`` on the leader they share; each partition's result,
+        or None for one to append alone (its leader moved, or the call as a whole failed:
+        the broker unreachable or too old to know AppendMany, the deadline passed)."""
+        alone: list[gateway_pb2.ProducePartitionResult | None] = [None] * len(group)
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= DEADLINE_MARGIN_S:
+            return alone  # each then answers its own timeout
+        try:
+            leaders = [self._router.cache.leader(d.topic, d.partition) for d in group]
+        except TidelogError:
+            return alone
+        broker = leaders[0].broker
+        if any(leader.broker.broker_id != broker.broker_id for leader in leaders):
+            return alone
+        # As in ``append``: the leader gives up a little before our own deadline.
+        wait_ms = max(1, int((remaining_s - 2 * DEADLINE_MARGIN_S) * 1000))
+        request = encode_append_many_request(
+            [
+                _append_parts(data, leader, acks, wait_ms)
+                for data, leader in zip(group, leaders, strict=True)
+            ]
         )
+        if tracing.ENABLED:
+            for data in group:
+                tracing.event("g_ap_in", data.partition)
+        with self._counts_lock:
+            self._append_many_calls += 1
+        try:
+            pending = self._router.channels.storage_append_many_encoded(broker).future(
+                request, timeout=remaining_s
+            )
+            response, moved = self._await_unless_moved(
+                pending, list(zip(group, leaders, strict=True))
+            )
+        except grpc.RpcError as exc:
+            _log.debug("append_group_call_failed", broker=broker.broker_id, error=str(exc))
+            return alone
+        if moved is not None or len(response.responses) != len(group):
+            return alone
+        results: list[gateway_pb2.ProducePartitionResult | None] = []
+        for data, answer in zip(group, response.responses, strict=True):
+            if tracing.ENABLED:
+                tracing.event("g_ap_out", data.partition, answer.base_offset, answer.last_offset)
+            error = error_from_proto(answer.error)
+            if error is None:
+                results.append(_appended(data, answer))
+            elif error.code in REROUTE_CODES:
+                results.append(None)
+            else:
+                results.append(_failed(data, error))
+        return results
 
     def _answer_unless_moved(
         self, pending: Any, data: gateway_pb2.ProducePartitionData, leader: Leader
@@ -292,26 +509,38 @@ class ProduceHandler:
         whole timeout (30 s by default). As with any retry, an idempotent producer's batch
         is recognised by the new leader if it had been replicated; others get Kafka's
         at-least-once."""
+        response, now = self._await_unless_moved(pending, [(data, leader)])
+        if now is None:
+            assert isinstance(response, storage_pb2.AppendResponse)
+            return response
+        raise NotLeaderOrFollowerError(
+            f"broker {leader.broker.broker_id} did not answer for "
+            f"{data.topic}-{data.partition} before broker {now.broker.broker_id} "
+            f"became its leader (epoch {now.leader_epoch})"
+        )
+
+    def _await_unless_moved(
+        self, pending: Any, placed: Sequence[tuple[gateway_pb2.ProducePartitionData, Leader]]
+    ) -> tuple[Any, Leader | None]:
+        """``(pending's answer, None)``; or, once the metadata names another leader or
+        epoch for one of the ``placed`` partitions while it has not answered, ``(None,
+        that new leader)`` with the call cancelled."""
         while True:
             try:
-                response: storage_pb2.AppendResponse = pending.result(timeout=LEADER_WATCH_S)
-                return response
+                return pending.result(timeout=LEADER_WATCH_S), None
             except grpc.FutureTimeoutError:
                 pass
-            try:
-                now = self._router.cache.leader(data.topic, data.partition)
-            except TidelogError:
-                continue  # no leader right now: this one may still answer
-            if (now.broker.broker_id, now.leader_epoch) != (
-                leader.broker.broker_id,
-                leader.leader_epoch,
-            ):
-                pending.cancel()
-                raise NotLeaderOrFollowerError(
-                    f"broker {leader.broker.broker_id} did not answer for "
-                    f"{data.topic}-{data.partition} before broker {now.broker.broker_id} "
-                    f"became its leader (epoch {now.leader_epoch})"
-                )
+            for data, leader in placed:
+                try:
+                    now = self._router.cache.leader(data.topic, data.partition)
+                except TidelogError:
+                    continue  # no leader right now: this one may still answer
+                if (now.broker.broker_id, now.leader_epoch) != (
+                    leader.broker.broker_id,
+                    leader.leader_epoch,
+                ):
+                    pending.cancel()
+                    return None, now
 
     def _known(self, data: gateway_pb2.ProducePartitionData) -> TidelogError | None:
         try:
@@ -382,7 +611,7 @@ class ProduceHandler:
                 correlation_id=request.correlation_id, partitions=[result]
             )
             return response, []
-        submitted = [self.submit(data, request.acks, deadline) for data in request.partitions]
+        submitted = self.submit_all(request.partitions, request.acks, deadline)
         response = gateway_pb2.ProduceResponse(
             correlation_id=request.correlation_id,
             partitions=[s.result.result() for s in submitted],
@@ -553,17 +782,18 @@ class ProduceHandler:
                             state["in_flight"] -= 1
                         out.put(self._no_room(request))
                         continue
-                    results = []
                     try:
-                        for data in request.partitions:
-                            key = (data.topic, data.partition)
-                            with lock:
-                                after = tails.get(key)
-                            submitted = self.submit(data, request.acks, deadline, after)
-                            with lock:
+                        keys = [(data.topic, data.partition) for data in request.partitions]
+                        with lock:
+                            afters = [tails.get(key) for key in keys]
+                        results = self.submit_all(
+                            request.partitions, request.acks, deadline, afters
+                        )
+                        with lock:
+                            for key, submitted in zip(keys, results, strict=True):
                                 tails[key] = submitted.tail
+                        for key, submitted in zip(keys, results, strict=True):
                             submitted.tail.add_done_callback(partial(forget, key))
-                            results.append(submitted)
                     except BaseException:
                         self.budget.release(size)
                         raise

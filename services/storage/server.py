@@ -1000,6 +1000,33 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             _withdraw_when_gone(context, partition, result.waiter)
         return self._finish_append(request, partition, result)
 
+    @unary_errors
+    def AppendMany(  # noqa: N802 - gRPC's method name
+        self, request: storage_pb2.AppendManyRequest, context: grpc.ServicerContext
+    ) -> storage_pb2.AppendManyResponse:
+        """Kafka's multi-partition produce: every entry is appended first, then each
+        acknowledgement awaited in turn. The waits overlap (each counts from the call's
+        start), so the call takes about as long as its slowest partition and holds one
+        thread, where one Append per partition held one each."""
+        self._check_partition_count(len(request.appends))
+        seen: set[Key] = set()
+        for entry in request.appends:
+            key = (entry.topic, entry.partition)
+            if key in seen:
+                raise InvalidRequestError(
+                    f"partition {entry.topic}-{entry.partition} appears twice in one "
+                    "AppendMany; put all its batches in one entry"
+                )
+            seen.add(key)
+        started_at = time.monotonic()
+        started = [self._start_append_answering_errors(entry) for entry in request.appends]
+        for item in started:
+            if item.partition is not None and item.result is not None and item.result.waiter:
+                _withdraw_when_gone(context, item.partition, item.result.waiter)
+        return storage_pb2.AppendManyResponse(
+            responses=[self._finish_append_answering_errors(item, started_at) for item in started]
+        )
+
     def AppendStream(  # noqa: N802 - gRPC's method name
         self, request_iterator: Iterator[storage_pb2.AppendRequest], context: grpc.ServicerContext
     ) -> Iterator[storage_pb2.AppendResponse]:
@@ -1069,11 +1096,13 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         except Exception as exc:
             return _StartedAppend(request, None, None, exc)
 
-    def _finish_append_answering_errors(self, item: _StartedAppend) -> storage_pb2.AppendResponse:
+    def _finish_append_answering_errors(
+        self, item: _StartedAppend, started_at: float | None = None
+    ) -> storage_pb2.AppendResponse:
         error = item.error
         if error is None and item.partition is not None and item.result is not None:
             try:
-                return self._finish_append(item.request, item.partition, item.result)
+                return self._finish_append(item.request, item.partition, item.result, started_at)
             except Exception as exc:
                 error = exc
         if not isinstance(error, TidelogError):
@@ -1105,9 +1134,15 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         return partition, result
 
     def _finish_append(
-        self, request: storage_pb2.AppendRequest, partition: Partition, result: AppendResult
+        self,
+        request: storage_pb2.AppendRequest,
+        partition: Partition,
+        result: AppendResult,
+        started_at: float | None = None,
     ) -> storage_pb2.AppendResponse:
-        """Wait for the acknowledgement ``request.acks`` asks for, then answer."""
+        """Wait for the acknowledgement ``request.acks`` asks for, then answer. The wait's
+        timeout counts from ``started_at`` when given (an AppendMany's entries are
+        awaited one after another, and each may wait only what is left of its own)."""
         high_watermark = result.high_watermark
         if result.waiter is not None:
             # The purgatory: this handler thread sleeps on the waiter's event, which the
@@ -1115,7 +1150,10 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             timeout_ms = min(
                 request.timeout_ms or DEFAULT_ACKS_TIMEOUT_MS, self._limits.max_acks_timeout_ms
             )
-            high_watermark = partition.wait_for_ack(result.waiter, timeout_ms / 1000)
+            timeout_s = timeout_ms / 1000
+            if started_at is not None:
+                timeout_s = max(0.0, timeout_s - (time.monotonic() - started_at))
+            high_watermark = partition.wait_for_ack(result.waiter, timeout_s)
         no_acks = request.acks == common_pb2.NONE_ACKS
         if tracing.ENABLED:
             tracing.event("ap_out", request.partition, result.base_offset, result.last_offset)

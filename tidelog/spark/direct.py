@@ -48,7 +48,7 @@ from tidelog.errors import (
 from tidelog.leaders import Leader, LeaderDirectory, directory_for
 from tidelog.spark.reader import partition_gone
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
-from tidelog.wire import encode_append_request
+from tidelog.wire import append_request_parts
 
 TopicPartition = tuple[str, int]
 
@@ -223,13 +223,15 @@ class Appender:
                 self._directory.invalidate()
                 time.sleep(min(RETRY_BACKOFF_S, remaining_s))
                 continue
-            request = encode_append_request(
-                topic=topic,
-                partition=partition,
-                batches=(records,),
-                acks=acks,
-                timeout_ms=max(1, int(remaining_s * 1000) - LEADER_WAIT_MARGIN_MS),
-                current_leader_epoch=leader.leader_epoch,
+            request = b"".join(
+                append_request_parts(
+                    topic=topic,
+                    partition=partition,
+                    batches=(records,),
+                    acks=acks,
+                    timeout_ms=max(1, int(remaining_s * 1000) - LEADER_WAIT_MARGIN_MS),
+                    current_leader_epoch=leader.leader_epoch,
+                )
             )
             try:
                 response = self._directory.append_encoded(leader.address)(

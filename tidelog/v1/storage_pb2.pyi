@@ -45,6 +45,18 @@ class AppendResponse(_message.Message):
     correlation_id: int
     def __init__(self, error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., base_offset: _Optional[int] = ..., last_offset: _Optional[int] = ..., log_append_time_ms: _Optional[int] = ..., log_start_offset: _Optional[int] = ..., high_watermark: _Optional[int] = ..., correlation_id: _Optional[int] = ...) -> None: ...
 
+class AppendManyRequest(_message.Message):
+    __slots__ = ("appends",)
+    APPENDS_FIELD_NUMBER: _ClassVar[int]
+    appends: _containers.RepeatedCompositeFieldContainer[AppendRequest]
+    def __init__(self, appends: _Optional[_Iterable[_Union[AppendRequest, _Mapping]]] = ...) -> None: ...
+
+class AppendManyResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[AppendResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[AppendResponse, _Mapping]]] = ...) -> None: ...
+
 class FetchRequest(_message.Message):
     __slots__ = ("replica_id", "broker_epoch", "max_wait_ms", "min_bytes", "max_bytes", "partitions", "session_id", "session_epoch", "forgotten")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class StorageStub:
                 request_serializer=tidelog_dot_v1_dot_storage__pb2.AppendRequest.SerializeToString,
                 response_deserializer=tidelog_dot_v1_dot_storage__pb2.AppendResponse.FromString,
                 _registered_method=True)
+        self.AppendMany = channel.unary_unary(
+                '/tidelog.v1.Storage/AppendMany',
+                request_serializer=tidelog_dot_v1_dot_storage__pb2.AppendManyRequest.SerializeToString,
+                response_deserializer=tidelog_dot_v1_dot_storage__pb2.AppendManyResponse.FromString,
+                _registered_method=True)
         self.Fetch = channel.unary_unary(
                 '/tidelog.v1.Storage/Fetch',
                 request_serializer=tidelog_dot_v1_dot_storage__pb2.FetchRequest.SerializeToString,
@@ -99,6 +104,18 @@ class StorageServicer:
         request's correlation_id and its own Error, and a failed append does not end the stream.
         Requests are appended in the order they arrive and answered in that order, so a
         producer may keep several requests of one partition in flight and keep their order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendMany(self, request, context):
+        """Append to many partitions this broker leads in one call, as Kafka's ProduceRequest
+        does: each entry is appended in order, then their acknowledgements are awaited
+        together (acks=all waits overlap; one handler thread, not one per partition). Each
+        entry's outcome is its own AppendResponse with its Error; one refused partition does
+        not fail the others. A request naming a partition twice is refused whole
+        (INVALID_ARGUMENT, nothing appended).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,6 +185,11 @@ def add_StorageServicer_to_server(servicer, server):
                     servicer.AppendStream,
                     request_deserializer=tidelog_dot_v1_dot_storage__pb2.AppendRequest.FromString,
                     response_serializer=tidelog_dot_v1_dot_storage__pb2.AppendResponse.SerializeToString,
+            ),
+            'AppendMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendMany,
+                    request_deserializer=tidelog_dot_v1_dot_storage__pb2.AppendManyRequest.FromString,
+                    response_serializer=tidelog_dot_v1_dot_storage__pb2.AppendManyResponse.SerializeToString,
             ),
             'Fetch': grpc.unary_unary_rpc_method_handler(
                     servicer.Fetch,
@@ -260,6 +282,33 @@ class Storage:
             '/tidelog.v1.Storage/AppendStream',
             tidelog_dot_v1_dot_storage__pb2.AppendRequest.SerializeToString,
             tidelog_dot_v1_dot_storage__pb2.AppendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidelog.v1.Storage/AppendMany',
+            tidelog_dot_v1_dot_storage__pb2.AppendManyRequest.SerializeToString,
+            tidelog_dot_v1_dot_storage__pb2.AppendManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
