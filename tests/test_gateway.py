@@ -1184,7 +1184,8 @@ def test_partitions_sharing_a_leader_go_in_one_append_many(
     their new leaders, and nothing acknowledged is lost."""
     cluster.wait_brokers([0, 1, 2], 30)
     topic = f"grouped-{uuid.uuid4().hex[:8]}"
-    admin.create_topic(topic, partitions=6, replication_factor=3)
+    n = 12  # 4 per leader: the default --produce-group-min-partitions
+    admin.create_topic(topic, partitions=n, replication_factor=3)
     node = GatewayNode(GatewayNodeConfig(etcd=cluster.etcd.endpoint, cluster=cluster.cluster))
     node.start()
     try:
@@ -1201,7 +1202,7 @@ def test_partitions_sharing_a_leader_go_in_one_append_many(
                     gateway_pb2.ProducePartitionData(
                         topic=topic, partition=p, records=encode_batch([b"v%d-%d" % (i, p)])
                     )
-                    for p in range(6)
+                    for p in range(n)
                 ],
             )
 
@@ -1215,11 +1216,21 @@ def test_partitions_sharing_a_leader_go_in_one_append_many(
             15,
             "a first write",
         )
-        assert [(r.error.code, r.base_offset) for r in first.partitions] == [(0, 0)] * 6
+        assert [(r.error.code, r.base_offset) for r in first.partitions] == [(0, 0)] * n
         leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
-        shared = {b for b in leaders.values() if list(leaders.values()).count(b) > 1}
+        shared = {b for b in leaders.values() if list(leaders.values()).count(b) >= 4}
         calls, alone = produce.group_counts()
         assert calls >= len(shared) >= 1 and alone == 0, (leaders, calls, alone)
+        # Fewer than --produce-group-min-partitions of a leader: one Append each.
+        pair = [p for p, b in sorted(leaders.items()) if b == next(iter(shared))][:2]
+        few = request(0)
+        del few.partitions[:]
+        few.partitions.extend(
+            gateway_pb2.ProducePartitionData(topic=topic, partition=p, records=encode_batch([b"x"]))
+            for p in pair
+        )
+        assert [r.error.code for r in stub.Produce(few, timeout=30).partitions] == [0, 0]
+        assert produce.group_counts() == (calls, 0)
 
         # A stream: each partition's appends stay in request order.
         answers = list(stub.ProduceStream(iter(map(request, range(1, 21))), timeout=60))
@@ -1227,7 +1238,7 @@ def test_partitions_sharing_a_leader_go_in_one_append_many(
             a.correlation_id: [(r.partition, r.error.code, r.base_offset) for r in a.partitions]
             for a in answers
         }
-        assert offsets == {i: [(p, 0, i) for p in range(6)] for i in range(1, 21)}
+        assert offsets == {i: [(p, 0, i + (p in pair)) for p in range(n)] for i in range(1, 21)}
 
         # A leader of several partitions stops answering, and is replaced.
         stopped = next(iter(shared))
@@ -1236,17 +1247,22 @@ def test_partitions_sharing_a_leader_go_in_one_append_many(
             moved = stub.Produce(request(21, timeout_ms=20_000), timeout=60)
         finally:
             os.kill(cluster.brokers[stopped].pid, signal.SIGCONT)
-        assert [(r.error.code, r.base_offset) for r in moved.partitions] == [(0, 21)] * 6
-        assert produce.group_counts()[1] >= 2  # its partitions went alone to their successors
+        assert [(r.error.code, r.base_offset) for r in moved.partitions] == [
+            (0, 21 + (p in pair)) for p in range(n)
+        ]
+        assert produce.group_counts()[1] >= 4  # its partitions went alone to their successors
         now = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
         assert stopped not in now.values()
     finally:
         node.stop()
-    for p in range(6):
+    for p in range(n):
         with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
             consumer.assign([(topic, p)])
-            got = poll_records(consumer, 22)
-        assert got == [(i, b"v%d-%d" % (i, p)) for i in range(22)], p
+            got = poll_records(consumer, 22 + (p in pair))
+        expected = [b"v%d-%d" % (i, p) for i in range(22)]
+        if p in pair:
+            expected.insert(1, b"x")
+        assert got == list(enumerate(expected)), p
     cluster.wait_brokers([0, 1, 2], 30)
     wait_for(
         lambda: all(len(p.isr) == 3 for p in admin.describe_topic(topic).partitions) or None,

@@ -450,6 +450,16 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         ),
     )
     parser.add_argument(
+        "--produce-group-min-partitions",
+        type=_positive_int,
+        default=4,
+        metavar="N",
+        help=(
+            "partitions of one leader in one produce request that go to it in one "
+            "AppendMany call; fewer are sent one Append each (default: 4)"
+        ),
+    )
+    parser.add_argument(
         "--queued-max-fetch-bytes",
         type=_positive_int,
         default=None,

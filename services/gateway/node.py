@@ -32,7 +32,7 @@ from services.gateway.group_coordinator import GroupCoordinator
 from services.gateway.groups import OffsetStore
 from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import MetadataCache
-from services.gateway.produce import ProduceHandler, ProduceLimits
+from services.gateway.produce import MIN_GROUP_PARTITIONS, ProduceHandler, ProduceLimits
 from services.gateway.router import Router
 from services.gateway.server import GatewayServicer, add_gateway_to_server
 from services.metastore import MetaStore
@@ -76,6 +76,8 @@ class GatewayNodeConfig:
     # ProduceStream open while it lives), so with fewer threads than admitted calls, that
     # many idle producers left every other call queued for a thread, health checks aside.
     max_workers: int | None = None
+    # Partitions of one leader in one produce request sent in one AppendMany.
+    produce_group_min_partitions: int = MIN_GROUP_PARTITIONS
 
     def __post_init__(self) -> None:
         if not 0 <= self.listen_port <= 65535:
@@ -86,6 +88,7 @@ class GatewayNodeConfig:
             "max_in_flight_per_stream",
             "queued_max_request_bytes",
             "queued_max_fetch_bytes",
+            "produce_group_min_partitions",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -190,6 +193,7 @@ class GatewayNode:
             ProduceLimits(
                 max_request_bytes=config.max_request_bytes,
                 queued_max_request_bytes=budget_bytes,
+                min_group_partitions=config.produce_group_min_partitions,
             ),
         )
         controller = ControllerClient(self._cache, self._channels)
@@ -291,6 +295,9 @@ def main(args: argparse.Namespace) -> int:
             queued_max_request_bytes=getattr(args, "queued_max_request_bytes", None),
             queued_max_fetch_bytes=getattr(args, "queued_max_fetch_bytes", None),
             max_concurrent_rpcs=getattr(args, "max_concurrent_rpcs", 1024),
+            produce_group_min_partitions=getattr(
+                args, "produce_group_min_partitions", MIN_GROUP_PARTITIONS
+            ),
         )
     except (ValueError, TidelogError) as exc:
         print(f"tidelog gateway: error: {exc}", file=sys.stderr)

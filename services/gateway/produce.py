@@ -6,21 +6,23 @@ sequence). What the gateway checks is the request as a whole — acks, timeout, 
 size, duplicate partitions — and that each partition exists; a request that fails those
 checks changes nothing anywhere.
 
-Grouping: a request's acks=1/all partitions that share a leader go to it in one
-AppendMany (Kafka's produce request carries every partition it has for a broker), on one
-worker thread; a partition that call cannot settle (its leader moved, the call failed) is
-then appended alone, re-routed and retried as a single-partition request always is.
+Grouping: a request's acks=1/all partitions that share a leader (at least
+``min_group_partitions`` of them, each with no append running) go to it in one AppendMany
+(Kafka's produce request carries every partition it has for a broker), on one worker
+thread; a partition that call cannot settle (its leader moved, the call failed) is then
+appended alone, re-routed and retried as a single-partition request always is.
 
 Order: within one ProduceStream, the batches for one partition are appended in the order
-the requests arrived (each waits for the previous one of its partition to be answered; a
-group, for those of all its partitions); different partitions proceed concurrently.
-acks=0 answers at once and appends in the background, bounded by
+the requests arrived (each waits for the previous one of its partition to be answered;
+only partitions with none running are grouped); different partitions proceed
+concurrently. acks=0 answers at once and appends in the background, bounded by
 ``max_background_appends`` (a full queue makes the request wait, which is the
 backpressure an acks=0 client gets).
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -63,6 +65,14 @@ refusing it failed every request of a client configured with a long request time
 MAX_PARTITIONS_PER_REQUEST: Final = 10_000
 LEADER_WATCH_S: Final = 0.5
 """How often an append waiting for its leader looks whether the metadata names another."""
+MIN_GROUP_PARTITIONS: Final = 4
+"""The default of ``ProduceLimits.min_group_partitions``: the fewest partitions of one
+leader that ``submit_all`` sends in one AppendMany. Fewer go alone: the calls a small
+group saves are few, and its appends run one after another on the broker and answer
+together. Measured (BENCHMARKS.md, "Scale: where the time goes"): groups of 2 (the
+half-rate latency probe, 6 partitions on 3 leaders) raised its e2e p99 from ~39 to ~45 ms
+(three interleaved runs each); 1,000 partitions per leader (bench.scale) were
+acknowledged 4x faster."""
 NO_LEADER_POOL: Final = -1
 """The worker pool of appends whose partition has no leader known (never dropped)."""
 SUBMIT_ATTEMPTS: Final = 8
@@ -85,6 +95,9 @@ class ProduceLimits:
     workers: int = 64
     # Record bytes of all requests held at once (``byte_budget``); node.py sizes it.
     queued_max_request_bytes: int = 256 * 1024 * 1024
+    # Partitions of one leader in one request sent together in an AppendMany (fewer go
+    # one Append each); see MIN_GROUP_PARTITIONS.
+    min_group_partitions: int = MIN_GROUP_PARTITIONS
 
 
 def record_bytes(request: gateway_pb2.ProduceRequest) -> int:
@@ -179,27 +192,6 @@ def _pass_on(
 ) -> None:
     """Complete ``future`` with ``inner``'s result (a stopping failure if cancelled)."""
     future.set_result(_stopping(data) if inner.cancelled() else inner.result())
-
-
-def _when_all_done(futures: Sequence[Future[Any]], then: Callable[[], None]) -> None:
-    """``then()`` once every one of ``futures`` is done: at once if they are, else in the
-    thread that completes the last."""
-    pending = [f for f in futures if not f.done()]
-    if not pending:
-        then()
-        return
-    remaining = [len(pending)]
-    lock = threading.Lock()
-
-    def one_done(_: Future[Any]) -> None:
-        with lock:
-            remaining[0] -= 1
-            if remaining[0]:
-                return
-        then()
-
-    for future in pending:
-        future.add_done_callback(one_done)
 
 
 class ProduceHandler:
@@ -362,12 +354,15 @@ class ProduceHandler:
         afters: Sequence[Future[gateway_pb2.ProducePartitionResult] | None] | None = None,
     ) -> list[Submitted]:
         """``submit`` for each partition, ``afters[i]`` being partition i's; but the
-        acks=1/all appends of partitions that share a leader go in one AppendMany (Kafka's
-        produce request names every partition it has for a broker), which starts once
-        each of theirs in ``afters`` is done. One call and one worker thread for the
-        group, where one Append each held a thread and paid a call each. A partition the
-        group call cannot settle (its leader moved, the call failed) is appended alone,
-        with the re-routing and retries of ``append``."""
+        acks=1/all appends of partitions that share a leader and have no append of theirs
+        still running (in ``afters``) go in one AppendMany (Kafka's produce request names
+        every partition it has for a broker): one call and one worker thread for the
+        group, where one Append each held a thread and paid a call each; at least
+        ``limits.min_group_partitions`` of them. A partition with an append running goes alone
+        once it is done, as before: a group that waited for the slowest of its
+        partitions' previous appends held up the others. A partition the group call
+        cannot settle (its leader moved, the call failed) is appended alone, with the
+        re-routing and retries of ``append``."""
         wanted = list(afters) if afters is not None else [None] * len(partitions)
         if acks == common_pb2.NONE_ACKS or len(partitions) < 2:
             return [
@@ -376,23 +371,22 @@ class ProduceHandler:
         submitted: dict[int, Submitted] = {}
         by_leader: dict[int, list[int]] = {}
         for i, data in enumerate(partitions):
-            try:
-                leader = self._router.cache.leader(data.topic, data.partition)
-            except TidelogError:  # unknown (answered now) or leaderless (waited for alone)
-                submitted[i] = self.submit(data, acks, deadline, wanted[i])
-                continue
-            by_leader.setdefault(leader.broker.broker_id, []).append(i)
+            after = wanted[i]
+            leader = None
+            if after is None or after.done():
+                # (Unknown partitions are answered by ``submit``; leaderless ones wait.)
+                with contextlib.suppress(TidelogError):
+                    leader = self._router.cache.leader(data.topic, data.partition)
+            if leader is None:
+                submitted[i] = self.submit(data, acks, deadline, after)
+            else:
+                by_leader.setdefault(leader.broker.broker_id, []).append(i)
         for indexes in by_leader.values():
-            if len(indexes) == 1:
-                (i,) = indexes
-                submitted[i] = self.submit(partitions[i], acks, deadline, wanted[i])
+            if len(indexes) < self.limits.min_group_partitions:
+                for i in indexes:
+                    submitted[i] = self.submit(partitions[i], acks, deadline, wanted[i])
                 continue
-            futures = self._submit_group(
-                [partitions[i] for i in indexes],
-                acks,
-                deadline,
-                [after for i in indexes if (after := wanted[i]) is not None],
-            )
+            futures = self._submit_group([partitions[i] for i in indexes], acks, deadline)
             for i, future in zip(indexes, futures, strict=True):
                 submitted[i] = Submitted(result=future, tail=future)
         return [submitted[i] for i in range(len(partitions))]
@@ -402,7 +396,6 @@ class ProduceHandler:
         group: list[gateway_pb2.ProducePartitionData],
         acks: common_pb2.Acks,
         deadline: float,
-        afters: list[Future[gateway_pb2.ProducePartitionResult]],
     ) -> list[Future[gateway_pb2.ProducePartitionResult]]:
         """One future per partition of ``group``, which never fail."""
         futures: list[Future[gateway_pb2.ProducePartitionResult]] = [Future() for _ in group]
@@ -430,15 +423,12 @@ class ProduceHandler:
                 for data, future in zip(group, futures, strict=True):
                     future.set_result(_stopping(data))
 
-        def start() -> None:
-            task = self._on_leader_pool(group[0], run)
-            if task is None:
-                for data, future in zip(group, futures, strict=True):
-                    future.set_result(_stopping(data))
-            else:
-                task.add_done_callback(stopped)
-
-        _when_all_done(afters, start)
+        task = self._on_leader_pool(group[0], run)
+        if task is None:
+            for data, future in zip(group, futures, strict=True):
+                future.set_result(_stopping(data))
+        else:
+            task.add_done_callback(stopped)
         return futures
 
     def _append_group(

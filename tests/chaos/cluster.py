@@ -195,7 +195,10 @@ class ChaosCluster:
             node.start(health="tidelog.v1.Storage")
         self.gateway = Node(
             "gateway",
-            ["gateway", *common, "--listen", "127.0.0.1:0"],
+            # Every multi-partition request through AppendMany (the workload's gateway
+            # writers name several partitions per request; the default groups only 4+
+            # partitions of a leader, which 3 partitions never have).
+            ["gateway", *common, "--listen", "127.0.0.1:0", "--produce-group-min-partitions", "1"],
             self.base_dir,
             None,
         )

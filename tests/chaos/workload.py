@@ -2,7 +2,9 @@
 concurrent consumers, all with the SDK, recording a history. Writers and readers of even
 index go through the gateway, those of odd index use the SDK's direct mode (appends to
 and fetches from the partition leaders, ``tidelog.leaders``): every fault meets both
-paths.
+paths. Gateway writers key their values (spread over every partition) and linger longer,
+so that their requests name several partitions, which the chaos gateway sends in one
+AppendMany per leader (``cluster.py``); direct writers send keyless values.
 
 A value is ``w<writer>:<seq>:<crc32 of the first two fields, hex>`` padded with a filler
 derived from the same fields, so the checker can tell a value it never wrote, a corrupted
@@ -124,12 +126,13 @@ class Workload:
     # --- writers --------------------------------------------------------------------------
 
     def _write(self, writer: int) -> None:
+        direct = writer % 2 == 1
         producer = Producer(
             self.gateway,
-            direct=writer % 2 == 1,
+            direct=direct,
             acks="all",
             enable_idempotence=True,
-            linger_ms=5,
+            linger_ms=5 if direct else 25,
             delivery_timeout_ms=60_000,
             request_timeout_ms=5_000,
             max_block_ms=5_000,
@@ -142,7 +145,7 @@ class Workload:
             value = make_value(writer, seq)
             seq += 1
             try:
-                future = producer.send(self.topic, value)
+                future = producer.send(self.topic, value, key=None if direct else value[:16])
             except TidelogError as exc:
                 with self._lock:
                     self.history.sent += 1
