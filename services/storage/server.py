@@ -274,8 +274,15 @@ class ReplicaManager:
                 found = self._partitions.get(key)
                 if found is not None:
                     found.restore_high_watermark(high_watermark)
+        # One line for all at info: a line each made 3,000 lines (~75 ms) of every start
+        # with the scale bench's 3,000 partitions per broker. Each one at debug.
         for topic, partition in sorted(self._partitions):
-            _log.info("partition_loaded", topic=topic, partition=partition)
+            _log.debug("partition_loaded", topic=topic, partition=partition)
+        _log.info(
+            "partitions_loaded",
+            partitions=len(self._partitions),
+            topics=len({topic for topic, _ in self._partitions}),
+        )
 
     def get_partition(self, topic: str, partition: int) -> Partition:
         """The hosted partition; InvalidTopic/InvalidRequest/UnknownTopicOrPartition else."""
