@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,7 +231,10 @@ def run_group_chaos(
 ) -> GroupChaosReport:
     rng = random.Random(seed)
     report = GroupChaosReport()
-    base.mkdir(parents=True, exist_ok=True)
+    # A run's files stay for a look afterwards; the next run of the seed starts afresh
+    # (its etcd data would otherwise hold the last run's topic and group).
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
     with running_cluster(base / "cluster") as cluster:
         producer_gateway = cluster.start_gateway()
         tidelog.Admin(producer_gateway.address).create_topic(

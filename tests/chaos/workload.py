@@ -2,9 +2,10 @@
 concurrent consumers, all with the SDK, recording a history. Writers and readers of even
 index go through the gateway, those of odd index use the SDK's direct mode (appends to
 and fetches from the partition leaders, ``tidelog.leaders``): every fault meets both
-paths. Gateway writers key their values (spread over every partition) and linger longer,
-so that their requests name several partitions, which the chaos gateway sends in one
-AppendMany per leader (``cluster.py``); direct writers send keyless values.
+paths. Gateway writers send their values in keyed ``send_batch`` calls of
+``GATEWAY_BATCH`` (spread over every partition), so that their requests name several
+partitions, which the chaos gateway sends in one AppendMany per leader (``cluster.py``);
+direct writers ``send`` keyless values one by one.
 
 A value is ``w<writer>:<seq>:<crc32 of the first two fields, hex>`` padded with a filler
 derived from the same fields, so the checker can tell a value it never wrote, a corrupted
@@ -23,12 +24,15 @@ import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from tidelog.consumer import Consumer
 from tidelog.errors import TidelogError
 from tidelog.producer import Producer, RecordMetadata
 
 VALUE_BYTES = 100
+GATEWAY_BATCH = 8
+"""Values of one gateway writer's ``send_batch`` (keyed: several partitions at once)."""
 
 
 def make_value(writer: int, seq: int) -> bytes:
@@ -132,7 +136,7 @@ class Workload:
             direct=direct,
             acks="all",
             enable_idempotence=True,
-            linger_ms=5 if direct else 25,
+            linger_ms=5,
             delivery_timeout_ms=60_000,
             request_timeout_ms=5_000,
             max_block_ms=5_000,
@@ -142,34 +146,45 @@ class Workload:
         next_at = time.monotonic()
         seq = 0
         while not self._stop.is_set():
-            value = make_value(writer, seq)
-            seq += 1
+            count = 1 if direct else GATEWAY_BATCH
+            values = [make_value(writer, seq + i) for i in range(count)]
+            seq += count
             try:
-                future = producer.send(self.topic, value, key=None if direct else value[:16])
+                if direct:
+                    future: Future[Any] = producer.send(self.topic, values[0])
+                else:
+                    future = producer.send_batch(self.topic, values, keys=[v[:16] for v in values])
             except TidelogError as exc:
                 with self._lock:
-                    self.history.sent += 1
-                    self.history.failed[value] = f"send: {exc}"
+                    self.history.sent += count
+                    for value in values:
+                        self.history.failed[value] = f"send: {exc}"
                 continue
             with self._lock:
-                self.history.sent += 1
-            future.add_done_callback(self._on_answer(value))
-            next_at += interval_s
+                self.history.sent += count
+            future.add_done_callback(self._on_answer(values))
+            next_at += interval_s * count
             delay = next_at - time.monotonic()
             if delay > 0:
                 self._stop.wait(delay)
             else:
                 next_at = time.monotonic()  # fell behind (a fault blocked send): no burst
 
-    def _on_answer(self, value: bytes) -> Callable[[Future[RecordMetadata]], None]:
-        def done(future: Future[RecordMetadata]) -> None:
+    def _on_answer(self, values: list[bytes]) -> Callable[[Future[Any]], None]:
+        """Records the answer of a ``send`` (one value) or a ``send_batch`` (a failure
+        fails every value of it: each may or may not have been written)."""
+
+        def done(future: Future[Any]) -> None:
             error = future.exception()
             with self._lock:
-                if error is None:
-                    metadata = future.result()
-                    self.history.acked[value] = (metadata.partition, metadata.offset)
-                else:
-                    self.history.failed[value] = repr(error)
+                if error is not None:
+                    for value in values:
+                        self.history.failed[value] = repr(error)
+                    return
+                result = future.result()
+                metadata = [result] if isinstance(result, RecordMetadata) else list(result)
+                for value, record in zip(values, metadata, strict=True):
+                    self.history.acked[value] = (record.partition, record.offset)
 
         return done
 
