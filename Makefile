@@ -67,7 +67,7 @@ typecheck: venv
 PYTEST_WORKERS ?= 2
 
 pytest: venv
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --reruns 1 -m "not slow" tests
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --reruns 1 --durations=15 -m "not slow" tests
 
 test: sysdeps venv lint typecheck pytest
 
