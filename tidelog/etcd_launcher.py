@@ -265,9 +265,16 @@ class EtcdProcess:
         self.stop()
         return self.start()
 
-    def pause(self) -> None:
-        """SIGSTOP: etcd keeps its sockets but answers nothing (a hung server)."""
+    def pause(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP: etcd keeps its sockets but answers nothing (a hung server). Returns
+        once the kernel shows it stopped: a signal is delivered asynchronously, and a
+        request sent at once could still be answered (seen on a loaded 2-core machine)."""
         self._signal(signal.SIGSTOP)
+        if self._proc is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _process_state(self._proc.pid) not in ("T", "t", ""):
+            time.sleep(0.005)
 
     def resume(self) -> None:
         """SIGCONT after pause()."""
@@ -409,3 +416,14 @@ def _healthy(url: str) -> bool:
         # Not listening yet (connection refused) or no leader yet (HTTP 503).
         return False
     return b'"health":"true"' in body
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` ("T" once stopped), "" if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            # The name (2nd field) may hold spaces and parentheses: the state follows
+            # the last ")".
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
