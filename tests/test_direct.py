@@ -550,6 +550,42 @@ def test_direct_producer_keeps_several_requests_of_a_partition_in_flight(
         assert [f.result(60).offset for f in futures] == list(range(1, 7))
 
 
+def test_a_leaders_appends_of_one_send_pass_count_as_one_request_in_flight(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """In direct mode a request names one partition, so max_in_flight_requests (16)
+    counts the appends one pass of the sender makes to one leader as one request, as they
+    would be one produce request in Kafka. With a broker stopped, every acks=all append
+    of a 24-partition topic waits; the next record of each partition still goes out,
+    pipelined behind the first. Counted one by one, the 24 waiting appends filled the 16
+    places and the producer sent nothing more until they were answered (a thousand
+    partitions' appends went 16 at a time)."""
+    topic = "direct-wide"
+    _create(admin, topic, 24)
+    partitions = range(24)
+
+    def in_flight() -> list[int]:
+        with producer._lock:
+            queues = [producer._queues.get((topic, p)) for p in partitions]
+            return [0 if pq is None else pq.in_flight for pq in queues]
+
+    with tidelog.Producer(gateway.address, direct=True, linger_ms=20) as producer:
+        for future in [producer.send(topic, b"warm", partition=p) for p in partitions]:
+            future.result(30)  # leaders known, a pipe open to each broker
+        stopped = cluster.brokers[min(cluster.brokers)]
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            first = [producer.send(topic, b"a%d" % p, partition=p) for p in partitions]
+            wait_for(lambda: in_flight() == [1] * 24, 10, "every partition's first append sent")
+            second = [producer.send(topic, b"b%d" % p, partition=p) for p in partitions]
+            wait_for(lambda: in_flight() == [2] * 24, 10, "every partition's second append sent")
+            assert not any(f.done() for f in first + second)
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+        assert [f.result(60).offset for f in first] == [1] * 24
+        assert [f.result(60).offset for f in second] == [2] * 24
+
+
 def test_a_refused_batch_does_not_fail_the_pipelined_ones_behind_it(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

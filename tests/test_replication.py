@@ -592,6 +592,25 @@ def test_append_many_waits_for_its_acknowledgements_together(trio: Trio) -> None
     wait_for(lambda: not any(p._ack_waiters for p in partitions), 10, "the waiters withdrawn")
 
 
+def test_an_append_stream_appends_far_ahead_of_its_acknowledgements(trio: Trio) -> None:
+    """A direct-mode producer sends one request per partition down its stream: the broker
+    appends them all as they come, whatever the acks=all waits before them, so their
+    waits overlap (with a depth of 16 a thousand partitions waited for ~60 follower
+    rounds one after another). The client going away withdraws every waiter."""
+    trio.stop(2)
+    trio.elect(0, 1, [0, 1], replicas=(0, 1))
+    trio.stop(1)  # still in the ISR (this test is the controller): the HW cannot move
+    requests: queue.Queue[storage_pb2.AppendRequest | None] = queue.Queue()
+    for i in range(200):
+        requests.put(_acks_all([b"ahead%d" % i], 600_000))
+    stream = trio.stub(0).AppendStream(iter(requests.get, None), timeout=60)
+    partition = trio.nodes[0].replicas.get_partition(TOPIC, 0)
+    wait_for(lambda: trio.log(0).log_end_offset == 200, 10, "all 200 appended, none answered")
+    assert trio.log(0).high_watermark == 0 and len(partition._ack_waiters) == 200
+    stream.cancel()
+    wait_for(lambda: not partition._ack_waiters, 10, "every waiting append withdrawn")
+
+
 def _stream_once(
     stub: storage_pb2_grpc.StorageStub, values: list[bytes]
 ) -> storage_pb2.AppendResponse | None:

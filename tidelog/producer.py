@@ -23,6 +23,9 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
 * **Direct mode** (``direct=True``) - the sender sends each partition's batches in an
   ``Append`` to the partition's leader itself, as Kafka's producer does, instead of through
   the gateway (``tidelog.leaders``: the gateway still gives metadata and producer ids).
+  The appends one pass of the sender makes to one leader count as one request against
+  ``max_in_flight_requests``, as they would be one produce request in Kafka (counted one
+  by one, a thousand partitions' acks=all appends went 16 at a time).
   An answer that says the leader moved, or a broker that cannot be reached, makes the
   batches retry after a metadata refresh, exactly as a gateway's retriable answer does.
 * **Pipes** (direct mode) - requests go to a leader on one ``AppendStream`` per broker
@@ -623,6 +626,13 @@ class Producer:
         self._broken: TidelogError | None = None
         self._sending: list[tuple[_PartitionQueue, list[_Batch]]] = []  # picked, not dispatched
         self._in_flight: dict[int, list[tuple[_PartitionQueue, list[_Batch]]]] = {}
+        # Direct mode: what max_in_flight_requests counts. A request there names one
+        # partition, so the partitions one sender pass sends to one leader count as one
+        # request, as they make one produce request in Kafka (correlation id -> its
+        # dispatch; dispatch -> its requests unanswered).
+        self._dispatch_of: dict[int, int] = {}
+        self._dispatch_left: dict[int, int] = {}
+        self._dispatches = itertools.count(1)
         self._correlation = itertools.count(1)
         self._producer_id = -1
         self._producer_epoch = -1
@@ -1131,6 +1141,8 @@ class Producer:
             # Answers still coming find nothing to complete.
             self._in_flight.clear()
             self._sent_at_s.clear()
+            self._dispatch_of.clear()
+            self._dispatch_left.clear()
             calls = [self._stream.call] if self._stream is not None else []
             calls += [pipe.call for pipe in self._pipes.values()]
             self._lock.notify_all()
@@ -1287,7 +1299,7 @@ class Producer:
                         hung = self._hung_pipe(time.monotonic())
                     if hung is not None:
                         break
-                    if len(self._in_flight) < self._max_in_flight:
+                    if self._requests_in_flight() < self._max_in_flight:
                         picked, wait_s = self._ready(time.monotonic())
                         if picked:
                             self._sending = picked  # for _sender_failed, until dispatched
@@ -1331,6 +1343,29 @@ class Producer:
         if self._appenders is not None:
             # Work not started yet is dropped when forced: close() failed its batches.
             self._appenders.shutdown(wait=False, cancel_futures=aborted)
+
+    def _requests_in_flight(self) -> int:
+        """(lock held) Requests unanswered, as ``max_in_flight_requests`` counts them."""
+        if self._leaders is None:
+            return len(self._in_flight)
+        return len(self._dispatch_left)
+
+    def _take_in_flight(
+        self, correlation_id: int
+    ) -> tuple[list[tuple[_PartitionQueue, list[_Batch]]] | None, float | None]:
+        """(lock held, direct mode) A request answered or given up: its picked batches
+        (None if already taken) and when it was sent; its dispatch counts one less."""
+        picked = self._in_flight.pop(correlation_id, None)
+        sent_at_s = self._sent_at_s.pop(correlation_id, None)
+        dispatch = self._dispatch_of.pop(correlation_id, None)
+        if dispatch is not None:
+            left = self._dispatch_left.get(dispatch, 1) - 1
+            if left > 0:
+                self._dispatch_left[dispatch] = left
+            else:
+                self._dispatch_left.pop(dispatch, None)
+                self._lock.notify_all()  # the sender may send again
+        return picked, sent_at_s
 
     def _end_streams(self) -> list[Any]:
         """(lock held) End the produce stream and the pipes after their last requests;
@@ -1538,6 +1573,7 @@ class Producer:
         # The leader waits for acks=all a little less than the call may take (see the
         # constant), as the gateway asks of it.
         wait_ms = max(1, self._request_timeout_ms - LEADER_WAIT_MARGIN_MS)
+        dispatch_of_leader: dict[str, int] = {}
         for (item, leader, pipe), chunks in zip(routed, encoded, strict=True):
             topic, partition = item[1][0].tp
             correlation_id = self._count_request([item])
@@ -1568,6 +1604,9 @@ class Producer:
                     closed = False
                     self._in_flight[correlation_id] = [item]
                     self._sent_at_s[correlation_id] = time.monotonic()
+                    dispatch = dispatch_of_leader.setdefault(leader.address, next(self._dispatches))
+                    self._dispatch_of[correlation_id] = dispatch
+                    self._dispatch_left[dispatch] = self._dispatch_left.get(dispatch, 0) + 1
                     if pipe is not None:
                         # Under the lock its reader takes to end it: a request is either
                         # stranded with the pipe (and retried) or never put on a dead one.
@@ -1634,8 +1673,7 @@ class Producer:
                         pipe.pending.popleft()  # answers come in request order
                     elif response.correlation_id in pipe.pending:
                         pipe.pending.remove(response.correlation_id)
-                    picked = self._in_flight.pop(response.correlation_id, None)
-                    sent_at_s = self._sent_at_s.pop(response.correlation_id, None)
+                    picked, sent_at_s = self._take_in_flight(response.correlation_id)
                     pipe.heard_s = time.monotonic()
                 if sent_at_s is not None:
                     self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
@@ -1675,8 +1713,7 @@ class Producer:
                 self._pipe_refused_until_s[pipe.address] = time.monotonic() + PIPE_REFUSED_BACKOFF_S
             stranded = []
             for correlation_id in pipe.pending:
-                picked = self._in_flight.pop(correlation_id, None)
-                self._sent_at_s.pop(correlation_id, None)
+                picked, _ = self._take_in_flight(correlation_id)
                 if picked is not None:
                     stranded.append(picked)
             pipe.pending.clear()
@@ -1687,8 +1724,7 @@ class Producer:
 
     def _append_answered(self, correlation_id: int, leader: Leader, future: Any) -> None:
         with self._lock:
-            picked = self._in_flight.pop(correlation_id, None)
-            sent_at_s = self._sent_at_s.pop(correlation_id, None)
+            picked, sent_at_s = self._take_in_flight(correlation_id)
         if picked is None:
             return
         if future.cancelled():  # never sent: dropped by the sender's end (a forced close)

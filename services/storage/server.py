@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import queue
 import shutil
 import threading
 import time
@@ -42,6 +41,7 @@ from services.status import (
     to_error_proto,
     unary_errors,
 )
+from services.storage.append_pipeline import AppendPipeline
 from services.storage.fetch_session import (
     FINAL_EPOCH,
     INITIAL_EPOCH,
@@ -134,9 +134,13 @@ class ServerLimits:
     # Open AppendStream calls (each holds a pool thread, and a reader thread, for its
     # lifetime).
     max_append_streams: int = 16
-    # Requests of one AppendStream appended and not yet answered; beyond it the stream is
-    # read no further (gRPC's flow control then holds the client back).
-    append_stream_depth: int = 16
+    # Requests of one AppendStream appended and not yet answered, and their record bytes;
+    # beyond either the stream is read no further (gRPC's flow control then holds the
+    # client back). The count is high because a direct-mode producer sends one request
+    # per partition: a thousand partitions' acks=all appends must overlap on one stream
+    # (append_pipeline.py). The bytes bound what a stream holds in memory.
+    append_stream_depth: int = 4096
+    append_stream_bytes: int = 64 * 1024 * 1024
     # Longest an acks=all append waits for the ISR; a larger timeout_ms is clamped, as
     # max_wait_ms is (each waiting append holds a pool thread).
     max_acks_timeout_ms: int = 300_000
@@ -149,6 +153,7 @@ class ServerLimits:
             "max_waiting_fetches",
             "max_append_streams",
             "append_stream_depth",
+            "append_stream_bytes",
             "max_acks_timeout_ms",
         ):
             if getattr(self, name) < 1:
@@ -772,22 +777,6 @@ session, too much for every round of a follower fetching under load (a round eve
 ms). Their positions did not change, so what it keeps fresh is only the follower's
 caught-up time (against replica.lag.time.max.ms, 30 s) and the HW it was told."""
 
-_PUT_POLL_S: Final = 0.5
-"""How often a reader blocked on a full pipeline looks whether the stream is over."""
-
-
-def _put_unless(
-    items: queue.Queue[_StartedAppend | None], item: _StartedAppend | None, over: threading.Event
-) -> bool:
-    """Put ``item`` once there is room; False if ``over`` is set first (nobody reads)."""
-    while not over.is_set():
-        try:
-            items.put(item, timeout=_PUT_POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
-
 
 def _within_budget(
     read: _PartitionRead, remaining: int, total: int
@@ -820,15 +809,11 @@ def _withdraw_when_gone(
         gone()  # the call has already ended
 
 
-def _withdraw_waiters(items: queue.Queue[_StartedAppend | None]) -> None:
+def _withdraw_waiters(items: Iterable[_StartedAppend]) -> None:
     """The stream ended with appends unanswered (the client went away): take their
     acknowledgement waiters off their partitions rather than leave them for the HW."""
-    while True:
-        try:
-            item = items.get_nowait()
-        except queue.Empty:
-            return
-        if item is None or item.partition is None or item.result is None:
+    for item in items:
+        if item.partition is None or item.result is None:
             continue
         if item.result.waiter is not None:
             with contextlib.suppress(TidelogError):
@@ -1059,19 +1044,24 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         answers them in request order, each once acknowledged. Appending in arrival order
         keeps a producer's sequences in order. A failed request gets an error answer in its
         place and the stream goes on, so one bad batch does not cost the client its
-        pipeline. At most ``append_stream_depth`` requests wait for their answer."""
-        started: queue.Queue[_StartedAppend | None] = queue.Queue(self._limits.append_stream_depth)
+        pipeline. At most ``append_stream_depth`` requests, and ``append_stream_bytes`` of
+        their records, wait for their answer (``AppendPipeline``)."""
+        started: AppendPipeline[_StartedAppend] = AppendPipeline(
+            self._limits.append_stream_depth, self._limits.append_stream_bytes
+        )
         over = threading.Event()  # the answering side is gone: the reader stops
 
         def read() -> None:
             try:
                 for request in requests:
-                    if not _put_unless(started, self._start_append_answering_errors(request), over):
+                    item = self._start_append_answering_errors(request)
+                    if not started.put_unless(item, len(request.records), over):
+                        _withdraw_waiters([item])  # nobody will answer it
                         return
             except Exception as exc:  # the client went away, or its deadline passed
                 _log.debug("append_stream_read_ended", error=str(exc))
             finally:
-                _put_unless(started, None, over)
+                started.put_unless(None, 0, over)
 
         answering: list[_StartedAppend] = []  # the one whose acknowledgement is awaited
         client_gone = threading.Event()
@@ -1095,7 +1085,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                 yield self._finish_append_answering_errors(item)
         finally:
             over.set()
-            _withdraw_waiters(started)
+            _withdraw_waiters(started.drain())
 
     def _start_append_answering_errors(self, request: storage_pb2.AppendRequest) -> _StartedAppend:
         try:
