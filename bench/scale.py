@@ -748,7 +748,10 @@ def report_markdown(
             how = "one `ProduceStream` to the gateway, each request naming many partitions"
         else:
             via = "direct mode (`direct=True`)"
-            how = "one `Append` per partition, on one `AppendStream` per leader"
+            how = (
+                "a leader's partitions ready together in one `AppendMany` (four or more, "
+                "none in flight), the others one `Append` each on one `AppendStream` per leader"
+            )
         if r.round == 1:
             timed = (
                 '`Producer(acks="all")` (idempotent, SDK defaults): from the first `send` '

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -250,6 +251,108 @@ def test_direct_produce_rides_through_a_leader_kill(
         60,
         "the restarted broker to rejoin the ISR",
     )
+
+
+def _leaders_of(admin: tidelog.Admin, topic: str) -> dict[int, int]:
+    return {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+
+
+def test_a_leaders_idle_partitions_go_in_one_append_many(
+    gateway: GatewayProcess, admin: tidelog.Admin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kafka sends one produce request per broker for all its partitions: a direct
+    producer sends the partitions of a leader that are ready in one pass, with nothing
+    else in flight, in one AppendMany (at least GROUP_MIN_PARTITIONS of them, at most
+    GROUP_MAX_PARTITIONS), and each partition's answer is its own. Fewer go one Append
+    each."""
+    _create(admin, "direct-grouped", 12)
+    _create(admin, "direct-ungrouped", 3)
+    with tidelog.Producer(gateway.address, direct=True, linger_ms=60_000) as producer:
+        for topic, count in (("direct-grouped", 12), ("direct-ungrouped", 3)):
+            for p in range(count):
+                producer.send(topic, b"warm", partition=p)
+            producer.flush()  # leaders known, producer id in hand
+        leaders = _leaders_of(admin, "direct-grouped")
+        assert all(list(leaders.values()).count(b) >= 4 for b in leaders.values())
+        before = producer.metrics()["request-total"]
+        grouped = [
+            producer.send("direct-grouped", b"g%d" % p, partition=p, key=b"k") for p in range(12)
+        ]
+        producer.flush()  # closes every batch in one pass of the sender
+        assert producer.metrics()["request-total"] - before == len(set(leaders.values()))
+        assert [f.result(30).offset for f in grouped] == [1] * 12
+        assert [f.result(30).partition for f in grouped] == list(range(12))
+
+        before = producer.metrics()["request-total"]
+        alone = [producer.send("direct-ungrouped", b"u", partition=p) for p in range(3)]
+        producer.flush()
+        assert producer.metrics()["request-total"] - before == 3
+        assert [f.result(30).offset for f in alone] == [1] * 3
+
+        # At most GROUP_MAX_PARTITIONS in one call: four per leader go as three and one.
+        monkeypatch.setattr(tidelog.producer, "GROUP_MAX_PARTITIONS", 3)
+        before = producer.metrics()["request-total"]
+        split = [producer.send("direct-grouped", b"s", partition=p) for p in range(12)]
+        producer.flush()
+        per_leader = [list(leaders.values()).count(b) for b in set(leaders.values())]
+        assert producer.metrics()["request-total"] - before == sum(-(-n // 3) for n in per_leader)
+        assert [f.result(30).offset for f in split] == [2] * 12
+    with tidelog.Consumer(gateway.address, direct=True, auto_offset_reset="earliest") as c:
+        c.assign([("direct-grouped", p) for p in range(12)])
+        records = _read(c, 36)
+    assert sorted((r.partition, r.offset, r.value) for r in records) == sorted(
+        [(p, 0, b"warm") for p in range(12)]
+        + [(p, 1, b"g%d" % p) for p in range(12)]
+        + [(p, 2, b"s") for p in range(12)]
+    )
+
+
+def test_grouped_direct_produce_rides_through_a_leader_kill(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """kill -9 a leader while AppendMany calls go to it: its partitions' records are
+    retried at the new leaders with the same sequences, the other leaders' partitions go
+    on; every acknowledged record is read back exactly once, in each partition's order."""
+    topic = "direct-grouped-failover"
+    _create(admin, topic, 12)
+    acked: dict[int, list[tuple[int, bytes]]] = {p: [] for p in range(12)}
+    with tidelog.Producer(
+        gateway.address,
+        direct=True,
+        linger_ms=5,
+        delivery_timeout_ms=60_000,
+        # One request per partition at a time: each pass finds the partitions idle, so
+        # they go in groups (pipelined ones would go alone).
+        max_in_flight_requests_per_partition=1,
+    ) as producer:
+        groups: list[int] = []
+        send_group = producer._send_group
+        producer._send_group = lambda routed, *rest: (  # type: ignore[method-assign]
+            groups.append(len(routed)),
+            send_group(routed, *rest),
+        )[1]
+        pending: list[tuple[Any, int, bytes]] = []
+        for i in range(2_400):
+            if i == 800:
+                killed = admin.describe_topic(topic).partitions[0].leader
+                cluster.kill(cluster.brokers[killed])
+            partition, value = i % 12, f"r{i}".encode()
+            pending.append((producer.send(topic, value, partition=partition), partition, value))
+            if len(pending) >= 120:  # ten records of every partition in flight
+                future, p, v = pending.pop(0)
+                acked[p].append((future.result(60).offset, v))
+        for future, p, v in pending:
+            acked[p].append((future.result(60).offset, v))
+        assert len(groups) >= 10 and min(groups) >= 4, groups
+    assert _leaders_of(admin, topic)[0] != killed
+    cluster.start_broker(killed)
+    with tidelog.Consumer(gateway.address, direct=True, auto_offset_reset="earliest") as c:
+        c.assign([(topic, p) for p in range(12)])
+        records = _read(c, 2_400)
+    for p in range(12):
+        mine = [(r.offset, r.value) for r in records if r.partition == p]
+        assert mine == sorted(acked[p])
+        assert [v for _, v in mine] == [f"r{i}".encode() for i in range(p, 2_400, 12)]
 
 
 def test_direct_close_whose_timeout_runs_out_completes_every_send(
@@ -551,7 +654,10 @@ def test_direct_producer_keeps_several_requests_of_a_partition_in_flight(
 
 
 def test_a_leaders_appends_of_one_send_pass_count_as_one_request_in_flight(
-    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+    cluster: TestCluster,
+    gateway: GatewayProcess,
+    admin: tidelog.Admin,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """In direct mode a request names one partition, so max_in_flight_requests (16)
     counts the appends one pass of the sender makes to one leader as one request, as they
@@ -559,7 +665,10 @@ def test_a_leaders_appends_of_one_send_pass_count_as_one_request_in_flight(
     of a 24-partition topic waits; the next record of each partition still goes out,
     pipelined behind the first. Counted one by one, the 24 waiting appends filled the 16
     places and the producer sent nothing more until they were answered (a thousand
-    partitions' appends went 16 at a time)."""
+    partitions' appends went 16 at a time). Grouping is off here, so that the first
+    appends go down the pipes as pipelined partitions' appends do (idle partitions of a
+    leader would go in one AppendMany, behind which nothing is pipelined)."""
+    monkeypatch.setattr(tidelog.producer, "GROUP_MIN_PARTITIONS", 1_000)
     topic = "direct-wide"
     _create(admin, topic, 24)
     partitions = range(24)

@@ -56,7 +56,7 @@ class Leader:
 class _Broker:
     """The calls the SDK makes on one storage node, over one channel."""
 
-    __slots__ = ("append_encoded", "append_stream_encoded", "stub")
+    __slots__ = ("append_encoded", "append_many_encoded", "append_stream_encoded", "stub")
 
     def __init__(self, address: str) -> None:
         channel = client_channel(address)
@@ -68,6 +68,14 @@ class _Broker:
                 request_serializer=None,
                 response_deserializer=storage_pb2.AppendResponse.FromString,
             )
+        )
+        # AppendMany, the same way: one call for many partitions of this leader.
+        self.append_many_encoded: grpc.UnaryUnaryMultiCallable[
+            bytes, storage_pb2.AppendManyResponse
+        ] = channel.unary_unary(
+            "/tidelog.v1.Storage/AppendMany",
+            request_serializer=None,
+            response_deserializer=storage_pb2.AppendManyResponse.FromString,
         )
         # AppendStream on encoded requests: the producer's ordered pipe to this broker.
         self.append_stream_encoded: grpc.StreamStreamMultiCallable[
@@ -216,6 +224,12 @@ class LeaderDirectory:
     ) -> grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse]:
         """``Storage.Append`` on the broker at ``address``, taking an encoded request."""
         return self._broker(address).append_encoded
+
+    def append_many_encoded(
+        self, address: str
+    ) -> grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendManyResponse]:
+        """``Storage.AppendMany`` on the broker at ``address``, taking an encoded request."""
+        return self._broker(address).append_many_encoded
 
     def append_stream_encoded(
         self, address: str

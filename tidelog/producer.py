@@ -25,7 +25,9 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
   the gateway (``tidelog.leaders``: the gateway still gives metadata and producer ids).
   The appends one pass of the sender makes to one leader count as one request against
   ``max_in_flight_requests``, as they would be one produce request in Kafka (counted one
-  by one, a thousand partitions' acks=all appends went 16 at a time).
+  by one, a thousand partitions' acks=all appends went 16 at a time). Those of
+  partitions with nothing else in flight, ``GROUP_MIN_PARTITIONS`` or more, go in one
+  ``AppendMany`` call, answered per partition.
   An answer that says the leader moved, or a broker that cannot be reached, makes the
   batches retry after a metadata refresh, exactly as a gateway's retriable answer does.
 * **Pipes** (direct mode) - requests go to a leader on one ``AppendStream`` per broker
@@ -158,7 +160,11 @@ from tidelog.records import (
     record_bytes,
 )
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
-from tidelog.wire import append_request_parts, encode_produce_request
+from tidelog.wire import (
+    append_request_parts,
+    encode_append_many_request,
+    encode_produce_request,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -184,6 +190,16 @@ answered with its original offsets only while every batch of it is among them.""
 PIPE_REFUSED_BACKOFF_S: Final = 30.0
 """Direct mode: how long a broker that refused an AppendStream (it has
 ``max_append_streams`` open) gets unary appends before the producer asks again."""
+GROUP_MIN_PARTITIONS: Final = 4
+"""Direct mode: partitions of one leader, ready in one pass of the sender and with no
+other request in flight, that go in one ``AppendMany`` call instead of an ``Append``
+each (as the gateway's ``--produce-group-min-partitions``). A group is answered once its
+slowest partition is, and its partitions send nothing more until then: with two or
+three per leader that costs the tail more than the calls it saves (BENCHMARKS.md, "Scale:
+where the time goes", item 5)."""
+GROUP_MAX_PARTITIONS: Final = 1_000
+"""Direct mode: partitions in one ``AppendMany`` at most; more go in several. Far below a
+broker's ``max_partitions_per_request`` (10,000), which refuses a larger call whole."""
 LEADER_WAIT_MARGIN_MS: Final = 100
 """Direct mode: an acks=all append asks the leader to wait this much less than the call's
 deadline, so the leader's precise REQUEST_TIMED_OUT arrives rather than a bare deadline."""
@@ -1574,7 +1590,19 @@ class Producer:
         # constant), as the gateway asks of it.
         wait_ms = max(1, self._request_timeout_ms - LEADER_WAIT_MARGIN_MS)
         dispatch_of_leader: dict[str, int] = {}
-        for (item, leader, pipe), chunks in zip(routed, encoded, strict=True):
+        groups = self._groups(routed)
+        grouped = {index for indexes in groups for index in indexes}
+        for indexes in groups:
+            self._send_group(
+                [routed[i] for i in indexes],
+                [encoded[i] for i in indexes],
+                wait_ms,
+                dispatch_of_leader,
+                leaders,
+            )
+        for index, ((item, leader, pipe), chunks) in enumerate(zip(routed, encoded, strict=True)):
+            if index in grouped:
+                continue
             topic, partition = item[1][0].tp
             correlation_id = self._count_request([item])
             request = b"".join(
@@ -1637,6 +1665,114 @@ class Producer:
             if future is not None:
                 # Outside the lock: a call already answered runs the callback here.
                 future.add_done_callback(partial(self._append_answered, correlation_id, leader))
+
+    def _groups(
+        self, routed: list[tuple[tuple[_PartitionQueue, list[_Batch]], Leader, _Pipe | None]]
+    ) -> list[list[int]]:
+        """Indexes into ``routed`` that go in one AppendMany each: partitions of a leader
+        with no other request in flight, if at least ``GROUP_MIN_PARTITIONS`` of them, in
+        groups of at most ``GROUP_MAX_PARTITIONS``."""
+        by_leader: dict[str, list[int]] = {}
+        with self._lock:
+            for index, ((pq, _), leader, _) in enumerate(routed):
+                if pq.in_flight == 1:  # only this request: nothing to keep in order behind
+                    by_leader.setdefault(leader.address, []).append(index)
+        return [
+            indexes[start : start + GROUP_MAX_PARTITIONS]
+            for indexes in by_leader.values()
+            if len(indexes) >= GROUP_MIN_PARTITIONS
+            for start in range(0, len(indexes), GROUP_MAX_PARTITIONS)
+        ]
+
+    def _send_group(
+        self,
+        routed: list[tuple[tuple[_PartitionQueue, list[_Batch]], Leader, _Pipe | None]],
+        encoded: list[list[Any]],
+        wait_ms: int,
+        dispatch_of_leader: dict[str, int],
+        leaders: LeaderDirectory,
+    ) -> None:
+        """One ``AppendMany`` to a leader for ``routed`` (one request of each partition,
+        none with another in flight), answered on a pool thread."""
+        items = [item for item, _, _ in routed]
+        leader = routed[0][1]
+        correlation_id = self._count_request(items)
+        request = encode_append_many_request(
+            [
+                append_request_parts(
+                    topic=batches[0].tp[0],
+                    partition=batches[0].tp[1],
+                    batches=chunks,
+                    acks=self._acks,
+                    timeout_ms=wait_ms,
+                    current_leader_epoch=entry_leader.leader_epoch,
+                    correlation_id=correlation_id,
+                    topic_id=batches[0].topic_id,
+                )
+                for ((_, batches), entry_leader, _), chunks in zip(routed, encoded, strict=True)
+            ]
+        )
+        if tracing.ENABLED:
+            tracing.event("c_send", correlation_id, items[0][1][0].tp[1])
+        append_many = leaders.append_many_encoded(leader.address)
+        future = None
+        with self._lock:
+            # close() gave up (and failed these batches): nothing more is sent.
+            given_up = self._aborted is not None
+            if not given_up:
+                for pq, _ in items:
+                    pq.pipe = None  # nothing of these is pipelined behind the group
+                self._in_flight[correlation_id] = items
+                self._sent_at_s[correlation_id] = time.monotonic()
+                dispatch = dispatch_of_leader.setdefault(leader.address, next(self._dispatches))
+                self._dispatch_of[correlation_id] = dispatch
+                self._dispatch_left[dispatch] = self._dispatch_left.get(dispatch, 0) + 1
+                assert self._appenders is not None
+                future = self._appenders.submit(
+                    append_many, request, timeout=self._request_timeout_ms / 1000
+                )
+        if future is None:
+            self._complete_failed(items, NetworkError("the producer was closed"))
+            return
+        future.add_done_callback(partial(self._group_answered, correlation_id, leader))
+
+    def _group_answered(self, correlation_id: int, leader: Leader, future: Any) -> None:
+        with self._lock:
+            picked, sent_at_s = self._take_in_flight(correlation_id)
+        if picked is None:
+            return
+        if future.cancelled():  # never sent: dropped by the sender's end (a forced close)
+            self._complete_failed(picked, NetworkError("the producer was closed"))
+            return
+        if sent_at_s is not None:
+            self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
+        where = f"broker {leader.broker_id} ({leader.address})"
+        try:
+            response: storage_pb2.AppendManyResponse = future.result()
+        except grpc.RpcError as exc:
+            error = error_from_rpc(exc, f"append to {len(picked)} partitions on {where}")
+            if error.retriable and self._leaders is not None:
+                self._leaders.invalidate()  # moved, fenced or unreachable: ask again
+            self._complete_failed(picked, error)
+            return
+        answers = list(response.responses)
+        if len(answers) < len(picked):  # no broker answers so: retried as a lost reply
+            self._complete_failed(
+                picked[len(answers) :],
+                NetworkError(f"{len(answers)} answers to an append of {len(picked)} partitions"),
+            )
+        for item, answer in zip(picked, answers, strict=False):
+            if answer.error.code == common_pb2.NONE:
+                self._complete([item], [answer])
+                continue
+            topic, partition = item[1][0].tp
+            error = error_for_code(
+                int(answer.error.code),
+                f"append to {topic}-{partition} on {where}: {answer.error.message}",
+            )
+            if error.retriable and self._leaders is not None:
+                self._leaders.invalidate()  # moved or fenced: ask again
+            self._complete_failed([item], error)
 
     def _pipe_for(self, leader: Leader) -> _Pipe | None:
         """The open pipe to the broker at ``address``, opened if need be; None while the
