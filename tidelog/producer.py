@@ -1737,15 +1737,9 @@ class Producer:
         future.add_done_callback(partial(self._group_answered, correlation_id, leader))
 
     def _group_answered(self, correlation_id: int, leader: Leader, future: Any) -> None:
-        with self._lock:
-            picked, sent_at_s = self._take_in_flight(correlation_id)
+        picked = self._unary_answered(correlation_id, future)
         if picked is None:
             return
-        if future.cancelled():  # never sent: dropped by the sender's end (a forced close)
-            self._complete_failed(picked, NetworkError("the producer was closed"))
-            return
-        if sent_at_s is not None:
-            self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
         where = f"broker {leader.broker_id} ({leader.address})"
         try:
             response: storage_pb2.AppendManyResponse = future.result()
@@ -1858,16 +1852,27 @@ class Producer:
         for picked in stranded:  # in send order, so retries keep it
             self._complete_failed(picked, error)
 
-    def _append_answered(self, correlation_id: int, leader: Leader, future: Any) -> None:
+    def _unary_answered(
+        self, correlation_id: int, future: Any
+    ) -> list[tuple[_PartitionQueue, list[_Batch]]] | None:
+        """A unary append's (or AppendMany's) call ended: its picked batches, taken off the
+        requests in flight, or None when there is nothing more to do (already taken, or
+        never sent and failed here)."""
         with self._lock:
             picked, sent_at_s = self._take_in_flight(correlation_id)
         if picked is None:
-            return
+            return None
         if future.cancelled():  # never sent: dropped by the sender's end (a forced close)
             self._complete_failed(picked, NetworkError("the producer was closed"))
-            return
+            return None
         if sent_at_s is not None:
             self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
+        return picked
+
+    def _append_answered(self, correlation_id: int, leader: Leader, future: Any) -> None:
+        picked = self._unary_answered(correlation_id, future)
+        if picked is None:
+            return
         try:
             response: storage_pb2.AppendResponse = future.result()
             if tracing.ENABLED:
