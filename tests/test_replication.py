@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -458,6 +458,39 @@ def test_waiting_acks_all_appends_leave_the_follower_fetches_their_threads(trio:
         thread.join(120)
     assert answers == [ErrorCode.NONE] * 80
     assert trio.log(0).high_watermark == 81
+
+
+def test_withdrawn_acks_all_appends_leave_the_others_to_be_acknowledged(trio: Trio) -> None:
+    """Appends whose clients went away are withdrawn from the purgatory (left in it, done,
+    until the HW passes them or half of it is withdrawn); those still waiting among them
+    are acknowledged once the follower goes on, and the purgatory ends empty."""
+    trio.stop(2)
+    trio.elect(0, 1, [0, 1], replicas=(0, 1))
+    assert code(trio.append(0, [b"warm"]).error) == ErrorCode.NONE
+    partition = trio.nodes[0].replicas.get_partition(TOPIC, 0)
+    stub = trio.stub(0)
+    kept: list[Any] = []
+    with trio.nodes[1].replicas.get_partition(TOPIC, 0).locked():
+        for i in range(60):
+            if i % 3 == 0:
+                kept.append(stub.Append.future(_acks_all([b"kept%d" % i], 60_000), timeout=90))
+            else:
+                with pytest.raises(grpc.RpcError) as raised:
+                    stub.Append(_acks_all([b"gone%d" % i], 60_000), timeout=0.05)
+                assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(
+            lambda: sum(not e[2].done.is_set() for e in list(partition._ack_waiters)) == 20,
+            10,
+            "the 40 gone withdrawn, 20 kept waiting",
+        )
+    for future in kept:
+        assert code(future.result(60).error) == ErrorCode.NONE
+    wait_for(
+        lambda: trio.log(0).high_watermark == trio.log(0).log_end_offset >= 21,
+        10,
+        "the HW at the log end",
+    )
+    wait_for(lambda: not partition._ack_waiters, 10, "the purgatory empty")
 
 
 def test_acks_all_appends_whose_clients_went_away_free_their_threads(trio: Trio) -> None:

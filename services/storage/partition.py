@@ -241,7 +241,11 @@ class Partition:
         # Leader only: follower progress, HW and ISR decisions (pure, see replication.py).
         self._replication: LeaderReplicationState | None = None
         # acks=all purgatory: (required offset, sequence, waiter), smallest offset first.
+        # A withdrawn waiter stays in it, done, until the HW passes it or withdrawals reach
+        # half the heap (then it is rebuilt): removing each at once cost O(waiters), and a
+        # stream's thousands of appends withdrawn together held the lock for O(n^2).
         self._ack_waiters: list[tuple[int, int, AckWaiter]] = []
+        self._ack_withdrawn = 0  # withdrawals since the heap was last rebuilt
         self._ack_sequence = itertools.count()
 
     def restore_high_watermark(self, high_watermark: int) -> None:
@@ -459,8 +463,11 @@ class Partition:
         with self._lock:
             if not waiter.done.is_set():
                 waiter.complete(error)
-                self._ack_waiters = [e for e in self._ack_waiters if e[2] is not waiter]
-                heapq.heapify(self._ack_waiters)
+                self._ack_withdrawn += 1
+                if self._ack_withdrawn * 2 >= len(self._ack_waiters):
+                    self._ack_waiters = [e for e in self._ack_waiters if not e[2].done.is_set()]
+                    heapq.heapify(self._ack_waiters)
+                    self._ack_withdrawn = 0
 
     def fail_ack_waiters(self, error: TidelogError) -> None:
         """Answer every acks=all append waiting here with ``error`` (the broker stops)."""
@@ -860,6 +867,7 @@ class Partition:
 
     def _fail_ack_waiters(self, error: TidelogError) -> None:
         waiters, self._ack_waiters = self._ack_waiters, []
+        self._ack_withdrawn = 0
         for _, _, waiter in waiters:
             waiter.complete(error)
 
