@@ -273,13 +273,16 @@ def test_a_leaders_idle_partitions_go_in_one_append_many(
                 producer.send(topic, b"warm", partition=p)
             producer.flush()  # leaders known, producer id in hand
         leaders = _leaders_of(admin, "direct-grouped")
-        assert all(list(leaders.values()).count(b) >= 4 for b in leaders.values())
+        per_leader = [list(leaders.values()).count(b) for b in set(leaders.values())]
+        assert max(per_leader) >= 4  # four per broker when all three are up
         before = producer.metrics()["request-total"]
         grouped = [
             producer.send("direct-grouped", b"g%d" % p, partition=p, key=b"k") for p in range(12)
         ]
         producer.flush()  # closes every batch in one pass of the sender
-        assert producer.metrics()["request-total"] - before == len(set(leaders.values()))
+        assert producer.metrics()["request-total"] - before == sum(
+            1 if n >= 4 else n for n in per_leader
+        )
         assert [f.result(30).offset for f in grouped] == [1] * 12
         assert [f.result(30).partition for f in grouped] == list(range(12))
 
@@ -294,8 +297,9 @@ def test_a_leaders_idle_partitions_go_in_one_append_many(
         before = producer.metrics()["request-total"]
         split = [producer.send("direct-grouped", b"s", partition=p) for p in range(12)]
         producer.flush()
-        per_leader = [list(leaders.values()).count(b) for b in set(leaders.values())]
-        assert producer.metrics()["request-total"] - before == sum(-(-n // 3) for n in per_leader)
+        assert producer.metrics()["request-total"] - before == sum(
+            -(-n // 3) if n >= 4 else n for n in per_leader
+        )
         assert [f.result(30).offset for f in split] == [2] * 12
     with tidelog.Consumer(gateway.address, direct=True, auto_offset_reset="earliest") as c:
         c.assign([("direct-grouped", p) for p in range(12)])
