@@ -649,6 +649,9 @@ class Producer:
         self._dispatch_of: dict[int, int] = {}
         self._dispatch_left: dict[int, int] = {}
         self._dispatches = itertools.count(1)
+        # GROUP_MIN_PARTITIONS, per producer: the chaos workload sets 1, as its gateway
+        # runs with --produce-group-min-partitions 1, so that groups meet its faults.
+        self._group_min_partitions = GROUP_MIN_PARTITIONS
         self._correlation = itertools.count(1)
         self._producer_id = -1
         self._producer_epoch = -1
@@ -1680,7 +1683,7 @@ class Producer:
         return [
             indexes[start : start + GROUP_MAX_PARTITIONS]
             for indexes in by_leader.values()
-            if len(indexes) >= GROUP_MIN_PARTITIONS
+            if len(indexes) >= self._group_min_partitions
             for start in range(0, len(indexes), GROUP_MAX_PARTITIONS)
         ]
 

@@ -5,7 +5,9 @@ and fetches from the partition leaders, ``tidelog.leaders``): every fault meets 
 paths. Gateway writers send their values in keyed ``send_batch`` calls of
 ``GATEWAY_BATCH`` (spread over every partition), so that their requests name several
 partitions, which the chaos gateway sends in one AppendMany per leader (``cluster.py``);
-direct writers ``send`` keyless values one by one.
+direct writers ``send`` keyless values one by one, and send a leader's partitions with
+nothing in flight in one AppendMany however few there are (the SDK's minimum is 4, more
+than the chaos topic has per leader), the rest down their pipes.
 
 A value is ``w<writer>:<seq>:<crc32 of the first two fields, hex>`` padded with a filler
 derived from the same fields, so the checker can tell a value it never wrote, a corrupted
@@ -141,6 +143,9 @@ class Workload:
             request_timeout_ms=5_000,
             max_block_ms=5_000,
         )
+        # Like the chaos gateway's --produce-group-min-partitions 1: idle partitions go in
+        # AppendMany groups, busy ones down the pipe, so faults meet both paths.
+        producer._group_min_partitions = 1
         self._producers.append(producer)
         interval_s = 1.0 / self._rate_s
         next_at = time.monotonic()
