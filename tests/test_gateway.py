@@ -182,7 +182,7 @@ def test_a_recreated_topic_starts_without_the_old_topics_offsets(
     assert [p.committed_offset for p in admin.describe_group("rebirth")] == [50]
     admin.delete_topic("reborn")
     assert admin.describe_group("rebirth") == []  # the topic is gone, and its offsets
-    admin.create_topic("reborn", partitions=1, replication_factor=1)
+    _create_once_deleted(admin, "reborn", partitions=1, replication_factor=1)
     with tidelog.Producer(gateway.address) as producer:
         producer.send_batch("reborn", [b"new"] * 10).result(30)
     assert admin.describe_group("rebirth") == []
@@ -311,10 +311,16 @@ def test_a_subscription_reads_on_when_one_of_its_topics_is_deleted(
 def _delete_and_create_again(admin: tidelog.Admin, topic: str, partitions: int = 1) -> None:
     """Delete ``topic`` and create it again (a new topic id) once its deletion is done."""
     admin.delete_topic(topic)
+    _create_once_deleted(admin, topic, partitions=partitions)
+
+
+def _create_once_deleted(admin: tidelog.Admin, topic: str, **options: Any) -> None:
+    """Create ``topic`` again once the deletion of its last incarnation is done (until the
+    brokers confirm it, creating is refused, as in Kafka)."""
 
     def created() -> bool:
         try:
-            admin.create_topic(topic, partitions=partitions)
+            admin.create_topic(topic, **options)
         except TopicAlreadyExistsError:  # the deletion is not complete yet
             return False
         return True
