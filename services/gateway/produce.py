@@ -719,7 +719,6 @@ class ProduceHandler:
                     remaining[0] -= 1
                     if remaining[0] > 0:
                         return
-                    state["in_flight"] -= 1
                 response = gateway_pb2.ProduceResponse(
                     correlation_id=request.correlation_id,
                     partitions=[r.result.result() for r in results],
@@ -729,13 +728,18 @@ class ProduceHandler:
                 results.clear()
                 if tracing.ENABLED:
                     tracing.event("g_out", request.correlation_id)
-                out.put(response)
+                with lock:
+                    # Counted out and queued at once: the answering loop ends when nothing
+                    # is in flight or queued, and must not end between the two (the
+                    # request's answer was then never sent; a CI run caught it).
+                    state["in_flight"] -= 1
+                    out.put(response)
 
             if not results:
+                self.budget.release(held_bytes)
                 with lock:
                     state["in_flight"] -= 1
-                self.budget.release(held_bytes)
-                out.put(gateway_pb2.ProduceResponse(correlation_id=request.correlation_id))
+                    out.put(gateway_pb2.ProduceResponse(correlation_id=request.correlation_id))
                 return
             self._release_when_appended(held_bytes, results)
             for submitted in results:
@@ -768,9 +772,10 @@ class ProduceHandler:
                     # The stream is read no further until the request fits in the budget.
                     size = record_bytes(request)
                     if not self.budget.acquire(size, deadline):
+                        refusal = self._no_room(request)
                         with lock:
                             state["in_flight"] -= 1
-                        out.put(self._no_room(request))
+                            out.put(refusal)
                         continue
                     try:
                         keys = [(data.topic, data.partition) for data in request.partitions]
@@ -804,7 +809,7 @@ class ProduceHandler:
             if item is not None:
                 yield item
             with lock:
-                if not state["reading"] and state["in_flight"] == 0:
+                if not state["reading"] and state["in_flight"] == 0 and out.empty():
                     return
 
 
