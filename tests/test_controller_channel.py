@@ -95,7 +95,9 @@ def test_a_request_naming_many_partitions_gets_a_longer_deadline() -> None:
             assert completion.wait(10) and not completion.errors
         (one, one_left_s), (many, many_left_s) = recorder.remaining_s
         assert (one, many) == (1, 1_000)
-        assert one_left_s <= DEFAULT_RPC_TIMEOUT_S + PER_PARTITION_TIMEOUT_S
+        # Far apart, so that the slack of gRPC's deadline header (a CI run saw 5.019 s
+        # left of 5.01) does not matter: one partition gets about the default.
+        assert one_left_s < DEFAULT_RPC_TIMEOUT_S + 100 * PER_PARTITION_TIMEOUT_S
         assert many_left_s > DEFAULT_RPC_TIMEOUT_S + 900 * PER_PARTITION_TIMEOUT_S
     finally:
         manager.shutdown()
