@@ -1369,6 +1369,23 @@ class Producer:
             return len(self._in_flight)
         return len(self._dispatch_left)
 
+    def _put_in_flight(
+        self,
+        correlation_id: int,
+        picked: list[tuple[_PartitionQueue, list[_Batch]]],
+        leader: Leader,
+        dispatch_of_leader: dict[str, int],
+    ) -> None:
+        """(lock held, direct mode) A request sent to ``leader``; it counts towards this
+        sender pass's one request to that leader (``dispatch_of_leader``)."""
+        self._in_flight[correlation_id] = picked
+        self._sent_at_s[correlation_id] = time.monotonic()
+        dispatch = dispatch_of_leader.get(leader.address)
+        if dispatch is None:
+            dispatch = dispatch_of_leader[leader.address] = next(self._dispatches)
+        self._dispatch_of[correlation_id] = dispatch
+        self._dispatch_left[dispatch] = self._dispatch_left.get(dispatch, 0) + 1
+
     def _take_in_flight(
         self, correlation_id: int
     ) -> tuple[list[tuple[_PartitionQueue, list[_Batch]]] | None, float | None]:
@@ -1633,11 +1650,7 @@ class Producer:
                     closed = True
                 else:
                     closed = False
-                    self._in_flight[correlation_id] = [item]
-                    self._sent_at_s[correlation_id] = time.monotonic()
-                    dispatch = dispatch_of_leader.setdefault(leader.address, next(self._dispatches))
-                    self._dispatch_of[correlation_id] = dispatch
-                    self._dispatch_left[dispatch] = self._dispatch_left.get(dispatch, 0) + 1
+                    self._put_in_flight(correlation_id, [item], leader, dispatch_of_leader)
                     if pipe is not None:
                         # Under the lock its reader takes to end it: a request is either
                         # stranded with the pipe (and retried) or never put on a dead one.
@@ -1725,11 +1738,7 @@ class Producer:
             if not given_up:
                 for pq, _ in items:
                     pq.pipe = None  # nothing of these is pipelined behind the group
-                self._in_flight[correlation_id] = items
-                self._sent_at_s[correlation_id] = time.monotonic()
-                dispatch = dispatch_of_leader.setdefault(leader.address, next(self._dispatches))
-                self._dispatch_of[correlation_id] = dispatch
-                self._dispatch_left[dispatch] = self._dispatch_left.get(dispatch, 0) + 1
+                self._put_in_flight(correlation_id, items, leader, dispatch_of_leader)
                 assert self._appenders is not None
                 future = self._appenders.submit(
                     append_many, request, timeout=self._request_timeout_ms / 1000
