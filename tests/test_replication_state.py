@@ -589,3 +589,47 @@ def test_follower_truncation_stops_where_the_common_epoch_ends_on_either_side() 
         own_end_offset_for=own_end_offset_for,
     )
     assert fallback == (4, True)
+
+
+def test_a_follower_back_far_behind_is_not_a_joiner_on_its_old_fetch_time() -> None:
+    """Found by an audit: leaving the ISR forgot a follower's log end and caught-up time but
+    not its last fetch (time, and the leader's LEO then). Back far behind within the lag
+    limit, its first fetch reached that old LEO, so it counted as caught up at its previous
+    life's last fetch: a joiner, and the HW crawled at its log end while it caught up."""
+    lag_ms = 30_000
+    state = leader()
+    state.propose_isr_change(now_ms=0, replica_lag_time_max_ms=lag_ms)  # the lag limit
+    state.on_leader_append(100, now_ms=1_000)
+    state.on_follower_fetch(2, 100, now_ms=1_000)
+    state.on_follower_fetch(3, 100, now_ms=1_000)  # broker 3's last fetch before it dies
+    state.on_isr_committed((1, 2), partition_epoch=10)  # evicted: its lease expired
+    leo = 100
+    for now_ms in range(1_100, 8_000, 100):
+        leo += 70
+        state.on_leader_append(leo, now_ms=now_ms)
+        state.on_follower_fetch(2, leo, now_ms=now_ms)
+    state.on_follower_fetch(3, 100, now_ms=8_000)  # restarted, ~4,800 behind
+    state.on_leader_append(leo + 70, now_ms=8_050)
+    state.on_follower_fetch(2, leo + 70, now_ms=8_050)
+    assert (state.high_watermark, state.joiners()) == (leo + 70, [])
+
+
+def test_a_new_incarnation_is_not_caught_up_on_the_old_ones_fetches() -> None:
+    """A follower outside the ISR that restarts (a new broker epoch in its fetches) starts
+    over: the old incarnation's last fetch says nothing of the log the new one has."""
+    lag_ms = 30_000
+    state = leader(isr=(1, 2))
+    state.propose_isr_change(now_ms=0, replica_lag_time_max_ms=lag_ms)
+    state.on_leader_append(100, now_ms=1_000)
+    state.on_follower_fetch(2, 100, now_ms=1_000)
+    state.on_follower_fetch(3, 50, now_ms=1_000, broker_epoch=7)  # catching up, then dies
+    state.on_leader_append(5_000, now_ms=1_500)
+    state.on_follower_fetch(2, 5_000, now_ms=1_500)
+    # Incarnation 8 fetches from 100: the LEO the leader had at incarnation 7's fetch.
+    state.on_follower_fetch(3, 100, now_ms=2_000, broker_epoch=8)
+    state.on_leader_append(5_100, now_ms=2_050)
+    state.on_follower_fetch(2, 5_100, now_ms=2_050)
+    assert (state.high_watermark, state.joiners()) == (5_100, [])
+    # Its own fetches count: caught up to the leader's LEO, it is a joiner again.
+    state.on_follower_fetch(3, 5_100, now_ms=2_100, broker_epoch=8)
+    assert state.joiners() == [3]

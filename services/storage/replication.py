@@ -72,6 +72,19 @@ class FollowerProgress:
     last_fetch_ms: int = -1
     leader_end_offset_at_last_fetch: int = -1
 
+    def forget(self) -> None:
+        """Drop what its fetches showed (it left the ISR, or was refused as a joiner).
+
+        The fetch time and the leader's LEO at that fetch go too: with them, the first
+        fetch of a follower that died and came back far behind counted as "caught up" at
+        its previous life's last fetch, which made it a joiner holding back the HW at its
+        log end for up to the lag limit.
+        """
+        self.log_end_offset = -1
+        self.last_caught_up_ms = -1
+        self.last_fetch_ms = -1
+        self.leader_end_offset_at_last_fetch = -1
+
 
 @dataclass(frozen=True, slots=True)
 class IsrProposal:
@@ -167,6 +180,11 @@ class LeaderReplicationState:
         progress = self.followers.get(broker_id)
         if progress is None:
             raise KeyError(f"broker {broker_id} is not a replica")
+        if broker_epoch != progress.broker_epoch and min(broker_epoch, progress.broker_epoch) >= 0:
+            # Another incarnation (it restarted): the old one's fetches say nothing of the
+            # log this one has, which may be shorter (KIP-903); the controller takes it out
+            # of the ISR for the same reason.
+            progress.forget()
         progress.broker_epoch = broker_epoch
         if fetch_offset >= self._leader_end_offset:
             progress.last_caught_up_ms = now_ms
@@ -265,8 +283,7 @@ class LeaderReplicationState:
         new_isr = tuple(isr)
         for broker_id in set(self.isr) - set(new_isr):
             if broker_id in self.followers:
-                self.followers[broker_id].log_end_offset = -1
-                self.followers[broker_id].last_caught_up_ms = -1
+                self.followers[broker_id].forget()
         self.isr = new_isr
         self.partition_epoch = partition_epoch
         self.pending = None
@@ -302,8 +319,7 @@ class LeaderReplicationState:
         if self.pending is not None:
             for broker_id, _ in self.pending.joining:
                 if broker_id in self.followers:
-                    self.followers[broker_id].log_end_offset = -1
-                    self.followers[broker_id].last_caught_up_ms = -1
+                    self.followers[broker_id].forget()
         self.pending = None
         if committed_partition_epoch == self.partition_epoch and self.unresolved:
             self.unresolved = frozenset()
