@@ -644,6 +644,24 @@ def test_an_append_stream_appends_far_ahead_of_its_acknowledgements(trio: Trio) 
     wait_for(lambda: not partition._ack_waiters, 10, "every waiting append withdrawn")
 
 
+def test_an_append_streams_acks_timeouts_count_from_each_append(trio: Trio) -> None:
+    """Found by an audit: a stream's acknowledgement timeouts counted from when the
+    answering thread reached each request, so behind a stuck HW the k-th request was
+    answered k timeouts after it came (with 4,096 requests ahead of their answers, days).
+    Each counts from its append now: all time out together."""
+    trio.stop(2)
+    trio.elect(0, 1, [0, 1], replicas=(0, 1))
+    trio.stop(1)  # still in the ISR: the HW cannot move
+    timeout_ms = 1_500
+    requests = [_acks_all([b"stuck%d" % i], timeout_ms) for i in range(4)]
+    started = time.monotonic()
+    answers = list(trio.stub(0).AppendStream(iter(requests), timeout=60))
+    elapsed_s = time.monotonic() - started
+    assert [code(a.error) for a in answers] == [ErrorCode.REQUEST_TIMED_OUT] * 4
+    # One timeout and slack; the old rule took four.
+    assert elapsed_s < 2 * timeout_ms / 1000, elapsed_s
+
+
 def _stream_once(
     stub: storage_pb2_grpc.StorageStub, values: list[bytes]
 ) -> storage_pb2.AppendResponse | None:

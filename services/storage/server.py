@@ -761,13 +761,17 @@ class _FetchParams:
 
 @dataclass(frozen=True, slots=True)
 class _StartedAppend:
-    """An AppendStream request after its append: the partition and result to wait on, or
-    the error that is its answer."""
+    """An AppendStream or AppendMany request after its append: the partition and result to
+    wait on, or the error that is its answer. Its acknowledgement timeout counts from
+    ``started_at``, the end of its append: a stream's answers are awaited one after
+    another, and counted from when the answering thread reached each, every request
+    behind a stuck HW waited a whole timeout more than the one before it."""
 
     request: storage_pb2.AppendRequest
     partition: Partition | None
     result: AppendResult | None
     error: Exception | None = None
+    started_at: float = field(default_factory=time.monotonic)
 
 
 SESSION_PROGRESS_INTERVAL_S: Final = 0.25
@@ -997,8 +1001,8 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         self, request: storage_pb2.AppendManyRequest, context: grpc.ServicerContext
     ) -> storage_pb2.AppendManyResponse:
         """Kafka's multi-partition produce: every entry is appended first, then each
-        acknowledgement awaited in turn. The waits overlap (each counts from the call's
-        start), so the call takes about as long as its slowest partition and holds one
+        acknowledgement awaited in turn. The waits overlap (each counts from its
+        append), so the call takes about as long as its slowest partition and holds one
         thread, where one Append per partition held one each."""
         self._check_partition_count(len(request.appends))
         seen: set[Key] = set()
@@ -1010,13 +1014,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     "AppendMany; put all its batches in one entry"
                 )
             seen.add(key)
-        started_at = time.monotonic()
         started = [self._start_append_answering_errors(entry) for entry in request.appends]
         for item in started:
             if item.partition is not None and item.result is not None and item.result.waiter:
                 _withdraw_when_gone(context, item.partition, item.result.waiter)
         return storage_pb2.AppendManyResponse(
-            responses=[self._finish_append_answering_errors(item, started_at) for item in started]
+            responses=[self._finish_append_answering_errors(item) for item in started]
         )
 
     def AppendStream(  # noqa: N802 - gRPC's method name
@@ -1093,13 +1096,13 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         except Exception as exc:
             return _StartedAppend(request, None, None, exc)
 
-    def _finish_append_answering_errors(
-        self, item: _StartedAppend, started_at: float | None = None
-    ) -> storage_pb2.AppendResponse:
+    def _finish_append_answering_errors(self, item: _StartedAppend) -> storage_pb2.AppendResponse:
         error = item.error
         if error is None and item.partition is not None and item.result is not None:
             try:
-                return self._finish_append(item.request, item.partition, item.result, started_at)
+                return self._finish_append(
+                    item.request, item.partition, item.result, item.started_at
+                )
             except Exception as exc:
                 error = exc
         if not isinstance(error, TidelogError):
@@ -1138,8 +1141,9 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         started_at: float | None = None,
     ) -> storage_pb2.AppendResponse:
         """Wait for the acknowledgement ``request.acks`` asks for, then answer. The wait's
-        timeout counts from ``started_at`` when given (an AppendMany's entries are
-        awaited one after another, and each may wait only what is left of its own)."""
+        timeout counts from ``started_at`` when given (a stream's or an AppendMany's
+        entries are awaited one after another, and each may wait only what is left of its
+        own)."""
         high_watermark = result.high_watermark
         if result.waiter is not None:
             # The purgatory: this handler thread sleeps on the waiter's event, which the
