@@ -2200,6 +2200,32 @@ def test_fetch_across_leaders_answers_as_soon_as_one_has_data(
     assert sorted(seen) == [b"two", b"zero"]
 
 
+def test_fetch_across_leaders_answers_at_once_when_one_leader_answers_an_error(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A long poll over several leaders answers at once when one leader answers an error
+    (here an offset past its log end), as Kafka's delayed fetch completes on a partition
+    error, rather than waiting out max_wait_ms for the quiet ones. (An audit suspected it
+    waited; an error answer's bytes counted as records, so it did not, by accident.)"""
+    topic = "fetch-leader-error"
+    admin.create_topic(topic, partitions=3, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+    assert len(set(leaders.values())) == 3
+    response = gateway.stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=60_000,
+            partitions=[
+                storage_pb2.FetchPartition(topic=topic, partition=p, fetch_offset=o)
+                for p, o in {0: 0, 1: 5, 2: 0}.items()
+            ],
+        ),
+        timeout=20,  # far below the long poll's wait
+    )
+    codes = {r.partition: r.error.code for r in response.partitions}
+    assert codes == {0: common_pb2.NONE, 1: ErrorCode.OFFSET_OUT_OF_RANGE, 2: common_pb2.NONE}
+
+
 def test_fetch_min_bytes_adds_up_across_leaders(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

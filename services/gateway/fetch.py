@@ -319,7 +319,7 @@ class FetchHandler:
         partition failed).
 
         With ``wait_ms`` > 0 it returns once the leaders' answers hold ``enough_bytes``
-        of records (default ``min_bytes``), or all answered;
+        of records (default ``min_bytes``), or one failed, or all answered;
         the calls still running are cancelled and their leaders keep the answer
         ``answers`` already held, or get a "not answered" one (no records, offsets -1).
         """
@@ -342,7 +342,11 @@ class FetchHandler:
                     answers[broker_id] = encoded
                     found += data
                     failed = failed or error
-                if wait_ms > 0 and found >= (min_bytes if enough_bytes is None else enough_bytes):
+                # A leader's error needs its client's attention now, as Kafka's delayed
+                # fetch completes on a partition error: no waiting for the quiet others.
+                if wait_ms > 0 and (
+                    failed or found >= (min_bytes if enough_bytes is None else enough_bytes)
+                ):
                     break
         finally:
             for call_pending in pending:
