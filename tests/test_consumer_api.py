@@ -194,6 +194,40 @@ def test_wakeup_interrupts_a_blocked_poll_from_a_thread_or_a_signal_handler(
         assert [offset for offset, _ in poll_records(consumer, 7)] == list(range(3, 10))
 
 
+def test_a_wakeup_in_the_loop_body_is_not_taken_by_the_auto_commit_after_it(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """wakeup() from the loop body (or a signal handler while it runs) makes the iterator
+    raise WakeupError before the next record, and the auto-commit due meanwhile still
+    commits. The auto-commit went through commit(), which took the wake-up and raised
+    WakeupError; the auto-commit counted that as a failed commit: the wake-up was lost
+    (the loop never stopped) and so was the commit (found by an audit)."""
+    admin.create_topic("woken-committing", partitions=1, replication_factor=1)
+    tp = ("woken-committing", 0)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(tp[0], values("r", 10), partition=0)
+        producer.flush()
+    with tidelog.Consumer(
+        gateway.address,
+        group_id="woken-committers",
+        auto_offset_reset="earliest",
+        enable_auto_commit=True,
+        auto_commit_interval_ms=1,
+    ) as consumer:
+        consumer.assign([tp])
+        seen: list[int] = []
+        with pytest.raises(WakeupError):
+            for record in consumer:
+                seen.append(record.offset)
+                time.sleep(0.01)  # the loop body's work: an auto-commit is due after it
+                if len(seen) == 3:
+                    consumer.wakeup()
+                if len(seen) == 10:
+                    break
+        assert seen == [0, 1, 2]
+        assert consumer.committed([tp]) == {tp: 3}  # the commit after the wake-up
+
+
 def test_a_closed_consumer_refuses_every_call_but_close_wakeup_and_metrics(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
@@ -255,6 +289,50 @@ def test_commit_and_committed_ride_out_a_gateway_restart(
         finally:
             short.close()
     finally:
+        consumer.close()
+        proxy.close()
+
+
+def test_an_auto_commit_in_poll_keeps_to_the_poll_timeout_while_the_gateway_is_down(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """poll(timeout_ms) waits at most about timeout_ms even when an auto-commit is due and
+    the gateway cannot be reached (Kafka's auto-commit in poll is asynchronous). It was
+    commit()'s, retried for default_api_timeout_ms, and its failure did not count as a
+    commit, so every poll after it blocked that long again (found by an audit). The
+    failed auto-commit is tried again an interval later and lands once the gateway is
+    back."""
+    admin.create_topic("commit-blocked", partitions=1, replication_factor=1)
+    tp = ("commit-blocked", 0)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(tp[0], [b"a", b"b", b"c"], partition=0)
+        producer.flush()
+    proxy = TcpProxy(gateway.address)
+    consumer = tidelog.Consumer(
+        proxy.address,
+        group_id="commit-blocked",
+        auto_offset_reset="earliest",
+        auto_commit_interval_ms=100,
+        request_timeout_ms=1_000,
+        default_api_timeout_ms=8_000,
+    )
+    try:
+        consumer.assign([tp])
+        assert [offset for offset, _ in poll_records(consumer, 3)] == [0, 1, 2]
+        proxy.down()
+        for _ in range(3):  # each one with an auto-commit of position 3 due
+            time.sleep(0.3)
+            started = time.monotonic()
+            assert consumer.poll(timeout_ms=500) == []
+            elapsed = time.monotonic() - started
+            assert elapsed < 3.0, f"poll(timeout_ms=500) took {elapsed:.1f} s"
+        proxy.up()
+        deadline = time.monotonic() + 30
+        while consumer.committed([tp]) != {tp: 3} and time.monotonic() < deadline:
+            consumer.poll(timeout_ms=200)
+        assert consumer.committed([tp]) == {tp: 3}
+    finally:
+        proxy.up()
         consumer.close()
         proxy.close()
 

@@ -27,8 +27,10 @@ from tidelog.errors import (
     ErrorCode,
     FencedInstanceIdError,
     IllegalGenerationError,
+    RebalanceInProgressError,
     RequestTimedOutError,
     UnknownMemberIdError,
+    WakeupError,
 )
 from tidelog.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -383,6 +385,65 @@ def test_an_assigned_consumer_cannot_commit_over_an_active_group(
     finally:
         member.close()
         outsider.close()
+
+
+def test_a_subscribed_consumer_outside_any_generation_cannot_commit(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka (ConsumerCoordinator.sendOffsetCommitRequest): a consumer with auto-assigned
+    partitions commits only in a generation (RebalanceInProgressException while it
+    joins). Only a member whose partitions were lost was refused: one with no member id
+    (not joined yet, or its join answered UNKNOWN_MEMBER_ID) committed as an outsider
+    (member "", generation -1), which the gateway takes whenever the group is empty, and
+    the offset the partition's last owner committed went backwards (found by an audit).
+    Once joined it commits again."""
+    admin.create_topic("outsider", partitions=1, replication_factor=1)
+    tp = ("outsider", 0)
+    _produce(gateway.address, "outsider", 1, 20)
+    late = _member(gateway.address, "outsiders", enable_auto_commit=False)
+    late.subscribe(["outsider"])  # a member, not joined yet
+    try:
+        with _member(gateway.address, "outsiders", enable_auto_commit=False) as owner:
+            owner.subscribe(["outsider"])
+            _join(owner)
+            owner.commit({tp: 10})
+        # The owner left: the group is empty. The member that has not joined yet:
+        with pytest.raises(RebalanceInProgressError):
+            late.commit({tp: 3})
+        assert late.committed([tp]) == {tp: 10}
+        late.commit()  # nothing of its own to commit yet: nothing to refuse
+        _join(late)  # reads on from the owner's commit
+        position = late.position(tp)
+        assert position >= 10
+        late.commit()
+        assert late.committed([tp]) == {tp: position}
+    finally:
+        late.close()
+
+
+def test_a_pending_wakeup_is_not_taken_by_the_commit_before_a_revocation(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The consumer's own commit before it gives its group's partitions up (here for
+    assign()) went through commit(), which took a pending wakeup() and raised
+    WakeupError, swallowed as a failed auto-commit: the wake-up meant for the next poll
+    was lost (found by an audit). It stays pending now, and the commit is made."""
+    admin.create_topic("woken-revoked", partitions=1, replication_factor=1)
+    tp = ("woken-revoked", 0)
+    _produce(gateway.address, "woken-revoked", 1, 10)
+    member = _member(gateway.address, "woken-revokers", auto_commit_interval_ms=60_000)
+    try:
+        member.subscribe(["woken-revoked"])
+        records = wait_for(lambda: member.poll(max_records=4, timeout_ms=100), 30, "records")
+        assert [r.offset for r in records] == [0, 1, 2, 3]
+        member.wakeup()
+        member.assign([tp])  # commits position 4, revokes, leaves the group
+        with pytest.raises(WakeupError):
+            member.poll(timeout_ms=200)
+        assert member.committed([tp]) == {tp: 4}
+        assert [r.offset for r in member.poll(max_records=1, timeout_ms=5_000)] == [4]
+    finally:
+        member.close()
 
 
 def test_added_partitions_are_assigned_after_a_rebalance(

@@ -57,7 +57,10 @@ Group offsets are committed with ``commit()`` (the positions, or given offsets) 
 ``enable_auto_commit``, every ``auto_commit_interval_ms`` during ``poll`` and on
 ``close``. ``commit()`` and ``committed()`` retry while the gateway cannot answer (a
 restart, an outage) for up to ``default_api_timeout_ms`` (60 s, Kafka's
-default.api.timeout.ms), then raise its last error. ``subscribe`` with a ``group_id``
+default.api.timeout.ms), then raise its last error; so do the auto-commits of ``close``
+and before a rebalance or a new assignment. The auto-commit inside a poll is one attempt
+within the poll's timeout (Kafka's is asynchronous: it never holds a poll up); a failed
+one is logged and tried again an interval later. ``subscribe`` with a ``group_id``
 makes the consumer a member of its group, which shares the topics' partitions among its
 members and moves them as members come and go (``tidelog.membership``); commits then name
 the member's generation, and a member whose partitions were moved on cannot commit over
@@ -125,7 +128,6 @@ from tidelog.errors import (
     ErrorCode,
     OffsetOutOfRangeError,
     TidelogError,
-    UnknownMemberIdError,
     UnknownTopicOrPartitionError,
     WakeupError,
     error_for_code,
@@ -150,7 +152,13 @@ RETRY_BACKOFF_S: Final = 0.1
 MAX_RETRY_BACKOFF_S: Final = 1.0
 """The longest pause between two attempts of a group call (Kafka's retry.backoff.max.ms)."""
 ITERATOR_POLL_TIMEOUT_MS: Final = 1000
-"""How long one wait of ``iter(consumer)`` for records lasts before it looks again."""
+"""How long one wait of ``iter(consumer)`` for records lasts before it looks again; also
+the bound of an auto-commit the iterator makes between records."""
+MIN_AUTO_COMMIT_TIMEOUT_MS: Final = 200
+"""The least time an auto-commit made in a poll gets, whatever is left of the poll's
+timeout: a commit given a few ms (``poll(timeout_ms=0)``) never reached the gateway's
+store, so a loop of short polls never committed. Bounded, and a failure waits an
+interval, so a short poll waits at most this long once per ``auto_commit_interval_ms``."""
 MAX_FETCHES_IN_FLIGHT: Final = 16
 """Fetches in flight at once, one per leader group: beyond that many leaders, leaders
 share a group (by broker id modulo this)."""
@@ -1027,7 +1035,9 @@ class Consumer:
         ``wakeup()``): the way to stop a consumer loop from another thread or a signal
         handler. Safe in both; the consumer stays usable (close it, or poll again). A
         request already sent (a group join, a commit) is answered first: they are bounded
-        by the poll's timeout and ``request_timeout_ms``.
+        by the poll's timeout and ``request_timeout_ms``. The consumer's own commits (the
+        auto-commit, the commit before a rebalance) are not interrupted and leave the
+        wake-up for the next check, between records at the latest.
 
         The only call another thread may make while one polls (with ``metrics()``): to
         stop a consumer from elsewhere, ``wakeup()`` there, then ``close()`` in the
@@ -1072,7 +1082,7 @@ class Consumer:
                 self._rejoin(deadline)
         if self._closed:
             return  # a rebalance callback closed the consumer: nothing more to wait for
-        self._maybe_auto_commit()
+        self._maybe_auto_commit(deadline)
         now = time.monotonic()
         if (self._leaders_stale and now >= self._refresh_after) or (
             now - self._last_refresh > METADATA_REFRESH_S
@@ -1496,7 +1506,7 @@ class Consumer:
                         return  # closed by the loop body: nothing more, not even a commit
                     if membership is not None:
                         membership.polled()  # a loop taking records is not stuck
-                    self._maybe_auto_commit()
+                    self._maybe_auto_commit(time.monotonic() + ITERATOR_POLL_TIMEOUT_MS / 1000)
         finally:
             if held:
                 self._release()
@@ -1506,24 +1516,43 @@ class Consumer:
     @_one_thread
     def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
         """Commit ``offsets`` (the next offset to read per partition), by default the
-        current positions of every assigned partition."""
+        current positions of every assigned partition, retrying while the gateway cannot
+        answer for up to ``default_api_timeout_ms`` (module docstring).
+
+        A member of a group (``subscribe``) commits only in a generation, as Kafka's
+        ConsumerCoordinator: ``RebalanceInProgressError`` while it joins (poll, then
+        commit again), ``UnknownMemberIdError`` when its partitions may be another
+        member's (``GroupMembership.generation_for_commit``). With nothing to commit it
+        returns at once, as Kafka's commitSync does."""
         if self.group_id is None:
             raise ConfigError("commit needs a consumer with a group_id")
         self._raise_if_woken()
-        if self._membership is not None:
-            self._membership.raise_if_fenced()
-            if self._membership.partitions_lost():
-                # Kafka's CommitFailedException: without a member id the commit would go
-                # as an outsider's and, the group being empty meanwhile, overwrite what
-                # the partitions' next owner committed.
-                raise UnknownMemberIdError(
-                    "this consumer's partitions may belong to another member now (it left "
-                    "or was dropped from the group); it joins again at its next poll"
-                )
         if offsets is None:
             offsets = {tp: self._positions[tp] for tp in self._assignment if tp in self._positions}
+        self._commit(offsets, time.monotonic() + self._api_timeout_s, retrying=True)
+
+    def _commit(
+        self,
+        offsets: dict[TopicPartition, int],
+        deadline: float,
+        *,
+        retrying: bool,
+        interruptible: bool = True,
+    ) -> None:
+        """Commit ``offsets`` by ``deadline`` (monotonic): sent again while the gateway
+        cannot answer (``retrying``, ``_call_retrying``), or sent once.
+
+        Only ``commit()`` is ``interruptible`` (Kafka's wakeup interrupts the
+        application's blocking call): an internal commit (auto-commit, the commit
+        before a revocation) leaves a pending ``wakeup()`` for the next check. It used
+        to take it, and the auto-commit's error handling swallowed the WakeupError:
+        the poll or the iterator never stopped, and the commit was skipped."""
         if not offsets:
             return
+        member_id, generation = (
+            # Read once, under the membership's lock, with what refuses the commit.
+            self._membership.generation_for_commit() if self._membership is not None else ("", -1)
+        )
 
         def epoch_of(tp: TopicPartition, offset: int) -> int:
             # Known only for the position itself (an offset given by the caller may be any).
@@ -1531,25 +1560,41 @@ class Consumer:
                 return -1
             return self._position_epoch.get(tp, -1)
 
-        member_id, generation = (
-            self._membership.commit_identity() if self._membership is not None else ("", -1)
+        # (commit() checked it; auto-commit is on only with a group_id.)
+        assert self.group_id is not None
+        request = gateway_pb2.CommitOffsetsRequest(
+            group_id=self.group_id,
+            member_id=member_id,
+            generation_id=generation,
+            group_instance_id=self._instance_id if member_id else "",
+            offsets=[
+                gateway_pb2.CommitOffset(
+                    topic=t, partition=p, offset=o, leader_epoch=epoch_of((t, p), o)
+                )
+                for (t, p), o in sorted(offsets.items())
+            ],
         )
-        response: gateway_pb2.CommitOffsetsResponse = self._call_retrying(
-            self._conn.stub.CommitOffsets,
-            gateway_pb2.CommitOffsetsRequest(
-                group_id=self.group_id,
-                member_id=member_id,
-                generation_id=generation,
-                group_instance_id=self._instance_id if member_id else "",
-                offsets=[
-                    gateway_pb2.CommitOffset(
-                        topic=t, partition=p, offset=o, leader_epoch=epoch_of((t, p), o)
-                    )
-                    for (t, p), o in sorted(offsets.items())
-                ],
-            ),
-            f"commit offsets of group {self.group_id!r}",
-        )
+        what = f"commit offsets of group {self.group_id!r}"
+        response: gateway_pb2.CommitOffsetsResponse
+        if retrying:
+            response = self._call_retrying(
+                self._conn.stub.CommitOffsets,
+                request,
+                what,
+                deadline=deadline,
+                interruptible=interruptible,
+            )
+        else:
+            if interruptible:
+                self._raise_if_woken()
+            # One attempt. Given up on at its deadline, it cannot land later over a newer
+            # commit: the gateway starts no write after the request's deadline.
+            response = self._conn.call(
+                self._conn.stub.CommitOffsets,
+                request,
+                what,
+                timeout_s=max(0.001, min(self._conn.timeout_s, deadline - time.monotonic())),
+            )
         for item in response.partitions:
             try:
                 raise_for(item.error, f"commit {item.topic}-{item.partition}")
@@ -1585,18 +1630,30 @@ class Consumer:
         )
         return {(o.topic, o.partition): (o.offset, o.leader_epoch) for o in response.offsets}
 
-    def _call_retrying(self, method: Any, request: Any, what: str) -> Any:
+    def _call_retrying(
+        self,
+        method: Any,
+        request: Any,
+        what: str,
+        *,
+        deadline: float | None = None,
+        interruptible: bool = True,
+    ) -> Any:
         """A group call sent again while the gateway cannot answer it (unreachable,
         restarting, timed out: retriable errors), with a growing backoff, until
-        ``default_api_timeout_ms`` has passed (Kafka's commitSync and committed). An
-        answer is final, errors in it included. A commit gave up on after a timeout
-        cannot land late over a newer one: the gateway starts no write after the
-        request's deadline. It failed at the first refused connection: a gateway's
-        rolling restart failed every manual commit made meanwhile (found by an audit)."""
-        deadline = time.monotonic() + self._api_timeout_s
+        ``deadline`` (monotonic; by default ``default_api_timeout_ms`` from now) has
+        passed (Kafka's commitSync and committed). An answer is final, errors in it
+        included. A commit gave up on after a timeout cannot land late over a newer one:
+        the gateway starts no write after the request's deadline. It failed at the first
+        refused connection: a gateway's rolling restart failed every manual commit made
+        meanwhile (found by an audit). ``interruptible``: a ``wakeup()`` raises
+        WakeupError before each attempt (not for internal commits, ``_commit``)."""
+        if deadline is None:
+            deadline = time.monotonic() + self._api_timeout_s
         backoff_s = RETRY_BACKOFF_S
         while True:
-            self._raise_if_woken()
+            if interruptible:
+                self._raise_if_woken()
             remaining_s = deadline - time.monotonic()
             try:
                 return self._conn.call(
@@ -1618,20 +1675,44 @@ class Consumer:
         committed over the new owner's."""
         return self._membership is not None and self._membership.partitions_lost()
 
-    def _maybe_auto_commit(self) -> None:
+    def _maybe_auto_commit(self, poll_deadline: float | None = None) -> None:
+        """Commit the positions that changed, once ``auto_commit_interval_ms`` passed
+        since the last commit. Never raises, nor takes a pending ``wakeup()``: a failure
+        is logged and tried again an interval later (Kafka's auto-commit).
+
+        From a poll or the iterator (``poll_deadline``, monotonic, when that wait ends):
+        one attempt, bounded by the poll's remaining time (at least
+        ``MIN_AUTO_COMMIT_TIMEOUT_MS``), as Kafka's auto-commit in poll is asynchronous
+        and never holds the poll up. It used to retry for ``default_api_timeout_ms``
+        while the gateway could not be reached, and, the failure not counting as a
+        commit, again at every poll: poll(timeout_ms=500) blocked for a minute each time.
+        Without one (before a revocation or a new assignment, on close): retried for
+        ``default_api_timeout_ms``, as Kafka's commitSync there."""
         if not self._auto_commit or self._closed or self._group_partitions_lost():
             return
-        if time.monotonic() - self._last_commit < self._auto_commit_interval_s:
+        now = time.monotonic()
+        if now - self._last_commit < self._auto_commit_interval_s:
             return
         changed = {
             tp: o for tp, o in self._positions.items() if self._committed_positions.get(tp) != o
         }
         if changed:
             try:
-                self.commit(changed)
-            except TidelogError:
-                # Kafka's auto-commit failures are logged and retried at the next interval.
-                return
+                if poll_deadline is None:
+                    self._commit(
+                        changed, now + self._api_timeout_s, retrying=True, interruptible=False
+                    )
+                else:
+                    deadline = max(poll_deadline, now + MIN_AUTO_COMMIT_TIMEOUT_MS / 1000)
+                    self._commit(changed, deadline, retrying=False, interruptible=False)
+            except TidelogError as exc:
+                _log.warning(
+                    "auto-commit of group %r failed (%s); trying again in %d ms",
+                    self.group_id,
+                    exc,
+                    int(self._auto_commit_interval_s * 1000),
+                )
+        # After a failure too: the next attempt waits an interval, not the next poll.
         self._last_commit = time.monotonic()
 
     # --- lifecycle ------------------------------------------------------------------------

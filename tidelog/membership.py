@@ -42,7 +42,13 @@ from contextlib import contextmanager
 from typing import Final
 
 from tidelog.client import GatewayConnection
-from tidelog.errors import ErrorCode, TidelogError, error_for_code
+from tidelog.errors import (
+    ErrorCode,
+    RebalanceInProgressError,
+    TidelogError,
+    UnknownMemberIdError,
+    error_for_code,
+)
 from tidelog.v1 import gateway_pb2
 
 _log = logging.getLogger(__name__)
@@ -155,11 +161,45 @@ class GroupMembership:
             self._in_poll = False
 
     def commit_identity(self) -> tuple[str, int]:
-        """The member id and generation a commit names ("" and -1 when not joined)."""
+        """The member id and generation ("" and -1 when not joined), for
+        ``group_metadata``; commits use ``generation_for_commit``, which refuses them."""
         with self._lock:
             if not self._member_id:
                 return "", -1
             return self._member_id, self._generation
+
+    def generation_for_commit(self) -> tuple[str, int]:
+        """The member id and generation a commit names, or the error that refuses it
+        (Kafka's ConsumerCoordinator commits only in a generation). Read under one lock
+        with the fenced and lost flags: the heartbeat thread changes them together, and
+        a commit must not name a member id read before a change with a flag read after.
+
+        Raises FencedInstanceIdError once fenced; UnknownMemberIdError (Kafka's
+        CommitFailedException) when the partitions may be another member's already, or
+        when the membership was left; RebalanceInProgressError while it (re)joins without
+        a generation: before its first join completes, or after a JoinGroup answered
+        UNKNOWN_MEMBER_ID. Such commits used to go as an outsider's (member "",
+        generation -1), which the gateway takes whenever the group is empty: an offset
+        the partition's last owner committed went backwards (found by an audit)."""
+        with self._lock:
+            if self._fenced is not None:
+                raise self._fenced
+            if self._lost:
+                raise UnknownMemberIdError(
+                    "this consumer's partitions may belong to another member now (it left "
+                    "or was dropped from the group); it joins again at its next poll"
+                )
+            if self._member_id and self._generation >= 0:
+                return self._member_id, self._generation
+            if self._left:
+                raise UnknownMemberIdError(
+                    f"this consumer left group {self.group_id!r}: it is no member to commit as"
+                )
+        raise RebalanceInProgressError(
+            f"this consumer is joining group {self.group_id!r} and has no generation yet: "
+            "its commits wait until a poll completes the join (they would go as an "
+            "outsider's and could overwrite what the partitions' last owner committed)"
+        )
 
     def join(
         self,
