@@ -25,7 +25,7 @@ from services.storage.registration import BrokerRegistration
 from tests.support.process import StorageProcess
 from tidelog.etcd_launcher import EtcdProcess, EtcdTuning, free_port
 from tidelog.records import encode_batch
-from tidelog.v1 import common_pb2, storage_pb2
+from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 
 TTL_S = 2
 
@@ -190,6 +190,75 @@ def test_a_node_waiting_for_its_previous_registration_is_not_serving(
                 assert answer.status == health_pb2.HealthCheckResponse.NOT_SERVING
         restarted.start()  # registered, then SERVING
         assert store.get(broker_key(1)) is not None
+    finally:
+        restarted.terminate()
+
+
+def test_a_node_waiting_for_its_previous_registration_takes_no_controller_request(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """A restarted node serves gRPC while it waits out its killed incarnation's
+    registration, on the address the controller's sender for that incarnation still
+    delivers to. It took those requests: a role meant for the old log (the followers then
+    truncated to the new, shorter one: acknowledged records lost, test_controller), and
+    any forged request, whose controller epoch then fenced out every real controller
+    (found by an audit). Until it has registered it takes none, whatever epochs they
+    carry; then requests for its new epoch go through as before."""
+    first = start_member(tmp_path, etcd, store)
+    kv = store.get(broker_key(1))
+    assert kv is not None
+    old_epoch = kv.create_revision
+    first.kill()
+    port = free_port()
+    restarted = StorageProcess(
+        tmp_path / "data",
+        broker_id=1,
+        extra_args=[
+            *("--etcd", etcd.endpoint, "--cluster", store.cluster),
+            *("--session-ttl-s", str(TTL_S), "--controlled-shutdown-timeout-s", "1"),
+            *("--listen", f"127.0.0.1:{port}"),
+        ],
+    )
+    try:
+        wait_for(
+            lambda: "waiting_for_previous_registration" in restarted.log_tail(50),
+            10,
+            "the wait for the old registration",
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = storage_pb2_grpc.StorageStub(channel)
+            calls: dict[str, Callable[[int, int], Any]] = {
+                "LeaderAndIsr": lambda c, b: stub.LeaderAndIsr(
+                    storage_pb2.LeaderAndIsrRequest(
+                        controller_id=1, controller_epoch=c, broker_epoch=b
+                    ),
+                    timeout=5,
+                ),
+                "UpdateMetadata": lambda c, b: stub.UpdateMetadata(
+                    storage_pb2.UpdateMetadataRequest(
+                        controller_id=1, controller_epoch=c, broker_epoch=b
+                    ),
+                    timeout=5,
+                ),
+                "StopReplica": lambda c, b: stub.StopReplica(
+                    storage_pb2.StopReplicaRequest(
+                        controller_id=1, controller_epoch=c, broker_epoch=b
+                    ),
+                    timeout=5,
+                ),
+            }
+            for name, call in calls.items():
+                for broker_epoch in (old_epoch, -1, 123_456):
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call(2**62, broker_epoch)
+                    assert error_code(refused.value) == "STALE_BROKER_EPOCH", name
+            assert "waiting_for_previous_registration" in restarted.log_tail(50)
+        restarted.start()  # registered
+        kv = store.get(broker_key(1))
+        assert kv is not None and kv.create_revision != old_epoch
+        # The refused requests' controller epoch (2**62) did not stick: a real one's passes.
+        ok = leader_and_isr(restarted, controller_epoch=5, broker_epoch=kv.create_revision)
+        assert ok.partitions[0].error.code == common_pb2.NONE
     finally:
         restarted.terminate()
 

@@ -233,6 +233,7 @@ class StorageNode:
             resolve=self._resolve_broker,
             alter_partition=self._send_alter_partition if config.etcd else None,
             replica_lag_time_max_ms=config.replica_lag_time_max_ms,
+            requires_registration=bool(config.etcd),
         )
         started_ms = time.monotonic()
         replicas.startup()

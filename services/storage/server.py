@@ -230,8 +230,12 @@ class ReplicaManager:
         resolve: AddressResolver | None = None,
         alter_partition: AlterPartitionSender | None = None,
         replica_lag_time_max_ms: int | None = None,
+        requires_registration: bool = False,
     ) -> None:
         self.broker_id = broker_id
+        # In a cluster (etcd): controller requests are taken only once this incarnation
+        # is registered and only for its broker epoch (``_check_controller_request``).
+        self._requires_registration = requires_registration
         self._log_manager = log_manager
         # Sends ISR proposals to the active controller; None: standalone, no ISR changes.
         self._alter_partition = alter_partition
@@ -338,6 +342,19 @@ class ReplicaManager:
         # Once registered, the epoch is required, not merely checked when present: the
         # controller always sends it, and without it any client could raise the controller
         # epoch (fencing the real controller out) or stop and delete partitions (issue 9).
+        # Before a clustered node has registered, nothing is taken (Kafka serves no
+        # controller request before its registration, KIP-380): a node restarted after a
+        # kill -9 waits up to a TTL for its previous incarnation's lease, serving gRPC on
+        # the same address meanwhile, and the controller's sender for that incarnation
+        # kept delivering its mailbox: a role meant for the old log (a leadership, with
+        # the followers truncating to the new, shorter one) was taken, and acknowledged
+        # records were lost (found by an audit). The controller sends again once the new
+        # incarnation registers.
+        if self._requires_registration and self._broker_epoch <= 0:
+            raise StaleBrokerEpochError(
+                f"broker {self.broker_id} has not registered this incarnation yet; "
+                f"a request for broker epoch {broker_epoch} is not for it"
+            )
         if self._broker_epoch > 0 and broker_epoch != self._broker_epoch:
             raise StaleBrokerEpochError(
                 f"request for broker epoch {broker_epoch}; broker {self.broker_id} is "
