@@ -159,14 +159,11 @@ def test_kill_9_expires_and_restart_gets_a_newer_epoch(
         restarted.terminate()
 
 
-def test_a_node_waiting_for_its_previous_registration_is_not_serving(
+def restart_waiting(
     tmp_path: Path, etcd: EtcdProcess, store: MetaStore
-) -> None:
-    """Health says SERVING only once the node is in the cluster: while a restarted node
-    waits out its killed incarnation's registration it has no broker epoch, and it used
-    to be SERVING already, so readiness probes passed for it (found by an audit)."""
-    first = start_member(tmp_path, etcd, store)
-    first.kill()
+) -> tuple[StorageProcess, int]:
+    """Broker 1 (killed) started again on its data and a new port, once it is waiting out
+    its previous incarnation's registration (serving gRPC, not registered); and the port."""
     port = free_port()
     restarted = StorageProcess(
         tmp_path / "data",
@@ -183,6 +180,22 @@ def test_a_node_waiting_for_its_previous_registration_is_not_serving(
             10,
             "the wait for the old registration",
         )
+    except BaseException:
+        restarted.terminate()
+        raise
+    return restarted, port
+
+
+def test_a_node_waiting_for_its_previous_registration_is_not_serving(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """Health says SERVING only once the node is in the cluster: while a restarted node
+    waits out its killed incarnation's registration it has no broker epoch, and it used
+    to be SERVING already, so readiness probes passed for it (found by an audit)."""
+    first = start_member(tmp_path, etcd, store)
+    first.kill()
+    restarted, port = restart_waiting(tmp_path, etcd, store)
+    try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
             for service in ("", "tidelog.v1.Storage"):
@@ -200,7 +213,7 @@ def test_a_node_waiting_for_its_previous_registration_takes_no_controller_reques
     """A restarted node serves gRPC while it waits out its killed incarnation's
     registration, on the address the controller's sender for that incarnation still
     delivers to. It took those requests: a role meant for the old log (the followers then
-    truncated to the new, shorter one: acknowledged records lost, test_controller), and
+    truncated to the new, shorter one: acknowledged records lost, test_restarted_broker), and
     any forged request, whose controller epoch then fenced out every real controller
     (found by an audit). Until it has registered it takes none, whatever epochs they
     carry; then requests for its new epoch go through as before."""
@@ -209,22 +222,8 @@ def test_a_node_waiting_for_its_previous_registration_takes_no_controller_reques
     assert kv is not None
     old_epoch = kv.create_revision
     first.kill()
-    port = free_port()
-    restarted = StorageProcess(
-        tmp_path / "data",
-        broker_id=1,
-        extra_args=[
-            *("--etcd", etcd.endpoint, "--cluster", store.cluster),
-            *("--session-ttl-s", str(TTL_S), "--controlled-shutdown-timeout-s", "1"),
-            *("--listen", f"127.0.0.1:{port}"),
-        ],
-    )
+    restarted, port = restart_waiting(tmp_path, etcd, store)
     try:
-        wait_for(
-            lambda: "waiting_for_previous_registration" in restarted.log_tail(50),
-            10,
-            "the wait for the old registration",
-        )
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = storage_pb2_grpc.StorageStub(channel)
             calls: dict[str, Callable[[int, int], Any]] = {
