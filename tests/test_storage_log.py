@@ -1614,6 +1614,26 @@ def test_max_timestamp_after_truncation(tmp_path: Path) -> None:
     log.close()
 
 
+def test_a_truncation_to_a_segments_start_leaves_no_time_entry_past_the_log_end(
+    tmp_path: Path,
+) -> None:
+    """Found by an audit: truncating a segment to its start reset its max timestamp but
+    not that timestamp's offset. A time-index entry due before the next timestamped batch
+    (records without timestamps, -1) then named that stale offset, past the log end, and
+    a lookup by time started its scan there, skipping the record it should answer."""
+    log = open_log(tmp_path / "p-0", LogConfig(index_interval_bytes=0))
+    for i in range(20):  # offsets 0..19: the offset of the max timestamp is 19
+        log.append(encode_batch([b"v" * 40], timestamps_ms=[T0 + i]))
+    log.truncate_to(0)  # e.g. a follower diverging at the segment's start
+    for ts in (-1, -1, *range(T0 + 100, T0 + 108)):  # offsets 0..9; an entry due at 1
+        log.append(encode_batch([b"v" * 40], timestamps_ms=[ts]))
+    segment = log._segments.last
+    entries = [segment.time_index.entry(i) for i in range(segment.time_index.entries)]
+    assert all(segment.base_offset + relative < log.log_end_offset for _, relative in entries)
+    assert log.offset_for_timestamp(T0 + 50) == (2, T0 + 100)
+    log.close()
+
+
 # --- rejected input ------------------------------------------------------------------------------
 
 

@@ -676,7 +676,10 @@ class LogSegment:
         self._next_offset = None
         if position == 0:
             self._next_offset, self._tail_loaded = self.base_offset, True
-            self._max_timestamp_ms = -1
+            # Both: a stale offset of the max timestamp went into the next time-index
+            # entry (due before any timestamped batch came), naming an offset past the log
+            # end, and lookups by time started their scan there (found by an audit).
+            self._max_timestamp_ms, self._offset_of_max_timestamp = -1, self.base_offset
             self._bytes_since_index_entry = 0
             self._first_batch_timestamp_ms = -1
         return removed
