@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -386,6 +390,55 @@ def test_direct_close_whose_timeout_runs_out_completes_every_send(
     assert all(isinstance(e, RequestTimedOutError) for e in failed)
     assert all("the producer was closed before" in str(e) for e in failed)
     assert not producer._sender.is_alive()
+
+
+_CLOSE_AT_EXIT = textwrap.dedent(
+    """
+    import atexit, sys
+    import tidelog
+
+    address, topic, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    producer = tidelog.Producer(address, direct=True, linger_ms=200)
+    producer.send(topic, b"warm", partition=0).result(30)  # metadata, producer id
+    results = []
+    def done(f):
+        e = f.exception()
+        results.append("ok" if e is None else repr(e))
+    def close():
+        producer.close()
+        with open(out, "w") as fh:
+            fh.write("\\n".join(results))
+    atexit.register(close)  # the usual way to close at exit
+    for p in range(12):
+        producer.send(topic, b"at exit", partition=p).add_done_callback(done)
+    """
+)
+"""A program whose producer, closed by an atexit handler, still has a record queued for
+each of 12 partitions (linger_ms holds them): at least one leader has four, which go in
+one AppendMany."""
+
+
+def test_direct_close_in_an_atexit_handler_delivers_what_is_queued(
+    gateway: GatewayProcess, admin: tidelog.Admin, tmp_path: Path
+) -> None:
+    """Found by an audit: close() called from an atexit handler failed every record with
+    UNKNOWN_SERVER_ERROR in direct mode. Unary appends and AppendMany calls went through a
+    concurrent.futures pool, which refuses new work once the interpreter exits (its exit
+    hook runs, from threading, before atexit handlers): the first one raised RuntimeError
+    in the sender, which died. They are made on the producer's own threads now, and
+    close() there sends what is queued, as anywhere else."""
+    topic = "direct-atexit"
+    _create(admin, topic, 12)
+    out = tmp_path / "results.txt"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLOSE_AT_EXIT, gateway.address, topic, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.read_text().splitlines() == ["ok"] * 12, proc.stderr[-3000:]
 
 
 def test_send_batch_larger_than_the_buffer_is_queued_whole_or_not_at_all(

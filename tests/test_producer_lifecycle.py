@@ -1,8 +1,10 @@
 """The clients' lifecycle: a Producer (or Admin) made before ``os.fork()`` refuses calls in
 the child at once instead of hanging, ``Producer.close(timeout_s)`` keeps its timeout
-(Kafka's ``close(Duration)``: what is left then fails at once), and client-only errors
-have codes of their own. Real etcd, storage nodes, a controller and a gateway as
-processes; a black-holed gateway is a TCP proxy in the test that stops forwarding."""
+(Kafka's ``close(Duration)``: what is left then fails at once), a record queued past its
+``delivery_timeout_ms`` fails without being sent, and client-only errors have codes of
+their own. Real etcd, storage nodes, a controller and a gateway as processes; a
+black-holed gateway is a TCP proxy in the test that stops forwarding, a stopped one a
+process sent SIGSTOP."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import pytest
@@ -26,9 +28,11 @@ from tidelog.errors import (
     ErrorCode,
     InvalidReplicationFactorError,
     RequestTimedOutError,
+    TidelogError,
     WakeupError,
     error_for_code,
 )
+from tidelog.records import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES
 
 CHILD_ALARM_S = 10
 """A forked child that has not reported by then is killed (SIGALRM): it hung."""
@@ -290,6 +294,97 @@ def test_direct_close_with_a_stopped_leader_keeps_its_timeout(
     assert any("may have been written" in m for m in messages), messages
     assert any("never sent" in m for m in messages), messages
     assert not producer._sender.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("idempotent", "value_bytes", "count"),
+    [(True, 1000, 30), (False, 1024 * 1024, 12)],
+    ids=["idempotent-1KB-x30", "acks1-1MB-x12"],
+)
+def test_queued_batches_fail_by_their_delivery_timeout_without_being_sent(
+    gateway: GatewayProcess, admin: tidelog.Admin, idempotent: bool, value_bytes: int, count: int
+) -> None:
+    """Found by an audit: delivery_timeout_ms was only checked when a request failed, so
+    a batch queued behind its partition's request in flight was sent (expired already)
+    once that one had failed, and failed one request timeout later: with the gateway
+    stopped, 30 one-record batches of a partition failed ~6 request timeouts past their
+    delivery timeout (idempotent: five batches per request at most), and twelve 1 MiB
+    batches without idempotence (4 MiB of a partition per request) three. As Kafka's
+    accumulator does, the sender now fails a queued batch past its delivery timeout
+    without sending it; the one in flight fails as its request does, request_timeout_ms
+    and the hung-stream grace after it was sent at most."""
+    topic = f"delivery-timeout-{int(idempotent)}"
+    _create(admin, topic, 1, 1)
+    value = b"v" * value_bytes
+    producer = tidelog.Producer(
+        gateway.address,
+        acks="all" if idempotent else "1",
+        enable_idempotence=idempotent,
+        linger_ms=0,
+        batch_bytes=BATCH_OVERHEAD_BYTES + RECORD_OVERHEAD_BYTES + len(value),  # one record
+        request_timeout_ms=1_000,
+        delivery_timeout_ms=3_000,
+    )
+    failed_at: list[tuple[float, str]] = []  # (s after the sends, error) as futures fail
+    try:
+        producer.send(topic, b"warm", partition=0).result(30)
+        os.kill(gateway.pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            futures = [producer.send(topic, value, partition=0) for _ in range(count)]
+            for future in futures:
+                future.add_done_callback(
+                    lambda f: failed_at.append((time.monotonic() - start, str(f.exception())))
+                )
+            wait(futures, timeout=60)
+        finally:
+            os.kill(gateway.pid, signal.SIGCONT)
+    finally:
+        producer.close(timeout_s=30)
+    assert all(isinstance(f.exception(0), TidelogError) for f in futures)
+    # In flight: the request timeout and the hung-stream grace (1 s each) past the delivery
+    # timeout at most; slack for a busy machine.
+    assert max(t for t, _ in failed_at) < 3.0 + 1.0 + 1.0 + 1.5, failed_at
+    # Queued: expired at 3 s (the sender wakes for the first deadline), never sent.
+    never_sent = [t for t, error in failed_at if "it was never sent" in error]
+    assert len(never_sent) >= count // 2, failed_at  # the rest went in a request
+    assert max(never_sent) < 3.0 + 1.5, failed_at
+
+
+def test_a_batch_expired_in_the_queue_leaves_no_sequence_gap(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The idempotent side of the expiry above: a batch gets its sequence number when it
+    is first sent, so one that expired in the queue took none, and the partition's next
+    batch follows the one in flight without a gap (refused as OUT_OF_ORDER_SEQUENCE, it
+    would have failed for good). The gateway is stopped for longer than the delivery
+    timeout but not the request timeout: the request in flight is answered once it runs
+    again, the queued records have failed meanwhile, and the next record lands right
+    after the one in flight, under the same producer id."""
+    topic = "delivery-timeout-no-gap"
+    _create(admin, topic, 1, 1)
+    producer = tidelog.Producer(
+        gateway.address, linger_ms=0, request_timeout_ms=20_000, delivery_timeout_ms=1_500
+    )
+    try:
+        assert producer.send(topic, b"warm", partition=0).result(30).offset == 0
+        producer_id = producer._producer_id
+        os.kill(gateway.pid, signal.SIGSTOP)
+        try:
+            in_flight = producer.send(topic, b"in flight", partition=0)
+            time.sleep(0.3)  # sent: the partition's one request in flight through a gateway
+            queued = [producer.send(topic, b"queued %d" % i, partition=0) for i in range(3)]
+            for future in queued:
+                with pytest.raises(RequestTimedOutError, match="it was never sent"):
+                    future.result(10)
+            assert not in_flight.done()
+        finally:
+            os.kill(gateway.pid, signal.SIGCONT)
+        assert in_flight.result(30).offset == 1
+        assert producer.send(topic, b"next", partition=0).result(30).offset == 2
+        assert producer._producer_id == producer_id  # nothing failed after being sent
+    finally:
+        producer.close(timeout_s=30)
 
 
 def test_wakeup_error_has_a_client_code_of_its_own() -> None:

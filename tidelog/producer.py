@@ -53,6 +53,16 @@ request is retried with the same bytes (same sequence) until ``delivery_timeout_
 leader recognises a batch it already wrote and answers with the original offsets, so
 retries neither duplicate nor reorder (``enable_idempotence``, the default).
 
+Delivery timeout: ``delivery_timeout_ms`` counts from a batch's entry into the accumulator
+(opened by ``send``, queued by ``send_batch``). A batch still queued or open by then -
+behind requests that go unanswered, or waiting to be retried - fails without being sent
+(Kafka's ``RecordAccumulator.expiredBatches``), with ``RequestTimedOutError``, or the
+error of its last request if it waits to be retried: it is not sent late only to fail a
+request timeout later. A batch in flight then fails once its request does
+(``request_timeout_ms`` later at most, and a grace for a hung stream or pipe), and is not
+retried. Batches expire in their partition's order; one never sent has no sequence number
+yet, so its failure leaves no gap for the batches after it.
+
 With several requests of a partition in flight, a failure is handled as Kafka does:
 
 * the partition sends nothing more until every request it has in flight is answered
@@ -120,12 +130,12 @@ import time
 import weakref
 from array import array
 from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
-from typing import Any, Final, cast, overload
+from typing import Any, Final, TypeVar, cast, overload
 
 import grpc
 
@@ -219,6 +229,7 @@ the producer's threads: one completing a future at that moment, and the sender e
 sender inside a blocking call, an InitProducerId or a metadata look-up, ends when the call
 does, sending nothing more: close returns without it)."""
 _STOP: Final = object()
+_T = TypeVar("_T")
 _ZERO_I32: Final = array("i", [0])
 _ZERO_I64: Final = array("q", [0])
 
@@ -366,6 +377,7 @@ class _Batch:
         "group_slots",
         "headers",
         "keys",
+        "last_error",
         "ordinal",
         "producer_id",
         "record_futures",
@@ -385,6 +397,9 @@ class _Batch:
         self.headers: list[Sequence[Header]] | None = None
         self.timestamps: list[int] = []
         self.size_bytes = 0
+        # When it entered the accumulator (opened, or queued by send_batch): its linger
+        # and its delivery timeout count from here. Never decreases along a partition's
+        # queue, so its head is the first to expire (Producer._expire).
         self.created_s = time.monotonic()
         # Buffers whose concatenation is the encoded batch (Arrow input: mostly views of
         # the arrays), joined only into the request that carries them.
@@ -392,6 +407,9 @@ class _Batch:
         self.encoded_bytes = 0
         self.attempts = 0
         self.sent = False
+        # Why its last request failed, while it waits to be retried: what it fails with
+        # if its delivery timeout passes first (Producer._fail_expired).
+        self.last_error: TidelogError | None = None
         self.finished = False  # its futures are set (_finishing)
         self.ordinal = 0  # place in its partition's queue (``_PartitionQueue.enqueue``)
         self.generation = 0  # the flush generation it was created in (Producer.flush)
@@ -507,6 +525,109 @@ class _PartitionQueue:
             self.blocked = False
 
 
+class _Appenders:
+    """Direct mode: the threads that make the producer's unary ``Append`` and
+    ``AppendMany`` calls, each a blocking call on a thread of its own (grpc's ``future()``
+    instead starts a thread per channel whenever the channel's calls go from none to one,
+    which a producer with a few partitions per leader does on nearly every request:
+    measured ~10% of direct RF=1 throughput). At most ``max_threads``, started as calls
+    need them; calls beyond that wait in order for a thread to be free.
+
+    The producer's own threads, not a ``concurrent.futures.ThreadPoolExecutor``: at the
+    interpreter's exit, concurrent.futures' exit hook (which ``threading`` runs before
+    atexit handlers) makes every pool refuse new work, so a ``close()`` called from an
+    atexit handler killed the sender on its first unary append and failed every record.
+    Daemons, as the producer's other threads: an idle one never holds up the interpreter's
+    exit (a producer not closed by then sends nothing more: module docstring).
+
+    Thread-safety: ``submit`` and ``shutdown`` are called by the sender (their one user);
+    the workers take calls under the condition's lock."""
+
+    __slots__ = ("_calls", "_cond", "_max_threads", "_shut", "_threads", "_waiting")
+
+    def __init__(self, max_threads: int) -> None:
+        self._max_threads = max_threads
+        self._cond = threading.Condition(threading.Lock())
+        self._calls: deque[tuple[Future[Any], Callable[[], Any]]] = deque()
+        self._threads = 0  # started and not ended
+        self._waiting = 0  # threads waiting for a call
+        self._shut = False
+
+    def submit(self, call: Callable[[], _T]) -> Future[_T]:
+        """Make ``call`` on a worker thread; its future is completed (and its callbacks
+        run) there."""
+        future: Future[_T] = Future()
+        with self._cond:
+            self._calls.append((future, call))
+            # More calls queued than threads waiting to take them: one more thread.
+            start = len(self._calls) > self._waiting and self._threads < self._max_threads
+            if start:
+                self._threads += 1
+            else:
+                self._cond.notify()
+        if start:
+            try:
+                threading.Thread(target=self._work, name="tidelog-append", daemon=True).start()
+            except RuntimeError:
+                # No new thread: the process is out of them, or exits on Python 3.12+
+                # (no thread starts once atexit handlers run). A thread already running
+                # takes the call in its turn; with none, the sender makes it
+                # (make_orphaned_calls) rather than die or leave it queued for ever.
+                with self._cond:
+                    self._threads -= 1
+        return future
+
+    def make_orphaned_calls(self) -> None:
+        """(the sender, the producer's lock not held: they block) Make the queued calls
+        on this thread while no worker is left to (none could be started)."""
+        while True:
+            with self._cond:
+                if self._threads or not self._calls:
+                    return
+                taken = self._calls.popleft()
+            self._run(*taken)
+
+    def shutdown(self, *, cancel: bool) -> None:
+        """No more calls: the threads end once the queued ones are made, or (``cancel``)
+        at once after their current one, the queued ones' futures cancelled."""
+        with self._cond:
+            self._shut = True
+            dropped = list(self._calls) if cancel else []
+            if cancel:
+                self._calls.clear()
+            self._cond.notify_all()
+        for future, _ in dropped:
+            future.cancel()  # its callback sees it cancelled: never sent
+
+    def _take(self) -> tuple[Future[Any], Callable[[], Any]] | None:
+        """(a worker) The next call queued, waiting for one; None once shut down and
+        none is left: the thread ends."""
+        with self._cond:
+            while not self._calls and not self._shut:
+                self._waiting += 1
+                self._cond.wait()
+                self._waiting -= 1
+            if self._calls:
+                return self._calls.popleft()
+            self._threads -= 1
+            return None
+
+    def _work(self) -> None:
+        while taken := self._take():
+            self._run(*taken)
+
+    @staticmethod
+    def _run(future: Future[Any], call: Callable[[], Any]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = call()
+        except BaseException as exc:  # the future carries it, as an executor's does
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+
 def _warn_unsent_at_exit(ref: weakref.ref[Producer]) -> None:
     producer = ref()
     # A child made by fork that exits normally inherited the registration and the parent's
@@ -579,15 +700,9 @@ class Producer:
         self._conn = GatewayConnection.get(gateway, request_timeout_ms)
         # Direct mode (module docstring): appends go to the leaders, found through here.
         self._leaders: LeaderDirectory | None = directory_for(self._conn) if direct else None
-        # Direct appends are blocking calls on these threads, one per request in flight:
-        # grpc's future() instead starts a thread per channel whenever the channel's calls
-        # go from none to one, which a producer with a few partitions per leader does on
-        # nearly every request (measured: ~10% of direct RF=1 throughput).
-        self._appenders: ThreadPoolExecutor | None = (
-            ThreadPoolExecutor(max_in_flight_requests, thread_name_prefix="tidelog-append")
-            if direct
-            else None
-        )
+        # Direct mode's unary appends: blocking calls on these threads, as many as
+        # requests may be in flight.
+        self._appenders = _Appenders(max_in_flight_requests) if direct else None
         self._acks = ACKS[acks_key]
         self._linger_s = linger_ms / 1000
         self._batch_bytes = batch_bytes
@@ -626,6 +741,9 @@ class Producer:
         self._sticky_bytes: dict[str, int] = {}  # sent to the topic's sticky partition
         self._buffered_bytes = 0
         self._unfinished = 0  # batches created and not yet completed
+        # No queued or open batch reaches its delivery timeout before this (_expire): the
+        # sender looks for expired batches only then, not on every pass.
+        self._next_expiry_s = float("inf")
         # Flush generations: each flush() starts a new one and waits only for batches of
         # its own and earlier generations (unfinished counts by generation, none at 0).
         self._generation = 0
@@ -822,6 +940,7 @@ class Producer:
                 batch = self._open[tp] = _Batch(tp)
                 batch.topic_id = self._topic_id(topic)
                 self._count_unfinished(batch)
+                self._watch_expiry((batch,))
             index = len(batch.values)
             batch.values.append(bytes(value) if value is not None else None)
             if key is not None or batch.keys is not None:
@@ -1061,8 +1180,13 @@ class Producer:
                 else:
                     abandoned = False
                     self._close_open(batch.tp)  # keep order with earlier send()s
+                    # Its delivery timeout counts from here, not from before the wait for
+                    # room (as Kafka's from the append to its accumulator): the queue's
+                    # batches then stay in the order they expire in.
+                    batch.created_s = time.monotonic()
                     self._queue(batch.tp).enqueue(batch)
                     self._count_unfinished(batch)
+                    self._watch_expiry((batch,))
                     self._lock.notify_all()
             if abandoned:
                 self._group_done(group)
@@ -1104,8 +1228,9 @@ class Producer:
     def close(self, timeout_s: float | None = None) -> None:
         """Stop accepting sends (later ones raise ConfigError), then wait up to
         ``timeout_s`` (None: as long as it takes, each record failing by its
-        ``delivery_timeout_ms`` at the latest) for every record queued or in flight to
-        complete, and stop the producer's threads. Kafka's ``close(Duration)``:
+        ``delivery_timeout_ms`` at the latest, or as its request in flight then fails: module
+        docstring) for every record queued or in flight to complete, and stop the
+        producer's threads. Kafka's ``close(Duration)``:
 
         * when ``timeout_s`` runs out first, the producer is closed forcefully: every
           record not completed yet fails at once with ``RequestTimedOutError`` ("the
@@ -1274,6 +1399,80 @@ class Producer:
             request_bytes += size
         return picked, wait_s
 
+    def _watch_expiry(self, batches: Sequence[_Batch]) -> None:
+        """(lock held) ``batches`` were opened or queued (again): the sender looks for
+        expired batches by the earliest of their delivery deadlines at the latest."""
+        for batch in batches:
+            self._next_expiry_s = min(
+                self._next_expiry_s, batch.created_s + self._delivery_timeout_s
+            )
+
+    def _expire(self, now: float) -> list[_Batch]:
+        """(lock held) Take out the queued and open batches past their delivery timeout,
+        to be failed without being sent (Kafka's ``RecordAccumulator.expiredBatches``):
+        retries of a request only ever fail as it is answered, so a batch waiting
+        behind requests in flight was sent once it had expired and failed a request
+        timeout later, and one waiting behind many of them outlasted its delivery timeout
+        several times over. Requests in flight are not touched (they fail as answered).
+
+        Only when something may have expired (``_next_expiry_s``), and then by each
+        partition's queue head: a queue's batches expire in queue order (``created_s``),
+        so an expired batch never leaves an earlier one of its partition queued to be
+        written after its failure. A batch never sent has no sequence number yet (it gets
+        one when first sent), so failing it leaves no gap before the partition's next;
+        one sent before failing for good makes the producer take a new producer id, as in
+        ``_complete_failed``."""
+        if now < self._next_expiry_s:
+            return []
+        timeout_s = self._delivery_timeout_s
+        expired: list[_Batch] = []
+        next_expiry_s = float("inf")
+        for pq in self._queues.values():
+            batches = pq.batches
+            while batches and batches[0].created_s + timeout_s <= now:
+                expired.append(batches.popleft())
+            if batches:
+                next_expiry_s = min(next_expiry_s, batches[0].created_s + timeout_s)
+        for tp, batch in list(self._open.items()):
+            # Opened after every queued batch of its partition, it expires after them.
+            if batch.created_s + timeout_s <= now:
+                del self._open[tp]
+                expired.append(batch)
+            else:
+                next_expiry_s = min(next_expiry_s, batch.created_s + timeout_s)
+        self._next_expiry_s = next_expiry_s
+        # Encoded means given a sequence (sent, or about to be when its request failed to
+        # build): the leader's sequence state for this id is unknown now.
+        if self._idempotent and any(b.sent or b.encoded is not None for b in expired):
+            self._producer_id = -1
+        return expired
+
+    def _fail_expired(self, expired: list[_Batch], now: float) -> None:
+        """Fail batches ``_expire`` took out. One waiting for a retry fails with its last
+        request's error, as it would have failed had its deadline passed as that request
+        failed (how a delivery timeout fails a batch in flight); one never sent, with
+        RequestTimedOutError."""
+        timeout_ms = round(self._delivery_timeout_s * 1000)
+        for batch in expired:
+            topic, partition = batch.tp
+            waited = f"{(now - batch.created_s) * 1000:.0f} ms"
+            last = batch.last_error
+            error: TidelogError
+            if last is None:
+                error = RequestTimedOutError(
+                    f"a record batch of {topic}-{partition} expired after {waited} in the "
+                    f"producer, past its delivery_timeout_ms ({timeout_ms} ms): it was never "
+                    "sent, and was not written"
+                )
+            else:
+                fate = "it was sent, and may have been written" if batch.sent else "not written"
+                error = type(last)(
+                    f"{last.message} (not retried: the record batch of {topic}-{partition} "
+                    f"expired after {waited}, past its delivery_timeout_ms ({timeout_ms} ms); "
+                    f"{fate})"
+                )
+            self._fail(batch, error)
+
     def _run_sender(self) -> None:
         try:
             self._send_until_closed()
@@ -1286,19 +1485,35 @@ class Producer:
 
     def _sender_failed(self, exc: BaseException) -> None:
         error = UnknownServerError(
-            f"the producer's sender thread failed ({exc!r}); this producer sends no more"
+            f"the producer's sender thread failed ({exc!r}); this producer sends no more "
+            "(a record batch it had sent may have been written)"
         )
         with self._lock:
             self._broken = error
-            stranded = [b for _, batches in self._sending for b in batches]
+            # Requests in flight fail now too, as close() fails them when forced: their
+            # answers may never come, since a hung stream or pipe is cancelled by the
+            # sender's checks, which no longer run. Answers still coming find nothing
+            # to complete. In send order, each partition's earliest batches first.
+            stranded = [b for picked in self._in_flight.values() for _, bs in picked for b in bs]
+            stranded += [b for _, batches in self._sending for b in batches]
             stranded += [b for pq in self._queues.values() for b in pq.batches]
             stranded += self._open.values()
             for pq in self._queues.values():
                 pq.batches.clear()
             self._open.clear()
             self._sending = []
+            self._in_flight.clear()
+            self._sent_at_s.clear()
+            self._dispatch_of.clear()
+            self._dispatch_left.clear()
+            calls = [self._stream.call] if self._stream is not None else []
+            calls += [pipe.call for pipe in self._pipes.values()]
             self._lock.notify_all()
-        # Requests in flight fail as they are answered (no retry once broken).
+        for call in calls:  # their readers end with them
+            if call is not None:
+                call.cancel()
+        if self._appenders is not None:
+            self._appenders.shutdown(cancel=True)  # their futures' callbacks find nothing
         for batch in stranded:
             self._fail(batch, error)
 
@@ -1310,6 +1525,10 @@ class Producer:
                 while True:
                     if self._closing and (self._unfinished == 0 or self._aborted is not None):
                         calls = self._end_streams()
+                        break
+                    now = time.monotonic()
+                    expired = self._expire(now)
+                    if expired:
                         break
                     wait_s = 0.5
                     self._close_idle_pipes(time.monotonic())
@@ -1323,11 +1542,15 @@ class Producer:
                         if picked:
                             self._sending = picked  # for _sender_failed, until dispatched
                             break
-                    self._lock.wait(min(wait_s, 0.5))
+                    self._lock.wait(min(wait_s, 0.5, self._next_expiry_s - time.monotonic()))
                 stream = self._stream
                 aborted = self._aborted is not None
             if calls is not None:
                 break
+            if expired:
+                # Failed before the next pass sends anything more of their partitions.
+                self._fail_expired(expired, now)
+                continue
             if hung is not None:
                 hung.cancel()  # its reader strands what was in flight, for a retry
                 continue
@@ -1360,8 +1583,8 @@ class Producer:
                 if call is not None:
                     call.cancel()
         if self._appenders is not None:
-            # Work not started yet is dropped when forced: close() failed its batches.
-            self._appenders.shutdown(wait=False, cancel_futures=aborted)
+            # Calls not started yet are dropped when forced: close() failed their batches.
+            self._appenders.shutdown(cancel=aborted)
 
     def _requests_in_flight(self) -> int:
         """(lock held) Requests unanswered, as ``max_in_flight_requests`` counts them."""
@@ -1596,6 +1819,7 @@ class Producer:
                     pq.in_flight_batches -= len(batches)
                     pq.blocked = True
                     pq.requeue(batches)
+                    self._watch_expiry(batches)
                     continue
                 pq.pipe = pipe
             routed.append((item, leader, pipe))
@@ -1661,9 +1885,7 @@ class Producer:
                         # it has, nothing more is sent.
                         assert self._appenders is not None and append is not None
                         future = self._appenders.submit(
-                            append,
-                            request,
-                            timeout=self._request_timeout_ms / 1000,
+                            partial(append, request, timeout=self._request_timeout_ms / 1000)
                         )
             if given_up:
                 self._complete_failed([item], NetworkError("the producer was closed"))
@@ -1681,6 +1903,9 @@ class Producer:
             if future is not None:
                 # Outside the lock: a call already answered runs the callback here.
                 future.add_done_callback(partial(self._append_answered, correlation_id, leader))
+        if self._appenders is not None:
+            # Calls that no thread could be started for are made here, the lock not held.
+            self._appenders.make_orphaned_calls()
 
     def _groups(
         self, routed: list[tuple[tuple[_PartitionQueue, list[_Batch]], Leader, _Pipe | None]]
@@ -1741,7 +1966,7 @@ class Producer:
                 self._put_in_flight(correlation_id, items, leader, dispatch_of_leader)
                 assert self._appenders is not None
                 future = self._appenders.submit(
-                    append_many, request, timeout=self._request_timeout_ms / 1000
+                    partial(append_many, request, timeout=self._request_timeout_ms / 1000)
                 )
         if future is None:
             self._complete_failed(items, NetworkError("the producer was closed"))
@@ -1876,6 +2101,12 @@ class Producer:
             return None
         if future.cancelled():  # never sent: dropped by the sender's end (a forced close)
             self._complete_failed(picked, NetworkError("the producer was closed"))
+            return None
+        exc = future.exception()
+        if exc is not None and not isinstance(exc, grpc.RpcError):
+            # Not an answer: grpc raised something else (a bug). Failed here, since the
+            # answer handlers expect RpcError only and their batches would never complete.
+            self._complete_failed(picked, UnknownServerError(f"the append call raised {exc!r}"))
             return None
         if sent_at_s is not None:
             self._metrics.record("request-latency", (time.monotonic() - sent_at_s) * 1000)
@@ -2024,10 +2255,11 @@ class Producer:
             closed = False
             if retry and len(retry) == len(batches):
                 with self._lock:
-                    # Checked again under the lock close() takes to fail what is queued:
-                    # a batch requeued after that would never complete.
+                    # Checked again under the lock close() (and a failed sender) takes to
+                    # fail what is queued: a batch requeued after that would never complete.
                     closed = self._aborted is not None
-                    if not closed:
+                    broken = self._broken is not None
+                    if not closed and not broken:
                         if refused and batches[0].producer_id != self._producer_id:
                             # Encoded under a producer id given up since: not written (the
                             # leader refused it), so it is sent again as new under the next
@@ -2036,11 +2268,14 @@ class Producer:
                                 batch.encoded = None
                                 batch.sent = False
                                 batch.request_key = 0
+                        for batch in batches:
+                            batch.last_error = error
                         pq.requeue(batches)
+                        self._watch_expiry(batches)
                         pq.retry_at_s = now + RETRY_BACKOFF_S
                         pq.request_done(batches, failed=True)
                         self._lock.notify_all()
-                if not closed:
+                if not closed and not broken:
                     self._metrics.add("record-retry-total", sum(len(b) for b in batches))
                     continue
             for batch in batches:
