@@ -628,6 +628,14 @@ class _Appenders:
             future.set_result(result)
 
 
+def _cancel(calls: Sequence[Any]) -> None:
+    """Cancel gRPC calls (None: a stream or pipe not opened yet). Outside the producer's
+    lock: a cancel may run the call's done callbacks, which take it."""
+    for call in calls:
+        if call is not None:
+            call.cancel()
+
+
 def _warn_unsent_at_exit(ref: weakref.ref[Producer]) -> None:
     producer = ref()
     # A child made by fork that exits normally inherited the registration and the parent's
@@ -1275,26 +1283,34 @@ class Producer:
         with self._lock:
             if self._aborted is None:
                 self._aborted = why
-            batches = [b for _, taken in self._sending for b in taken]
-            batches += [b for picked in self._in_flight.values() for _, bs in picked for b in bs]
-            for pq in self._queues.values():
-                batches += pq.batches
-                pq.batches.clear()
-            batches += self._open.values()
-            self._open.clear()
-            # Answers still coming find nothing to complete.
-            self._in_flight.clear()
-            self._sent_at_s.clear()
-            self._dispatch_of.clear()
-            self._dispatch_left.clear()
-            calls = [self._stream.call] if self._stream is not None else []
-            calls += [pipe.call for pipe in self._pipes.values()]
-            self._lock.notify_all()
-        for call in calls:
-            if call is not None:
-                call.cancel()
+            batches, calls = self._take_unfinished()
+        _cancel(calls)
         for batch in batches:
             self._fail(batch, self._closed_error(batch))
+
+    def _take_unfinished(self) -> tuple[list[_Batch], list[Any]]:
+        """(lock held; called once the producer sends no more: ``_aborted`` or ``_broken``
+        set) Take every unfinished batch out of the producer's tables, in send order (each
+        partition's earliest first), with the calls of the streams and pipes. Answers still
+        coming find nothing to complete. The caller cancels the calls outside the lock
+        (their queued requests are not sent, and their readers end) and fails the
+        batches."""
+        batches = [b for picked in self._in_flight.values() for _, bs in picked for b in bs]
+        batches += [b for _, taken in self._sending for b in taken]
+        for pq in self._queues.values():
+            batches += pq.batches
+            pq.batches.clear()
+        batches += self._open.values()
+        self._open.clear()
+        self._sending = []
+        self._in_flight.clear()
+        self._sent_at_s.clear()
+        self._dispatch_of.clear()
+        self._dispatch_left.clear()
+        calls = [self._stream.call] if self._stream is not None else []
+        calls += [pipe.call for pipe in self._pipes.values()]
+        self._lock.notify_all()
+        return batches, calls
 
     def _closed_error(self, batch: _Batch) -> TidelogError:
         """The error of a batch that close() failed (``_aborted`` is set)."""
@@ -1492,26 +1508,9 @@ class Producer:
             self._broken = error
             # Requests in flight fail now too, as close() fails them when forced: their
             # answers may never come, since a hung stream or pipe is cancelled by the
-            # sender's checks, which no longer run. Answers still coming find nothing
-            # to complete. In send order, each partition's earliest batches first.
-            stranded = [b for picked in self._in_flight.values() for _, bs in picked for b in bs]
-            stranded += [b for _, batches in self._sending for b in batches]
-            stranded += [b for pq in self._queues.values() for b in pq.batches]
-            stranded += self._open.values()
-            for pq in self._queues.values():
-                pq.batches.clear()
-            self._open.clear()
-            self._sending = []
-            self._in_flight.clear()
-            self._sent_at_s.clear()
-            self._dispatch_of.clear()
-            self._dispatch_left.clear()
-            calls = [self._stream.call] if self._stream is not None else []
-            calls += [pipe.call for pipe in self._pipes.values()]
-            self._lock.notify_all()
-        for call in calls:  # their readers end with them
-            if call is not None:
-                call.cancel()
+            # sender's checks, which no longer run.
+            stranded, calls = self._take_unfinished()
+        _cancel(calls)
         if self._appenders is not None:
             self._appenders.shutdown(cancel=True)  # their futures' callbacks find nothing
         for batch in stranded:
@@ -1579,9 +1578,7 @@ class Producer:
         if aborted:
             # Forced by close(): their queued requests are not sent, and a black-holed
             # gateway's streams would never end by themselves.
-            for call in calls or ():
-                if call is not None:
-                    call.cancel()
+            _cancel(calls or ())
         if self._appenders is not None:
             # Calls not started yet are dropped when forced: close() failed their batches.
             self._appenders.shutdown(cancel=aborted)
