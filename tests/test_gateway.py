@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import threading
 import time
@@ -55,6 +56,7 @@ from tidelog.producer import BatchMetadata
 from tidelog.records import (
     BATCH_OVERHEAD_BYTES,
     RECORD_OVERHEAD_BYTES,
+    batch_overhead_bytes,
     decode_batches,
     encode_batch,
 )
@@ -1916,6 +1918,29 @@ def test_keyless_records_move_on_after_a_batch_worth_even_in_small_batches(
     with tidelog.Producer(gateway.address, batch_bytes=batch_bytes, linger_ms=0) as producer:
         partitions = [producer.send(topic, value).result(30).partition for _ in range(80)]
     assert _runs(partitions) == [8] * 10, partitions
+
+
+def test_a_producer_batch_of_random_bytes_sized_to_fit_passes_max_message_bytes(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: the producer's budget for a batch's records left a fixed reserve
+    for the batch's overhead, which an lz4 frame of incompressible data outgrows from ~4
+    MiB batches: a record the producer had sized to fit was refused MESSAGE_TOO_LARGE by
+    a topic whose max.message.bytes is batch_bytes + 12 (the defaults' relation)."""
+    batch_bytes = 8 << 20
+    topic = "lz4-random-fits"
+    admin.create_topic(
+        topic,
+        partitions=1,
+        replication_factor=1,
+        config={"max.message.bytes": str(batch_bytes + 12)},
+    )
+    budget = batch_bytes - batch_overhead_bytes(batch_bytes)
+    value = random.Random(2).randbytes(budget - RECORD_OVERHEAD_BYTES)
+    with tidelog.Producer(
+        gateway.address, batch_bytes=batch_bytes, compression="lz4", linger_ms=0
+    ) as producer:
+        assert producer.send(topic, value, partition=0).result(60).offset == 0
 
 
 def _process_state(pid: int) -> str:

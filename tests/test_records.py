@@ -18,10 +18,12 @@ from tidelog import formats as f
 from tidelog.batch import check_batch, crc32c, stamp
 from tidelog.errors import ConfigError, CorruptBatchError
 from tidelog.records import (
+    RECORD_OVERHEAD_BYTES,
     Record,
     arrow_record_bytes,
     arrow_schema,
     batch_cuts,
+    batch_overhead_bytes,
     batches_to_arrow,
     decode_batches,
     encode_batch,
@@ -315,6 +317,46 @@ def test_arrow_inputs_of_other_types() -> None:
     assert encode_batch_arrow(view, base_timestamp_ms=1) == encode_batch(
         [b"p", b"q"], base_timestamp_ms=1
     )
+
+
+@pytest.mark.parametrize("unit", ["s", "ms", "us", "ns"])
+def test_arrow_timestamps_of_any_unit_are_stored_in_milliseconds(unit: str) -> None:
+    """Found by an audit: a timestamp array was cast straight to int64, keeping its own
+    unit, so a pandas datetime column (ns) was stored a million times too large."""
+    when_ms = 1_704_067_200_123
+    stamps = pa.chunked_array(
+        [
+            pa.array([when_ms], pa.timestamp("ms", tz="UTC")).cast(
+                pa.timestamp(unit, tz="UTC"), safe=False
+            )
+        ]
+    )
+    expected = when_ms if unit != "s" else when_ms // 1000 * 1000
+    [batch] = decode_batches(encode_batch_arrow(pa.array([b"x"]), timestamps_ms=stamps))
+    assert batch.records[0].timestamp_ms == expected
+    days = pa.array([19723], pa.date32())  # 2024-01-01
+    [batch] = decode_batches(encode_batch_arrow(pa.array([b"x"]), timestamps_ms=days))
+    assert batch.records[0].timestamp_ms == 1_704_067_200_000
+    with pytest.raises(ConfigError, match="duration"):
+        encode_batch_arrow(pa.array([b"x"]), timestamps_ms=pa.array([5], pa.duration("ms")))
+
+
+@pytest.mark.parametrize("compression", ["lz4", "zstd"])
+@pytest.mark.parametrize("batch_bytes", [4 << 20, 16 << 20])
+def test_a_compressed_batch_of_random_bytes_within_the_estimate_fits_batch_bytes(
+    compression: str, batch_bytes: int
+) -> None:
+    """Found by an audit: a fixed reserve for the batch's overhead ran out for compression
+    frames of large batches (lz4 adds 4 bytes per 64 KiB block, zstd 3 per 128 KiB) on
+    data that does not compress, so a batch the producer sized to fit exceeded batch_bytes
+    and the topic's max.message.bytes (batch_bytes + 12 by default)."""
+    budget = batch_bytes - batch_overhead_bytes(batch_bytes)
+    value = random.Random(1).randbytes(budget - RECORD_OVERHEAD_BYTES)
+    assert record_bytes(value) == budget
+    [(start, stop, _)] = batch_cuts(pa.array([record_bytes(value)]), batch_bytes)
+    assert (start, stop) == (0, 1)
+    encoded = encode_batch([value], compression=compression, base_timestamp_ms=1)
+    assert len(encoded) <= batch_bytes, len(encoded) - batch_bytes
 
 
 @pytest.mark.parametrize(

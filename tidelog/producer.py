@@ -159,11 +159,11 @@ from tidelog.leaders import Leader, LeaderDirectory, directory_for
 from tidelog.metrics import ClientMetrics
 from tidelog.partitioner import murmur2_partitions, partition_for_key
 from tidelog.records import (
-    BATCH_OVERHEAD_BYTES,
     RECORD_OVERHEAD_BYTES,
     Header,
     arrow_record_bytes,
     batch_cuts,
+    batch_overhead_bytes,
     check_headers,
     encode_batch,
     encode_batch_arrow_parts,
@@ -716,7 +716,7 @@ class Producer:
         self._batch_bytes = batch_bytes
         # What a batch's records may add up to (records.record_bytes) for the encoded batch
         # to stay within batch_bytes.
-        self._records_budget = max(1, batch_bytes - BATCH_OVERHEAD_BYTES)
+        self._records_budget = max(1, batch_bytes - batch_overhead_bytes(batch_bytes))
         self._compression = compression
         self._idempotent = enable_idempotence
         self._retries = retries

@@ -302,9 +302,9 @@ class RecordBatch:
 
 # --- batch sizes, for cutting records into batches -------------------------------------------
 # Upper bounds of what the body layout above costs, so a producer that keeps the sum of
-# its records' estimates within ``batch_bytes - BATCH_OVERHEAD_BYTES`` makes batches of at
-# most ``batch_bytes`` (and a topic's max.message.bytes defaults to 1 MiB + 12, the
-# producers' default batch size + 12).
+# its records' estimates within ``batch_bytes - batch_overhead_bytes(batch_bytes)`` makes
+# batches of at most ``batch_bytes`` (and a topic's max.message.bytes defaults to 1 MiB +
+# 12, the producers' default batch size + 12).
 
 RECORD_OVERHEAD_BYTES: Final = 17
 """Most a record costs beyond its key, value and header bytes: an i64 timestamp delta, an
@@ -315,9 +315,21 @@ validity bit."""
 HEADER_LIST_OVERHEAD_BYTES: Final = 4
 """Most a record's header list costs beyond its headers: its i32 list offset."""
 BATCH_OVERHEAD_BYTES: Final = 256
-"""Most a batch costs beyond its records' estimates: the 65-byte header and the 7 zero
-bytes before the body, the closing entry of each offsets array, each section's padding
-to 8 bytes (~165 bytes in all), and room for a compression frame's own overhead."""
+"""Most a batch costs beyond its records' estimates, but for the part of a compression
+frame's overhead that grows with the body (``batch_overhead_bytes``): the 65-byte header
+and the 7 zero bytes before the body, the closing entry of each offsets array, each
+section's padding to 8 bytes (~165 bytes in all), and a frame's fixed header and end."""
+COMPRESSION_BLOCK_OVERHEAD_DIVISOR: Final = 8192
+"""One byte reserved per this many bytes of batch for a compression frame's per-block
+overhead on data that does not compress: lz4 adds 4 bytes per 64 KiB block, zstd 3 per
+128 KiB block. A fixed reserve ran out at ~4 MiB batches (lz4) and ~16 MiB (zstd): a
+batch the producer sized to fit then exceeded batch_bytes and the topic's
+max.message.bytes (found by an audit). Twice lz4's rate, for margin."""
+
+
+def batch_overhead_bytes(batch_bytes: int) -> int:
+    """Most a batch of at most ``batch_bytes`` costs beyond its records' estimates."""
+    return BATCH_OVERHEAD_BYTES + batch_bytes // COMPRESSION_BLOCK_OVERHEAD_DIVISOR
 
 
 def record_bytes(
@@ -380,7 +392,7 @@ def batch_cuts(row_bytes: Any, batch_bytes: int) -> list[tuple[int, int, int]]:
     if not n:
         return []
     totals = pc.cumulative_sum(row_bytes.cast("int64"))
-    budget = max(1, batch_bytes - BATCH_OVERHEAD_BYTES)
+    budget = max(1, batch_bytes - batch_overhead_bytes(batch_bytes))
     cuts: list[tuple[int, int, int]] = []
     start, before = 0, 0
     while start < n:
@@ -474,7 +486,8 @@ def encode_batch_arrow_parts(
     ``values`` and ``keys`` are binary-like arrays (binary, large_binary, binary_view;
     chunked arrays are combined), ``headers`` a list<struct<key: string, value: binary>>
     array (large variants accepted; a null list means no headers), ``timestamps_ms`` an
-    integer or timestamp array. Arrays may be slices: offsets are rebased. Produces the
+    integer array (milliseconds) or a timestamp or date array (any unit, converted to
+    milliseconds). Arrays may be slices: offsets are rebased. Produces the
     same bytes as ``encode_batch`` given the same records. Raises ConfigError like it.
     """
     pa, _ = _arrow()
@@ -888,6 +901,25 @@ def _arrow_input(array_like: Any, arrow_type: Any, name: str, expected: int | No
     return array_like
 
 
+def _epoch_ms(timestamps: Any) -> Any:
+    """A timestamp or date array as milliseconds since the epoch; anything else as given.
+    A plain cast to int64 keeps the array's own unit: a pandas datetime column (ns) was
+    stored a million times too large (found by an audit). Sub-millisecond digits are
+    dropped (record timestamps are milliseconds, as Kafka's)."""
+    pa, _ = _arrow()
+    if isinstance(timestamps, pa.ChunkedArray):
+        timestamps = timestamps.combine_chunks()
+    if not isinstance(timestamps, pa.Array):
+        return timestamps  # refused by _arrow_input
+    kind = timestamps.type
+    if pa.types.is_duration(kind):
+        raise ConfigError(f"timestamps_ms: {kind} is a duration, not a point in time")
+    if pa.types.is_timestamp(kind) or pa.types.is_date(kind):
+        tz = kind.tz if pa.types.is_timestamp(kind) else None
+        return timestamps.cast(pa.timestamp("ms", tz=tz), safe=False).cast(pa.int64())
+    return timestamps
+
+
 def _timestamps_from_arrow(
     n: int, timestamps_ms: Any, base_timestamp_ms: int | None
 ) -> tuple[int, int, Any]:
@@ -895,7 +927,7 @@ def _timestamps_from_arrow(
     if timestamps_ms is None:
         return _timestamps_from_python(n, None, base_timestamp_ms)
     pa, pc = _arrow()
-    stamps = _arrow_input(timestamps_ms, pa.int64(), "timestamps_ms", n)
+    stamps = _arrow_input(_epoch_ms(timestamps_ms), pa.int64(), "timestamps_ms", n)
     if stamps.null_count:
         raise ConfigError("timestamps_ms must not contain nulls")
     base = stamps[0].as_py() if base_timestamp_ms is None else base_timestamp_ms
