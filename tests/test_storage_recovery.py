@@ -20,6 +20,8 @@ import dataclasses
 import os
 import random
 import shutil
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +34,12 @@ from services.storage.log.checkpoint import OffsetCheckpointFile
 from services.storage.log.segment import LogSegment
 from services.storage.log_manager import RECOVERY_POINT_CHECKPOINT, LogManager
 from services.storage.node import _Every
-from services.storage.partition import PartitionState
+from services.storage.partition import Partition, PartitionState
 from services.storage.server import ReplicaManager
 from tidelog import formats as f
 from tidelog.batch import parse_header, stamp
 from tidelog.clock import ManualClock
-from tidelog.errors import StorageError
+from tidelog.errors import StorageError, TidelogError
 from tidelog.records import decode_batches, encode_batch
 
 SEEDS = range(20)
@@ -1201,6 +1203,66 @@ def test_a_restarted_broker_runs_no_retention_until_its_topic_settings_arrive(
     manager.maintenance(checkpoint=True)
     assert partition.info().log_start_offset == 5
     manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [{"max.message.bytes": "1000"}, {"message.timestamp.type": "LogAppendTime"}],
+    ids=["max.message.bytes", "LogAppendTime"],
+)
+def test_a_restarted_leader_takes_no_append_before_its_topic_settings(
+    tmp_path: Path, configs: dict[str, str]
+) -> None:
+    """Found by an audit: a log loaded at start-up (the broker's defaults) became leader on
+    the first LeaderAndIsr before the topic's settings reached it, the partition lock
+    released in between: appends racing in were taken under the defaults (a batch over
+    the topic's max.message.bytes acknowledged; a LogAppendTime topic's batch kept with
+    the producer's timestamps). Settings now come first, under the same lock. The race is
+    widened with a tiny GIL switch interval and tried over many restarts."""
+    batch = encode_batch([b"x" * 4000], timestamps_ms=[1_000])
+
+    def wrong(result_time_ms: int) -> bool:
+        # Taken at all (over the limit), or taken unstamped (LogAppendTime).
+        return "max.message.bytes" in configs or result_time_ms < 0
+
+    def start() -> ReplicaManager:
+        manager = ReplicaManager(LogManager(tmp_path, LogConfig()), broker_id=1)
+        manager.startup()
+        return manager
+
+    manager = start()
+    manager.apply_leader_and_isr(1, [sole_leader("t", configs)])
+    manager.shutdown()
+    taken_wrongly: list[int] = []
+    switch_interval_s = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for restart in range(1, 100):
+            manager = start()
+            partition = manager.get_partition("t", 0)
+            stop = threading.Event()
+
+            def hammer(partition: Partition, stop: threading.Event, restart: int) -> None:
+                while not stop.is_set():
+                    try:
+                        result = partition.append(batch)
+                    except TidelogError:
+                        continue  # not leading yet, or refused by the topic's limit
+                    if wrong(result.log_append_time_ms):
+                        taken_wrongly.append(restart)
+
+            thread = threading.Thread(target=hammer, args=(partition, stop, restart))
+            thread.start()
+            state = dataclasses.replace(sole_leader("t", configs), leader_epoch=restart)
+            manager.apply_leader_and_isr(restart + 1, [state])
+            stop.set()
+            thread.join()
+            manager.shutdown()
+            if taken_wrongly:
+                break
+    finally:
+        sys.setswitchinterval(switch_interval_s)
+    assert not taken_wrongly, f"appends taken under the broker's defaults: {taken_wrongly}"
 
 
 def test_one_log_failing_its_maintenance_does_not_stop_the_others(

@@ -20,7 +20,7 @@ import enum
 import heapq
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -290,12 +290,21 @@ class Partition:
                 f"the topic was deleted and created again (now {self.topic_id})"
             )
 
-    def apply_state(self, state: PartitionState) -> bool:
+    def apply_state(
+        self, state: PartitionState, configure: Callable[[], None] | None = None
+    ) -> bool:
         """Become leader or follower as ``state`` says. Returns True if anything changed.
 
         An older leader epoch than the current one is refused (FENCED_LEADER_EPOCH): a
         delayed request from a deposed controller must not undo a newer decision. The same
         epoch is accepted and updates ISR/replicas (a controller may resend a request).
+
+        ``configure`` applies the topic's configuration to the log: called under this
+        partition's lock once the request is known not to be stale, before the role
+        changes. Applied after it (the lock released in between), a log loaded at start-up
+        led for a moment with the broker's defaults: appends in that gap were validated
+        and stamped without the topic's max.message.bytes, timestamp type or flush
+        settings (found by an audit).
         """
         with self._lock:
             self._check_open()
@@ -304,6 +313,8 @@ class Partition:
                     f"{self.topic}-{self.partition}: leader epoch {state.leader_epoch} is older "
                     f"than the current {self._leader_epoch}"
                 )
+            if configure is not None:
+                configure()
             if state.leader == self.broker_id:
                 role = Role.LEADER
             elif state.leader >= 0:

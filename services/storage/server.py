@@ -463,13 +463,16 @@ class ReplicaManager:
             created = True
             self._update_fetcher(partition, state)
         else:
-            changed = partition.apply_state(state)  # raises FENCED_LEADER_EPOCH when stale
-            with partition.locked() as current_log:
-                if current_log is not None:
-                    # The LogManager applies a changed config to the existing Log; done
-                    # under the partition lock because it mutates the Log.
-                    self._log_manager.get_or_create_log(state.topic, state.partition, config)
-                    partition.config_known = True
+            existing = partition
+
+            def configure() -> None:
+                # The LogManager applies a changed config to the existing Log; under the
+                # partition lock (apply_state's) because it mutates the Log.
+                self._log_manager.get_or_create_log(state.topic, state.partition, config)
+                existing.config_known = True
+
+            # Raises FENCED_LEADER_EPOCH when stale, configuring nothing.
+            changed = partition.apply_state(state, configure)
             created = False
             if not changed:
                 return
