@@ -4,6 +4,7 @@ module: it costs ~1 GiB and several seconds to start."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -30,14 +31,19 @@ from tidelog.partitioner import partition_for_key
 
 pyspark = pytest.importorskip("pyspark")
 from pyspark.sql import functions as F  # noqa: E402, N812
+from pyspark.sql.streaming.datasource import ReadAllAvailable  # noqa: E402
 from pyspark.sql.types import BinaryType, StructField, StructType  # noqa: E402
 
 from tidelog.leaders import Leader, directory_for  # noqa: E402
 from tidelog.spark import activate, direct, local_session  # noqa: E402
 from tidelog.spark.options import parse_read_options  # noqa: E402
-from tidelog.spark.planning import OffsetRange  # noqa: E402
+from tidelog.spark.planning import OffsetRange, from_json_offsets  # noqa: E402
 from tidelog.spark.reader import planned_partition_state, read_range  # noqa: E402
-from tidelog.spark.source import TidelogBatchReader, TidelogStreamReader  # noqa: E402
+from tidelog.spark.source import (  # noqa: E402
+    RangePartition,
+    TidelogBatchReader,
+    TidelogStreamReader,
+)
 from tidelog.spark.writer import TidelogBatchWriter, TidelogStreamWriter  # noqa: E402
 
 
@@ -556,6 +562,94 @@ def test_assign_refuses_starting_offsets_that_leave_out_a_partition(
         TidelogStreamReader(parse_read_options(options, streaming=True)).initialOffset()
 
 
+def _stream_plan(
+    reader: TidelogStreamReader, start: dict[str, Any], end: dict[str, Any]
+) -> list[tuple[int, int, int]]:
+    """The (partition, start, end) ranges the stream reader plans for a micro-batch."""
+    return [
+        (p.offset_range.partition, p.offset_range.start, p.offset_range.end)
+        for p in reader.partitions(start, end)
+        if isinstance(p, RangePartition)
+    ]
+
+
+def _checkpointed(offsets: dict[str, Any]) -> dict[str, Any]:
+    """``offsets`` as Spark hands them back from its offsets log: through JSON."""
+    return dict(json.loads(json.dumps(offsets)))
+
+
+def test_a_streams_first_micro_batch_reads_from_the_start_its_end_was_computed_from(
+    gateway: GatewayProcess,
+) -> None:
+    """Found by an audit: the stream reader resolved startingOffsets again at every
+    initialOffset() call, and Spark calls it twice for micro-batch 0: for the start
+    given to latestOffset(start, limit) (constructNextBatch) and for the start given to
+    partitions(start, end) (runBatch). With ``latest``, the streaming default, the second
+    answer was the high watermark by then, so batch 0 was planned from past the records
+    that arrived in between, and batch 1 started at batch 0's end: no micro-batch read
+    them, silently, failOnDataLoss or not. Now they are resolved once per reader."""
+    topic = "spark-initial-latest"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [f"old-{i}".encode() for i in range(100)]).result(30)
+    options = parse_read_options({"gateway": gateway.address, "subscribe": topic}, streaming=True)
+    reader = TidelogStreamReader(options)
+    start = reader.initialOffset()  # constructNextBatch: the start for latestOffset
+    assert from_json_offsets(start) == {(topic, 0): 100}
+    # Records arrive after the query started: a 'latest' query reads them.
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [f"new-{i}".encode() for i in range(50)]).result(30)
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert from_json_offsets(end) == {(topic, 0): 150}
+    start_again = reader.initialOffset()  # runBatch: the start for partitions
+    assert start_again == start
+    assert _stream_plan(reader, start_again, end) == [(0, 100, 150)]
+
+
+def test_a_replayed_first_micro_batch_reads_what_its_first_attempt_planned(
+    gateway: GatewayProcess,
+) -> None:
+    """Found by an audit: Spark checkpoints each micro-batch's end, never its start, and
+    a query restarted after a crash in micro-batch 0 (planned, not committed) asks
+    initialOffset() again for the start of its replay. With ``latest`` that was the high
+    watermark by then: the replay planned [latest now, batch 0's end), usually nothing,
+    so batch 0's records were never delivered and an exactly-once sink got other rows
+    than the first attempt wrote. Batch 0's end now records its start (``$start``), and
+    the replay plans from it; later ends do not carry it. Here in Spark's call order,
+    the restarted query being a new reader."""
+    topic = "spark-initial-replay"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=2, replication_factor=1)
+
+    def send(tag: str, count: int) -> None:
+        with tidelog.Producer(gateway.address) as producer:
+            for partition in (0, 1):
+                values = [f"{tag}-{i}".encode() for i in range(count)]
+                producer.send_batch(topic, values, partition=partition).result(30)
+
+    send("old", 100)
+    options = parse_read_options({"gateway": gateway.address, "subscribe": topic}, streaming=True)
+    first = TidelogStreamReader(options)
+    start = first.initialOffset()
+    send("new", 50)
+    end = _checkpointed(first.latestOffset(start, ReadAllAvailable()))  # offsets log, batch 0
+    planned = _stream_plan(first, first.initialOffset(), end)
+    assert planned == [(0, 100, 150), (1, 100, 150)]
+    # The query dies before batch 0 is committed; more records arrive; the restarted
+    # query replays batch 0 from the checkpoint, its initialOffset() now 180.
+    send("newer", 30)
+    restarted = TidelogStreamReader(options)
+    assert from_json_offsets(restarted.initialOffset()) == {(topic, 0): 180, (topic, 1): 180}
+    assert _stream_plan(restarted, restarted.initialOffset(), end) == planned
+    # Batch 1 goes on from batch 0's end; its end records no start (nothing grows).
+    end_1 = _checkpointed(restarted.latestOffset(end, ReadAllAvailable()))
+    assert "$start" not in end_1
+    assert from_json_offsets(end_1) == {(topic, 0): 180, (topic, 1): 180}
+    assert _stream_plan(restarted, end, end_1) == [(0, 150, 180), (1, 150, 180)]
+    # A batch 0 checkpointed before its end recorded a start is replayed as it was.
+    legacy = {k: v for k, v in end.items() if k != "$start"}
+    assert _stream_plan(restarted, restarted.initialOffset(), legacy) == []
+
+
 def _stream_once(
     spark: Any,
     gateway: str,
@@ -618,6 +712,39 @@ def test_stream_starting_offsets_past_the_latest_offset_fail_when_planned(
             tmp_path / "checkpoint",
             startingOffsets='{"spark-start-past": {"0": 500}}',
         )
+
+
+def test_a_stream_restarted_in_its_first_micro_batch_replays_the_same_records(
+    spark: Any, gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """Found by an audit: a query restarted after a crash in micro-batch 0 (planned, not
+    committed) replayed it from wherever startingOffsets resolved by then, as Spark
+    checkpoints no start and asks initialOffset() again. With ``latest`` that had moved
+    on: the replay read nothing and batch 0's records were never delivered. Now batch
+    0's checkpointed end records its start and the replay reads the first attempt's
+    records. ``latest`` moving inside Spark's planning cannot be timed from a test, so
+    the restart changes startingOffsets instead: that resolves elsewhere the same way,
+    and a query with a checkpoint must not depend on it (Spark ignores it then, as its
+    Kafka source does)."""
+    topic = "spark-first-batch-replay"
+    checkpoint = tmp_path / "checkpoint"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=1, replication_factor=1)
+
+    def send(tag: str, offsets: range) -> list[tuple[int, int, bytes]]:
+        values = [f"{tag}-{o}".encode() for o in offsets]
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch(topic, values).result(30)
+        return [(0, o, v) for o, v in zip(offsets, values, strict=True)]
+
+    first_rows = send("first", range(100))
+    assert _stream_once(spark, gateway.address, topic, checkpoint) == first_rows  # batch 0
+    assert _forget_last_commit(checkpoint) == 0
+    later_rows = send("later", range(100, 150))
+    rows = _stream_once(spark, gateway.address, topic, checkpoint, startingOffsets="latest")
+    assert rows == first_rows + later_rows  # batch 0 again, then batch 1
+    # Only batch 0's end records a start.
+    assert '"$start"' in (checkpoint / "offsets" / "0").read_text()
+    assert '"$start"' not in (checkpoint / "offsets" / "1").read_text()
 
 
 def test_stream_resumed_on_a_recreated_topic_reports_data_loss(

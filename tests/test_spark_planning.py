@@ -24,7 +24,10 @@ from tidelog.spark.planning import (
     DataLoss,
     OffsetRange,
     check_start_offsets,
+    end_offsets,
     from_json_offsets,
+    mark_initial,
+    planned_start,
     ranges_between,
     rate_limit,
     resolve_offsets,
@@ -429,3 +432,33 @@ def test_a_topic_created_again_since_the_checkpoint_is_data_loss_whatever_its_si
     assert resume_offsets(
         {("a", 0): 50}, BOUNDS, fail_on_data_loss=True, checkpoint_ids={}, topic_ids={"a": "x"}
     ) == ({("a", 0): 50, ("a", 1): 0}, [])
+
+
+def test_batch_0s_end_records_its_start_and_later_ends_do_not() -> None:
+    """Spark checkpoints ends only and asks initialOffset() again for a replay of batch 0,
+    which ``latest`` answers differently by then: batch 0's end carries the start it was
+    computed from, and the plan of batch 0 reads from it."""
+    initial = mark_initial(to_json_offsets({("a", 0): 100}, {"a": "id-1"}))
+    assert from_json_offsets(initial) == {("a", 0): 100}
+    assert topic_ids_of(initial) == {"a": "id-1"}
+    end_0 = end_offsets(initial, to_json_offsets({("a", 0): 150}, {"a": "id-1"}))
+    assert end_0 == {
+        "a": {"0": 150},
+        "$topicIds": {"a": "id-1"},
+        "$start": {"a": {"0": 100}, "$topicIds": {"a": "id-1"}},
+    }
+    assert from_json_offsets(end_0) == {("a", 0): 150}
+    # A replay's initialOffset() has moved on; batch 0 still reads from its own start.
+    later_initial = mark_initial(to_json_offsets({("a", 0): 180}, {"a": "id-1"}))
+    assert planned_start(later_initial, end_0) == end_0["$start"]
+    # Batch 0 checkpointed before ends recorded a start: read from initialOffset().
+    legacy = to_json_offsets({("a", 0): 150}, {"a": "id-1"})
+    assert planned_start(later_initial, legacy) == later_initial
+    # Later batches start at the previous end, whatever it records.
+    assert planned_start(end_0, legacy) == end_0
+    # Batch 1: its end carries no start, unless nothing moved: then batch 0's end comes
+    # back unchanged, so Spark sees no new data rather than a different JSON.
+    end_1 = to_json_offsets({("a", 0): 180}, {"a": "id-1"})
+    assert end_offsets(end_0, end_1) == end_1
+    assert end_offsets(end_0, legacy) == end_0
+    assert end_offsets(end_1, to_json_offsets({("a", 0): 200})) == {"a": {"0": 200}}

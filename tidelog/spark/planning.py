@@ -25,8 +25,19 @@ reads. The rules are those of Spark's Kafka source so results match users' exper
 
 Offsets here are dicts keyed by ``(topic, partition)``; ``to_json_offsets`` /
 ``from_json_offsets`` convert to the ``{"topic": {"0": 23}}`` form Spark checkpoints,
-plus ``{"$topicIds": {"topic": "<id>"}}`` naming the incarnation of each topic the offsets
-belong to (``$`` is in no topic name; checkpoints written without it are not checked).
+plus entries whose key starts with ``$`` (in no topic name, see ``tidelog.topics``):
+
+- ``"$topicIds": {"topic": "<id>"}`` names the incarnation of each topic the offsets
+  belong to (checkpoints written without it are not checked);
+- ``"$initial": true`` marks the offsets ``initialOffset`` gave, the start of micro-batch
+  0. Spark never checkpoints a start, only each micro-batch's end, and on a restart it
+  asks ``initialOffset`` again for the start of a batch 0 it replays;
+- ``"$start": {offsets}`` in the end of micro-batch 0 (``end_offsets``) records the
+  offsets it was planned from, so that a replay of it plans the same range
+  (``planned_start``) whatever ``startingOffsets`` resolve to by then (``latest`` has
+  moved on). No later end records one (batch 0's end is handed back unchanged while
+  nothing moves, ``end_offsets``). An end of batch 0 written without it (before it
+  existed) is read from ``initialOffset`` as it was.
 """
 
 from __future__ import annotations
@@ -43,6 +54,12 @@ TopicPartition = tuple[str, int]
 
 TOPIC_IDS_KEY: Final = "$topicIds"
 """The checkpoint's entry naming each topic's incarnation (no topic name has a ``$``)."""
+
+INITIAL_KEY: Final = "$initial"
+"""Marks ``initialOffset``'s offsets: the start of micro-batch 0 (never checkpointed)."""
+
+START_KEY: Final = "$start"
+"""In the end of micro-batch 0 (checkpointed): the offsets that micro-batch starts at."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,14 +320,54 @@ def to_json_offsets(
     return result
 
 
-def from_json_offsets(data: Mapping[str, Mapping[str, Any]]) -> dict[TopicPartition, int]:
-    """The inverse of ``to_json_offsets`` (the topic ids apart: ``topic_ids_of``)."""
+def from_json_offsets(data: Mapping[str, Any]) -> dict[TopicPartition, int]:
+    """The inverse of ``to_json_offsets``: the ``$`` entries (topic ids, marks) apart."""
     return {
         (topic, int(partition)): int(offset)
         for topic, partitions in data.items()
-        if topic != TOPIC_IDS_KEY
+        if not topic.startswith("$")
         for partition, offset in partitions.items()
     }
+
+
+def mark_initial(offsets: Mapping[str, Any]) -> dict[str, Any]:
+    """``initialOffset``'s answer: JSON offsets marked as the start of micro-batch 0."""
+    return {**offsets, INITIAL_KEY: True}
+
+
+def is_initial(data: Mapping[str, Any]) -> bool:
+    return data.get(INITIAL_KEY) is True
+
+
+def end_offsets(start: Mapping[str, Any], end: dict[str, Any]) -> dict[str, Any]:
+    """What ``latestOffset`` answers for JSON offsets ``end`` computed from ``start``.
+
+    From ``initialOffset``'s offsets (micro-batch 0): ``end`` with ``"$start"``, those
+    offsets, so that they reach the checkpoint with it. From batch 0's end, when nothing
+    moved since: that end unchanged, because Spark runs a micro-batch whenever the JSON
+    differs, and one without ``"$start"`` would make an empty one. Else ``end``: no
+    later end records a start of its own, so none grows.
+    """
+    if is_initial(start):
+        return {**end, START_KEY: {k: v for k, v in start.items() if k != INITIAL_KEY}}
+    if START_KEY in start and {k: v for k, v in start.items() if k != START_KEY} == end:
+        return dict(start)
+    return end
+
+
+def planned_start(start: Mapping[str, Any], end: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The JSON offsets the micro-batch from ``start`` to ``end`` reads from.
+
+    Batch 0 (``start`` from ``initialOffset``) reads from the start its end recorded:
+    Spark asks ``initialOffset`` again when it plans that batch and on a restart that
+    replays it, and those answers may differ from the start its end was computed from
+    (``latest`` moves on). An end without one (written before ``"$start"`` existed) is
+    read from ``start``, as it was.
+    """
+    recorded = end.get(START_KEY)
+    if is_initial(start) and isinstance(recorded, Mapping):
+        return recorded
+    return start
 
 
 def topic_ids_of(data: Mapping[str, Any]) -> dict[str, str]:

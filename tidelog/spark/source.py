@@ -10,6 +10,7 @@ planned (``tidelog.spark.direct``).
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -194,6 +195,13 @@ class TidelogBatchReader(DataSourceReader):
 class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """A streaming read; offsets are ``{"topic": {"partition": next offset}}``.
 
+    The initial offsets (``startingOffsets``) are resolved once per query run: Spark asks
+    for them each time it needs micro-batch 0's start, and ``latest`` would give a later
+    answer each time, leaving the records in between to no micro-batch. Batch 0's end
+    records the start it was computed from, which a replay of that batch after a restart
+    reads from (``planning.end_offsets``, ``planning.planned_start``): Spark checkpoints
+    no start, as Kafka's source writes its initial offsets to the checkpoint itself.
+
     Admission control: ``maxOffsetsPerTrigger`` becomes the default read limit and
     ``latestOffset(start, limit)`` shares it among partitions by backlog. With
     ``Trigger.AvailableNow`` the high watermarks seen when the query starts are the
@@ -206,6 +214,8 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: ReadOptions) -> None:
         self.options = options
         self._target: dict[TopicPartition, int] | None = None
+        # initialOffset's answer, resolved at its first call (see the class docstring).
+        self._initial: dict[str, Any] | None = None
         self._committed: dict[TopicPartition, int] = {}
         # Spark may plan from the same start more than once: each loss is logged once.
         self._reported: set[planning.DataLoss] = set()
@@ -225,10 +235,19 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _latest(self) -> dict[TopicPartition, int]:
         return {tp: b.latest for tp, b in self._bounds().items()}
 
-    def initialOffset(self) -> dict[str, dict[str, int]]:
+    def initialOffset(self) -> dict[str, Any]:
+        if self._initial is None:
+            self._initial = planning.mark_initial(self._resolve_initial())
+        return copy.deepcopy(self._initial)  # what a caller does to it must not change it
+
+    def _resolve_initial(self) -> dict[str, Any]:
         options = self.options
         connection = self._connection()
         tps = reader.resolve_partitions(connection, options)
+        # Ids before bounds, as in latestOffset: bounds of a topic deleted and created
+        # again in between would otherwise carry the new topic's id, and the next plan
+        # would take the old topic's offsets for the new one's.
+        topic_ids = _topic_ids(connection, (t for t, _ in tps))
         bounds = reader.resolve_bounds(connection, tps)
         if options.starting_timestamp is not None:
             starts = reader.resolve_timestamps(connection, options, bounds)
@@ -238,7 +257,7 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             starts, bounds, fail_on_data_loss=options.fail_on_data_loss
         )
         reader.warn_data_loss(losses)
-        return planning.to_json_offsets(starts, _topic_ids(connection, (t for t, _ in starts)))
+        return planning.to_json_offsets(starts, topic_ids)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.options.max_offsets_per_trigger is None:
@@ -248,7 +267,7 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def prepareForTriggerAvailableNow(self) -> None:
         self._target = self._latest()
 
-    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, dict[str, int]]:
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         connection = self._connection()
         tps = reader.resolve_partitions(connection, self.options)
         # Ids before bounds, as the batch reader does: bounds looked up first could be the
@@ -292,12 +311,16 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ends = {tp: max(latest.get(tp, offset), offset) for tp, offset in starts.items()}
         if isinstance(limit, ReadMaxRows):
             ends = planning.rate_limit(starts, ends, limit.max_rows)
-        return planning.to_json_offsets(ends, topic_ids)
+        # From initialOffset's offsets, the end carries them into the checkpoint.
+        return planning.end_offsets(start, planning.to_json_offsets(ends, topic_ids))
 
     def reportLatestOffset(self) -> dict[str, dict[str, int]] | None:
         return planning.to_json_offsets(self._latest())
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
+        # Batch 0 reads from the start its end was computed from (recorded in the end),
+        # not from whatever initialOffset answers now, on a replay after a restart too.
+        start = dict(planning.planned_start(start, end))
         checkpointed = planning.from_json_offsets(start)
         starts = dict(checkpointed)
         # A topic whose id differs between the two ends was created again in between:
