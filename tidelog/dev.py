@@ -54,10 +54,13 @@ CLUSTER: Final = "dev"
 class _Child:
     """One ``python -m tidelog <role>`` child with its log file and announced address."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+    def __init__(self, name: str, args: list[str], log_dir: Path, lock: IO[bytes]) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log: IO[bytes] = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # Where this run's lines start: an earlier run's process may still be writing to
+        # the same file as it stops, and its errors are not this child's.
+        self._log_start = self.log_path.stat().st_size
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tidelog", *args],
@@ -67,6 +70,10 @@ class _Child:
             env=env,
             text=True,
             start_new_session=True,
+            # The data directory's lock goes with every child (a flock belongs to the open
+            # file, shared across fork): it is held until the last of them has exited,
+            # not only while this supervisor lives (_lock_data_dir).
+            pass_fds=(lock.fileno(),),
             # A SIGKILLed supervisor cannot stop its children: the kernel then sends them
             # SIGTERM (every child is started from the main thread, which lives as long).
             preexec_fn=end_with_parent(),  # noqa: PLW1509 - only a prctl runs (its docstring)
@@ -108,7 +115,9 @@ class _Child:
         """The last line of the log that names an error (a port in use, say), cut short:
         the cause belongs in the one line ``tidelog dev`` prints."""
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                lines = log.read().decode(errors="replace").splitlines()
         except OSError:
             return ""
         for line in reversed(lines):
@@ -147,14 +156,6 @@ def main(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"tidelog dev: error: cannot use --data-dir {data_dir}: {exc}", file=sys.stderr)
         return 1
-    lock = _lock_data_dir(data_dir)
-    if lock is None:
-        print(
-            f"tidelog dev: error: data directory {data_dir} is in use by another tidelog dev",
-            file=sys.stderr,
-        )
-        return 1
-    _python_path_env()
     stop = StopFlag()  # not a threading.Event: see tidelog.stop_flag
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
@@ -163,6 +164,16 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    lock = _lock_data_dir(data_dir, stop)
+    if lock is None:
+        if stop.is_set():
+            return 0
+        print(
+            f"tidelog dev: error: data directory {data_dir} is in use by another tidelog dev",
+            file=sys.stderr,
+        )
+        return 1
+    _python_path_env()
 
     etcd: EtcdProcess | None = None
     children: list[_Child] = []
@@ -177,6 +188,7 @@ def main(args: argparse.Namespace) -> int:
             "controller",
             ["controller", *common, "--listen", "127.0.0.1:0", "--controller-id", "1"],
             log_dir,
+            lock,
         )
         children.append(controller)
         for broker_id in range(brokers):
@@ -198,12 +210,14 @@ def main(args: argparse.Namespace) -> int:
                         "5",
                     ],
                     log_dir,
+                    lock,
                 )
             )
         gateway = _Child(
             "gateway",
             ["gateway", *common, "--listen", f"127.0.0.1:{args.gateway_port}"],
             log_dir,
+            lock,
         )
         children.append(gateway)
         for child in children:
@@ -244,18 +258,59 @@ def main(args: argparse.Namespace) -> int:
         print("tidelog dev stopped", flush=True)
 
 
-def _lock_data_dir(data_dir: Path) -> IO[bytes] | None:
-    """An exclusive flock on ``<data_dir>/.dev.lock``, held until this process ends (the
-    kernel drops it however it ends); None when another dev holds it. A second dev on
-    the same directory used to fail after 15 s with etcd's log (its db "flocked by
-    another process"), or worse, get as far as its brokers."""
-    lock = open(data_dir / ".dev.lock", "ab")  # noqa: SIM115 - held for the process's life
-    try:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        return None
+def _lock_data_dir(data_dir: Path, stop: StopFlag) -> IO[bytes] | None:
+    """An exclusive flock on ``<data_dir>/.dev.lock``, held until this process and every
+    child it starts have ended (the kernel drops it however they end); None when another
+    running dev holds it, or ``stop`` was set while waiting. A second dev on the same
+    directory used to fail after 15 s with etcd's log (its db "flocked by another
+    process"), or worse, get as far as its brokers.
+
+    The file names the dev holding it. Held by a dev no longer running, the lock is its
+    children's, still stopping: a dev killed outright (SIGKILL, the OOM killer) leaves
+    them SIGTERMed, and a broker takes up to its controlled-shutdown timeout to stop,
+    holding its data directory meanwhile. A new dev waits for them (up to
+    STOP_TIMEOUT_S): it used to start at once and fail on its brokers' locks (found by
+    an audit)."""
+    lock = open(data_dir / ".dev.lock", "a+b")  # noqa: SIM115 - held for the process's life
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    told = False
+    while True:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            pass
+        if _holder_running(lock) or time.monotonic() >= deadline or stop.is_set():
+            lock.close()
+            return None
+        if not told:
+            print(
+                "tidelog dev: waiting for the processes of a stopped tidelog dev to exit",
+                file=sys.stderr,
+                flush=True,
+            )
+            told = True
+        time.sleep(0.1)
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n".encode())
+    lock.flush()
     return lock
+
+
+def _holder_running(lock: IO[bytes]) -> bool:
+    """Whether the dev the lock file names is running (an unreadable file counts as so:
+    refusing is the safe answer)."""
+    lock.seek(0)
+    try:
+        pid = int(lock.read().decode().strip())
+        os.kill(pid, 0)
+    except (ValueError, UnicodeDecodeError):
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a process of another user has that pid
+    return True
 
 
 def _wait_usable(address: str, brokers: int, stop: StopFlag) -> bool:
