@@ -22,7 +22,7 @@ sysdeps:
 	  if [ "$$(id -u)" = 0 ]; then \
 	    echo "installing kubectl with apt"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubectl >/dev/null \
-	      || echo "kubectl is not in the configured apt sources; tests/test_deploy.py will fail" >&2; \
+	      || echo "kubectl is not in the configured apt sources; tests/test_deploy.py skips rendering the manifests" >&2; \
 	  else echo "kubectl is missing: install it (apt-get install -y kubectl)" >&2; fi; \
 	fi
 	@# strace injects disk errors and ip makes network namespaces (tests/chaos).
