@@ -618,19 +618,23 @@ class MetaStore:
         compares: Sequence[Compare],
         success: Sequence[TxnOp] = (),
         failure: Sequence[TxnOp] = (),
+        *,
+        timeout_s: float | None = None,
     ) -> TxnResult:
         """Atomically: if every compare holds run ``success`` ops, else ``failure`` ops.
 
         etcd applies the whole transaction at one revision; no other write interleaves.
         A key may be written at most once per transaction (etcd rejects duplicates).
+        ``timeout_s`` shortens the store's deadline for a caller with less time left.
         """
+        deadline_s = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
         request = etcdrpc.TxnRequest(
             compare=[self._compare_message(c) for c in compares],
             success=[self._op_message(op) for op in success],
             failure=[self._op_message(op) for op in failure],
         )
         # The raw stub, because etcd3's transaction() discards the response header.
-        response = self._call("txn", lambda c: c.kvstub.Txn(request, self.timeout_s))
+        response = self._call("txn", lambda c: c.kvstub.Txn(request, deadline_s))
         return TxnResult(
             succeeded=bool(response.succeeded),
             responses=[self._op_result(r) for r in response.responses],

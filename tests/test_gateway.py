@@ -12,22 +12,33 @@ import threading
 import time
 import uuid
 from array import array
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 import tidelog
-from services.cluster_metadata import GROUPS_PREFIX, deletion_key
-from services.controller.state import Broker
+from services.cluster_metadata import (
+    GROUPS_PREFIX,
+    broker_key,
+    deletion_key,
+    encode_broker,
+    encode_partition,
+    encode_topic,
+    partition_key,
+    partitions_prefix,
+    topic_key,
+)
+from services.controller.state import Broker, PartitionRecord, Topic
 from services.gateway.channels import Channels, ChannelSweeper, broker_address
 from services.gateway.groups import offset_key
 from services.gateway.leader_calls import LeaderCalls
-from services.gateway.metadata_cache import MetadataView
+from services.gateway.metadata_cache import MetadataCache, MetadataView, TopicKeyRead
 from services.gateway.node import GatewayNode, GatewayNodeConfig
-from services.metastore import KeyValue
+from services.gateway.server import GatewayServicer
+from services.metastore import DeleteOp, KeyValue, MetaStore, PutOp, WatchEvent
 from tests.support.cluster import (
     GatewayProcess,
     TestCluster,
@@ -1103,8 +1114,44 @@ def test_one_malformed_topic_key_does_not_blind_the_metadata_view() -> None:
             kv("topics/b-listed", b'{"topic_id": "x", "assignment": [[1]], "configs": []}'),
             kv("topics/t", good),
         ],
+        revision=1,
     )
     assert set(view.topics) == {"t"}
+
+
+def test_the_metadata_view_shows_a_topic_key_read_once_at_or_past_its_revision() -> None:
+    """What admin calls wait for: the topic key as etcd held it after the controller
+    answered, or anything later (a later write, a delete, a re-create), never an exact
+    state; and leaders from partition records of that incarnation, not an earlier one's."""
+
+    def put(key: str, value: bytes, create: int, mod: int) -> WatchEvent:
+        return WatchEvent("put", key, value, mod_revision=mod, create_revision=create, version=1)
+
+    topic = b'{"topic_id": "id-t", "assignment": [[1]], "configs": {}}'
+    led = encode_partition(PartitionRecord(leader=1, leader_epoch=0, isr=(1,), partition_epoch=0))
+    view = MetadataView()
+    view.load("topics/", [], revision=10)
+    view.load("brokers/", [KeyValue("brokers/1", encode_broker(Broker(1, "h", 1)), 2, 2, 1, 0)], 10)
+    read = TopicKeyRead("t", create_revision=11, mod_revision=12, revision=13)
+    assert not view.shows(read)  # not seen yet
+    view.apply(put("topics/t", topic, 11, 11))
+    assert not view.shows(read)  # an earlier write only
+    view.apply(put("topics/t", topic, 11, 14))
+    assert view.shows(read)  # a later one
+    view.apply(WatchEvent("delete", "topics/t", b"", 15, 0, 0))
+    assert view.shows(read)  # gone since
+    gone = TopicKeyRead("t", create_revision=0, mod_revision=0, revision=16)
+    assert view.shows(gone)
+    view.apply(put("partitions/t/0", led, 9, 9))  # left by an earlier incarnation
+    view.apply(put("topics/t", topic, 17, 17))
+    assert view.shows(gone)  # a later incarnation
+    again = TopicKeyRead("t", create_revision=17, mod_revision=17, revision=17)
+    assert view.shows(again) and not view.shows_ready(again)
+    view.apply(put("partitions/t/0", led, 17, 17))
+    assert view.shows_ready(again)
+    stale = MetadataView()
+    stale.load("topics/", [KeyValue("topics/t", topic, 11, 11, 1, 0)], revision=12)
+    assert not stale.shows(gone)  # still holds the incarnation deleted before the read
 
 
 def test_channels_to_addresses_out_of_use_for_a_whole_sweep_are_closed() -> None:
@@ -1837,6 +1884,192 @@ def test_admin_calls_reach_the_controller(gateway: GatewayProcess) -> None:
         timeout=30,
     )
     assert ErrorCode(response.topics[0].error.code) == ErrorCode.INVALID_REPLICATION_FACTOR
+
+
+def test_concurrent_alters_of_one_topic_answer_promptly(
+    gateway: GatewayProcess, request: pytest.FixtureRequest
+) -> None:
+    """Alters of different keys of one topic from three threads each answer at once. The
+    gateway waited until its metadata showed exactly the configs the controller answered;
+    the next alter, committed right after, moved the view past that state before the
+    waiting thread looked, and two of the three calls waited out their whole timeout
+    every time (found by an audit)."""
+    admin = tidelog.Admin(gateway.address, timeout_ms=8_000)
+    request.addfinalizer(admin.close)
+    admin.create_topic("alter-race", partitions=1, replication_factor=3)
+    took_s: dict[tuple[int, str], float] = {}
+    errors: list[BaseException] = []
+
+    def alter(round_: int, key: str) -> None:
+        started = time.monotonic()
+        try:
+            admin.alter_topic_config("alter-race", {key: str(100_000 + round_)})
+        except BaseException as exc:
+            errors.append(exc)
+        took_s[(round_, key)] = time.monotonic() - started
+
+    for round_ in range(3):
+        threads = [
+            threading.Thread(target=alter, args=(round_, key))
+            for key in ("retention.ms", "segment.ms", "file.delete.delay.ms")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors
+    worst_s = max(took_s.values())
+    # Each alter is one etcd write and one LeaderAndIsr round: well under a second here.
+    assert worst_s < 4.0, f"an alter_topic_config took {worst_s:.1f} s (its whole timeout)"
+    assert admin.describe_topic("alter-race").configs["segment.ms"] == "100002"
+
+
+class _EtcdController:
+    """Stands in for the gateway's ``ControllerClient`` and for the controller: makes a
+    topic change in etcd as the controller does (topic and partition keys in one
+    transaction, leaders on broker 1), runs ``before_answer`` (what else commits before
+    the answer is back), and answers success."""
+
+    def __init__(self, store: MetaStore) -> None:
+        self._store = store
+        self.before_answer: Callable[[], None] = lambda: None
+        store.put(broker_key(1), encode_broker(Broker(1, "localhost", 1)))
+
+    def call(self, timeout_s: float, fn: Callable[[Any, float], Any]) -> Any:
+        return fn(self, timeout_s)
+
+    def create(self, name: str) -> None:
+        topic = Topic(name, uuid.uuid4().hex, ((1,),))
+        record = PartitionRecord(leader=1, leader_epoch=0, isr=(1,), partition_epoch=0)
+        self._store.txn(
+            [],
+            [
+                PutOp(topic_key(name), encode_topic(topic)),
+                PutOp(partition_key(name, 0), encode_partition(record)),
+            ],
+        )
+
+    def CreateTopics(  # noqa: N802 - the stub's method name
+        self, request: controller_pb2.CreateTopicsRequest, timeout: float
+    ) -> controller_pb2.CreateTopicsResponse:
+        for topic in request.topics:
+            self.create(topic.name)
+        self._answer_next()
+        return controller_pb2.CreateTopicsResponse(
+            topics=[controller_pb2.CreateTopicResult(name=t.name) for t in request.topics]
+        )
+
+    def DeleteTopics(  # noqa: N802 - the stub's method name
+        self, request: controller_pb2.DeleteTopicsRequest, timeout: float
+    ) -> controller_pb2.DeleteTopicsResponse:
+        for name in request.names:
+            self._store.txn(
+                [], [DeleteOp(topic_key(name)), DeleteOp(partitions_prefix(name), prefix=True)]
+            )
+        self._answer_next()
+        return controller_pb2.DeleteTopicsResponse(
+            topics=[controller_pb2.TopicResult(name=name) for name in request.names]
+        )
+
+    def _answer_next(self) -> None:
+        before_answer, self.before_answer = self.before_answer, lambda: None
+        before_answer()
+
+
+class _NoDeadline:
+    """The servicer context of a client that set no deadline."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+@pytest.fixture
+def scripted_gateway(
+    cluster: TestCluster,
+) -> Iterator[tuple[GatewayServicer, _EtcdController, MetadataCache]]:
+    """A gateway servicer whose metadata watches its own keys in the cluster's etcd,
+    before an ``_EtcdController``."""
+    store = MetaStore(cluster.etcd.endpoint, cluster=f"scripted-{uuid.uuid4().hex[:8]}")
+    cache = MetadataCache(store)
+    try:
+        controller = _EtcdController(store)
+        cache.start(10)
+        unused: Any = None  # admin calls use only the metadata and the controller
+        servicer = GatewayServicer(
+            cache=cache,
+            produce=unused,
+            fetch=unused,
+            controller=cast(Any, controller),
+            offsets=unused,
+            groups=unused,
+            producer_ids=unused,
+            max_in_flight_per_stream=1,
+        )
+        yield servicer, controller, cache
+    finally:
+        cache.stop()
+        store.close()
+
+
+def _in_another_thread(fn: Callable[[], object]) -> None:
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_delete_answers_promptly_when_the_name_is_re_created_at_once(
+    scripted_gateway: tuple[GatewayServicer, _EtcdController, MetadataCache],
+) -> None:
+    """DeleteTopics waited until the name was gone from the gateway's metadata; when another
+    client re-created it before the delete's answer came back, the name never went, and the
+    delete waited out its whole timeout. It waits for the deletion or anything newer."""
+    servicer, controller, cache = scripted_gateway
+    controller.create("again")
+    old_id = wait_for(
+        lambda: cache.read(lambda view: view.topics["again"].topic_id), 10, "the topic"
+    )
+    create = controller_pb2.CreateTopicsRequest(
+        topics=[controller_pb2.CreatableTopic(name="again", num_partitions=1)], timeout_ms=5_000
+    )
+    controller.before_answer = lambda: _in_another_thread(
+        lambda: servicer.CreateTopics(create, _NoDeadline())
+    )
+    started = time.monotonic()
+    response = servicer.DeleteTopics(
+        controller_pb2.DeleteTopicsRequest(names=["again"], timeout_ms=5_000), _NoDeadline()
+    )
+    took_s = time.monotonic() - started
+    assert [r.error.code for r in response.topics] == [common_pb2.NONE]
+    assert took_s < 2.5, f"the delete took {took_s:.1f} s (its whole timeout)"
+    # The re-create is what the metadata shows, ready: it answered once it was.
+    assert cache.read(lambda view: view.topics["again"].topic_id) != old_id
+    assert cache.read(lambda view: view.ready("again"))
+
+
+def test_a_create_answers_promptly_when_the_topic_is_deleted_at_once(
+    scripted_gateway: tuple[GatewayServicer, _EtcdController, MetadataCache],
+) -> None:
+    """CreateTopics waited until the gateway's metadata showed the topic with leaders; when
+    another client deleted it before the create's answer came back, that never happened,
+    and the create waited out its whole timeout."""
+    servicer, controller, cache = scripted_gateway
+    delete = controller_pb2.DeleteTopicsRequest(names=["brief"], timeout_ms=5_000)
+    controller.before_answer = lambda: _in_another_thread(
+        lambda: servicer.DeleteTopics(delete, _NoDeadline())
+    )
+    started = time.monotonic()
+    response = servicer.CreateTopics(
+        controller_pb2.CreateTopicsRequest(
+            topics=[controller_pb2.CreatableTopic(name="brief", num_partitions=1)],
+            timeout_ms=5_000,
+        ),
+        _NoDeadline(),
+    )
+    took_s = time.monotonic() - started
+    assert [r.error.code for r in response.topics] == [common_pb2.NONE]
+    assert took_s < 2.5, f"the create took {took_s:.1f} s (its whole timeout)"
+    assert "brief" not in cache.read(lambda view: set(view.topics))
 
 
 def test_create_partitions_and_consumer_positioning(

@@ -15,14 +15,21 @@ for the view to change (``wait_for_change``) and tries again.
 When a watch fails (etcd restarted, history compacted) the cache reloads everything and
 watches again from the new revision, retrying with a backoff until etcd answers; the last
 view keeps serving meanwhile.
+
+Admin calls wait for their change to reach the view by etcd revision, not by content: the
+view keeps each topic key's create and mod revisions, and ``MetadataCache.read_topic_keys``
+tells where etcd's keys stood once the controller answered. A view at that revision or past
+it shows the change (or a later one); waiting for the exact state the call made instead
+never ended when another change of the topic came right after.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Final, NamedTuple, TypeVar
 
 from services.cluster_metadata import (
     BROKERS_PREFIX,
@@ -36,9 +43,18 @@ from services.cluster_metadata import (
     decode_controller,
     decode_partition,
     decode_topic,
+    topic_key,
 )
 from services.controller.state import Broker, PartitionRecord, Topic
-from services.metastore import KeyValue, MetaStore, MetaStoreError, WatchEvent
+from services.metastore import (
+    GetOp,
+    GetResult,
+    KeyValue,
+    MetaStore,
+    MetaStoreError,
+    MetaStoreUnavailableError,
+    WatchEvent,
+)
 from tidelog.errors import (
     LeaderNotAvailableError,
     UnknownTopicOrPartitionError,
@@ -60,6 +76,9 @@ _T = TypeVar("_T")
 
 RELOAD_BACKOFF_S: Final = (0.05, 0.1, 0.2, 0.5, 1.0)
 """Waits between attempts to reload after a watch failed; the last one repeats."""
+TOPIC_KEYS_PER_READ: Final = 100
+"""Topic keys read in one transaction by ``read_topic_keys``: below etcd's default
+--max-txn-ops of 128, for etcds configured by others."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +89,33 @@ class Leader:
     leader_epoch: int
 
 
+class Revisions(NamedTuple):
+    """Where one key of the view stands in etcd's history."""
+
+    # The incarnation: new after a delete and re-create, larger than any earlier one's.
+    create_revision: int
+    # Its last write.
+    mod_revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class TopicKeyRead:
+    """A topic key as etcd held it at ``revision``; its revisions are 0 if it was absent."""
+
+    name: str
+    create_revision: int
+    mod_revision: int
+    revision: int
+
+
 @dataclass(slots=True)
 class MetadataView:
     """Brokers, topics and partition states as etcd last said. Not thread-safe by itself:
     ``MetadataCache`` guards it with its lock.
 
-    Invariant: ``version`` grows by one with every applied change, so a reader that saw
-    version v can wait for anything newer.
+    Invariants: ``version`` grows by one with every applied change, so a reader that saw
+    version v can wait for anything newer. ``topic_revisions`` has the same names as
+    ``topics``, ``partition_revisions`` the same keys as ``partitions``.
     """
 
     cluster_id: str = ""
@@ -85,15 +124,28 @@ class MetadataView:
     partitions: dict[tuple[str, int], PartitionRecord] = field(default_factory=dict)
     controller: ControllerInfo | None = None
     version: int = 0
+    # The etcd revisions of each topic's key: what tells an admin call that its write
+    # reached the view (``shows``).
+    topic_revisions: dict[str, Revisions] = field(default_factory=dict)
+    # The mod revision of each partition's key: a record written before its topic's
+    # create revision is an earlier incarnation's (``ready``).
+    partition_revisions: dict[tuple[str, int], int] = field(default_factory=dict)
+    # The revision ``topics/`` is applied through: the read's on a load, the latest
+    # event's since. Events of one revision come one by one, so the topic keys of that
+    # very revision may not all be applied yet; those of every earlier one are.
+    topics_revision: int = 0
 
-    def load(self, prefix: str, kvs: list[KeyValue]) -> None:
-        """Replace everything under ``prefix`` with ``kvs`` (a fresh read)."""
+    def load(self, prefix: str, kvs: list[KeyValue], revision: int) -> None:
+        """Replace everything under ``prefix`` with ``kvs``, a fresh read at ``revision``."""
         if prefix == BROKERS_PREFIX:
             self.brokers = {}
         elif prefix == TOPICS_PREFIX:
             self.topics = {}
+            self.topic_revisions = {}
+            self.topics_revision = revision
         elif prefix == PARTITIONS_PREFIX:
             self.partitions = {}
+            self.partition_revisions = {}
         elif prefix == CONTROLLER_KEY:
             self.controller = None
         elif prefix == CLUSTER_ID_KEY:
@@ -104,6 +156,8 @@ class MetadataView:
 
     def apply(self, event: WatchEvent) -> None:
         """One watched change."""
+        if event.key.startswith(TOPICS_PREFIX):
+            self.topics_revision = max(self.topics_revision, event.mod_revision)
         if event.type == "delete":
             self._delete(event.key)
         else:
@@ -127,9 +181,11 @@ class MetadataView:
             elif kv.key.startswith(TOPICS_PREFIX):
                 topic = decode_topic(kv)
                 self.topics[topic.name] = topic
+                self.topic_revisions[topic.name] = Revisions(kv.create_revision, kv.mod_revision)
             elif kv.key.startswith(PARTITIONS_PREFIX):
                 name, index, record = decode_partition(kv)
                 self.partitions[(name, index)] = record
+                self.partition_revisions[(name, index)] = kv.mod_revision
             elif kv.key == CONTROLLER_KEY:
                 self.controller = decode_controller(kv)
             elif kv.key == CLUSTER_ID_KEY:
@@ -146,11 +202,14 @@ class MetadataView:
             if broker_id.isdigit():
                 self.brokers.pop(int(broker_id), None)
         elif key.startswith(TOPICS_PREFIX):
-            self.topics.pop(key.removeprefix(TOPICS_PREFIX), None)
+            name = key.removeprefix(TOPICS_PREFIX)
+            self.topics.pop(name, None)
+            self.topic_revisions.pop(name, None)
         elif key.startswith(PARTITIONS_PREFIX):
             name, _, index = key.removeprefix(PARTITIONS_PREFIX).rpartition("/")
             if index.isdigit():
                 self.partitions.pop((name, int(index)), None)
+                self.partition_revisions.pop((name, int(index)), None)
         elif key == CONTROLLER_KEY:
             self.controller = None
 
@@ -190,6 +249,56 @@ class MetadataView:
                 "(it may have just failed; a new leader is being elected)"
             )
         return Leader(broker, record.leader_epoch)
+
+    def ready(self, name: str) -> bool:
+        """The topic exists with a leader for every partition, each from a record of this
+        incarnation of the topic: a delete removes the topic and partition keys together,
+        but the two prefixes are watched apart, so right after a re-create the view can
+        still hold the old incarnation's records."""
+        topic = self.topics.get(name)
+        revisions = self.topic_revisions.get(name)
+        if topic is None or revisions is None:
+            return False
+        for index in range(topic.partition_count):
+            record = self.partitions.get((name, index))
+            if (
+                record is None
+                or record.leader < 0
+                or record.leader not in self.brokers
+                or self.partition_revisions.get((name, index), 0) < revisions.create_revision
+            ):
+                return False
+        return True
+
+    # --- questions admin calls ask ----------------------------------------------------------
+
+    def shows(self, read: TopicKeyRead) -> bool:
+        """Whether the view has reached the topic key's state in ``read`` or a later one.
+
+        Never an exact state: another change of the topic committed right after (an alter
+        of another key, a delete, a re-create) moves the view past it, maybe before the
+        caller looks, and then it would never be seen.
+        """
+        held = self.topic_revisions.get(read.name)
+        if read.mod_revision == 0:
+            # Absent from etcd: no incarnation from before the read may be left here.
+            return held is None or held.create_revision > read.revision
+        if held is not None:
+            return held.mod_revision >= read.mod_revision
+        # Gone since: only once ``topics/`` is applied past the read's write; up to it the
+        # view may not have seen the key yet.
+        return self.topics_revision > read.mod_revision
+
+    def shows_ready(self, read: TopicKeyRead) -> bool:
+        """``shows(read)`` and, while the view holds the incarnation ``read`` found, that it
+        is ``ready``: what a created or grown topic waits for. A later incarnation, or
+        none, is someone else's change, and not waited on."""
+        if not self.shows(read):
+            return False
+        held = self.topic_revisions.get(read.name)
+        if held is None or held.create_revision != read.create_revision:
+            return True
+        return self.ready(read.name)
 
 
 class MetadataCache:
@@ -242,7 +351,7 @@ class MetadataCache:
             # revision it reflects, so the watch resumes exactly after it.
             kvs, revision = self._store.get_prefix_with_revision(prefix)
             with self._changed:
-                self._view.load(prefix, kvs)
+                self._view.load(prefix, kvs, revision)
                 self._changed.notify_all()
             self._cancels.append(
                 self._store.watch_prefix(
@@ -298,6 +407,31 @@ class MetadataCache:
     def leader(self, topic: str, partition: int) -> Leader:
         with self._changed:
             return self._view.leader(topic, partition)
+
+    def read_topic_keys(self, names: Sequence[str], deadline: float) -> list[TopicKeyRead]:
+        """Where etcd's keys of the topics ``names`` stand now (read from etcd, not the
+        view), in read-only transactions of TOPIC_KEYS_PER_READ keys, each at one revision
+        and within ``deadline`` (``time.monotonic()``). Raises MetaStoreError."""
+        reads: list[TopicKeyRead] = []
+        for start in range(0, len(names), TOPIC_KEYS_PER_READ):
+            chunk = names[start : start + TOPIC_KEYS_PER_READ]
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                raise MetaStoreUnavailableError("no time left to read the topic keys")
+            result = self._store.txn(
+                [], [GetOp(topic_key(name)) for name in chunk], timeout_s=remaining_s
+            )
+            for name, response in zip(chunk, result.responses, strict=True):
+                kv = response.kvs[0] if isinstance(response, GetResult) and response.kvs else None
+                reads.append(
+                    TopicKeyRead(
+                        name,
+                        create_revision=kv.create_revision if kv else 0,
+                        mod_revision=kv.mod_revision if kv else 0,
+                        revision=result.revision,
+                    )
+                )
+        return reads
 
     def wait_for_change(self, seen_version: int, timeout_s: float) -> int:
         """Block until the view is newer than ``seen_version`` or ``timeout_s`` passes;

@@ -8,8 +8,8 @@ Each method translates protobuf to the call of one part and back: ``ProduceHandl
 ``tidelog-error-code`` trailer; per-partition outcomes are in the response.
 
 Admin calls answer only once this gateway's metadata shows their effect (a created topic
-with leaders, a deleted topic gone), so a client can produce to a topic the moment
-CreateTopics returns.
+with leaders, a deleted topic gone), or a later change of the same topic, so a client can
+produce to a topic the moment CreateTopics returns.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from services.gateway.controller_client import ControllerClient, ProducerIds
 from services.gateway.fetch import FetchHandler
 from services.gateway.group_coordinator import GroupCoordinator, check_member_id
 from services.gateway.groups import Committed, OffsetStore, check_partition_count
-from services.gateway.metadata_cache import MetadataCache, MetadataView
+from services.gateway.metadata_cache import MetadataCache, MetadataView, TopicKeyRead
 from services.gateway.produce import ProduceHandler
 from services.gateway.router import DEADLINE_MARGIN_S
+from services.metastore import MetaStoreError
 from services.process import add_servicer_answering_encoded
 from services.status import abort, partition_results, to_error_proto, unary_errors
 from tidelog.errors import (
@@ -343,7 +344,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         )
         if not request.validate_only:
             created = [r.name for r in response.topics if r.error.code == common_pb2.NONE]
-            self._await(deadline, lambda view: all(_ready(view, name) for name in created))
+            self._await_topic_keys(deadline, created, MetadataView.shows_ready)
         return response
 
     @unary_errors
@@ -356,7 +357,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
             timeout_s, lambda stub, t: stub.DeleteTopics(_for_controller(request, t), timeout=t)
         )
         deleted = [r.name for r in response.topics if r.error.code == common_pb2.NONE]
-        self._await(deadline, lambda view: not any(name in view.topics for name in deleted))
+        self._await_topic_keys(deadline, deleted, MetadataView.shows)
         return response
 
     @unary_errors
@@ -369,20 +370,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
             timeout_s, lambda stub, t: stub.CreatePartitions(_for_controller(request, t), timeout=t)
         )
         if not request.validate_only:
-            grown = {
-                t.name: t.count
-                for t, r in zip(request.topics, response.topics, strict=False)
-                if r.error.code == common_pb2.NONE
-            }
-            self._await(
-                deadline,
-                lambda view: all(
-                    name in view.topics
-                    and view.topics[name].partition_count >= count
-                    and _ready(view, name)
-                    for name, count in grown.items()
-                ),
-            )
+            grown = [r.name for r in response.topics if r.error.code == common_pb2.NONE]
+            self._await_topic_keys(deadline, grown, MetadataView.shows_ready)
         return response
 
     @unary_errors
@@ -398,20 +387,34 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
             lambda stub, t: stub.IncrementalAlterConfigs(_for_controller(request, t), timeout=t),
         )
         if not request.validate_only:
-            altered = {
-                r.name: {c.name: c.value for c in r.configs}
-                for r in response.topics
-                if r.error.code == common_pb2.NONE
-            }
+            altered = [r.name for r in response.topics if r.error.code == common_pb2.NONE]
             # Answered once this gateway's metadata (DescribeTopics) shows the new settings.
-            self._await(
-                deadline,
-                lambda view: all(
-                    name not in view.topics or dict(view.topics[name].configs) == configs
-                    for name, configs in altered.items()
-                ),
-            )
+            self._await_topic_keys(deadline, altered, MetadataView.shows)
         return response
+
+    def _await_topic_keys(
+        self,
+        deadline: float,
+        names: Sequence[str],
+        shown: Callable[[MetadataView, TopicKeyRead], bool],
+    ) -> None:
+        """Wait (bounded, like ``_await``) until ``shown`` says this gateway's metadata has
+        reached the keys of the topics ``names`` as etcd holds them now, after the
+        controller answered: this call's change or a later one. It waited for the exact
+        state the call made instead (the configs the controller answered, the name gone),
+        which a change of the same topic right after (an alter of another key, a
+        re-create) took away, often before this thread looked; the call then waited out
+        its whole timeout (found by an audit)."""
+        if not names:
+            return
+        try:
+            # Where etcd stands now tells the revision to wait for: one read per call (of
+            # up to TOPIC_KEYS_PER_READ topics), nothing per record.
+            reads = self._cache.read_topic_keys(list(dict.fromkeys(names)), deadline)
+        except MetaStoreError as exc:
+            _log.warning("admin_change_not_checked", error=str(exc))
+            return
+        self._await(deadline, lambda view: all(shown(view, read) for read in reads))
 
     def _await(self, deadline: float, condition: Callable[[MetadataView], bool]) -> None:
         """Wait (bounded) until this gateway's metadata shows an admin change. The change
@@ -604,18 +607,6 @@ def add_gateway_to_server(servicer: GatewayServicer, server: grpc.Server) -> Non
         server,
         {"Fetch": (servicer.Fetch, storage_pb2.FetchRequest.FromString)},
     )
-
-
-def _ready(view: MetadataView, name: str) -> bool:
-    """The topic exists with a leader for every partition."""
-    topic = view.topics.get(name)
-    if topic is None:
-        return False
-    for index in range(topic.partition_count):
-        record = view.partitions.get((name, index))
-        if record is None or record.leader < 0 or record.leader not in view.brokers:
-            return False
-    return True
 
 
 __all__ = ["GatewayServicer", "add_gateway_to_server"]
