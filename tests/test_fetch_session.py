@@ -72,9 +72,46 @@ def test_a_followers_new_session_replaces_its_old_one_and_idle_or_oldest_ones_go
 def test_a_session_holds_no_more_partitions_than_one_request_may_name() -> None:
     cache: FetchSessionCache[int] = FetchSessionCache(max_partitions=2)
     session, _ = cache.open(2, [(A, 1)], now_s=0.0)
-    cache.check_size(session, 1)
+    cache.check_size(session, [B], [])
     with pytest.raises(InvalidRequestError, match="more than 2 partitions"):
-        cache.check_size(session, 2)
+        cache.check_size(session, [B, C], [])
+    cache.check_size(session, [B, C], [A])  # A leaves as they join
+    cache.check_size(session, [A, B], [A])  # A leaves and joins again
+
+
+def test_partitions_named_again_do_not_count_as_growth() -> None:
+    """An incremental fetch names the partitions whose position moved, most of them
+    already in the session; the size check counted every one as joining, so a large
+    session's ordinary fetches were refused with INVALID_REQUEST though it would not
+    grow at all."""
+    cache: FetchSessionCache[int] = FetchSessionCache(max_partitions=3)
+    session, _ = cache.open(2, [(A, 0), (B, 0), (C, 0)], now_s=0.0)
+    resumed = cache.resume(session.session_id, 1, 2, now_s=1.0)
+    named = [(A, 10), (B, 10)]
+    cache.check_size(resumed, [key for key, _ in named], [])
+    joined, left = resumed.update(named, ())
+    assert (joined, left, len(resumed.partitions)) == ([], [], 3)
+
+
+def test_partitions_are_read_in_turns_and_what_an_answer_left_out_is_read_next() -> None:
+    """The first partitions read take a response's byte budget: those that brought data
+    go to the end of the order, so backlogged partitions share it in turns, and those the
+    budget left out are read again by the next fetch (their follower, whose position did
+    not move, does not name them)."""
+    cache: FetchSessionCache[int] = FetchSessionCache()
+    session, _ = cache.open(2, [(A, 0), (B, 0), (C, 0)], now_s=0.0)
+    assert session.in_turn({C, B, A, ("gone", 0)}) == [A, B, C]  # the order they joined
+    session.answered(served=[A], unread=[B, C])
+    assert session.unread == {B, C}
+    assert session.in_turn({A, B, C}) == [B, C, A]
+    session.answered(served=[B, C], unread=[A])
+    assert session.in_turn({A, B, C}) == [A, B, C] and session.unread == {A}
+    session.update([], [A])  # forgotten: nothing more owed to it
+    assert session.unread == set() and session.in_turn({A, B, C}) == [B, C]
+    joined, _ = session.update([(A, 5)], [])
+    assert joined == [A] and session.in_turn({A, B, C}) == [B, C, A]
+    session.answered(served=[], unread=[("gone", 0)])
+    assert session.unread == set()
 
 
 def test_only_partitions_with_news_or_a_moved_hw_or_log_start_are_answered() -> None:

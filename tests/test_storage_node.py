@@ -338,11 +338,15 @@ def session_fetch(
     *,
     forgotten: tuple[str, ...] = (),
     max_wait_ms: int = 0,
+    min_bytes: int = 1,
+    max_bytes: int = 1 << 20,
 ) -> storage_pb2.FetchResponse:
     """A fetch of broker 2's session (KIP-227) naming ``named`` (topic -> offset)."""
     request = storage_pb2.FetchRequest(
         replica_id=2,
         max_wait_ms=max_wait_ms,
+        min_bytes=min_bytes,
+        max_bytes=max_bytes,
         session_id=session_id,
         session_epoch=epoch,
         partitions=[
@@ -418,6 +422,132 @@ def test_a_fetch_session_names_and_answers_only_partitions_that_changed(
     reopened = session_fetch(stub, 0, 0, {"sess-a": 1, "sess-c": 1})
     assert reopened.session_id not in (0, sid)
     assert answered(reopened) == {"sess-a": (1, []), "sess-c": (1, [b"c2"])}
+
+
+def with_data(response: storage_pb2.FetchResponse) -> dict[str, int]:
+    """topic -> the offset after the records of each partition a fetch brought data of."""
+    return {
+        r.topic: decode_batches(r.records)[-1].next_offset for r in response.partitions if r.records
+    }
+
+
+def test_a_session_reads_again_a_partition_whose_data_the_response_budget_left_out(
+    storage_node: StorageProcess,
+) -> None:
+    """Once a session fetch's max_bytes is used up, the next partitions are read with no
+    room (their data left for the next fetch). The leader drained their change notes all
+    the same and answered nothing new for them, and their follower, whose position did
+    not move, never named them again: the leader read them again only on a new append
+    there, so a follower catching up on a backlog never got its end (and never rejoined
+    the ISR) if nothing more was written. Kafka reads every session partition each time;
+    here the leader notes what it left out and reads it on the next fetch."""
+    stub = storage_node.stub
+    topics = ["sess-budget-a", "sess-budget-b"]
+    for topic in topics:
+        _lead_with_follower_2(stub, topic)
+        assert code(append(stub, topic, encode_batch([b"x" * 3000]), acks=1).error) == 0
+
+    # A 4000-byte response budget: one 3000-byte batch fits, the other is left out.
+    opened = session_fetch(stub, 0, 0, dict.fromkeys(topics, 0), max_bytes=4000)
+    first = with_data(opened)
+    assert list(first.values()) == [1], "exactly one partition fits the budget"
+    (left_out,) = set(topics) - set(first)
+
+    # The follower names only the partition it got; nothing new was appended anywhere.
+    then = session_fetch(stub, opened.session_id, 1, first, max_bytes=4000)
+    assert with_data(then) == {left_out: 1}
+
+
+def test_a_session_shares_a_small_response_budget_among_backlogged_partitions_in_turn(
+    storage_node: StorageProcess,
+) -> None:
+    """Partitions are read in turns, the last to bring data read last (Kafka rotates a
+    session's partitions likewise): in a fixed read order the first backlogged
+    partitions would take a full budget every time and the others wait for them all."""
+    stub = storage_node.stub
+    topics = ["sess-turns-a", "sess-turns-b", "sess-turns-c"]
+    for topic in topics:
+        _lead_with_follower_2(stub, topic)
+        for _ in range(3):
+            assert code(append(stub, topic, encode_batch([b"x" * 3000]), acks=1).error) == 0
+
+    # Room for one 3000-byte batch per answer: nine answers, one partition each.
+    answer = session_fetch(stub, 0, 0, dict.fromkeys(topics, 0), max_bytes=4000)
+    sid = answer.session_id
+    served: list[str] = []
+    for epoch in range(1, 10):
+        got = with_data(answer)
+        assert len(got) == 1, got
+        served += got
+        answer = session_fetch(stub, sid, epoch, got, max_bytes=4000)
+    assert with_data(answer) == {}
+    rounds = [sorted(served[i : i + 3]) for i in range(0, 9, 3)]
+    assert rounds == [topics] * 3, f"served in the order {served}"
+
+
+def test_a_waiting_session_fetch_counts_a_partition_read_again_only_once(
+    storage_node: StorageProcess,
+) -> None:
+    """A long poll reads a partition again when it changes; its previous read was still
+    counted against the response's byte budget next to the new one, so the new read got
+    less room than there was, brought less than min_bytes, and the fetch waited out
+    max_wait_ms with data there to answer."""
+    stub = storage_node.stub
+    topic = "sess-reread"
+    _lead_with_follower_2(stub, topic)
+    sid = session_fetch(stub, 0, 0, {topic: 0}).session_id
+    first, second = encode_batch([b"a" * 500]), encode_batch([b"b" * 500])
+    both = len(first) + len(second)
+    outcome: dict[str, Any] = {}
+
+    def poll() -> None:
+        outcome["response"] = session_fetch(
+            stub, sid, 1, {}, max_wait_ms=8000, min_bytes=both, max_bytes=both + 100
+        )
+        outcome["answered_at"] = time.monotonic()
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.5)
+    assert code(append(stub, topic, first, acks=1).error) == 0
+    time.sleep(0.5)
+    assert poller.is_alive(), "one batch is below min_bytes: the fetch keeps waiting"
+    assert code(append(stub, topic, second, acks=1).error) == 0
+    appended_at = time.monotonic()
+    poller.join(15)
+    assert not poller.is_alive()
+    assert answered(outcome["response"]) == {topic: (0, [b"a" * 500, b"b" * 500])}
+    assert outcome["answered_at"] - appended_at < 3.0
+
+
+def test_a_diverging_follower_fetch_is_answered_without_waiting(
+    storage_node: StorageProcess,
+) -> None:
+    """A fetch whose answer is a divergence (KIP-320) carries no records, and was held
+    for the whole long poll as if it had nothing to say; the follower, which must
+    truncate before it can fetch anything, lost max_wait_ms. Kafka answers it at once."""
+    stub = storage_node.stub
+    topic = "diverge-at-once"
+    _lead_with_follower_2(stub, topic, epoch=0)
+    assert code(append(stub, topic, encode_batch([b"e0"]), acks=1).error) == ErrorCode.NONE
+    _lead_with_follower_2(stub, topic, epoch=1)  # epoch 0 now ends at offset 1 here
+    assert code(append(stub, topic, encode_batch([b"e1"]), acks=1).error) == ErrorCode.NONE
+
+    # Broker 2 claims it holds offsets 0..1 written in epoch 0: it diverged at 1.
+    request = storage_pb2.FetchRequest(
+        replica_id=2,
+        max_wait_ms=3000,
+        partitions=[
+            storage_pb2.FetchPartition(
+                topic=topic, partition=0, fetch_offset=2, last_fetched_epoch=0
+            )
+        ],
+    )
+    started = time.monotonic()
+    (result,) = stub.Fetch(request, timeout=RPC_TIMEOUT_S).partitions
+    took_s = time.monotonic() - started
+    assert (result.diverging_epoch, result.diverging_end_offset) == (0, 1), result
+    assert took_s < 1.0, f"the divergence was answered only after {took_s:.2f} s (max_wait_ms)"
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,11 @@ session lets both sides remember the last round:
   changed since the previous fetch of the session, and those leaving it (``forgotten``).
 - The leader (``FetchSessionCache``, one ``FetchSession`` per follower) keeps every
   partition's last position and what it last answered (high watermark, log start), and
-  answers only the partitions with something new (``worth_answering``).
+  answers only the partitions with something new (``worth_answering``). Not reading the
+  others is safe only while the leader remembers what it owes: a partition whose data
+  the response's byte budget left out is read again on the next fetch (its follower's
+  position did not move, so the follower will not name it), and partitions are read in
+  turns (``FetchSession.in_turn``) so that the budget goes round.
 
 The wire rules are in ``storage.proto`` (``FetchRequest.session_epoch``). Epochs order a
 session's requests: the leader expects exactly ``next_epoch``; anything else (a lost
@@ -64,17 +68,23 @@ class SessionPartition(Generic[P]):
     position: P
     high_watermark: int = -1
     log_start_offset: int = -1
+    turn: int = 0
+    """Its place in the session's read order (``FetchSession.in_turn``): lower first."""
 
 
 @dataclass(slots=True)
 class FetchSession(Generic[P]):
-    """One follower's session on the leader. ``partitions`` keeps the order they joined."""
+    """One follower's session on the leader. ``partitions`` keeps the order they joined;
+    ``unread`` holds the partitions the next fetch reads whether or not anything
+    changed there (``answered``)."""
 
     session_id: int
     replica_id: int
     next_epoch: int
     last_used_s: float
     partitions: dict[Key, SessionPartition[P]] = field(default_factory=dict)
+    unread: set[Key] = field(default_factory=set)
+    last_turn: int = 0
 
     def update(
         self, named: Iterable[tuple[Key, P]], forgotten: Iterable[Key]
@@ -86,15 +96,39 @@ class FetchSession(Generic[P]):
         left: list[Key] = []
         for key in forgotten:
             if self.partitions.pop(key, None) is not None:
+                self.unread.discard(key)
                 left.append(key)
         for key, position in named:
             entry = self.partitions.get(key)
             if entry is None:
-                self.partitions[key] = SessionPartition(position)
+                self.last_turn += 1
+                self.partitions[key] = SessionPartition(position, turn=self.last_turn)
                 joined.append(key)
             else:
                 entry.position = position
         return joined, left
+
+    def in_turn(self, keys: Iterable[Key]) -> list[Key]:
+        """The keys of ``keys`` this session holds, in the order to read them: the
+        partitions whose data was answered longest ago first. A response's byte budget
+        goes to the first partitions read; in a fixed order the same few backlogged
+        partitions would take it every time and starve the others (Kafka moves a
+        partition to the end of its session's order when it returns data, likewise)."""
+        partitions = self.partitions
+        return sorted((key for key in keys if key in partitions), key=lambda k: partitions[k].turn)
+
+    def answered(self, served: Iterable[Key], unread: Iterable[Key]) -> None:
+        """An answer was built: ``served`` (its data was in it) go to the end of the
+        read order; ``unread`` (data there the response's byte budget left out) are read
+        again by the next fetch. Nothing else would read them: their follower's position
+        did not move, so it does not name them, and their watchers fire only on new
+        data, which a follower catching up with a backlog may never get."""
+        for key in served:
+            entry = self.partitions.get(key)
+            if entry is not None:
+                self.last_turn += 1
+                entry.turn = self.last_turn
+        self.unread = {key for key in unread if key in self.partitions}
 
 
 def worth_answering(
@@ -202,9 +236,18 @@ class FetchSessionCache(Generic[P]):
         self._sessions.move_to_end(session_id)
         return session
 
-    def check_size(self, session: FetchSession[P], adding: int) -> None:
-        """Refuse to grow a session past the partitions one request may name."""
-        if len(session.partitions) + adding > self._max_partitions:
+    def check_size(
+        self, session: FetchSession[P], named: Iterable[Key], forgotten: Iterable[Key]
+    ) -> None:
+        """Refuse an incremental request (``FetchSession.update``'s ``named`` and
+        ``forgotten`` keys) that would grow a session past the partitions one request may
+        name. Counts what the session would hold after it: a partition named again only
+        moves (most of an incremental fetch names partitions already held), one named
+        for the first time joins, a forgotten one held leaves (before the named join)."""
+        held = session.partitions
+        leaving = {key for key in forgotten if key in held}
+        joining = {key for key in named if key not in held or key in leaving}
+        if len(held) - len(leaving) + len(joining) > self._max_partitions:
             raise InvalidRequestError(
                 f"fetch session {session.session_id} would hold more than "
                 f"{self._max_partitions} partitions"

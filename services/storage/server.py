@@ -1329,9 +1329,10 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         params: _FetchParams,
     ) -> bytes:
         """A follower's fetch in a session: open one (epoch 0) or go on with one. Reads
-        the partitions named, those whose watchers fired since the last fetch and those
-        whose high watermark moved; the others only count as the follower's progress
-        report (``Partition.follower_fetched``). Answers what is new."""
+        the partitions named, those whose watchers fired since the last fetch, those
+        whose data the last answer had no room for and those whose high watermark moved;
+        the others only count as the follower's progress report
+        (``Partition.follower_fetched``). Answers what is new."""
         epoch = request.session_epoch
         if epoch == FINAL_EPOCH:
             self._close_session(request.session_id)
@@ -1347,7 +1348,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         try:
             live.forget(left)
             live.event.clear()
-            must_read = {key for key, _ in named} | set(joined) | live.drain_changed()
+            must_read = (
+                {key for key, _ in named}
+                | set(joined)
+                | live.session.unread  # left out of the last answer for want of room
+                | live.drain_changed()
+            )
             now_s = time.monotonic()
             if now_s - live.reported_s >= SESSION_PROGRESS_INTERVAL_S:
                 live.reported_s = now_s
@@ -1403,7 +1409,11 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                         gone.append(dropped)
                     raise
                 live = self._live_sessions[session.session_id]
-                self._session_cache.check_size(session, len(named))
+                self._session_cache.check_size(
+                    session,
+                    (key for key, _ in named),
+                    ((tp.topic, tp.partition) for tp in request.forgotten),
+                )
                 joined, left = session.update(
                     named, [(tp.topic, tp.partition) for tp in request.forgotten]
                 )
@@ -1473,15 +1483,19 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         params: _FetchParams,
         reads: dict[Key, _PartitionRead],
     ) -> None:
-        """Read ``keys`` of the session into ``reads``, within what is left of the
-        response's byte budget (the first data may exceed it, as in ``_read_all``)."""
-        total = sum(len(r.records) for r in reads.values() if not isinstance(r, TidelogError))
+        """Read ``keys`` of the session into ``reads``, in the session's turns, within
+        what is left of the response's byte budget (the first data may exceed it, as in
+        ``_read_all``). A key read again (a wake-up of the long poll) replaces its
+        previous read, which therefore no longer counts against the budget."""
+        total = sum(
+            len(r.records)
+            for key, r in reads.items()
+            if key not in keys and not isinstance(r, TidelogError)
+        )
         remaining = max(params.max_bytes - total, 0)
         partitions = live.session.partitions
-        for key in keys:
-            entry = partitions.get(key)
-            if entry is None:
-                continue
+        for key in live.session.in_turn(keys):
+            entry = partitions[key]
             partition: Partition | TidelogError
             try:
                 partition = self._replicas.get_partition(*key)
@@ -1497,7 +1511,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         reads: dict[Key, _PartitionRead],
         throttle_time_ms: int,
     ) -> bytes:
+        """The answer to a session's fetch: the reads with something new. Notes in the
+        session which partitions' data it carries (their turn is over) and which had
+        data it has no room for (the next fetch reads them again)."""
         answered: list[tuple[storage_pb2.FetchPartition, _PartitionRead]] = []
+        served: list[Key] = []
+        unread: list[Key] = []
         for key, read in reads.items():
             entry = session.partitions.get(key)
             if entry is None:
@@ -1507,14 +1526,22 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     entry, high_watermark=-1, log_start_offset=-1, has_news=True
                 )
             else:
+                diverged = read.diverging_end_offset >= 0
+                if read.records:
+                    served.append(key)
+                elif not diverged and entry.position.fetch_offset < read.log_end_offset:
+                    # Data there, none read: the budget was used up (read with 0 bytes,
+                    # or its data dropped by ``_within_budget``).
+                    unread.append(key)
                 worth = worth_answering(
                     entry,
                     high_watermark=read.high_watermark,
                     log_start_offset=read.log_start_offset,
-                    has_news=bool(read.records) or read.diverging_end_offset >= 0,
+                    has_news=bool(read.records) or diverged,
                 )
             if worth:
                 answered.append((entry.position, read))
+        session.answered(served, unread)
         return StorageServicer._fetch_response(
             answered, throttle_time_ms=throttle_time_ms, session_id=session.session_id
         )
@@ -1701,13 +1728,14 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
 
     @staticmethod
     def _should_wait(reads: Sequence[_PartitionRead], params: _FetchParams) -> bool:
-        # Kafka answers at once when any partition has an error, so the client can act on
-        # it (refresh metadata, reset its offset) instead of waiting for nothing.
+        # Kafka answers at once when any partition has an error or a divergence (KIP-320),
+        # so the client can act on it (refresh metadata, reset its offset, truncate its
+        # log) instead of waiting for nothing: neither changes by waiting.
         if params.max_wait_s <= 0:
             return False
         total = 0
         for read in reads:
-            if isinstance(read, TidelogError):
+            if isinstance(read, TidelogError) or read.diverging_end_offset >= 0:
                 return False
             total += len(read.records)
         if total >= params.min_bytes:
