@@ -51,10 +51,11 @@ def test_waiters_on_an_unreachable_broker_are_bounded() -> None:
 
 class _DeadlineRecorder(storage_pb2_grpc.StorageServicer):
     """A broker's Storage service that only notes how long each LeaderAndIsr had left
-    when it arrived, and accepts every partition."""
+    when it arrived, and its request_version, and accepts every partition."""
 
     def __init__(self) -> None:
         self.remaining_s: list[tuple[int, float]] = []
+        self.versions: list[int] = []
 
     def LeaderAndIsr(  # noqa: N802 - gRPC's method name
         self, request: storage_pb2.LeaderAndIsrRequest, context: grpc.ServicerContext
@@ -62,6 +63,7 @@ class _DeadlineRecorder(storage_pb2_grpc.StorageServicer):
         remaining = context.time_remaining()
         assert remaining is not None
         self.remaining_s.append((len(request.partitions), remaining))
+        self.versions.append(request.request_version)
         return storage_pb2.LeaderAndIsrResponse(
             partitions=[
                 common_pb2.PartitionResult(topic=p.state.topic, partition=p.state.partition)
@@ -99,6 +101,8 @@ def test_a_request_naming_many_partitions_gets_a_longer_deadline() -> None:
         # left of 5.01) does not matter: one partition gets about the default.
         assert one_left_s < DEFAULT_RPC_TIMEOUT_S + 100 * PER_PARTITION_TIMEOUT_S
         assert many_left_s > DEFAULT_RPC_TIMEOUT_S + 900 * PER_PARTITION_TIMEOUT_S
+        # Numbered as sent, so a broker can tell a late one from its successor.
+        assert 0 < recorder.versions[0] < recorder.versions[1]
     finally:
         manager.shutdown()
         server.stop(None)

@@ -1265,6 +1265,35 @@ def test_a_restarted_leader_takes_no_append_before_its_topic_settings(
     assert not taken_wrongly, f"appends taken under the broker's defaults: {taken_wrongly}"
 
 
+def test_a_leader_and_isr_older_than_the_one_applied_brings_nothing_back(
+    tmp_path: Path,
+) -> None:
+    """Found by an audit: a LeaderAndIsr the controller gave up on (the broker busy past
+    its timeout) could be applied after the one it sent next; a topic's configuration
+    changes with no epoch moving, so an old retention.ms came back on that replica. Each
+    request now carries its number (request_version) and an older one of the same
+    controller epoch is skipped; a newer controller's requests count afresh."""
+    manager = ReplicaManager(LogManager(tmp_path, LogConfig()), broker_id=1)
+    manager.startup()
+    month, day = 30 * 24 * 3600 * 1000, 24 * 3600 * 1000
+    newer = sole_leader("kept", {"retention.ms": str(month)})
+    older = sole_leader("kept", {"retention.ms": str(day)})
+
+    def retention_ms() -> int:
+        log = manager._log_manager.get_log("kept", 0)
+        assert log is not None
+        return log.config.retention_ms
+
+    assert manager.apply_leader_and_isr(1, [newer], request_version=5) == [None]
+    assert manager.apply_leader_and_isr(1, [older], request_version=3) == [None]
+    assert retention_ms() == month
+    assert manager.apply_leader_and_isr(1, [older], request_version=6) == [None]
+    assert retention_ms() == day
+    assert manager.apply_leader_and_isr(2, [newer], request_version=1) == [None]
+    assert retention_ms() == month
+    manager.shutdown()
+
+
 def test_one_log_failing_its_maintenance_does_not_stop_the_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -213,6 +213,10 @@ class ControllerChannelManager:
         # Stamped on each UpdateMetadata view, so a broker can tell a late request from
         # the newer view it already holds.
         self._metadata_version = 0
+        # LeaderAndIsr requests are numbered as they are sent (request_version): the
+        # mailbox holds each partition's newest state, so a later request carries a state
+        # at least as new for every partition it names as any earlier one did.
+        self._leader_and_isr_version = 0
 
     # --- membership ---------------------------------------------------------------------
 
@@ -350,6 +354,11 @@ class ControllerChannelManager:
             senders = list(self._senders.values())
         for sender in senders:
             sender.enqueue_update_metadata(template, completion)
+
+    def _next_leader_and_isr_version(self) -> int:
+        with self._lock:
+            self._leader_and_isr_version += 1
+            return self._leader_and_isr_version
 
     # --- callbacks from senders -----------------------------------------------------------
 
@@ -643,6 +652,7 @@ class _BrokerSender:
                         broker_epoch=self.broker.epoch,
                         partitions=messages,  # type: ignore[arg-type]
                         live_leaders=live_leaders,
+                        request_version=manager._next_leader_and_isr_version(),
                     ),
                     len(messages),
                 )

@@ -259,6 +259,9 @@ class ReplicaManager:
         # topic id the log matches (or adopted, or was created with): see strays.py. A new
         # broker epoch starts empty. Replaced, never mutated; changed under _lock.
         self._confirmed: frozenset[tuple[str, int]] = frozenset()
+        # (controller epoch, request_version) of the LeaderAndIsr each hosted partition's
+        # state was last applied from (apply_leader_and_isr). Changed under _lock.
+        self._applied_versions: dict[tuple[str, int], tuple[int, int]] = {}
         self._closed = False
 
     @property
@@ -399,17 +402,48 @@ class ReplicaManager:
                 _log.exception("stray_log_delete_failed", topic=key[0], partition=key[1])
 
     def apply_leader_and_isr(
-        self, controller_epoch: int, states: Sequence[PartitionState], broker_epoch: int = -1
+        self,
+        controller_epoch: int,
+        states: Sequence[PartitionState],
+        broker_epoch: int = -1,
+        request_version: int = 0,
     ) -> list[TidelogError | None]:
         """Create logs as needed and take the roles ``states`` assign; one result each.
 
         Raises StaleControllerEpochError / StaleBrokerEpochError (changing nothing) for a
         request from a deposed controller or for an earlier incarnation of this broker.
         Per partition: bad names, bad epochs or bad configs fail that partition only, and
-        leave it as it was.
+        leave it as it was. A partition whose state came from a later request of the same
+        controller epoch (``request_version``, 0 = unversioned) is skipped and answered as
+        applied: the controller gave up on this request and sent that one (the broker was
+        busy past its timeout), and applied now it would bring back what that one
+        replaced. A topic's configuration changes with no epoch moving, so the epochs
+        alone could not tell: an old retention.ms could come back.
         """
+
+        def apply(state: PartitionState) -> None:
+            key = (state.topic, state.partition)
+            applied = self._applied_versions.get(key)
+            if (
+                request_version > 0
+                and applied is not None
+                and applied[0] == controller_epoch
+                and request_version < applied[1]
+            ):
+                _log.info(
+                    "leader_and_isr_superseded",
+                    topic=state.topic,
+                    partition=state.partition,
+                    request_version=request_version,
+                    applied_version=applied[1],
+                )
+                return
+            self._apply_state(state)
+            if key in self._partitions:
+                self._applied_versions[key] = (controller_epoch, request_version)
+
         return self._each_partition(
-            controller_epoch, broker_epoch, states, self._apply_state, "leader_and_isr_failed"
+            controller_epoch, broker_epoch, states, apply, "leader_and_isr_failed"
         )
 
     def _apply_state(self, state: PartitionState) -> None:
@@ -576,6 +610,7 @@ class ReplicaManager:
             self._partitions = {k: p for k, p in self._partitions.items() if k != key}
         self._log_manager.delete_log(*key)
         self._confirmed = self._confirmed - {key}
+        self._applied_versions.pop(key, None)
 
     def _delete_stray(self, key: tuple[str, int], *, named: str) -> None:
         """Delete a log of a deleted topic incarnation (lock held).
@@ -1858,7 +1893,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         ]
         # Stale controller or broker epochs abort the call (a gRPC status, see common.proto).
         outcomes = self._replicas.apply_leader_and_isr(
-            request.controller_epoch, states, request.broker_epoch
+            request.controller_epoch, states, request.broker_epoch, request.request_version
         )
         return storage_pb2.LeaderAndIsrResponse(
             error=to_error_proto(None), partitions=partition_results(states, outcomes)

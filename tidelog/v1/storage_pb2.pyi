@@ -220,18 +220,20 @@ class OffsetForLeaderEpochResult(_message.Message):
     def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.Error, _Mapping]] = ..., leader_epoch: _Optional[int] = ..., end_offset: _Optional[int] = ...) -> None: ...
 
 class LeaderAndIsrRequest(_message.Message):
-    __slots__ = ("controller_id", "controller_epoch", "broker_epoch", "partitions", "live_leaders")
+    __slots__ = ("controller_id", "controller_epoch", "broker_epoch", "partitions", "live_leaders", "request_version")
     CONTROLLER_ID_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BROKER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PARTITIONS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEADERS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     controller_id: int
     controller_epoch: int
     broker_epoch: int
     partitions: _containers.RepeatedCompositeFieldContainer[LeaderAndIsrPartition]
     live_leaders: _containers.RepeatedCompositeFieldContainer[_common_pb2.BrokerInfo]
-    def __init__(self, controller_id: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[LeaderAndIsrPartition, _Mapping]]] = ..., live_leaders: _Optional[_Iterable[_Union[_common_pb2.BrokerInfo, _Mapping]]] = ...) -> None: ...
+    request_version: int
+    def __init__(self, controller_id: _Optional[int] = ..., controller_epoch: _Optional[int] = ..., broker_epoch: _Optional[int] = ..., partitions: _Optional[_Iterable[_Union[LeaderAndIsrPartition, _Mapping]]] = ..., live_leaders: _Optional[_Iterable[_Union[_common_pb2.BrokerInfo, _Mapping]]] = ..., request_version: _Optional[int] = ...) -> None: ...
 
 class LeaderAndIsrPartition(_message.Message):
     __slots__ = ("state", "configs", "is_new", "topic_id")
