@@ -6,7 +6,9 @@ from __future__ import annotations
 import inspect
 import os
 import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -14,7 +16,7 @@ import pytest
 
 import tidelog
 from services.gateway.server import ADMIN_TIMEOUT_S, _admin_budget_s
-from tests.support.cluster import GatewayProcess, TestCluster, wait_for
+from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
 from tidelog.admin import change_deadline_s
 from tidelog.errors import (
     ConfigError,
@@ -330,3 +332,27 @@ def test_names_equal_but_for_dot_and_underscore_collide(admin: tidelog.Admin) ->
     admin.delete_topic("metric.name_x")
     admin.create_topic("metric_name.x")  # free once the other is gone
     admin.delete_topic("metric_name.x")
+
+
+def test_list_offsets_keeps_to_the_admins_timeout_while_the_leader_is_stopped(
+    tmp_path: Path,
+) -> None:
+    """Found by an audit: ListOffsets retries (a leader not answering) gave each attempt a
+    whole request timeout, so one begun just before the deadline doubled the call (and
+    bounds(), two such calls, four times). Each attempt now gets what is left. A cluster
+    of its own: a SIGSTOPped broker would disturb the module's."""
+    with running_cluster(tmp_path, brokers=1) as cluster:
+        gateway = cluster.start_gateway()
+        with tidelog.Admin(gateway.address, timeout_ms=20_000) as setup:
+            setup.create_topic("slow", partitions=1, replication_factor=1)
+        broker = cluster.brokers[0]
+        admin = tidelog.Admin(gateway.address, timeout_ms=2_000)
+        os.kill(broker.pid, signal.SIGSTOP)  # the leader stops answering
+        try:
+            started = time.monotonic()
+            with pytest.raises(TidelogError):
+                admin.list_offsets([("slow", 0)], "latest")
+            elapsed = time.monotonic() - started
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        assert elapsed < 3.0, f"list_offsets took {elapsed:.2f} s with timeout_ms=2000"

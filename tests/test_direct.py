@@ -28,7 +28,7 @@ from tidelog.errors import (
 )
 from tidelog.leaders import LeaderDirectory
 from tidelog.records import BATCH_OVERHEAD_BYTES, RECORD_OVERHEAD_BYTES, encode_batch
-from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
+from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
 
 
 def _create(admin: tidelog.Admin, topic: str, partitions: int) -> None:
@@ -980,3 +980,94 @@ def test_a_request_the_leader_holds_only_in_part_is_resent_batch_by_batch(
         c.assign([(topic, 0)])
         read = [r.value for r in _read(c, 6)]
     assert read == [b"first", b"held", *values]
+
+
+def _metadata_answer(leader: int, epoch: int, port: int) -> controller_pb2.MetadataResponse:
+    """A gateway's metadata: brokers 1 and 2 at ``port`` and the next; t-0 led by
+    ``leader`` at ``epoch``."""
+    return controller_pb2.MetadataResponse(
+        brokers=[
+            common_pb2.BrokerInfo(broker_id=1, host="127.0.0.1", port=port),
+            common_pb2.BrokerInfo(broker_id=2, host="127.0.0.1", port=port + 1),
+        ],
+        topics=[
+            common_pb2.TopicMetadata(
+                name="t",
+                topic_id="id-1",
+                partitions=[
+                    common_pb2.PartitionState(
+                        topic="t", partition=0, leader=leader, leader_epoch=epoch
+                    )
+                ],
+            )
+        ],
+    )
+
+
+class _ScriptedGateway:
+    """A GatewayConnection's metadata() answering from a script; the background refresh
+    thread's call can be held (it answers what was current when it asked)."""
+
+    def __init__(self) -> None:
+        self.answer = _metadata_answer(1, 1, 40001)
+        self.hold: threading.Event | None = None
+
+    def metadata(self, topics: Any) -> Any:
+        answer = self.answer
+        if self.hold is not None and threading.current_thread().name == "tidelog-leaders-refresh":
+            self.hold.wait(5)
+        return answer
+
+
+def test_a_late_metadata_answer_does_not_bring_back_an_older_leader_epoch() -> None:
+    """Found by an audit: a background refresh asked before an election and answered
+    after a foreground refresh had learned of it put the old leader back, and the
+    directory counted as fresh. A later epoch of the same topic incarnation is kept
+    (Kafka's clients, KIP-320); a re-created topic's epochs start again and are taken."""
+    gateway = _ScriptedGateway()
+    directory = LeaderDirectory(gateway, min_refresh_interval_s=0.0)  # type: ignore[arg-type]
+    directory.refresh(["t"])
+    gateway.hold = threading.Event()
+    directory.invalidate()
+    directory.leader(("t", 0))  # starts the background refresh, held with epoch 1
+    wait_for(lambda: directory._refreshing, 5, "the background refresh")
+    gateway.answer = _metadata_answer(2, 2, 40001)  # the election
+    directory.refresh(["t"])
+    gateway.hold.set()
+    wait_for(lambda: not directory._refreshing, 5, "the late answer")
+    leader = directory.leader(("t", 0))
+    assert leader is not None and (leader.broker_id, leader.leader_epoch) == (2, 2)
+    recreated = _metadata_answer(1, 0, 40001)
+    recreated.topics[0].topic_id = "id-2"
+    gateway.answer = recreated
+    directory.refresh(["t"])
+    leader = directory.leader(("t", 0))
+    assert leader is not None and (leader.broker_id, leader.leader_epoch) == (1, 0)
+
+
+def test_channels_to_addresses_no_broker_has_are_closed_after_a_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by an audit: a broker restarted at a new address (a pod's new IP) left its old
+    channel in the directory, open, for the life of the process. It is dropped at the
+    next metadata answer and closed once a grace has passed (a caller may hold its stub)."""
+    import tidelog.leaders as leaders_module
+
+    gateway = _ScriptedGateway()
+    directory = LeaderDirectory(gateway, min_refresh_interval_s=0.0)  # type: ignore[arg-type]
+    channels = []
+    for restart in range(4):  # the leader registers at a new port after each restart
+        gateway.answer = _metadata_answer(1, restart + 1, 41000 + 10 * restart)
+        directory.refresh(["t"])
+        leader = directory.leader(("t", 0))
+        assert leader is not None
+        directory.storage(leader.address)  # a fetch or an append to it
+        channels.append(directory._brokers[leader.address].channel)
+    live = {directory.address(1), directory.address(2)}
+    assert set(directory._brokers) <= live
+    assert len(directory._retired) == 3  # not closed yet: within the grace
+    monkeypatch.setattr(leaders_module, "RETIRED_CHANNEL_GRACE_S", 0.0)
+    directory.refresh(["t"])
+    assert not directory._retired
+    with pytest.raises(ValueError, match="closed"):  # grpc's error on a closed channel
+        channels[0].unary_unary("/x")(b"", timeout=1)

@@ -328,14 +328,18 @@ class GatewayConnection:
         timestamp_ms: int = -1,
         *,
         partial: bool = False,
+        deadline: float | None = None,
     ) -> dict[tuple[str, int], tuple[int, int]]:
         """``spec`` (a ``common_pb2.OffsetSpec``) resolved per partition: (offset, ts).
 
         The offset is -1 when nothing matches (a timestamp after all data). With
         ``partial``, one pass: partitions that failed (no leader, say) are left out
-        instead of retried until the timeout and then raised for all.
+        instead of retried until the timeout and then raised for all. ``deadline``
+        (monotonic; default: the request timeout from now) bounds the whole call.
         """
-        found = self.list_offset_results(partitions, spec, timestamp_ms, partial=partial)
+        found = self.list_offset_results(
+            partitions, spec, timestamp_ms, partial=partial, deadline=deadline
+        )
         return {tp: (item.offset, item.timestamp_ms) for tp, item in found.items()}
 
     def list_offset_results(
@@ -345,6 +349,7 @@ class GatewayConnection:
         timestamp_ms: int = -1,
         *,
         partial: bool = False,
+        deadline: float | None = None,
     ) -> dict[tuple[str, int], storage_pb2.ListOffsetsResult]:
         """``list_offsets`` with each partition's whole answer (its leader epoch too)."""
         request = storage_pb2.ListOffsetsRequest(
@@ -359,12 +364,18 @@ class GatewayConnection:
         if not request.partitions:
             return {}
         # Partitions answered with a retriable error (a new leader not ready to answer,
-        # a leader moving) are asked again after a pause, within the request timeout.
-        deadline = time.monotonic() + self.timeout_s
+        # a leader moving) are asked again after a pause, within the request timeout. Each
+        # attempt gets what is left of it: a full timeout each let a retry begun just
+        # before the deadline double the call (found by an audit).
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         result: dict[tuple[str, int], storage_pb2.ListOffsetsResult] = {}
         while True:
             response: storage_pb2.ListOffsetsResponse = self.call(
-                self.stub.ListOffsets, request, "list offsets"
+                self.stub.ListOffsets,
+                request,
+                "list offsets",
+                timeout_s=max(0.001, deadline - time.monotonic()),
             )
             again = []
             for item in response.partitions:
@@ -372,7 +383,7 @@ class GatewayConnection:
                     continue
                 error = error_for_code(int(item.error.code), item.error.message)
                 if item.error.code != common_pb2.NONE and not (
-                    error.retriable and time.monotonic() < deadline
+                    error.retriable and time.monotonic() + LIST_OFFSETS_RETRY_S < deadline
                 ):
                     raise_for(item.error, f"offsets of {item.topic}-{item.partition}")
                 if item.error.code != common_pb2.NONE:
@@ -389,9 +400,11 @@ class GatewayConnection:
     def bounds(
         self, partitions: Sequence[tuple[str, int]]
     ) -> dict[tuple[str, int], PartitionOffsets]:
-        """[earliest, latest) of each partition, latest being the high watermark."""
-        earliest = self.list_offsets(partitions, common_pb2.EARLIEST)
-        latest = self.list_offsets(partitions, common_pb2.LATEST)
+        """[earliest, latest) of each partition, latest being the high watermark, both
+        within one request timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        earliest = self.list_offsets(partitions, common_pb2.EARLIEST, deadline=deadline)
+        latest = self.list_offsets(partitions, common_pb2.LATEST, deadline=deadline)
         return {tp: PartitionOffsets(earliest[tp][0], latest[tp][0]) for tp in partitions}
 
     # --- data ---------------------------------------------------------------------------------

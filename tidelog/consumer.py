@@ -936,8 +936,11 @@ class Consumer:
                     "does not exist"
                 )
         result: dict[TopicPartition, OffsetAndTimestamp | None] = {}
+        deadline = time.monotonic() + self._conn.timeout_s  # one timeout for every look-up
         for timestamp_ms, tps in by_time.items():
-            found = self._conn.list_offsets(tps, common_pb2.BY_TIMESTAMP, timestamp_ms)
+            found = self._conn.list_offsets(
+                tps, common_pb2.BY_TIMESTAMP, timestamp_ms, deadline=deadline
+            )
             for tp in tps:
                 offset, found_ms = found[tp]
                 result[tp] = None if offset < 0 else OffsetAndTimestamp(offset, found_ms)

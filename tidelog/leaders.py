@@ -37,6 +37,10 @@ from tidelog.client import GatewayConnection, client_channel, leaders_by_topic
 from tidelog.errors import TidelogError
 from tidelog.v1 import common_pb2, controller_pb2, storage_pb2, storage_pb2_grpc
 
+RETIRED_CHANNEL_GRACE_S: Final = 60.0
+"""How long a channel to an address no live broker has any more stays open before it is
+closed: a caller may still hold its stub from a lookup just before (a closed channel
+raises ValueError, not an RPC error its retry rules know)."""
 MIN_REFRESH_INTERVAL_S: Final = 0.1
 """Least time between two metadata refreshes that a stale entry asks for (Kafka's
 retry.backoff.ms)."""
@@ -56,10 +60,16 @@ class Leader:
 class _Broker:
     """The calls the SDK makes on one storage node, over one channel."""
 
-    __slots__ = ("append_encoded", "append_many_encoded", "append_stream_encoded", "stub")
+    __slots__ = (
+        "append_encoded",
+        "append_many_encoded",
+        "append_stream_encoded",
+        "channel",
+        "stub",
+    )
 
     def __init__(self, address: str) -> None:
-        channel = client_channel(address)
+        self.channel = channel = client_channel(address)
         self.stub = storage_pb2_grpc.StorageStub(channel)
         # Append taking a request encoded by hand (tidelog.wire), as the gateway sends it.
         self.append_encoded: grpc.UnaryUnaryMultiCallable[bytes, storage_pb2.AppendResponse] = (
@@ -104,6 +114,9 @@ class LeaderDirectory:
         self._invalidations = 0  # invalidate() calls so far
         self._refreshed_at_s = float("-inf")  # when the last refresh ended
         self._brokers: dict[str, _Broker] = {}  # by address: one channel per storage node
+        # Channels to addresses no live broker has now (moved, or gone), with when they
+        # were retired: closed after RETIRED_CHANNEL_GRACE_S (_store).
+        self._retired: list[tuple[float, _Broker]] = []
 
     def refresh(self, topics: Sequence[str]) -> dict[str, list[int]]:
         """Ask the gateway again about ``topics``; returns each one's partition leaders
@@ -130,20 +143,43 @@ class LeaderDirectory:
         answer covers every topic looked up so far (``complete``) and nobody invalidated
         it since the question was asked (``invalidations`` then). A topic answered with
         an error (it was deleted) is forgotten, so that its next lookup asks the gateway
-        and raises."""
+        and raises.
+
+        A partition keeps a leader of a later epoch than the answer's, of the same topic
+        incarnation (Kafka's clients the same, KIP-320): a background refresh answered
+        late, after a foreground one had learned of an election, brought the old leader
+        back, and the directory counted as fresh (found by an audit)."""
+        now = time.monotonic()
         self._addresses = {b.broker_id: format_host_port(b.host, b.port) for b in response.brokers}
+        self._retire_channels(now)
         for topic in response.topics:
             if topic.error.code != common_pb2.NONE:
                 for key in [k for k in self._leaders if k[0] == topic.name]:
                     del self._leaders[key]
                 self._topic_ids.pop(topic.name, None)
                 continue
+            same_topic = self._topic_ids.get(topic.name) == topic.topic_id
             self._topic_ids[topic.name] = topic.topic_id
             for state in topic.partitions:
-                self._leaders[(topic.name, state.partition)] = (state.leader, state.leader_epoch)
+                key = (topic.name, state.partition)
+                known = self._leaders.get(key)
+                if same_topic and known is not None and state.leader_epoch < known[1]:
+                    continue
+                self._leaders[key] = (state.leader, state.leader_epoch)
         if complete and invalidations == self._invalidations:
             self._stale = False
-        self._refreshed_at_s = time.monotonic()
+        self._refreshed_at_s = now
+
+    def _retire_channels(self, now: float) -> None:
+        """(lock held) Retire the channels to addresses no live broker has now, and close
+        those retired more than RETIRED_CHANNEL_GRACE_S ago: a broker restarted at a new
+        address (a pod's new IP) left its old channel open for the life of the process
+        (found by an audit)."""
+        live = set(self._addresses.values())
+        for address in [a for a in self._brokers if a not in live]:
+            self._retired.append((now, self._brokers.pop(address)))
+        while self._retired and now - self._retired[0][0] > RETIRED_CHANNEL_GRACE_S:
+            self._retired.pop(0)[1].channel.close()
 
     def _refresh_in_background(self, topics: list[str], invalidations: int) -> None:
         """Ask again about every topic looked up so far; a gateway that cannot be reached
