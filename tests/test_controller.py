@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -321,6 +322,75 @@ def test_a_lease_lost_during_activation_resigns_after_the_activation(tmp_path: P
         finally:
             release.set()
             election.stop()
+
+
+def test_a_stop_while_the_campaign_wins_releases_the_controller_key(tmp_path: Path) -> None:
+    """stop() while the winning campaign's transaction is in flight: the term began by
+    clearing the wake-up stop() had set, and its loop then waited for ever, the key held
+    and its lease kept alive, so the standby waited a TTL or more (found by an audit)."""
+    ttl_s = 1
+    with EtcdProcess(tmp_path / "etcd") as server, MetaStore(server.endpoint, cluster="x") as meta:
+        election = ControllerElection(
+            meta,
+            controller_id=1,
+            address="127.0.0.1:1",
+            ttl_s=ttl_s,
+            on_elected=lambda epoch: None,
+            on_resigned=lambda: None,
+        )
+        real_txn = meta.txn
+        stopper: list[threading.Thread] = []
+
+        def txn(compares: Any, success: Any, failure: Any = (), **kw: Any) -> Any:
+            if not stopper and any(getattr(c, "key", None) == CONTROLLER_KEY for c in compares):
+                # The owner stops the election while the campaign's transaction runs.
+                stopping = threading.Thread(target=election.stop, kwargs={"timeout_s": 3.0})
+                stopper.append(stopping)
+                stopping.start()
+                wait_for(election._stopping.is_set, 5, "stop() under way")
+            return real_txn(compares, success, failure, **kw)
+
+        meta.txn = txn  # type: ignore[method-assign]
+        election.start()
+        wait_for(lambda: stopper, 10, "the campaign")
+        stopper[0].join(10)
+        meta.txn = real_txn  # type: ignore[method-assign]
+        wait_for(lambda: not election._thread.is_alive(), 3 * ttl_s, "the election's end")
+        assert meta.get(CONTROLLER_KEY) is None
+
+
+def test_a_failing_resync_backs_off_while_etcd_is_down(tmp_path: Path) -> None:
+    """etcd down: the broker watch fails, a resync is scheduled and fails, and the failed
+    step scheduled the next at once; the housekeeping loop skipped its back-off for the
+    resync step, so it spun a core (thousands of attempts a second) for the lease's TTL
+    (found by an audit)."""
+    server = EtcdProcess(tmp_path / "etcd").start()
+    meta = MetaStore(server.endpoint, cluster="spin", timeout_s=1.0)
+    controller = Controller(
+        meta, ControllerConfig(controller_id=1, advertised_address="127.0.0.1:1", session_ttl_s=10)
+    )
+    attempts: list[float] = []
+    resync = controller._resync
+
+    def counting(term: Any) -> None:
+        attempts.append(time.monotonic())
+        resync(term)
+
+    controller._resync = counting  # type: ignore[method-assign]
+    try:
+        controller.start()
+        wait_for(lambda: controller.is_active, 15, "the controller active")
+        server.kill()
+        time.sleep(0.5)
+        before = len(attempts)
+        time.sleep(3.0)  # well inside the 10 s TTL: still active
+        during = len(attempts) - before
+        # The back-off after a failure is min(1.0, ttl / 4) = 1 s: about 3 attempts.
+        assert during <= 10, f"{during} resync attempts in 3 s with etcd down"
+    finally:
+        controller.stop()
+        meta.close()
+        server.kill()
 
 
 def test_a_malformed_metadata_key_holds_activation_back_until_repaired(tmp_path: Path) -> None:

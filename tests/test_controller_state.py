@@ -463,3 +463,27 @@ def test_a_broker_that_registered_again_unseen_is_no_longer_shutting_down() -> N
         {0: Broker(0, "h", 1, epoch=300), 1: state.brokers[1], 2: state.brokers[2]}
     )
     assert state.shutting_down == {1}
+
+
+def test_the_imbalance_ratio_counts_every_partition_led_away_from_its_preferred_broker() -> None:
+    """Kafka's auto rebalance: the share of a broker's preferred partitions that others
+    lead, in sync or not, decides; only those in sync are then elected. Counting only the
+    in-sync ones (found by an audit) kept caught-up partitions away from their preferred
+    leader while others had not caught up."""
+    state = ClusterState()
+    for b in (0, 1):
+        state.on_broker_up(Broker(b, "127.0.0.1", 9000 + b, epoch=100 + b))
+    topic = Topic("t", "id-t", tuple((0, 1) for _ in range(10)), {})
+    state.add_topic(topic)
+    state.apply(state.new_topic_partitions(topic))
+    # Broker 0, preferred for all 10, restarted: t-0 in sync again but led by 1, t-1..t-5
+    # led by 1 with 0 still catching up, t-6..t-9 led by 0 again.
+    state.partitions[("t", 0)] = PartitionRecord(1, 1, (0, 1), 2)
+    for p in range(1, 6):
+        state.partitions[("t", p)] = PartitionRecord(1, 1, (1,), 2)
+    # 6 of 10 led elsewhere (60 % > 10 %): the one in sync goes back.
+    assert state.imbalanced_partitions(10) == [("t", 0)]
+    # 1 of 10 (10 %, not above): nothing moves.
+    for p in range(1, 6):
+        state.partitions[("t", p)] = PartitionRecord(0, 2, (0, 1), 3)
+    assert state.imbalanced_partitions(10) == []

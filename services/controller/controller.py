@@ -1091,7 +1091,12 @@ class Controller:
             if term.resync_needed:
                 self._log.info("resync", epoch=term.epoch)
                 if not self._housekeeping_step("resync", term, self._resync):
-                    continue  # the steps below would decide on a stale view
+                    # The steps below would decide on a stale view. Backed off as below:
+                    # the failed step scheduled another resync (it set _wake), and etcd
+                    # down made this loop spin a core for the lease's TTL, thousands of
+                    # attempts a second (found by an audit).
+                    self._stopping.wait(min(1.0, self.config.session_ttl_s / 4))
+                    continue
             # Each step on its own: one that fails every time (a deletion whose writes
             # etcd refuses, a bug) must not stop offset expiry or preferred elections.
             failed = not self._housekeeping_step("finish_deletions", term, self._finish_deletions)

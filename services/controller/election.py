@@ -206,7 +206,11 @@ class ControllerElection:
             self._epoch = epoch
             self._resign_requested = None
             self._holder = None
-            self._wake.clear()
+            # Not when stopping: a stop() between the campaign and here set _wake for the
+            # loop below, and clearing it left that loop waiting for ever with the key
+            # held and its lease kept alive (found by an audit).
+            if not self._stopping.is_set():
+                self._wake.clear()
         _log.info("elected", controller_id=self.controller_id, epoch=epoch, lease=f"{lease.id:x}")
         keeper = LeaseKeeper(
             lease, on_lost=lambda error: self._lease_lost(term, f"lease lost: {error}")

@@ -532,25 +532,24 @@ class ClusterState:
 
         For each live broker, the share of the partitions it is preferred for that someone
         else leads; where that share exceeds the threshold, every such partition whose
-        preferred replica is in sync is returned.
+        preferred replica is in sync is returned. The share counts them in sync or not, as
+        Kafka's: counting only those in sync kept the caught-up ones away from their
+        preferred leader while others had not caught up (found by an audit).
         """
         preferred_of: dict[int, list[TopicPartition]] = {}
         for name, topic in self.topics.items():
             for p, replicas in enumerate(topic.assignment):
                 preferred_of.setdefault(replicas[0], []).append((name, p))
-        chosen = []
+        chosen: list[TopicPartition] = []
         for broker_id, owned in sorted(preferred_of.items()):
             if not self._eligible(broker_id):
                 continue
+            partitions = self.partitions
             misplaced = [
-                tp
-                for tp in owned
-                if tp in self.partitions
-                and self.partitions[tp].leader != broker_id
-                and broker_id in self.partitions[tp].isr
+                tp for tp in owned if tp in partitions and partitions[tp].leader != broker_id
             ]
             if len(misplaced) * 100 > threshold_percent * len(owned):
-                chosen.extend(misplaced)
+                chosen.extend(tp for tp in misplaced if broker_id in partitions[tp].isr)
         return chosen
 
     # --- applying decided (and persisted) changes -----------------------------------------
