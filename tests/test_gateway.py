@@ -13,6 +13,7 @@ import time
 import uuid
 from array import array
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import grpc
@@ -35,10 +36,13 @@ from services.controller.state import Broker, PartitionRecord, Topic
 from services.gateway.channels import Channels, ChannelSweeper, broker_address
 from services.gateway.groups import offset_key
 from services.gateway.leader_calls import LeaderCalls
-from services.gateway.metadata_cache import MetadataCache, MetadataView, TopicKeyRead
+from services.gateway.metadata_cache import Leader, MetadataCache, MetadataView, TopicKeyRead
 from services.gateway.node import GatewayNode, GatewayNodeConfig
+from services.gateway.produce import ProduceHandler, ProduceLimits
+from services.gateway.router import Router
 from services.gateway.server import GatewayServicer
 from services.metastore import DeleteOp, KeyValue, MetaStore, PutOp, WatchEvent
+from services.status import to_error_proto
 from tests.support.cluster import (
     GatewayProcess,
     TestCluster,
@@ -56,6 +60,7 @@ from tidelog.errors import (
     InvalidGroupIdError,
     MessageTooLargeError,
     NetworkError,
+    NotLeaderOrFollowerError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
     TopicAlreadyExistsError,
@@ -1458,6 +1463,217 @@ def test_a_dead_broker_does_not_hold_up_produce_to_the_others(
     finally:
         cluster.start_broker(victim)
         cluster.kill(own)
+
+
+class _ScriptedStorage:
+    """Stands in for a storage node's Append and AppendMany, on loopback gRPC, where a
+    test needs timing a real node does not give on cue. Appends count offsets per
+    partition; a partition in ``moved`` (this broker is its follower now) is answered
+    NOT_LEADER_OR_FOLLOWER. An AppendMany appends, then waits ``acks_all_wait_s`` (acks=all
+    held up by a slow in-sync follower) and answers a partition that moved meanwhile
+    NOT_LEADER_OR_FOLLOWER, as a real leader's partition fails its acks=all waiters when
+    it becomes a follower. With ``stuck`` an Append is answered only after ``release`` is
+    set (a stopped or cut-off broker)."""
+
+    def __init__(self, *, stuck: bool = False, acks_all_wait_s: float = 0.0) -> None:
+        self.stuck = stuck
+        self.acks_all_wait_s = acks_all_wait_s
+        self.release = threading.Event()
+        self.moved: set[int] = set()
+        self.appended: list[int] = []  # the partitions appended, in order
+        self.appended_many = threading.Event()  # an AppendMany appended, and waits
+        self.lock = threading.Lock()
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=16))
+        handlers = {
+            "Append": grpc.unary_unary_rpc_method_handler(
+                self._append,
+                request_deserializer=storage_pb2.AppendRequest.FromString,
+                response_serializer=storage_pb2.AppendResponse.SerializeToString,
+            ),
+            "AppendMany": grpc.unary_unary_rpc_method_handler(
+                self._append_many,
+                request_deserializer=storage_pb2.AppendManyRequest.FromString,
+                response_serializer=storage_pb2.AppendManyResponse.SerializeToString,
+            ),
+        }
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("tidelog.v1.Storage", handlers),)
+        )
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @staticmethod
+    def _not_leader(partition: int) -> storage_pb2.AppendResponse:
+        return storage_pb2.AppendResponse(
+            error=to_error_proto(NotLeaderOrFollowerError(f"{partition} moved")),
+            base_offset=-1,
+            last_offset=-1,
+        )
+
+    def _one(self, request: storage_pb2.AppendRequest) -> storage_pb2.AppendResponse:
+        with self.lock:
+            if request.partition in self.moved:
+                return self._not_leader(request.partition)
+            offset = self.appended.count(request.partition)
+            self.appended.append(request.partition)
+        return storage_pb2.AppendResponse(base_offset=offset, last_offset=offset)
+
+    def _append(self, request: storage_pb2.AppendRequest, context: Any) -> Any:
+        if self.stuck:
+            self.release.wait(30)
+        return self._one(request)
+
+    def _append_many(self, request: storage_pb2.AppendManyRequest, context: Any) -> Any:
+        answers = [self._one(append) for append in request.appends]
+        self.appended_many.set()
+        time.sleep(self.acks_all_wait_s)
+        with self.lock:
+            answers = [
+                self._not_leader(append.partition) if append.partition in self.moved else answer
+                for append, answer in zip(request.appends, answers, strict=True)
+            ]
+        return storage_pb2.AppendManyResponse(responses=answers)
+
+    def stop(self) -> None:
+        self.release.set()
+        self.server.stop(0)
+
+
+class _ScriptedLeaders:
+    """Stands in for the gateway's ``MetadataCache``: a real ``MetadataView`` of topic
+    ``t`` whose partition leaders a test moves (``move``) while appends wait."""
+
+    def __init__(self, brokers: list[Broker], leaders: dict[int, int]) -> None:
+        self._view = MetadataView(
+            brokers={b.broker_id: b for b in brokers},
+            topics={"t": Topic("t", uuid.uuid4().hex, tuple((1, 2) for _ in leaders))},
+            partitions={("t", p): PartitionRecord(b, 1, (b,), 1) for p, b in leaders.items()},
+        )
+        self._changed = threading.Condition()
+
+    @property
+    def version(self) -> int:
+        with self._changed:
+            return self._view.version
+
+    def read(self, fn: Callable[[MetadataView], Any]) -> Any:
+        with self._changed:
+            return fn(self._view)
+
+    def leader(self, topic: str, partition: int) -> Leader:
+        with self._changed:
+            return self._view.leader(topic, partition)
+
+    def move(self, partition: int, broker_id: int) -> None:
+        with self._changed:
+            old = self._view.partitions[("t", partition)]
+            self._view.partitions[("t", partition)] = PartitionRecord(
+                broker_id, old.leader_epoch + 1, (broker_id,), 1
+            )
+            self._view.version += 1
+            self._changed.notify_all()
+
+    def wait_for_change(self, seen_version: int, timeout_s: float) -> int:
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._view.version != seen_version, timeout=max(0.0, timeout_s)
+            )
+            return self._view.version
+
+
+def _scripted_produce(
+    acks: common_pb2.Acks, partitions: list[int], timeout_ms: int
+) -> gateway_pb2.ProduceRequest:
+    return gateway_pb2.ProduceRequest(
+        acks=acks,
+        timeout_ms=timeout_ms,
+        partitions=[
+            gateway_pb2.ProducePartitionData(
+                topic="t", partition=p, records=encode_batch([b"v%d" % p])
+            )
+            for p in partitions
+        ],
+    )
+
+
+def test_a_group_whose_one_partition_moved_writes_the_others_once() -> None:
+    """One partition of an AppendMany group changes leader while the call waits (acks=all
+    held up by a slow follower). The gateway used to cancel the whole call and append
+    every partition again, alone: those whose leader never changed had been appended
+    already, and a non-idempotent producer's batches were written twice (the client got
+    the duplicates' offsets). As Kafka does, the old leader now answers them, and only
+    the moved partition (answered NOT_LEADER_OR_FOLLOWER) goes alone to its new leader.
+    Found by an audit."""
+    old, new = _ScriptedStorage(acks_all_wait_s=1.5), _ScriptedStorage()
+    b1, b2 = Broker(1, "127.0.0.1", old.port), Broker(2, "127.0.0.1", new.port)
+    leaders = _ScriptedLeaders([b1, b2], {p: 1 for p in range(4)})
+    channels = Channels()
+    handler = ProduceHandler(Router(cast(Any, leaders), channels), ProduceLimits())
+
+    def move_partition_0() -> None:
+        old.appended_many.wait(10)
+        with old.lock:
+            old.moved.add(0)  # broker 1 follows partition 0 now ...
+        leaders.move(0, 2)  # ... and the metadata names broker 2 its leader
+
+    mover = threading.Thread(target=move_partition_0)
+    try:
+        mover.start()
+        response = handler.produce(_scripted_produce(common_pb2.ALL, [0, 1, 2, 3], 10_000))
+        mover.join()
+        assert [(r.error.code, r.base_offset) for r in response.partitions] == [
+            (common_pb2.NONE, 0)
+        ] * 4
+        assert handler.group_counts() == (1, 1)  # one AppendMany; partition 0 went alone
+        assert new.appended == [0]
+        assert sorted(old.appended) == [0, 1, 2, 3], "partitions 1-3 written twice"
+    finally:
+        mover.join()
+        handler.close()
+        channels.close()
+        old.stop()
+        new.stop()
+
+
+def test_acks0_to_a_healthy_leader_is_not_held_up_by_a_stopped_one() -> None:
+    """acks=0 appends waiting on a stopped leader hold their slot until their deadline
+    (or the leader moves). The bound on them (``max_background_appends``) was one for
+    the whole gateway: once a stopped broker's appends took every slot, acks=0 requests
+    for partitions on healthy brokers waited out their timeout and failed "too many acks=0
+    appends are queued". It is per leader broker now, as the worker pools are; the byte
+    budget still bounds the memory of them all. Found by an audit."""
+    stopped, healthy = _ScriptedStorage(stuck=True), _ScriptedStorage()
+    b1, b2 = Broker(1, "127.0.0.1", stopped.port), Broker(2, "127.0.0.1", healthy.port)
+    leaders = _ScriptedLeaders([b1, b2], {0: 1, 1: 2})
+    channels = Channels()
+    handler = ProduceHandler(  # 4 slots per broker (1,024 by default) keep it short
+        Router(cast(Any, leaders), channels), ProduceLimits(max_background_appends=4)
+    )
+    try:
+        for _ in range(4):  # answered at once, as acks=0 is, each holding a slot
+            answer = handler.produce(_scripted_produce(common_pb2.NONE_ACKS, [0], 20_000))
+            assert answer.partitions[0].error.code == common_pb2.NONE
+        started = time.monotonic()
+        answer = handler.produce(_scripted_produce(common_pb2.NONE_ACKS, [1], 2_000))
+        waited_s = time.monotonic() - started
+        assert (answer.partitions[0].error.code, answer.partitions[0].error.message) == (
+            common_pb2.NONE,
+            "",
+        )
+        assert waited_s < 1.0, f"acks=0 to a healthy broker waited {waited_s:.1f} s"
+        wait_for(lambda: healthy.appended == [1] or None, 10, "the healthy broker's append")
+        # The stopped broker's own slots are full: its next acks=0 waits, and is refused.
+        refused = handler.produce(_scripted_produce(common_pb2.NONE_ACKS, [0], 300))
+        assert refused.partitions[0].error.code == ErrorCode.REQUEST_TIMED_OUT
+        assert "for broker 1" in refused.partitions[0].error.message
+        stopped.release.set()
+        wait_for(lambda: handler.budget.in_use_bytes == 0 or None, 10, "the appends to end")
+        assert stopped.appended == [0] * 4
+    finally:
+        handler.close()
+        channels.close()
+        stopped.stop()
+        healthy.stop()
 
 
 @contextlib.contextmanager

@@ -971,6 +971,55 @@ def test_a_static_member_replaced_while_it_waits_to_join_is_fenced(
         assert again.error.code in (ErrorCode.NONE, ErrorCode.REBALANCE_IN_PROGRESS)
 
 
+def test_a_static_member_replaced_during_its_first_join_is_fenced(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A static member's first JoinGroup (it joins at once) waits in the rebalance it
+    began when a newer process B with the same instance id takes the place. A must be
+    told FENCED_INSTANCE_ID. Its first join could take a place over on every pass, so the
+    pass after B's takeover (which ended A's session) answered UNKNOWN_MEMBER_ID; the
+    client then joined anew, took the place back from B, and B was fenced: the older
+    process survived (found by an audit)."""
+    admin.create_topic("first-join", partitions=3, replication_factor=1)
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def join(member_id: str = "", instance: str = "", wait_ms: int = 3_000) -> Any:
+            request = gateway_pb2.JoinGroupRequest(
+                group_id="first-joins",
+                member_id=member_id,
+                topics=["first-join"],
+                session_timeout_ms=10_000,
+                rebalance_timeout_ms=20_000,
+                max_wait_ms=wait_ms,
+                group_instance_id=instance,
+            )
+            try:
+                return _join_twice(stub, request)
+            except grpc.RpcError as exc:
+                return exc
+
+        # A dynamic member alone in the group; it does not rejoin, so the rebalance A's
+        # join begins waits (its rebalance timeout is 20 s).
+        d = join(wait_ms=300)
+        assert d.error.code == ErrorCode.NONE, d
+        waiting: dict[str, Any] = {}
+        first = threading.Thread(target=lambda: waiting.setdefault("a", join(instance="x")))
+        first.start()
+        time.sleep(0.7)
+        b = join(instance="x", wait_ms=300)
+        first.join()
+        assert not isinstance(b, grpc.RpcError), b
+        assert b.error.code in (ErrorCode.NONE, ErrorCode.REBALANCE_IN_PROGRESS), b
+        a = waiting["a"]
+        code = rpc_error_code(a) if isinstance(a, grpc.RpcError) else ErrorCode(a.error.code)
+        assert code == ErrorCode.FENCED_INSTANCE_ID
+        # B holds the place: its next join is not fenced.
+        again = join(b.member_id, "x", 300)
+        assert not isinstance(again, grpc.RpcError), again
+        assert again.error.code in (ErrorCode.NONE, ErrorCode.REBALANCE_IN_PROGRESS)
+
+
 def test_a_member_that_lost_its_partitions_does_not_commit_them_on_close(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -359,11 +359,17 @@ class GroupCoordinator:
         refreshed_at = time.monotonic()
         # Taken before the first read: a change after it wakes the wait below at once.
         ticket = self._changes.ticket(group_id) if self._changes is not None else None
+        # Only until a pass has written this member into the group: a static member's
+        # first join waits here over several passes, and another process with the same
+        # instance id may replace it meanwhile (revoking this session). Left on, the next
+        # pass answered UNKNOWN_MEMBER_ID, the client joined anew and took the place
+        # back from the newer process; Kafka fences the older one.
+        take_over = [may_take_over]
         try:
             while True:
 
                 def change(state: GroupState, alive: set[str], deadline_passed: bool) -> GroupState:
-                    if not may_take_over:
+                    if not take_over[0]:
                         # Replaced by a newer process with the same instance id while waiting
                         # here (its takeover revoked this member's session): fenced, not
                         # "unknown", or it would join anew and take the place back.
@@ -392,13 +398,15 @@ class GroupCoordinator:
                         member,
                         counts,
                         deadline_passed=deadline_passed,
-                        may_take_over=may_take_over,
+                        may_take_over=take_over[0],
                     )
                     return group_state.maybe_complete(
                         state, counts, deadline_passed=deadline_passed
                     )
 
                 state = self._update(group_id, change)
+                if member_id in state.members:
+                    take_over[0] = False
                 for old_lease in replaced:
                     # The restarted static member's previous incarnation: its session ends
                     # now (its key would otherwise linger until its TTL, harmlessly).

@@ -16,8 +16,9 @@ Order: within one ProduceStream, the batches for one partition are appended in t
 the requests arrived (each waits for the previous one of its partition to be answered;
 only partitions with none running are grouped); different partitions proceed
 concurrently. acks=0 answers at once and appends in the background, bounded by
-``max_background_appends`` (a full queue makes the request wait, which is the
-backpressure an acks=0 client gets).
+``max_background_appends`` per leader broker (a full queue makes the request wait, which
+is the backpressure an acks=0 client gets; a stopped broker fills only its own) and, for
+memory, by the byte budget every request is held in until its appends are over.
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ class ProduceLimits:
     """Bounds on what one produce request may ask of the gateway."""
 
     max_request_bytes: int = 100 * 1024 * 1024  # sum of record bytes in one request
-    max_background_appends: int = 1024  # acks=0 appends queued but not yet answered
+    # acks=0 appends queued but not yet answered, per leader broker (kept with its worker
+    # pool): one bound for the gateway let appends waiting on one stopped broker take
+    # every slot, and acks=0 to healthy brokers then waited out its timeout and failed.
+    # Their memory is bounded for all brokers at once by ``queued_max_request_bytes``.
+    max_background_appends: int = 1024
     # Threads that wait on one leader broker (acks=all waits hold one each); each broker
     # has a pool of its own, so that a stopped or dead broker can fill only its own.
     workers: int = 64
@@ -194,10 +199,20 @@ def _pass_on(
     future.set_result(_stopping(data) if inner.cancelled() else inner.result())
 
 
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """What the appends to one leader broker share: its worker threads and its bound on
+    acks=0 appends (``ProduceLimits.max_background_appends``)."""
+
+    broker_id: int  # NO_LEADER_POOL: partitions with no leader known
+    executor: ThreadPoolExecutor
+    background: threading.BoundedSemaphore
+
+
 class ProduceHandler:
     """Runs produce requests; owns the worker threads. Thread-safe.
 
-    Invariant: ``_executors`` holds a pool only for a broker id the metadata listed when
+    Invariant: ``_pools`` holds a pool only for a broker id the metadata listed when
     it was made (a partition's leader must be registered) or for ``NO_LEADER_POOL``;
     ``retain_brokers`` (the gateway's sweeper) drops the pools of ids no longer listed, so
     retired and replaced broker ids do not each keep up to ``workers`` threads for ever.
@@ -212,22 +227,21 @@ class ProduceHandler:
         # needed. One pool for all used to let one stopped broker take every worker with
         # appends waiting out their deadlines there, and requests for partitions on
         # healthy brokers then queued behind them until theirs had passed.
-        self._executors: dict[int, ThreadPoolExecutor] = {}
-        self._executors_lock = threading.Lock()
+        self._pools: dict[int, _Pool] = {}
+        self._pools_lock = threading.Lock()
         self._closed = False
-        self._background = threading.BoundedSemaphore(limits.max_background_appends)
         self.budget = ByteBudget(limits.queued_max_request_bytes)
         self._counts_lock = threading.Lock()
         self._append_many_calls = 0  # AppendMany calls made (observability, tests)
         self._group_partitions_alone = 0  # of their partitions, those appended alone after
 
     def close(self) -> None:
-        with self._executors_lock:
+        with self._pools_lock:
             self._closed = True
-            executors = list(self._executors.values())
-            self._executors.clear()
-        for executor in executors:
-            executor.shutdown(wait=False, cancel_futures=True)
+            pools = list(self._pools.values())
+            self._pools.clear()
+        for pool in pools:
+            pool.executor.shutdown(wait=False, cancel_futures=True)
 
     def group_counts(self) -> tuple[int, int]:
         """(AppendMany calls made, partitions of a group that were appended alone after
@@ -237,8 +251,8 @@ class ProduceHandler:
 
     def pool_broker_ids(self) -> list[int]:
         """The broker ids that have a worker pool now (observability and tests)."""
-        with self._executors_lock:
-            return sorted(self._executors)
+        with self._pools_lock:
+            return sorted(self._pools)
 
     def retain_brokers(self, broker_ids: Collection[int]) -> list[int]:
         """Drop the worker pools of broker ids not in ``broker_ids``; the ids dropped.
@@ -247,33 +261,37 @@ class ProduceHandler:
         finish (each answers, or fails with its deadline or a re-route) and its threads
         end once it is idle. A partition led again by such an id gets a fresh pool.
         """
-        with self._executors_lock:
-            gone = [b for b in self._executors if b != NO_LEADER_POOL and b not in broker_ids]
-            dropped = [self._executors.pop(b) for b in gone]
-        for executor in dropped:
-            executor.shutdown(wait=False)
+        with self._pools_lock:
+            gone = [b for b in self._pools if b != NO_LEADER_POOL and b not in broker_ids]
+            dropped = [self._pools.pop(b) for b in gone]
+        for pool in dropped:
+            pool.executor.shutdown(wait=False)
         if gone:
             _log.info("produce_pools_dropped", brokers=sorted(gone))
         return gone
 
-    def _executor_for(self, data: gateway_pb2.ProducePartitionData) -> ThreadPoolExecutor | None:
-        """The worker pool of the partition's leader as the cache knows it now (None once
+    def _pool_for(self, data: gateway_pb2.ProducePartitionData) -> _Pool | None:
+        """The pool of the partition's leader as the cache knows it now (None once
         closed). (A leader that moves before the append runs costs nothing but the pool
         choice.)"""
         try:
             broker_id = self._router.cache.leader(data.topic, data.partition).broker.broker_id
         except TidelogError:
             broker_id = NO_LEADER_POOL
-        with self._executors_lock:
+        with self._pools_lock:
             if self._closed:
                 return None
-            executor = self._executors.get(broker_id)
-            if executor is None:
-                executor = self._executors[broker_id] = ThreadPoolExecutor(
-                    max_workers=self.limits.workers,
-                    thread_name_prefix=f"gateway-produce-{broker_id}",
+            pool = self._pools.get(broker_id)
+            if pool is None:
+                pool = self._pools[broker_id] = _Pool(
+                    broker_id=broker_id,
+                    executor=ThreadPoolExecutor(
+                        max_workers=self.limits.workers,
+                        thread_name_prefix=f"gateway-produce-{broker_id}",
+                    ),
+                    background=threading.BoundedSemaphore(self.limits.max_background_appends),
                 )
-            return executor
+            return pool
 
     def _on_leader_pool(
         self, data: gateway_pb2.ProducePartitionData, fn: Callable[[], T]
@@ -281,11 +299,11 @@ class ProduceHandler:
         """``fn`` on the pool of the partition's leader; None when no pool takes it (the
         gateway is stopping)."""
         for _ in range(SUBMIT_ATTEMPTS):
-            executor = self._executor_for(data)
-            if executor is None:
+            pool = self._pool_for(data)
+            if pool is None:
                 break
             try:
-                return executor.submit(fn)
+                return pool.executor.submit(fn)
             except RuntimeError:
                 # Shut down since the lookup: dropped by retain_brokers (its broker left
                 # the metadata; the next lookup finds whom the metadata names now), or
@@ -438,8 +456,10 @@ class ProduceHandler:
         deadline: float,
     ) -> list[gateway_pb2.ProducePartitionResult | None]:
         """One AppendMany of ``group`` on the leader they share; each partition's result,
-        or None for one to append alone (its leader moved, or the call as a whole failed:
-        the broker unreachable or too old to know AppendMany, the deadline passed)."""
+        or None for one to append alone (its leader moved: the broker answered it
+        NOT_LEADER_OR_FOLLOWER, or every partition moved while it did not answer; or the
+        call as a whole failed: the broker unreachable or too old to know AppendMany, the
+        deadline passed)."""
         alone: list[gateway_pb2.ProducePartitionResult | None] = [None] * len(group)
         remaining_s = deadline - time.monotonic()
         if remaining_s <= DEADLINE_MARGIN_S:
@@ -513,24 +533,38 @@ class ProduceHandler:
         self, pending: Any, placed: Sequence[tuple[gateway_pb2.ProducePartitionData, Leader]]
     ) -> tuple[Any, Leader | None]:
         """``(pending's answer, None)``; or, once the metadata names another leader or
-        epoch for one of the ``placed`` partitions while it has not answered, ``(None,
-        that new leader)`` with the call cancelled."""
+        epoch for one of the ``placed`` partitions and leads none of them as placed any
+        more while the call has not answered, ``(None, such a new leader)`` with the call
+        cancelled.
+
+        While the broker still leads one of them the call is not given up: it is alive
+        (or not known dead) and answers each partition, NOT_LEADER_OR_FOLLOWER for one
+        that moved (a partition leaving the leader role fails its acks=all waiters so),
+        which alone is then re-routed. Cancelling the whole AppendMany when one of its
+        partitions moved appended again, alone, the others the old leader had already
+        written: a non-idempotent producer's batches landed twice. A partition with no
+        leader right now neither moved nor holds the call: its leader may still answer."""
         while True:
             try:
                 return pending.result(timeout=LEADER_WATCH_S), None
             except grpc.FutureTimeoutError:
                 pass
+            moved: list[Leader] = []
             for data, leader in placed:
                 try:
                     now = self._router.cache.leader(data.topic, data.partition)
                 except TidelogError:
                     continue  # no leader right now: this one may still answer
-                if (now.broker.broker_id, now.leader_epoch) != (
+                if (now.broker.broker_id, now.leader_epoch) == (
                     leader.broker.broker_id,
                     leader.leader_epoch,
                 ):
-                    pending.cancel()
-                    return None, now
+                    moved.clear()
+                    break  # one it still leads: the call will be answered
+                moved.append(now)
+            if moved:
+                pending.cancel()
+                return None, moved[0]
 
     def _known(self, data: gateway_pb2.ProducePartitionData) -> TidelogError | None:
         try:
@@ -623,10 +657,27 @@ class ProduceHandler:
         if acks != common_pb2.NONE_ACKS:
             future = self._chain(data, after, lambda: self.append(data, acks, deadline))
             return Submitted(result=future, tail=future)
-        # acks=0: answer now; the append runs in the background, bounded.
-        if not self._background.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        # acks=0: answer now; the append runs in the background, bounded per leader
+        # broker (the one the metadata names now: the slot stays taken if it moves).
+        pool = self._pool_for(data)
+        if pool is None:
+            return Submitted.done(_stopping(data))
+        background = pool.background
+        if not background.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            whose = (
+                "partitions with no leader"
+                if pool.broker_id == NO_LEADER_POOL
+                else f"broker {pool.broker_id}"
+            )
             return Submitted.done(
-                _failed(data, RequestTimedOutError("too many acks=0 appends are queued"))
+                _failed(
+                    data,
+                    RequestTimedOutError(
+                        f"too many acks=0 appends are queued for {whose} (at most "
+                        f"{self.limits.max_background_appends} per leader broker) until this "
+                        "request's timeout; nothing was written"
+                    ),
+                )
             )
 
         def run() -> gateway_pb2.ProducePartitionResult:
@@ -641,9 +692,9 @@ class ProduceHandler:
                     )
                 return result
             finally:
-                self._background.release()
+                background.release()
 
-        tail = self._chain(data, after, run, refused=self._background.release)
+        tail = self._chain(data, after, run, refused=background.release)
         accepted = Submitted.done(
             gateway_pb2.ProducePartitionResult(
                 topic=data.topic,
