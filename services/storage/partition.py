@@ -853,7 +853,13 @@ class Partition:
                 f"below min.insync.replicas {self._min_insync_replicas()}"
             )
         while self._ack_waiters and ack_is_due(self._high_watermark, self._ack_waiters[0][0]):
-            heapq.heappop(self._ack_waiters)[2].complete(outcome)
+            waiter = heapq.heappop(self._ack_waiters)[2]
+            if waiter.done.is_set():
+                # Withdrawn earlier, left in the heap until now: no longer counted, or
+                # the count would call for rebuilds of a heap without withdrawn waiters.
+                self._ack_withdrawn = max(0, self._ack_withdrawn - 1)
+            else:
+                waiter.complete(outcome)
 
     def _min_insync_replicas(self) -> int:
         return _int_config(self._configs, "min.insync.replicas", DEFAULT_MIN_INSYNC_REPLICAS)
