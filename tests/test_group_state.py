@@ -161,6 +161,39 @@ def test_a_restarted_static_member_takes_its_place_back_without_a_rebalance() ->
     assert moved.phase == "preparing" and "a3" in moved.joined and "a1" not in moved.members
 
 
+def test_static_members_keep_their_ranges_across_a_restart_and_the_next_rebalance() -> None:
+    """The range assignor ordered every member by member id; Kafka's puts static members
+    first, by group.instance.id (AbstractPartitionAssignor.MemberInfo.compareTo). A static
+    member restarted gets a new random member id: it took its place back with its ranges
+    (KIP-345), then lost them at the next rebalance, sorted after the others."""
+    counts = {"t": 4, "u": 1}
+    state = group_state.join(GroupState(), static("a-1", "a"), counts)
+    state = group_state.join(state, static("b-2", "b"), counts)
+    state = group_state.join(state, static("a-1", "a"), counts)
+    assert state.phase == "stable" and state.assignment["a-1"] == (("t", 0), ("t", 1))
+    # Instance "a" restarts under a member id sorting after "b-2": no rebalance.
+    state = group_state.join(state, static("z-3", "a"), counts)
+    assert state.phase == "stable" and state.assignment["z-3"] == (("t", 0), ("t", 1))
+    # A dynamic member (of another topic) joins: a rebalance, every member rejoins.
+    state = group_state.join(state, member("c-4", "u"), counts)
+    state = group_state.join(state, static("b-2", "b"), counts)
+    state = group_state.join(state, static("z-3", "a"), counts)
+    assert state.phase == "stable"
+    assert state.assignment["z-3"] == (("t", 0), ("t", 1))  # instance "a" first
+    assert state.assignment["b-2"] == (("t", 2), ("t", 3))
+    assert state.assignment["c-4"] == (("u", 0),)
+
+
+def test_range_assignor_puts_static_members_first_by_instance_id() -> None:
+    """Kafka's order: static members by instance id, then dynamic ones by member id."""
+    members = [member("a", "t"), static("b", "y"), static("c", "x")]
+    assert group_state.range_assign(members, {"t": 3}) == {
+        "c": (("t", 0),),
+        "b": (("t", 1),),
+        "a": (("t", 2),),
+    }
+
+
 def test_preparing_waits_for_the_largest_rebalance_timeout_of_its_members() -> None:
     # The coordinator's etcd lease for the rebalance deadline is this long: a member with
     # a long rebalance timeout must not be dropped at a shorter member's deadline.

@@ -3,6 +3,7 @@ consumers in this process and, to be killed with SIGKILL, in processes of their 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -366,6 +367,53 @@ def test_partitions_of_an_evicted_member_are_told_lost_not_revoked(
         member.close()
 
 
+def test_a_member_stuck_in_a_rebalance_callback_past_max_poll_interval_leaves(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Time in a rebalance callback counts against max_poll_interval_ms, as in Kafka (the
+    poll timer is reset when poll starts, not while listeners run). The whole poll,
+    callbacks included, counted as polling: a member hung in on_partitions_assigned
+    heartbeated on for ever, and nobody read its partitions."""
+    admin.create_topic("stuck-cb", partitions=2, replication_factor=1)
+    _produce(gateway.address, "stuck-cb", 2, 5)
+    healthy = _member(gateway.address, "stuck-cb", max_poll_interval_ms=1_500)
+    stuck = _member(gateway.address, "stuck-cb", max_poll_interval_ms=1_500)
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hang(tps: list[tuple[str, int]]) -> None:
+        if tps and not entered.is_set():
+            entered.set()
+            release.wait(30)
+
+    def run_stuck() -> None:
+        stuck.subscribe(["stuck-cb"], on_partitions_assigned=hang)
+        while not release.is_set():
+            stuck.poll(timeout_ms=200)
+
+    thread = threading.Thread(target=run_stuck, daemon=True)
+    try:
+        healthy.subscribe(["stuck-cb"])
+        _join(healthy)
+        thread.start()
+
+        def stuck_in_callback() -> bool | None:
+            healthy.poll(timeout_ms=100)
+            return entered.is_set() or None
+
+        wait_for(stuck_in_callback, 30, "the stuck member to get partitions and hang")
+        # Four max_poll_intervals, the healthy member polling all along.
+        end = time.monotonic() + 6.0
+        while time.monotonic() < end:
+            healthy.poll(timeout_ms=200)
+        assert sorted(healthy.assignment()) == [("stuck-cb", 0), ("stuck-cb", 1)]
+    finally:
+        release.set()
+        thread.join(10)
+        stuck.close()
+        healthy.close()
+
+
 def test_an_assigned_consumer_cannot_commit_over_an_active_group(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
@@ -464,6 +512,44 @@ def test_added_partitions_are_assigned_after_a_rebalance(
         seen: Counter[bytes] = Counter()
         _poll_into([consumer], seen, len(values))
         assert set(seen) == values
+    finally:
+        consumer.close()
+
+
+def test_a_metadata_failure_right_after_a_join_does_not_strand_the_assignment(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """JoinGroup answered with this member's partitions, then the look-up of their
+    leaders failed once (a retriable error: the gateway restarting, a timeout) and the
+    poll raised before taking the assignment. Nothing asked to join again: every later
+    poll read nothing while the group kept the partitions assigned to this member. As
+    Kafka's consumer, it now keeps the assignment and looks the leaders up again."""
+    admin.create_topic("strand", partitions=2, replication_factor=1)
+    _produce(gateway.address, "strand", 2, 5)
+    # A connection of its own (settings no other client shares), to fail one call of.
+    consumer = _member(gateway.address, "strand", request_timeout_ms=29_999)
+    conn = consumer._conn
+    real = conn.metadata
+    failed_after_join: list[bool] = []
+
+    def flaky(topics: Any = ()) -> Any:
+        if not failed_after_join:
+            membership = consumer._membership
+            failed_after_join.append(membership is not None and not membership.needs_join())
+            raise RequestTimedOutError("metadata from the gateway: deadline exceeded (injected)")
+        return real(topics)
+
+    conn.metadata = flaky  # type: ignore[method-assign]
+    try:
+        consumer.subscribe(["strand"])
+        read = 0
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end and read < 10:
+            # (What the poll raised before: an application polls on after it.)
+            with contextlib.suppress(RequestTimedOutError):
+                read += len(consumer.poll(timeout_ms=200))
+        assert failed_after_join == [True]
+        assert read == 10, f"read {read} of 10; assignment {consumer.assignment()}"
     finally:
         consumer.close()
 
@@ -580,6 +666,70 @@ def test_revocation_is_told_on_every_way_partitions_are_given_up(
         consumer.close()
     described = tidelog.Admin(gateway.address).describe_group_members("tellers")
     assert (described.state, described.generation, described.members) == ("Empty", 0, ())
+
+
+def test_a_revocation_callback_raising_in_subscribe_still_joins_with_the_new_topics(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """subscribe() stopped at a revocation callback that raised, after the assignment was
+    emptied but before asking to join again: the membership stayed joined with the old
+    partitions and topics, no later poll joined, and the group kept the partitions
+    assigned to a member reading nothing. Kafka's subscribe only records the change; the
+    next poll joins even when the callback threw. The callback's error is still raised."""
+    admin.create_topic("cb-sub", partitions=2, replication_factor=1)
+    admin.create_topic("cb-sub2", partitions=1, replication_factor=1)
+    _produce(gateway.address, "cb-sub", 2, 5)
+    consumer = _member(gateway.address, "cb-sub")
+    calls = [0]
+
+    def flaky_revoked(tps: list[tuple[str, int]]) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("the application's revocation handler failed once")
+
+    try:
+        consumer.subscribe(["cb-sub"], on_partitions_revoked=flaky_revoked)
+        _join(consumer)
+        with pytest.raises(RuntimeError, match="failed once"):
+            consumer.subscribe(["cb-sub", "cb-sub2"])
+        assert consumer.subscription() == ["cb-sub", "cb-sub2"]
+        wait_for(
+            lambda: (consumer.poll(timeout_ms=200), len(consumer.assignment()) == 3)[1] or None,
+            30,
+            "the member joined again with both topics",
+        )
+    finally:
+        consumer.close()
+
+
+def test_a_revocation_callback_raising_in_unsubscribe_or_assign_still_leaves_the_group(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """unsubscribe() and assign() stopped at a revocation callback that raised, before
+    leaving the group: the member went on heartbeating, holding partitions in the group
+    that it no longer read. The change is made; the callback's error is still raised."""
+    admin.create_topic("cb-leave", partitions=2, replication_factor=1)
+    consumer = _member(gateway.address, "cb-leavers")
+
+    def failing(tps: list[tuple[str, int]]) -> None:
+        raise RuntimeError("the application's revocation handler failed")
+
+    try:
+        consumer.subscribe(["cb-leave"], on_partitions_revoked=failing)
+        _join(consumer)
+        with pytest.raises(RuntimeError, match="handler failed"):
+            consumer.unsubscribe()
+        assert (consumer.subscription(), consumer.assignment()) == ([], [])
+        assert admin.describe_group_members("cb-leavers").members == ()
+
+        consumer.subscribe(["cb-leave"], on_partitions_revoked=failing)
+        _join(consumer)
+        with pytest.raises(RuntimeError, match="handler failed"):
+            consumer.assign([("cb-leave", 0)])
+        assert (consumer.subscription(), consumer.assignment()) == ([], [("cb-leave", 0)])
+        assert admin.describe_group_members("cb-leavers").members == ()
+    finally:
+        consumer.close()
 
 
 def test_many_members_joining_at_once_all_get_in(

@@ -542,10 +542,14 @@ class Consumer:
                     f"{partition} does not exist",
                 )
         self._commit_before_reassigning()
-        self._revoke_group_partitions()
-        self._leave_group()
-        self._subscription = []
-        self._set_assignment(wanted, leaders)
+        try:
+            self._revoke_group_partitions()
+        finally:
+            # Even when the revocation callback raised: it stopped here before, still a
+            # member (heartbeating, holding the partitions in the group) reading nothing.
+            self._leave_group()
+            self._subscription = []
+            self._set_assignment(wanted, leaders)
 
     @_one_thread
     def subscribe(
@@ -578,19 +582,32 @@ class Consumer:
         if not wanted:
             self.unsubscribe()  # Kafka's rule for an empty subscription
             return
+        if self.group_id is not None:
+            for topic in wanted:
+                # Said here, not at the first poll's join (a group may wait for topics
+                # that do not exist yet, but never for a name no topic can have); and
+                # before anything changes, so a bad name leaves the subscription as it was.
+                validate_topic_name(topic)
         self._commit_before_reassigning()
-        self._revoke_group_partitions()  # (told to the callbacks given with them)
-        self._on_revoked = on_partitions_revoked
-        self._on_assigned = on_partitions_assigned
-        self._on_lost = on_partitions_lost
+        try:
+            self._revoke_group_partitions()  # (told to the callbacks given with them)
+        finally:
+            # The change is made even when the revocation callback raised (which is then
+            # re-raised), as Kafka's subscribe only records it: stopping there left the
+            # membership joined with the old partitions and topics, and no poll joined
+            # again (found by an audit).
+            self._on_revoked = on_partitions_revoked
+            self._on_assigned = on_partitions_assigned
+            self._on_lost = on_partitions_lost
+            if self.group_id is not None:
+                self._subscribe_group(wanted)
         if self.group_id is None:
             self._subscription = wanted
             self._refresh_subscription()
-            return
-        for topic in wanted:
-            # Said here, not at the first poll's join (a group may wait for topics that do
-            # not exist yet, but never for a name no topic can have).
-            validate_topic_name(topic)
+
+    def _subscribe_group(self, wanted: list[str]) -> None:
+        """Make the group membership (once) and have the next poll join with ``wanted``."""
+        assert self.group_id is not None
         if self._membership is None:
             self._membership = GroupMembership(
                 self._conn,
@@ -627,7 +644,8 @@ class Consumer:
         self._revoking = True
         try:
             if callback is not None:
-                callback(revoked)
+                with membership.in_callback():
+                    callback(revoked)
         finally:
             self._revoking = False
             if self._closed or self._membership is membership:
@@ -669,19 +687,46 @@ class Consumer:
             # The poll's time is up (the next poll goes on joining), or the membership
             # was left meanwhile.
             return
-        topics = sorted({t for t, _ in assignment})
-        leaders: dict[str, list[int]] = {}
-        for topic in topics:  # one by one: a topic deleted meanwhile has no leaders
-            with contextlib.suppress(UnknownTopicOrPartitionError):
-                leaders.update(self._partition_leaders([topic]))
+        try:
+            leaders, complete = self._assigned_leaders(sorted({t for t, _ in assignment}))
+        except BaseException:
+            # The group holds these partitions for this member now: without the
+            # assignment, and with nothing to join again, none of them would be read.
+            membership.request_rejoin()
+            raise
         self._set_assignment(assignment, leaders)
+        if not complete:
+            # Some leaders are unknown (their partitions are not fetched until they are
+            # found): looked up again after a pause, as after a fetch from a moved leader.
+            self._leaders_stale = True
+            self._refresh_after = time.monotonic() + RETRY_BACKOFF_S
         # Positions are set afresh from the commits: a partition this consumer had before
         # may have been read and committed further by another member meanwhile.
         self._positions = {}
         self._needs_position = set(assignment)
         self._committed_positions = {}
         if self._on_assigned is not None:
-            self._on_assigned(list(assignment))
+            with membership.in_callback():
+                self._on_assigned(list(assignment))
+
+    def _assigned_leaders(self, topics: list[str]) -> tuple[dict[str, list[int]], bool]:
+        """The leaders of a new assignment's topics, and whether all were found. A
+        retriable failure (the gateway restarting, a timeout) leaves those unknown, as
+        Kafka's consumer keeps its assignment and refreshes its metadata: raised, it
+        failed the poll after the join, before the assignment was taken, and stranded
+        the partitions (found by an audit)."""
+        leaders: dict[str, list[int]] = {}
+        complete = True
+        for topic in topics:  # one by one: a topic deleted meanwhile has no leaders
+            try:
+                leaders.update(self._partition_leaders([topic]))
+            except UnknownTopicOrPartitionError:
+                continue  # (its fetches answer with that error, as for any assignment)
+            except TidelogError as exc:
+                if not exc.retriable:
+                    raise
+                complete = False
+        return leaders, complete
 
     def _refresh_subscription(self, *, allow_missing: bool = False) -> None:
         """Assign every partition of the subscribed topics. With ``allow_missing``, a
@@ -840,10 +885,14 @@ class Consumer:
     @_one_thread
     def unsubscribe(self) -> None:
         self._commit_before_reassigning()
-        self._revoke_group_partitions()
-        self._leave_group()
-        self._subscription = []
-        self._set_assignment([], {})
+        try:
+            self._revoke_group_partitions()
+        finally:
+            # Even when the revocation callback raised: the group is left all the same
+            # (stopping there kept a member holding partitions that nobody read).
+            self._leave_group()
+            self._subscription = []
+            self._set_assignment([], {})
 
     # --- positions ------------------------------------------------------------------------
 

@@ -15,7 +15,9 @@ protocol is Kafka's eager one (docs/SDK.md, consumer groups):
    No heartbeat for ``session_timeout_ms`` (a dead process) ends the membership.
 3. A ``poll`` more than ``max_poll_interval_ms`` after the previous one means the
    application is stuck: the heartbeat thread leaves the group, as Kafka's does, so the
-   partitions move on; the next ``poll`` joins again.
+   partitions move on; the next ``poll`` joins again. Time in a rebalance callback counts
+   too, though the poll calls it: a poll's own waits (for records, for a JoinGroup
+   answer) do not.
 4. ``close`` and ``unsubscribe`` leave the group at once. A membership left is done
    for good: it never joins nor heartbeats again (the consumer makes a new one to join
    again). A join or heartbeat thread started after the leave used to put a member
@@ -159,6 +161,26 @@ class GroupMembership:
         finally:
             self._last_poll = time.monotonic()
             self._in_poll = False
+
+    @contextmanager
+    def in_callback(self) -> Iterator[None]:
+        """Around a rebalance callback: its time is the application's, so it counts
+        against max_poll_interval_ms even inside a poll, as in Kafka (the poll timer is
+        reset when poll starts and a join completes, not while listeners run). Counted as
+        polling, a callback hung past it kept this member's partitions, heartbeating, for
+        ever: nobody read them (found by an audit)."""
+        was_in_poll = self._in_poll
+        if was_in_poll:
+            # The poll's wait up to here was polling: the interval starts now. (Set before
+            # the flag drops: the heartbeat thread must not see the poll's start time.)
+            self._last_poll = time.monotonic()
+        self._in_poll = False
+        try:
+            yield
+        finally:
+            # (Outside a poll, as in subscribe or close, the time since the last poll goes
+            # on counting; inside one, the rest of the poll is polling again.)
+            self._in_poll = was_in_poll
 
     def commit_identity(self) -> tuple[str, int]:
         """The member id and generation ("" and -1 when not joined), for

@@ -284,9 +284,17 @@ def check_commit(state: GroupState, member_id: str, generation: int, instance_id
 def range_assign(
     members: Iterable[Member], partition_counts: Mapping[str, int]
 ) -> dict[str, tuple[TopicPartition, ...]]:
-    """Kafka's RangeAssignor: per topic, its subscribers sorted by member id take
-    contiguous ranges of its partitions, the first ``count % subscribers`` one more."""
-    ordered = sorted(members, key=lambda m: m.member_id)
+    """Kafka's RangeAssignor: per topic, its subscribers in order take contiguous ranges
+    of its partitions, the first ``count % subscribers`` one more.
+
+    The order is Kafka's (AbstractPartitionAssignor.MemberInfo.compareTo): static members
+    first, by instance id, then dynamic ones by member id. A static member restarted gets
+    a new random member id; sorted by member id, its ranges moved at the next rebalance,
+    against KIP-345's promise that a restart moves no partition."""
+    ordered = sorted(
+        members,
+        key=lambda m: (0, m.instance_id, m.member_id) if m.instance_id else (1, "", m.member_id),
+    )
     out: dict[str, list[TopicPartition]] = {m.member_id: [] for m in ordered}
     for topic in sorted(partition_counts):
         subscribers = [m.member_id for m in ordered if topic in m.topics]
