@@ -12,8 +12,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
+import grpc
 import pytest
 
 import tidelog
@@ -21,6 +23,7 @@ from tests.support.cluster import GatewayProcess, poll_records, wait_for
 from tidelog.client import GatewayConnection
 from tidelog.errors import ConcurrentAccessError, ConfigError, WakeupError
 from tidelog.membership import GroupMembership
+from tidelog.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 FAST = {"session_timeout_ms": 2_000, "heartbeat_interval_ms": 300}
 """Short sessions (etcd's lease minimum is 2 s) so a member that died shows in seconds."""
@@ -374,3 +377,49 @@ def test_a_membership_left_never_joins_or_heartbeats_again(
     assert not _heartbeat_threads(group)
     assert admin.describe_group_members(group).members == ()
     assert membership.member_id == ""
+
+
+class _GatewayAnsweringANewCode(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
+    """A gateway that joins anyone and answers heartbeats with an error code this client
+    does not know (as a newer gateway might)."""
+
+    def JoinGroup(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.JoinGroupRequest, context: Any
+    ) -> gateway_pb2.JoinGroupResponse:
+        return gateway_pb2.JoinGroupResponse(member_id="m-1", generation_id=1)
+
+    def Heartbeat(  # noqa: N802 - gRPC's method name
+        self, request: gateway_pb2.HeartbeatRequest, context: Any
+    ) -> gateway_pb2.HeartbeatResponse:
+        return gateway_pb2.HeartbeatResponse(
+            error=common_pb2.Error(code=9_999, message="a code from the future")
+        )
+
+
+def test_a_heartbeat_answered_with_an_unknown_code_keeps_the_heartbeat_thread() -> None:
+    """Found by an audit: ErrorCode(code) raised ValueError on a code the client does not
+    know, which ended the heartbeat thread silently: the session expired while the
+    consumer went on handing out records of partitions already another member's. Such a
+    code is an unknown server error: the member joins again, the thread goes on."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    gateway_pb2_grpc.add_GatewayServicer_to_server(_GatewayAnsweringANewCode(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    membership = GroupMembership(
+        GatewayConnection.get(f"127.0.0.1:{port}"),
+        "future-codes",
+        client_id="future-codes",
+        session_timeout_ms=2_000,
+        rebalance_timeout_ms=5_000,
+        heartbeat_interval_ms=50,
+        max_poll_interval_ms=60_000,
+        wake=lambda: None,
+    )
+    try:
+        assert membership.join(["t"], time.monotonic() + 10) == []
+        wait_for(membership.needs_join, 10, "the heartbeat's answer taken as a rejoin")
+        assert membership.partitions_lost()
+        assert len(_heartbeat_threads("future-codes")) == 1
+    finally:
+        membership.leave()
+        server.stop(None)

@@ -264,7 +264,7 @@ class GroupMembership:
                     return None
                 time.sleep(JOIN_RETRY_BACKOFF_S)
                 continue
-            code = ErrorCode(response.error.code)
+            code = _code_of(response.error.code)
             if code == ErrorCode.NONE:
                 with self._lock:
                     left = self._left
@@ -412,7 +412,7 @@ class GroupMembership:
                 # session outlives a few missed heartbeats).
                 _log.debug("heartbeat failed: %s", exc)
                 continue
-            code = ErrorCode(response.error.code)
+            code = _code_of(response.error.code)
             if code == ErrorCode.NONE:
                 continue
             if code == ErrorCode.FENCED_INSTANCE_ID:
@@ -429,3 +429,11 @@ class GroupMembership:
                     self._member_id, self._generation = "", -1
             _log.info("group %r: %s; joining again", self.group_id, response.error.message)
             self._wake()
+
+
+def _code_of(code: int) -> ErrorCode:
+    """The wire code as an ErrorCode; one this client does not know (a newer gateway's)
+    is UNKNOWN_SERVER_ERROR. ``ErrorCode(code)`` raised ValueError on it, which ended the
+    heartbeat thread silently: the session then expired while the consumer went on
+    handing out records of partitions already another member's (found by an audit)."""
+    return ErrorCode.NONE if code == 0 else error_for_code(code).code
