@@ -1682,8 +1682,12 @@ def _silent_leader(cluster: TestCluster, admin: tidelog.Admin, topic: str) -> It
     which must be shorter than the leader's session so that it stays the leader."""
     admin.create_topic(topic, partitions=1, replication_factor=1)
     leader = admin.describe_topic(topic).partitions[0].leader
-    os.kill(cluster.brokers[leader].pid, signal.SIGSTOP)
+    pid = cluster.brokers[leader].pid
+    os.kill(pid, signal.SIGSTOP)
     try:
+        # Stopped once /proc says so: every thread of it stops in its own time, and a CI
+        # rerun saw the leader still answer a ListOffsets sent right after the kill.
+        wait_for(lambda: _process_state(pid) == "T", 10, "the leader stopped")
         yield leader
     finally:
         os.kill(cluster.brokers[leader].pid, signal.SIGCONT)
