@@ -2396,6 +2396,25 @@ def test_a_producer_batch_of_random_bytes_sized_to_fit_passes_max_message_bytes(
         assert producer.send(topic, value, partition=0).result(60).offset == 0
 
 
+@pytest.mark.parametrize("answer", [7, -1])
+def test_a_partitioners_answer_out_of_range_is_refused_at_the_call(
+    gateway: GatewayProcess, admin: tidelog.Admin, answer: int
+) -> None:
+    """Found by an audit: a custom partitioner's answer was used as it came, so one out of
+    range went out and failed only delivery_timeout_ms later, said to be "sent, and may
+    have been written". It is refused at the call, as an explicit partition is (Kafka's
+    producer refuses it in send())."""
+    topic = f"partitioner-{answer + 10}"
+    admin.create_topic(topic, partitions=3, replication_factor=1)
+    with tidelog.Producer(
+        gateway.address, partitioner=lambda key, count: answer, delivery_timeout_ms=20_000
+    ) as producer:
+        with pytest.raises(UnknownTopicOrPartitionError, match=f"partition {answer} of"):
+            producer.send(topic, b"v", key=b"k")
+        with pytest.raises(UnknownTopicOrPartitionError, match=f"partition {answer} of"):
+            producer.send_batch(topic, [b"v"], keys=[b"k"])
+
+
 def _process_state(pid: int) -> str:
     """The state letter of ``pid`` in /proc (``T``: stopped by a signal)."""
     with open(f"/proc/{pid}/stat") as f:

@@ -649,7 +649,18 @@ def _warn_unsent_at_exit(ref: weakref.ref[Producer]) -> None:
 
 
 class Producer:
-    """See the module docstring."""
+    """See the module docstring. Parameters named as Kafka's producer configs mean what
+    those do; beyond them:
+
+    - ``partitioner``: ``partitioner(key, count) -> int`` picks the partition of a record
+      sent without one (a keyless ``send`` too, but not a keyless ``send_batch``, which
+      goes to the sticky partition); an answer outside ``0..count-1`` raises
+      UnknownTopicOrPartitionError at the call.
+    - ``max_in_flight_requests_per_partition`` applies to direct mode: through the gateway
+      a partition has one request in flight (the gateway keeps each partition's order).
+    - ``enable_idempotence`` (True) needs ``acks="all"``: a Producer with another ``acks``
+      must pass ``enable_idempotence=False`` (Kafka turns it off silently instead).
+    """
 
     def __init__(
         self,
@@ -869,10 +880,23 @@ class Producer:
     def _choose(self, topic: str, key: bytes | None) -> int:
         count = self._partition_count(topic)
         if self._partitioner is not None:
-            return int(self._partitioner(key, count))
+            return self._partitioned(topic, key, count)
         if key is not None:
             return partition_for_key(key, count)
         return self._sticky_partition(topic, count)
+
+    def _partitioned(self, topic: str, key: bytes | None, count: int) -> int:
+        """The custom partitioner's answer, checked as an explicit partition is: out of
+        range it went out and failed only delivery_timeout_ms later, as "sent, and may have
+        been written" (found by an audit); Kafka refuses it in send()."""
+        assert self._partitioner is not None
+        partition = int(self._partitioner(key, count))
+        if not 0 <= partition < count:
+            raise UnknownTopicOrPartitionError(
+                f"the partitioner chose partition {partition} of topic {topic!r}, which has "
+                f"{count} partitions (it must return 0..{count - 1})"
+            )
+        return partition
 
     def _sticky_partition(self, topic: str, count: int) -> int:
         partition = self._sticky.get(topic)
@@ -1026,7 +1050,7 @@ class Producer:
             count = self._partition_count(topic)
             by_partition = {}
             for index, key in enumerate(keys):
-                by_partition.setdefault(int(self._partitioner(key, count)), []).append(index)
+                by_partition.setdefault(self._partitioned(topic, key, count), []).append(index)
             plan = list(by_partition.items())
         else:
             # Keyless: each batch goes to the sticky partition of the moment, which moves
