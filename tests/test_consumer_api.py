@@ -452,3 +452,10 @@ def test_poll_arrow_and_the_iterator_stop_at_an_invalid_batch_too(
                 seen.append(record.offset)
         assert seen == list(range(5))
         assert consumer.position((topic, 0)) == 5
+
+
+def test_a_consumer_refuses_a_request_timeout_below_one_ms() -> None:
+    """Found by an audit: request_timeout_ms=0 was taken, and every call then had a 0 s
+    deadline (the producer refused it already)."""
+    with pytest.raises(ConfigError, match="request_timeout_ms must be >= 1"):
+        tidelog.Consumer("127.0.0.1:1", request_timeout_ms=0)

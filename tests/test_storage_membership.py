@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -17,7 +18,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cluster_metadata import CLUSTER_ID_KEY, broker_key, decode_broker, decode_cluster_id
+from services.cluster_metadata import (
+    CLUSTER_ID_KEY,
+    CONTROLLER_KEY,
+    broker_key,
+    decode_broker,
+    decode_cluster_id,
+    encode_controller,
+)
 from services.controller.state import Broker
 from services.metastore import MetaStore
 from services.storage.meta_properties import MetaProperties, read_meta_properties
@@ -601,3 +609,57 @@ def test_a_late_update_metadata_does_not_undo_a_newer_view(
         assert fetch_as_2(40) is None
     finally:
         node.terminate()
+
+
+def test_a_sigterm_during_log_loading_ends_the_start_without_registering(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """A SIGTERM while the node loads its logs ends the start-up there, as one during the
+    wait for a previous registration does: it used to be noted only, the node registered
+    once loaded and then ran a whole controlled shutdown (found by an audit)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(1500):  # enough empty partition directories for loading to take a while
+        (data / f"slow-{i}").mkdir()
+    node = StorageProcess(
+        data,
+        broker_id=1,
+        extra_args=[
+            *("--etcd", etcd.endpoint, "--cluster", store.cluster),
+            *("--session-ttl-s", str(TTL_S), "--controlled-shutdown-timeout-s", "2"),
+        ],
+    )
+    try:
+        wait_for(lambda: "open_files_limit" in node.log_tail(50), 20, "the start-up under way")
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.wait(60) == 0
+        log = node.log_path.read_text()
+        assert '"event": "registered"' not in log
+        assert '"event": "controlled_shutdown' not in log
+        assert store.get(broker_key(1)) is None
+    finally:
+        node.kill()
+
+
+def test_a_controlled_shutdown_keeps_to_its_timeout_with_a_hung_controller(
+    etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """The controller's key names a process that accepts connections and never answers
+    (paused, hung): each ControlledShutdown call gets what is left of the shutdown's
+    time. A fixed 5 s per call made a 1 s shutdown take 5 s, past a supervisor's kill
+    limit, and the node was then killed before it flushed (found by an audit)."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)  # the kernel completes connections; nothing ever answers
+        store.put(CONTROLLER_KEY, encode_controller(9, f"127.0.0.1:{hung.getsockname()[1]}"))
+        registration = BrokerRegistration(
+            store, Broker(1, "127.0.0.1", 1, ""), ttl_s=TTL_S, on_epoch=lambda _epoch: None
+        )
+        registration.start()
+        try:
+            started = time.monotonic()
+            assert not registration.controlled_shutdown(timeout_s=1.0)
+            elapsed = time.monotonic() - started
+        finally:
+            registration.stop()
+    assert elapsed < 2.0, f"a 1 s controlled shutdown took {elapsed:.2f} s"

@@ -397,6 +397,8 @@ class Consumer:
             ("heartbeat_interval_ms", heartbeat_interval_ms),
             ("max_poll_interval_ms", max_poll_interval_ms),
             ("default_api_timeout_ms", default_api_timeout_ms),
+            # As the producer checks it: 0 gave every call a deadline of 0 s.
+            ("request_timeout_ms", request_timeout_ms),
         ):
             if value < 1:
                 raise ConfigError(f"{name} must be >= 1, not {value}")

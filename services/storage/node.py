@@ -237,6 +237,9 @@ class StorageNode:
         )
         started_ms = time.monotonic()
         replicas.startup()
+        if self._start_aborted():
+            replicas.shutdown()
+            raise BrokerNotAvailableError("stopped while loading the logs")
         self._replicas = replicas
         _log.info(
             "logs_loaded",
@@ -387,8 +390,18 @@ class StorageNode:
         if meta != found:
             write_meta_properties(config.data_dir, meta)
 
+    def _start_aborted(self) -> bool:
+        """Whether a stop came during start-up (``abort_start_on``). Checked after the logs
+        are loaded and before registering too, not only while waiting out a previous
+        registration: a SIGTERM during a long recovery let the node register, then run a
+        whole controlled shutdown (found by an audit)."""
+        return self._start_abort is not None and self._start_abort.is_set()
+
     def _register(self, replicas: ReplicaManager) -> None:
         """Join the cluster: register in etcd (waiting out a previous incarnation)."""
+        if self._start_aborted():
+            self.stop()
+            raise BrokerNotAvailableError("stopped before registering")
         config = self.config
         if self._store is None:
             self._store = MetaStore(config.etcd or "", cluster=config.cluster)
