@@ -27,7 +27,7 @@ from services.cluster_metadata import (
     encode_controller,
 )
 from services.controller.state import Broker
-from services.metastore import MetaStore
+from services.metastore import MetaStore, MetaStoreError
 from services.storage.meta_properties import MetaProperties, read_meta_properties
 from services.storage.registration import BrokerRegistration
 from tests.support.process import StorageProcess
@@ -663,3 +663,22 @@ def test_a_controlled_shutdown_keeps_to_its_timeout_with_a_hung_controller(
         finally:
             registration.stop()
     assert elapsed < 2.0, f"a 1 s controlled shutdown took {elapsed:.2f} s"
+
+
+def test_a_registration_that_fails_after_its_key_was_made_leaves_no_live_key(
+    etcd: EtcdProcess, store: MetaStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key is made, then a later step fails (etcd's answer lost, say): the lease, kept
+    alive by nobody, is revoked at once. It stayed for a TTL, a registered broker the
+    controller counted on while the node had given up (found by an audit)."""
+    registration = BrokerRegistration(
+        store, Broker(1, "127.0.0.1", 1, ""), ttl_s=30, on_epoch=lambda _epoch: None
+    )
+
+    def lost(*args: Any, **kwargs: Any) -> Any:
+        raise MetaStoreError("the answer was lost")
+
+    monkeypatch.setattr(store, "compare_and_swap", lost)
+    with pytest.raises(MetaStoreError):
+        registration.start()
+    assert store.get(broker_key(1)) is None

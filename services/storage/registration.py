@@ -111,19 +111,27 @@ class BrokerRegistration:
         if not self._store.create_if_absent(self.key, encode_broker(self._broker), lease=lease):
             lease.revoke()
             return False
-        created = self._store.get(self.key)
-        if created is None or created.lease_id != lease.id:
-            lease.revoke()  # expired between the create and the read: try again
-            return False
-        self.epoch = created.create_revision
-        # Record the epoch in the value for people reading etcd; the create revision stays
-        # the authority, so losing this write changes nothing.
-        self._store.compare_and_swap(
-            self.key,
-            created.mod_revision,
-            encode_broker(dataclasses.replace(self._broker, epoch=self.epoch)),
-            lease=lease,
-        )
+        try:
+            created = self._store.get(self.key)
+            if created is None or created.lease_id != lease.id:
+                lease.revoke()  # expired between the create and the read: try again
+                return False
+            self.epoch = created.create_revision
+            # Record the epoch in the value for people reading etcd; the create revision
+            # stays the authority, so losing this write changes nothing.
+            self._store.compare_and_swap(
+                self.key,
+                created.mod_revision,
+                encode_broker(dataclasses.replace(self._broker, epoch=self.epoch)),
+                lease=lease,
+            )
+        except BaseException:
+            # Not kept alive by anyone: revoked now, or the key of a registration that
+            # failed stayed live for a TTL, a broker the controller counted on (found by
+            # an audit). If etcd is away the revoke fails too, and the TTL ends it.
+            with contextlib.suppress(MetaStoreError):
+                lease.revoke()
+            raise
         with self._lock:
             if self._stopping.is_set():
                 # stop() came while this registration was being made: undo it, and report
@@ -163,6 +171,10 @@ class BrokerRegistration:
                     return
             except MetaStoreError as exc:
                 _log.warning("reregister_failed", error=str(exc))
+            except Exception:
+                # Anything else must not end this thread silently: the node would stay
+                # out of the cluster for good, serving nothing it is asked to lead.
+                _log.exception("reregister_failed")
             self._stopping.wait(RETRY_BACKOFF_S)
 
     def _keep(self, lease: Lease) -> bool:
