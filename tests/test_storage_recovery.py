@@ -17,6 +17,7 @@ files, interrupted deletions. Real files in ``tmp_path``; many seeds.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import random
 import shutil
@@ -992,6 +993,21 @@ def test_log_manager_shutdown_checkpoints_at_log_end(tmp_path: Path) -> None:
 def flip_in_first_segment(log_dir: Path) -> None:
     first = seg_file(log_dir, 0, ".log")
     flip_byte(first, first.stat().st_size // 2)
+
+
+def test_a_disk_failure_while_loading_logs_is_reported_as_a_disk_failure(tmp_path: Path) -> None:
+    """An OSError opening a log at start-up goes to the disk-failure handler (the node then
+    exits with its failed-disk status, 3, as RELIABILITY.md says of a failed read); it
+    failed the start-up as any error, status 1 (found by an audit). Here the segment is a
+    directory: EISDIR."""
+    (tmp_path / "t-0" / "00000000000000000000.log").mkdir(parents=True)
+    reported: list[OSError] = []
+    manager = LogManager(
+        tmp_path, LogConfig(), on_disk_failure=lambda where, error: reported.append(error)
+    )
+    with pytest.raises(OSError):
+        manager.startup()
+    assert [error.errno for error in reported] == [errno.EISDIR]
 
 
 def test_log_manager_startup_uses_recovery_point_checkpoint(tmp_path: Path) -> None:

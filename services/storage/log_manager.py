@@ -87,7 +87,14 @@ class LogManager:
             raise
 
     def startup(self) -> None:
-        """Open (and where needed recover) every partition log in the data directory."""
+        """Open (and where needed recover) every partition log in the data directory. A
+        disk failure here is reported as one at run time is (the node halts with its exit
+        status for a failed disk): it failed the start-up as any error, status 1 (found by
+        an audit)."""
+        with self._reporting_disk_failure():
+            self._startup()
+
+    def _startup(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         try:
             recovery_points = self._recovery_checkpoint.read()
