@@ -721,6 +721,11 @@ class MetaStore:
         # -1: no such lease. 0 is a live lease with under a second left (TTL truncates).
         return None if ttl < 0 else ttl
 
+    def lease_remaining_s(self, lease_id: int) -> int | None:
+        """Seconds left of a lease by ID (one another process may hold), None when it is
+        gone."""
+        return self._lease_ttl(lease_id)
+
     def refresh_lease_id(self, lease_id: int) -> int:
         """Refresh a lease by ID (one another process may have granted); the TTL it now
         has. Raises LeaseLostError when it expired or was revoked."""

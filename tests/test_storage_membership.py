@@ -24,6 +24,7 @@ from services.cluster_metadata import (
     broker_key,
     decode_broker,
     decode_cluster_id,
+    encode_broker,
     encode_controller,
 )
 from services.controller.state import Broker
@@ -682,3 +683,25 @@ def test_a_registration_that_fails_after_its_key_was_made_leaves_no_live_key(
     with pytest.raises(MetaStoreError):
         registration.start()
     assert store.get(broker_key(1)) is None
+
+
+def test_a_restart_with_a_shorter_session_ttl_waits_out_the_old_longer_lease(
+    etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """A node killed with a 6 s session TTL restarts with 1 s: the wait for its previous
+    registration counted 2 x the NEW TTL (4 s) and failed the restart ("registered by
+    another live process") while its own old key lived on (found by an audit). It waits
+    for what is left of the old lease."""
+    old = store.grant_lease(6)  # a killed incarnation's: never refreshed again
+    assert store.create_if_absent(
+        broker_key(1), encode_broker(Broker(1, "127.0.0.1", 1, "")), lease=old
+    )
+    registration = BrokerRegistration(
+        store, Broker(1, "127.0.0.1", 2, ""), ttl_s=1, on_epoch=lambda _epoch: None
+    )
+    try:
+        assert registration.start() > 0
+        kv = store.get(broker_key(1))
+        assert kv is not None and decode_broker(kv).port == 2
+    finally:
+        registration.stop()

@@ -86,8 +86,17 @@ class BrokerRegistration:
     def start(self) -> int:
         """Register, waiting up to two TTLs for a previous incarnation's key to expire."""
         deadline = time.monotonic() + 2 * self._ttl_s + 2
+        looked_at_holder = False
         while not self._register_once():
             holder = self._store.get(self.key)
+            if holder is not None and not looked_at_holder:
+                # The previous incarnation's lease may be longer than this one's
+                # (--session-ttl-s lowered between restarts): wait for what is left of it
+                # too, or the restart after a kill -9 failed while its own old key lived on.
+                looked_at_holder = True
+                left_s = self._store.lease_remaining_s(holder.lease_id)
+                if left_s is not None:
+                    deadline = max(deadline, time.monotonic() + left_s + 2)
             if time.monotonic() > deadline:
                 where = ""
                 if holder is not None:
