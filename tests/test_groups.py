@@ -1072,6 +1072,32 @@ def test_an_iterating_member_gives_its_partitions_up_promptly(
         b.close()
 
 
+def _slow_join(
+    stub: gateway_pb2_grpc.GatewayStub,
+    group: str,
+    topic: str,
+    *,
+    member_id: str,
+    instance: str,
+    wait_ms: int,
+) -> Any:
+    """A JoinGroup with a 20 s rebalance timeout (``_join_twice``); its answer, or the
+    RpcError it raised (a fenced member's)."""
+    request = gateway_pb2.JoinGroupRequest(
+        group_id=group,
+        member_id=member_id,
+        topics=[topic],
+        session_timeout_ms=10_000,
+        rebalance_timeout_ms=20_000,
+        max_wait_ms=wait_ms,
+        group_instance_id=instance,
+    )
+    try:
+        return _join_twice(stub, request)
+    except grpc.RpcError as exc:
+        return exc
+
+
 def test_a_static_member_replaced_while_it_waits_to_join_is_fenced(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
@@ -1084,19 +1110,14 @@ def test_a_static_member_replaced_while_it_waits_to_join_is_fenced(
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def join(member_id: str = "", instance: str = "", wait_ms: int = 3_000) -> Any:
-            request = gateway_pb2.JoinGroupRequest(
-                group_id="pingpongs",
+            return _slow_join(
+                stub,
+                "pingpongs",
+                "pingpong",
                 member_id=member_id,
-                topics=["pingpong"],
-                session_timeout_ms=10_000,
-                rebalance_timeout_ms=20_000,
-                max_wait_ms=wait_ms,
-                group_instance_id=instance,
+                instance=instance,
+                wait_ms=wait_ms,
             )
-            try:
-                return _join_twice(stub, request)
-            except grpc.RpcError as exc:
-                return exc
 
         a = join(instance="x")
         d = join(wait_ms=300)
@@ -1135,19 +1156,14 @@ def test_a_static_member_replaced_during_its_first_join_is_fenced(
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def join(member_id: str = "", instance: str = "", wait_ms: int = 3_000) -> Any:
-            request = gateway_pb2.JoinGroupRequest(
-                group_id="first-joins",
+            return _slow_join(
+                stub,
+                "first-joins",
+                "first-join",
                 member_id=member_id,
-                topics=["first-join"],
-                session_timeout_ms=10_000,
-                rebalance_timeout_ms=20_000,
-                max_wait_ms=wait_ms,
-                group_instance_id=instance,
+                instance=instance,
+                wait_ms=wait_ms,
             )
-            try:
-                return _join_twice(stub, request)
-            except grpc.RpcError as exc:
-                return exc
 
         # A dynamic member alone in the group; it does not rejoin, so the rebalance A's
         # join begins waits (its rebalance timeout is 20 s).
