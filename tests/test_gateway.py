@@ -1472,13 +1472,10 @@ class _ScriptedStorage:
     NOT_LEADER_OR_FOLLOWER. An AppendMany appends, then waits ``acks_all_wait_s`` (acks=all
     held up by a slow in-sync follower) and answers a partition that moved meanwhile
     NOT_LEADER_OR_FOLLOWER, as a real leader's partition fails its acks=all waiters when
-    it becomes a follower. With ``stuck`` an Append is answered only after ``release`` is
-    set (a stopped or cut-off broker)."""
+    it becomes a follower."""
 
-    def __init__(self, *, stuck: bool = False, acks_all_wait_s: float = 0.0) -> None:
-        self.stuck = stuck
+    def __init__(self, *, acks_all_wait_s: float = 0.0) -> None:
         self.acks_all_wait_s = acks_all_wait_s
-        self.release = threading.Event()
         self.moved: set[int] = set()
         self.appended: list[int] = []  # the partitions appended, in order
         self.appended_many = threading.Event()  # an AppendMany appended, and waits
@@ -1519,8 +1516,6 @@ class _ScriptedStorage:
         return storage_pb2.AppendResponse(base_offset=offset, last_offset=offset)
 
     def _append(self, request: storage_pb2.AppendRequest, context: Any) -> Any:
-        if self.stuck:
-            self.release.wait(30)
         return self._one(request)
 
     def _append_many(self, request: storage_pb2.AppendManyRequest, context: Any) -> Any:
@@ -1535,7 +1530,6 @@ class _ScriptedStorage:
         return storage_pb2.AppendManyResponse(responses=answers)
 
     def stop(self) -> None:
-        self.release.set()
         self.server.stop(0)
 
 
@@ -1635,45 +1629,86 @@ def test_a_group_whose_one_partition_moved_writes_the_others_once() -> None:
         new.stop()
 
 
-def test_acks0_to_a_healthy_leader_is_not_held_up_by_a_stopped_one() -> None:
+def test_acks0_to_a_healthy_leader_is_not_held_up_by_a_stopped_one(
+    cluster: TestCluster, admin: tidelog.Admin
+) -> None:
     """acks=0 appends waiting on a stopped leader hold their slot until their deadline
-    (or the leader moves). The bound on them (``max_background_appends``) was one for
+    (or the leader moves). The bound on them (``--max-background-appends``) was one for
     the whole gateway: once a stopped broker's appends took every slot, acks=0 requests
     for partitions on healthy brokers waited out their timeout and failed "too many acks=0
     appends are queued". It is per leader broker now, as the worker pools are; the byte
-    budget still bounds the memory of them all. Found by an audit."""
-    stopped, healthy = _ScriptedStorage(stuck=True), _ScriptedStorage()
-    b1, b2 = Broker(1, "127.0.0.1", stopped.port), Broker(2, "127.0.0.1", healthy.port)
-    leaders = _ScriptedLeaders([b1, b2], {0: 1, 1: 2})
-    channels = Channels()
-    handler = ProduceHandler(  # 4 slots per broker (1,024 by default) keep it short
-        Router(cast(Any, leaders), channels), ProduceLimits(max_background_appends=4)
-    )
-    try:
-        for _ in range(4):  # answered at once, as acks=0 is, each holding a slot
-            answer = handler.produce(_scripted_produce(common_pb2.NONE_ACKS, [0], 20_000))
-            assert answer.partitions[0].error.code == common_pb2.NONE
-        started = time.monotonic()
-        answer = handler.produce(_scripted_produce(common_pb2.NONE_ACKS, [1], 2_000))
-        waited_s = time.monotonic() - started
-        assert (answer.partitions[0].error.code, answer.partitions[0].error.message) == (
-            common_pb2.NONE,
-            "",
+    budget still bounds the memory of them all. Found by an audit. Real processes: a
+    gateway with 4 slots per broker, one leader stopped (SIGSTOP) for less than its
+    session, so that it stays the leader and writes what waited once it goes on."""
+    own = cluster.start_gateway(["--max-background-appends", "4"])
+    admin.create_topic("acks0-slots", partitions=3, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic("acks0-slots").partitions}
+    stopped_p = 0
+    healthy_p = next(p for p, leader in leaders.items() if leader != leaders[stopped_p])
+    stopped_broker = leaders[stopped_p]
+
+    def produce(partition: int, timeout_ms: int) -> gateway_pb2.ProducePartitionResult:
+        return _produce_batch(
+            own,
+            "acks0-slots",
+            encode_batch([b"v%d" % partition]),
+            partition=partition,
+            acks=common_pb2.NONE_ACKS,
+            timeout_ms=timeout_ms,
         )
+
+    for p in leaders:  # channels to every leader open before the clock starts
+        assert produce(p, 10_000).error.code == common_pb2.NONE
+    wait_for(
+        lambda: all(_end_offset(own, "acks0-slots", p) == 1 for p in leaders) or None,
+        10,
+        "the warm-up records",
+    )
+    pid = cluster.brokers[stopped_broker].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: _process_state(pid) == "T", 10, "the leader stopped")
+        for _ in range(4):  # answered at once, as acks=0 is, each holding a slot
+            assert produce(stopped_p, 20_000).error.code == common_pb2.NONE
+        started = time.monotonic()
+        answer = produce(healthy_p, 2_000)
+        waited_s = time.monotonic() - started
+        assert (answer.error.code, answer.error.message) == (common_pb2.NONE, "")
         assert waited_s < 1.0, f"acks=0 to a healthy broker waited {waited_s:.1f} s"
-        wait_for(lambda: healthy.appended == [1] or None, 10, "the healthy broker's append")
+        wait_for(
+            lambda: _end_offset(own, "acks0-slots", healthy_p) == 2 or None,
+            10,
+            "the healthy leader's append",
+        )
         # The stopped broker's own slots are full: its next acks=0 waits, and is refused.
-        refused = handler.produce(_scripted_produce(common_pb2.NONE_ACKS, [0], 300))
-        assert refused.partitions[0].error.code == ErrorCode.REQUEST_TIMED_OUT
-        assert "for broker 1" in refused.partitions[0].error.message
-        stopped.release.set()
-        wait_for(lambda: handler.budget.in_use_bytes == 0 or None, 10, "the appends to end")
-        assert stopped.appended == [0] * 4
+        refused = produce(stopped_p, 300)
+        assert refused.error.code == ErrorCode.REQUEST_TIMED_OUT
+        assert f"for broker {stopped_broker}" in refused.error.message, refused.error.message
     finally:
-        handler.close()
-        channels.close()
-        stopped.stop()
-        healthy.stop()
+        os.kill(pid, signal.SIGCONT)
+    # What waited is written once the leader goes on; the refused one is not.
+    wait_for(
+        lambda: _end_offset(own, "acks0-slots", stopped_p) == 5 or None,
+        20,
+        "the stopped leader's queued appends",
+    )
+    assert _end_offset(own, "acks0-slots", stopped_p) == 5  # the refused one never went
+
+
+def _end_offset(gateway: GatewayProcess, topic: str, partition: int) -> int:
+    """The partition's log end offset, as its leader answers through ``gateway``."""
+    answer = gateway.stub.ListOffsets(
+        storage_pb2.ListOffsetsRequest(
+            replica_id=-1,
+            partitions=[
+                storage_pb2.ListOffsetsPartition(
+                    topic=topic, partition=partition, spec=common_pb2.LATEST
+                )
+            ],
+        ),
+        timeout=10,
+    )
+    return int(answer.partitions[0].offset)
 
 
 @contextlib.contextmanager

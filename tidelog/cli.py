@@ -460,6 +460,17 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         ),
     )
     parser.add_argument(
+        "--max-background-appends",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help=(
+            "acks=0 appends the gateway has answered but a leader broker has not, per "
+            "broker; beyond it an acks=0 request waits for a slot until its timeout "
+            "(default: 1024)"
+        ),
+    )
+    parser.add_argument(
         "--queued-max-fetch-bytes",
         type=_positive_int,
         default=None,

@@ -32,7 +32,12 @@ from services.gateway.group_coordinator import GroupCoordinator
 from services.gateway.groups import OffsetStore
 from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import MetadataCache
-from services.gateway.produce import MIN_GROUP_PARTITIONS, ProduceHandler, ProduceLimits
+from services.gateway.produce import (
+    MAX_BACKGROUND_APPENDS,
+    MIN_GROUP_PARTITIONS,
+    ProduceHandler,
+    ProduceLimits,
+)
 from services.gateway.router import Router
 from services.gateway.server import GatewayServicer, add_gateway_to_server
 from services.metastore import MetaStore
@@ -78,6 +83,8 @@ class GatewayNodeConfig:
     max_workers: int | None = None
     # Partitions of one leader in one produce request sent in one AppendMany.
     produce_group_min_partitions: int = MIN_GROUP_PARTITIONS
+    # acks=0 appends unanswered per leader broker (MAX_BACKGROUND_APPENDS).
+    max_background_appends: int = MAX_BACKGROUND_APPENDS
 
     def __post_init__(self) -> None:
         if not 0 <= self.listen_port <= 65535:
@@ -89,6 +96,7 @@ class GatewayNodeConfig:
             "queued_max_request_bytes",
             "queued_max_fetch_bytes",
             "produce_group_min_partitions",
+            "max_background_appends",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -194,6 +202,7 @@ class GatewayNode:
                 max_request_bytes=config.max_request_bytes,
                 queued_max_request_bytes=budget_bytes,
                 min_group_partitions=config.produce_group_min_partitions,
+                max_background_appends=config.max_background_appends,
             ),
         )
         controller = ControllerClient(self._cache, self._channels)
@@ -298,6 +307,7 @@ def main(args: argparse.Namespace) -> int:
             produce_group_min_partitions=getattr(
                 args, "produce_group_min_partitions", MIN_GROUP_PARTITIONS
             ),
+            max_background_appends=getattr(args, "max_background_appends", MAX_BACKGROUND_APPENDS),
         )
     except (ValueError, TidelogError) as exc:
         print(f"tidelog gateway: error: {exc}", file=sys.stderr)

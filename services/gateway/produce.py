@@ -85,6 +85,10 @@ ACKS_VALUES: Final = frozenset(
 )
 
 
+MAX_BACKGROUND_APPENDS: Final = 1024
+"""acks=0 appends answered but not yet written, per leader broker (``ProduceLimits``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ProduceLimits:
     """Bounds on what one produce request may ask of the gateway."""
@@ -94,7 +98,7 @@ class ProduceLimits:
     # pool): one bound for the gateway let appends waiting on one stopped broker take
     # every slot, and acks=0 to healthy brokers then waited out its timeout and failed.
     # Their memory is bounded for all brokers at once by ``queued_max_request_bytes``.
-    max_background_appends: int = 1024
+    max_background_appends: int = MAX_BACKGROUND_APPENDS
     # Threads that wait on one leader broker (acks=all waits hold one each); each broker
     # has a pool of its own, so that a stopped or dead broker can fill only its own.
     workers: int = 64
