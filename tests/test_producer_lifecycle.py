@@ -29,6 +29,7 @@ from tidelog.errors import (
     InvalidReplicationFactorError,
     RequestTimedOutError,
     TidelogError,
+    UnknownTopicOrPartitionError,
     WakeupError,
     error_for_code,
 )
@@ -42,12 +43,12 @@ class _BlackHoleProxy:
     """A TCP forwarder to ``target`` that can turn into a black hole: connections stay
     open, nothing more is forwarded either way (a hung gateway, a black-holed network)."""
 
-    def __init__(self, target: str) -> None:
-        host, port = target.rsplit(":", 1)
-        self._target = (host, int(port))
+    def __init__(self, target: str, port: int = 0) -> None:
+        host, target_port = target.rsplit(":", 1)
+        self._target = (host, int(target_port))
         self._holed = threading.Event()
         self._sockets: list[socket.socket] = []
-        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server = socket.create_server(("127.0.0.1", port))
         self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -237,6 +238,42 @@ def test_close_with_a_black_holed_gateway_keeps_its_timeout(
         producer.send("black-hole", b"after", partition=0)
     producer.close(timeout_s=1)  # a second close: nothing left, returns at once
     assert time.monotonic() - start < 4
+
+
+def _unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_first_send_waits_for_an_unreachable_gateway_up_to_max_block_ms(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A send() whose topic's partition count is not known yet looks it up on the
+    caller's thread; with the gateway unreachable (a gateway restarting in a rollout, a
+    producer started before it) it raised NetworkError at once, where Kafka's send waits
+    up to max.block.ms for the metadata. It now retries until max_block_ms, then raises
+    RequestTimedOutError naming it; an unknown topic still raises at once (tidelog
+    creates no topic on first use)."""
+    _create(admin, "late-gateway", 1, 1)
+    port = _unused_port()
+    with tidelog.Producer(f"127.0.0.1:{port}", max_block_ms=400) as producer:
+        start = time.monotonic()
+        with pytest.raises(RequestTimedOutError, match="max_block_ms"):
+            producer.send("late-gateway", b"v")
+        assert 0.35 <= time.monotonic() - start < 5
+    with tidelog.Producer(f"127.0.0.1:{port}", max_block_ms=30_000) as producer:
+        proxy: list[_BlackHoleProxy] = []
+        opener = threading.Timer(1.0, lambda: proxy.append(_BlackHoleProxy(gateway.address, port)))
+        opener.start()
+        try:
+            assert producer.send("late-gateway", b"v").result(30).offset == 0
+            with pytest.raises(UnknownTopicOrPartitionError):
+                producer.send("no-such-topic", b"v")
+        finally:
+            opener.join()
+            for p in proxy:
+                p.close()
 
 
 def test_a_normal_close_delivers_everything_queued(

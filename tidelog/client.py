@@ -291,25 +291,30 @@ class GatewayConnection:
         """
         return {name: len(leaders) for name, leaders in self.partition_leaders(topics).items()}
 
-    def partition_counts_and_ids(self, topics: Sequence[str]) -> dict[str, tuple[int, str]]:
+    def partition_counts_and_ids(
+        self, topics: Sequence[str], timeout_s: float | None = None
+    ) -> dict[str, tuple[int, str]]:
         """Per named topic, its partition count and topic id (the incarnation's UUID).
 
         Raises UnknownTopicOrPartitionError when a named topic does not exist.
         """
-        response = self.metadata(topics)
+        response = self.metadata(topics, timeout_s)
         found: dict[str, tuple[int, str]] = {}
         for topic in response.topics:
             raise_for(topic.error, f"topic {topic.name!r}")
             found[topic.name] = (len(topic.partitions), topic.topic_id)
         return found
 
-    def metadata(self, topics: Sequence[str] = ()) -> controller_pb2.MetadataResponse:
+    def metadata(
+        self, topics: Sequence[str] = (), timeout_s: float | None = None
+    ) -> controller_pb2.MetadataResponse:
         """The gateway's metadata: live brokers and the named topics' partition states
         (all topics when ``topics`` is empty); per-topic errors are left in the answer."""
         response: controller_pb2.MetadataResponse = self.call(
             self.stub.Metadata,
             controller_pb2.MetadataRequest(topics=list(topics)),
             f"metadata from gateway {self.address}",
+            timeout_s,
         )
         return response
 

@@ -89,8 +89,10 @@ to its answer), ``request-total``, ``record-send-total`` (records sent for the f
 ``buffer_bytes`` bounds the bytes waiting in the producer; ``send`` blocks up to
 ``max_block_ms`` for room, and so does ``send_batch`` for its first batch (raising with
 nothing queued). A ``send_batch`` larger than the room then waits for the rest as long as
-it takes: it never raises with part of its records queued. Futures are
-``concurrent.futures.Future``.
+it takes: it never raises with part of its records queued. The first ``send`` to a topic
+(and ``partitions_for``) looks its partition count up, waiting up to ``max_block_ms`` while
+the gateway is unreachable (``RequestTimedOutError`` after); an unknown topic raises
+``UnknownTopicOrPartitionError`` at once. Futures are ``concurrent.futures.Future``.
 
 Thread-safety: ``send``/``send_batch``/``flush`` may be called from many threads.
 ``flush()`` waits for the records sent before it was called, not for those other threads
@@ -825,7 +827,39 @@ class Producer:
             if time.monotonic() - known[1] >= self._metadata_max_age_s:
                 self._refresh_count_later(topic)
             return known[0]
-        return self._look_up_count(topic, time.monotonic())  # raises for an unknown topic
+        return self._wait_for_count(topic)
+
+    def _wait_for_count(self, topic: str) -> int:
+        """Look the topic's partition count up on the caller's thread, retrying failures
+        that may clear up (the gateway unreachable, busy or slow) for up to max_block_ms,
+        as Kafka's send waits for metadata: a producer started while its gateway restarts
+        (a rollout) raised NetworkError at its first send (found by an audit). An unknown
+        topic raises at once: tidelog creates no topic on first use, and a misspelt name
+        is better told now than after max_block_ms (Kafka waits for it too)."""
+        deadline = time.monotonic() + self._max_block_s
+        backoff_s = RETRY_BACKOFF_S
+        while True:
+            left_s = deadline - time.monotonic()
+            try:
+                count, topic_id = self._conn.partition_counts_and_ids(
+                    [topic], timeout_s=max(0.001, min(left_s, self._request_timeout_ms / 1000))
+                )[topic]
+            except UnknownTopicOrPartitionError:
+                raise
+            except TidelogError as exc:
+                if not exc.retriable:
+                    raise
+                left_s = deadline - time.monotonic()
+                if left_s <= 0 or self._closing:
+                    raise RequestTimedOutError(
+                        f"the partitions of topic {topic!r} could not be looked up within "
+                        f"max_block_ms ({round(self._max_block_s * 1000)} ms): {exc}"
+                    ) from None
+                time.sleep(min(left_s, backoff_s))
+                backoff_s = min(backoff_s * 2, METADATA_RETRY_S)
+                continue
+            self._counts[topic] = (count, time.monotonic(), topic_id)
+            return count
 
     def _refresh_count_later(self, topic: str) -> None:
         with self._refresh_lock:
