@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import etcd3
 import grpc
 import pytest
 
@@ -357,6 +358,64 @@ def test_a_stop_while_the_campaign_wins_releases_the_controller_key(tmp_path: Pa
         meta.txn = real_txn  # type: ignore[method-assign]
         wait_for(lambda: not election._thread.is_alive(), 3 * ttl_s, "the election's end")
         assert meta.get(CONTROLLER_KEY) is None
+
+
+def test_a_standby_does_not_campaign_in_a_loop_once_the_terms_revision_is_compacted(
+    tmp_path: Path,
+) -> None:
+    """etcd compacts its history (tidelog's etcd: every hour). A standby watched the
+    controller key from the holder's own revision, the term's first: once compacted,
+    every watch was cancelled at once, and the standby campaigned again, lost, and watched
+    from the same revision, ten times a second while the active controller lived (lease
+    grants, transactions, revokes, two log lines each). Found by an audit."""
+    with EtcdProcess(tmp_path / "etcd") as server:
+        active_meta = MetaStore(server.endpoint, cluster="c")
+        standby_meta = MetaStore(server.endpoint, cluster="c")
+        elected: list[int] = []
+        active = ControllerElection(
+            active_meta,
+            controller_id=1,
+            address="127.0.0.1:1",
+            ttl_s=10,
+            on_elected=elected.append,
+            on_resigned=lambda: None,
+        ).start()
+        standby: ControllerElection | None = None
+        try:
+            wait_for(lambda: elected, 10, "the first election")
+            for i in range(20):  # other cluster activity, then etcd's periodic compaction
+                active_meta.put(f"brokers/{i}", b"{}")
+            host, port = server.endpoint.removeprefix("http://").rsplit(":", 1)
+            raw = etcd3.client(host=host, port=int(port))
+            raw.compact(active_meta.current_revision())
+            raw.close()
+            grants: list[int] = []
+            real_grant = standby_meta.grant_lease
+
+            def counting_grant(ttl_s: int) -> Any:
+                grants.append(ttl_s)
+                return real_grant(ttl_s)
+
+            standby_meta.grant_lease = counting_grant  # type: ignore[method-assign]
+            standby = ControllerElection(
+                standby_meta,
+                controller_id=2,
+                address="127.0.0.1:2",
+                ttl_s=10,
+                on_elected=lambda epoch: None,
+                on_resigned=lambda: None,
+            ).start()
+            wait_for(lambda: grants or None, 10, "the standby's campaign")
+            time.sleep(2.0)  # the span the old code campaigned in 20 times
+            assert len(grants) == 1, f"the standby campaigned {len(grants)} times in 2 s"
+            active.stop()  # its watch still sees the key go: it takes over
+            wait_for(lambda: standby.epoch, 15, "the standby elected")
+        finally:
+            if standby is not None:
+                standby.stop()
+            active.stop()
+            standby_meta.close()
+            active_meta.close()
 
 
 def test_a_failing_resync_backs_off_while_etcd_is_down(tmp_path: Path) -> None:

@@ -193,7 +193,7 @@ class ControllerElection:
             self._revoke(lease)
             found = result.responses[0]
             holder = found.kvs[0] if isinstance(found, GetResult) and found.kvs else None
-            self._wait_for_vacancy(holder)
+            self._wait_for_vacancy(holder, result.revision)
             return
         # The transaction created the key, so its revision is the key's create revision.
         self._serve_term(lease, epoch=result.revision)
@@ -277,8 +277,16 @@ class ControllerElection:
             _log.exception("resign_callback_failed", controller_id=self.controller_id)
         self._wake.set()
 
-    def _wait_for_vacancy(self, holder: KeyValue | None) -> None:
-        """Block until the controller key read as ``holder`` is deleted (or we stop)."""
+    def _wait_for_vacancy(self, holder: KeyValue | None, read_revision: int) -> None:
+        """Block until the controller key read as ``holder`` at ``read_revision`` is
+        deleted (or we stop).
+
+        The watch starts after ``read_revision``, not after the holder's own revision: the
+        key is written once, so that is the term's first revision, which etcd's periodic
+        compaction removes an hour or so into the term. Every watch from it was then
+        cancelled at once (compacted), and a standby campaigned again ten times a second
+        for as long as the active controller lived: lease grants, revokes and log lines
+        (found by an audit)."""
         if holder is None:
             return  # deleted between the transaction's compare and its read: try again
         info = decode_controller(holder)
@@ -301,15 +309,18 @@ class ControllerElection:
                     self._holder = None
                 vacated.set()
 
+        failed: list[MetaStoreError] = []
+
         def on_error(error: MetaStoreError) -> None:
             # The watch is over; campaigning again re-reads the key and watches anew.
+            failed.append(error)
             vacated.set()
 
         cancel = self._store.watch_prefix(
             CONTROLLER_KEY,
             on_event,
             on_error=on_error,
-            start_revision=holder.mod_revision + 1,
+            start_revision=read_revision + 1,
         )
         try:
             while not vacated.wait(_POLL_S):
@@ -317,6 +328,9 @@ class ControllerElection:
                     return
         finally:
             cancel()
+        if failed:
+            # Whatever broke the watch may break the next one: pause, not a hot loop.
+            self._stopping.wait(RETRY_BACKOFF_S)
 
     def _revoke(self, lease: Lease) -> None:
         try:
