@@ -16,7 +16,13 @@ from typing import Any
 import pytest
 
 import tidelog
-from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
+from tests.support.cluster import (
+    GatewayProcess,
+    TestCluster,
+    poll_records,
+    running_cluster,
+    wait_for,
+)
 from tests.test_consumer_api import write_valid_invalid_valid
 from tidelog.client import GatewayConnection
 from tidelog.errors import (
@@ -1421,3 +1427,47 @@ def test_direct_write_rides_through_a_leader_kill(
     )
     assert wrong.count() == 0
     _restart(cluster, admin, victim, topic)
+
+
+def test_a_direct_write_with_the_smallest_request_timeout_sends(gateway: GatewayProcess) -> None:
+    """requestTimeoutMs accepts 100, the margin a direct append leaves the leader to
+    answer its own timeout: the first attempt found no time left past the margin, and
+    every task failed REQUEST_TIMED_OUT with nothing sent (through the gateway the same
+    options wrote). The first attempt now always goes. Found by an audit."""
+    import pyarrow as pa
+
+    from tidelog.spark.options import parse_write_options
+    from tidelog.spark.writer import _TaskWriter
+
+    topic = "direct-short-timeout"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=1, replication_factor=1)
+    options = parse_write_options(
+        {
+            "gateway": gateway.address,
+            "topic": topic,
+            "direct": "true",
+            "requestTimeoutMs": "100",
+            "acks": "1",
+        },
+        streaming=False,
+    )
+    _TaskWriter(options, sticky_seed=1).write(
+        iter([pa.record_batch([pa.array([b"a", b"b"])], ["value"])])
+    )
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([(topic, 0)])
+        assert [value for _, value in poll_records(consumer, 2)] == [b"a", b"b"]
+
+
+def test_with_the_topic_option_a_topic_column_of_any_type_is_ignored() -> None:
+    """Spark's Kafka sink takes the ``topic`` option as the topic and never reads a
+    ``topic`` column then; tidelog refused a non-string one (found by an audit)."""
+    from pyspark.sql.types import LongType
+
+    from tidelog.spark.options import parse_write_options
+    from tidelog.spark.writer import check_schema
+
+    schema = StructType([StructField("value", BinaryType()), StructField("topic", LongType())])
+    check_schema(schema, parse_write_options({"topic": "t"}, streaming=False))
+    with pytest.raises(ConfigError, match="column 'topic' must be a string"):
+        check_schema(schema, parse_write_options({}, streaming=False))

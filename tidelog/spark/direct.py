@@ -206,7 +206,10 @@ class Appender:
         last: TidelogError | None = None
         while True:
             remaining_s = deadline - time.monotonic()
-            if remaining_s <= LEADER_WAIT_MARGIN_MS / 1000:
+            # A retry needs the margin left; the first attempt goes whatever is left: with
+            # requestTimeoutMs near the margin (100 is accepted) nothing was ever sent
+            # (found by an audit).
+            if remaining_s <= (0.0 if last is None else LEADER_WAIT_MARGIN_MS / 1000):
                 return _failed(topic, partition, last or RequestTimedOutError(what))
             try:
                 leader = self._directory.leader((topic, partition))

@@ -98,7 +98,12 @@ def check_schema(schema: StructType, options: WriteOptions) -> None:
                 f"column {name!r} must be binary or string, "
                 f"not {fields[name].dataType.simpleString()}"
             )
-    if "topic" in fields and not isinstance(fields["topic"].dataType, StringType):
+    if (
+        "topic" in fields
+        and options.topic is None
+        and not isinstance(fields["topic"].dataType, StringType)
+    ):
+        # With the option set the column is not read (Spark's Kafka sink does the same).
         raise ConfigError("column 'topic' must be a string")
     if "topic" not in fields and options.topic is None:
         raise ConfigError("set the 'topic' option or give the data a 'topic' column")
