@@ -679,6 +679,51 @@ def test_damaged_batches_are_refused_and_change_nothing(env: Env, label: str) ->
 # --- explicit cases: fetch sizes ----------------------------------------------------------
 
 
+TRUNCATED_FIELD = b"\x0a\x10abc"  # field 1, length-delimited: claims 16 bytes, has 3
+NOT_UTF8_STRING = b"\x0a\x02\xff\xfe"  # field 1, a string in these messages: not UTF-8
+
+
+@pytest.mark.parametrize(
+    ("channel", "service", "name", "payload"),
+    [
+        ("gateway", "Gateway", "Metadata", NOT_UTF8_STRING),
+        ("gateway", "Gateway", "Produce", TRUNCATED_FIELD),
+        ("gateway", "Gateway", "Fetch", TRUNCATED_FIELD),
+        ("gateway", "Gateway", "ProduceStream", TRUNCATED_FIELD),
+        ("storage-0", "Storage", "Append", NOT_UTF8_STRING),
+        ("storage-0", "Storage", "Fetch", TRUNCATED_FIELD),  # parsed by tidelog.wire's path
+        ("storage-0", "Storage", "AppendStream", TRUNCATED_FIELD),
+        ("controller", "Controller", "CreateTopics", TRUNCATED_FIELD),
+    ],
+)
+def test_request_bytes_that_do_not_parse_get_invalid_argument(
+    env: Env, channel: str, service: str, name: str, payload: bytes
+) -> None:
+    """Bytes that are not a valid protobuf message (a truncated field; a string that is
+    not UTF-8, which clients in other languages can send) were answered INTERNAL
+    "Exception deserializing request!" by gRPC itself, with a traceback logged and no
+    error code, on every method, streams included (found by an audit). They are bad input
+    like any other: INVALID_ARGUMENT, INVALID_REQUEST in the trailer, a message naming the
+    method, and nothing changed."""
+    before = quiet_snapshot(env)
+    m = method(service, name)
+    path = f"/{m.containing_service.full_name}/{m.name}"
+    if m.client_streaming:
+        call: Any = env.channels[channel].stream_stream(path)
+        with pytest.raises(grpc.RpcError) as caught:
+            list(call(iter([payload]), timeout=RPC_TIMEOUT_S))
+    else:
+        call = env.channels[channel].unary_unary(path)
+        with pytest.raises(grpc.RpcError) as caught:
+            call(payload, timeout=RPC_TIMEOUT_S)
+    error = caught.value
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
+    assert dict(error.trailing_metadata() or ())[ERROR_CODE_METADATA_KEY] == "INVALID_REQUEST"
+    assert f"{path} is not a valid protobuf message" in (error.details() or "")
+    assert_unchanged(before, quiet_snapshot(env), f"{service}/{name} with unparsable bytes")
+    assert_all_healthy(env)
+
+
 def test_fetch_max_bytes_of_2_31_is_capped_not_allocated(env: Env) -> None:
     """max_bytes is int32: 2^31 - 1 is the largest a request can carry. It is capped by
     the server's limit (the data is small), never used to size a buffer."""

@@ -17,12 +17,16 @@ lost nothing in this schedule (the controller's sender had not retried within it
 
 from __future__ import annotations
 
+import json
 import time
+import uuid
 from pathlib import Path
 
 import grpc
 
+from services.cluster_metadata import broker_key
 from tests.support.cluster import TestCluster, error_code, wait_for
+from tests.support.fuzz import valid_batch
 from tidelog.errors import ErrorCode
 from tidelog.etcd_launcher import free_port
 from tidelog.records import decode_batches, encode_batch
@@ -187,3 +191,108 @@ def test_a_restarted_broker_takes_no_role_meant_for_its_previous_incarnation(
         raise
     finally:
         cluster.close()
+
+
+WINDOW_TOPIC = "window"
+
+
+def _window_log(stub: object) -> tuple[int, int]:
+    response = stub.DescribeLogDirs(  # type: ignore[attr-defined]
+        storage_pb2.DescribeLogDirsRequest(
+            partitions=[common_pb2.TopicPartition(topic=WINDOW_TOPIC, partition=0)]
+        ),
+        timeout=10,
+    )
+    (d,) = response.log_dirs[0].partitions
+    return int(d.high_watermark), int(d.log_end_offset)
+
+
+def test_a_spoofed_follower_fetch_before_the_first_update_metadata_cannot_move_the_hw(
+    tmp_path: Path,
+) -> None:
+    """The controller sends a (re)registered broker its LeaderAndIsr before its first
+    UpdateMetadata. In between, the leader had no broker list, and its follower-epoch
+    check was skipped: anyone naming a follower's id with any broker epoch was taken for
+    it, and the HW moved over records no follower held (acks=all acknowledged, lost if the
+    real follower was then elected). A clustered node now refuses follower fetches until
+    it has a broker list (STALE_BROKER_EPOCH; a real follower retries). Made deterministic:
+    a registered node and no controller process; the test sends the LeaderAndIsr the
+    controller would, and no UpdateMetadata. Found by an audit."""
+    with TestCluster(tmp_path, session_ttl_s=10) as cluster:
+        node = cluster.start_broker(0)
+
+        def registered_epoch() -> int | None:
+            kv = cluster.store.get(broker_key(0))
+            if kv is None:
+                return None
+            epoch = int(json.loads(kv.value).get("broker_epoch", 0))
+            return epoch if epoch > 0 else None
+
+        epoch = wait_for(registered_epoch, 15, "broker 0's registration with its epoch")
+        stub = node.stub
+        # What the controller sends a broker that (re)registered, first: its roles.
+        state = common_pb2.PartitionState(
+            topic=WINDOW_TOPIC,
+            partition=0,
+            leader=0,
+            leader_epoch=0,
+            isr=[0, 1],
+            replicas=[0, 1],
+            partition_epoch=0,
+        )
+
+        def leader_and_isr() -> storage_pb2.LeaderAndIsrResponse | None:
+            try:
+                return stub.LeaderAndIsr(
+                    storage_pb2.LeaderAndIsrRequest(
+                        controller_id=1,
+                        controller_epoch=1,
+                        broker_epoch=epoch,
+                        partitions=[
+                            storage_pb2.LeaderAndIsrPartition(
+                                state=state, is_new=True, topic_id=uuid.uuid4().hex
+                            )
+                        ],
+                    ),
+                    timeout=10,
+                )
+            except grpc.RpcError:
+                return None  # the node has not taken its registration epoch yet
+
+        response = wait_for(leader_and_isr, 15, "the LeaderAndIsr to be taken")
+        assert [p.error.code for p in response.partitions] == [0], response
+        appended = stub.Append(
+            storage_pb2.AppendRequest(
+                topic=WINDOW_TOPIC, partition=0, records=valid_batch(5), acks=common_pb2.LEADER
+            ),
+            timeout=10,
+        )
+        assert appended.error.code == 0, appended
+        hw, end = _window_log(stub)
+        assert (hw, end) == (0, 5)  # broker 1, in the ISR, has fetched nothing
+
+        # Anyone: "I am broker 1" with a made-up broker epoch, at the leader's log end.
+        try:
+            stub.Fetch(
+                storage_pb2.FetchRequest(
+                    replica_id=1,
+                    broker_epoch=123_456_789,
+                    max_wait_ms=0,
+                    partitions=[
+                        storage_pb2.FetchPartition(
+                            topic=WINDOW_TOPIC, partition=0, fetch_offset=end
+                        )
+                    ],
+                ),
+                timeout=10,
+            )
+            refused = None
+        except grpc.RpcError as exc:
+            refused = exc.code()
+        hw_after, _ = _window_log(stub)
+        assert hw_after == hw, (
+            f"a follower fetch claiming broker 1 with a made-up epoch was "
+            f"{'refused' if refused else 'accepted'} and moved the HW {hw} -> {hw_after} "
+            "over records no follower holds"
+        )
+        assert refused == grpc.StatusCode.FAILED_PRECONDITION  # STALE_BROKER_EPOCH

@@ -328,6 +328,11 @@ class ReplicaManager:
     def metadata(self) -> ClusterMetadata:
         return self._metadata
 
+    @property
+    def requires_registration(self) -> bool:
+        """In a cluster (etcd), as opposed to a standalone node."""
+        return self._requires_registration
+
     def _address_from_metadata(self, broker_id: int) -> str | None:
         found = self._metadata.brokers.get(broker_id)
         if found is None:
@@ -1601,13 +1606,18 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         # and move the high watermark over records no follower holds (issue 9).
         brokers = self._replicas.metadata.brokers
         known = brokers.get(replica_id)
-        if known is None and brokers:
+        if known is None and (brokers or self._replicas.requires_registration):
             # Not registered as far as this leader knows: a follower whose session ended
             # (a zombie of KIP-380) or a made-up id. Its epoch cannot be checked, so its
             # fetch cannot count; a real broker retries once the metadata lists it again.
+            # That includes every follower of a clustered node that has no broker list
+            # yet: the controller sends a (re)started broker its LeaderAndIsr before its
+            # UpdateMetadata, and in between anyone naming a follower's id moved the HW
+            # over records no follower held (found by an audit).
             raise StaleBrokerEpochError(
                 f"fetch from broker {replica_id}, which the cluster metadata on broker "
                 f"{self._replicas.broker_id} does not list"
+                + ("" if brokers else " (it has received no broker list yet)")
             )
         if known is not None and known.broker_epoch > 0 and broker_epoch != known.broker_epoch:
             raise StaleBrokerEpochError(
