@@ -213,6 +213,73 @@ def test_a_recreated_topic_starts_without_the_old_topics_offsets(
     assert [p.committed_offset for p in admin.describe_group("rebirth")] == [10]
 
 
+def _poll_up_to(consumer: tidelog.Consumer, n: int, timeout_s: float) -> list[Any]:
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < deadline:
+        got.extend(consumer.poll(timeout_ms=300))
+    return got
+
+
+def test_a_stale_position_is_not_committed_into_a_recreated_topic(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A consumer that has not noticed its topic was deleted and created again commits
+    (here: close's auto-commit) its position in the old topic. The gateway tagged it with
+    the new topic's id, and the group resumed the new topic at the old position, skipping
+    the new records below it. A commit names the incarnation its offsets were read in
+    now, and another one is refused INCONSISTENT_TOPIC_ID. Found by an audit."""
+    topic, group = "reborn-stale", "reborn-stale-group"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"old"] * 5, partition=0).result(30)
+    old = tidelog.Consumer(gateway.address, group_id=group, auto_offset_reset="earliest")
+    old.assign([(topic, 0)])
+    assert len(_poll_up_to(old, 5, 20)) == 5
+    admin.delete_topic(topic)
+    _create_once_deleted(admin, topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"new%d" % i for i in range(10)], partition=0).result(30)
+    with pytest.raises(InconsistentTopicIdError, match="deleted and created again"):
+        old.commit()  # position 5, in the old topic
+    old.close()  # its auto-commit is refused the same way
+    with tidelog.Consumer(gateway.address, group_id=group, auto_offset_reset="earliest") as c:
+        c.assign([(topic, 0)])
+        assert c.committed([(topic, 0)]) == {(topic, 0): -1}
+        records = _poll_up_to(c, 10, 20)
+    assert [r.value for r in records] == [b"new%d" % i for i in range(10)]
+
+
+def test_a_group_member_resumes_a_recreated_topic_from_its_start(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The same through subscribe: the member's auto-commit in its next poll, before a
+    fetch tells it the topic is new, wrote its old position under the new topic id, and
+    the member itself then resumed the new topic there (found by an audit)."""
+    topic, group = "reborn-member", "reborn-member-group"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"old"] * 5, partition=0).result(30)
+    with tidelog.Consumer(
+        gateway.address,
+        group_id=group,
+        auto_offset_reset="earliest",
+        auto_commit_interval_ms=1_000,
+        session_timeout_ms=10_000,
+        heartbeat_interval_ms=500,
+    ) as consumer:
+        consumer.subscribe([topic])
+        assert len(_poll_up_to(consumer, 5, 20)) == 5
+        # The application is busy; meanwhile the topic is deleted and created again.
+        admin.delete_topic(topic)
+        _create_once_deleted(admin, topic, partitions=1, replication_factor=1)
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch(topic, [b"new%d" % i for i in range(10)], partition=0).result(30)
+        time.sleep(1.2)  # an auto-commit is due at the next poll
+        records = _poll_up_to(consumer, 10, 20)
+    assert [r.value for r in records] == [b"new%d" % i for i in range(10)]
+
+
 def test_a_deleted_topics_offsets_are_deleted_with_it(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

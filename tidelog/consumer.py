@@ -1623,7 +1623,14 @@ class Consumer:
             group_instance_id=self._instance_id if member_id else "",
             offsets=[
                 gateway_pb2.CommitOffset(
-                    topic=t, partition=p, offset=o, leader_epoch=epoch_of((t, p), o)
+                    topic=t,
+                    partition=p,
+                    offset=o,
+                    leader_epoch=epoch_of((t, p), o),
+                    # The incarnation the position was read in: a commit made before this
+                    # consumer noticed a re-creation is refused, not written into the new
+                    # topic (the group would skip its records below the old position).
+                    topic_id=self._topic_ids.get(t, ""),
                 )
                 for (t, p), o in sorted(offsets.items())
             ],

@@ -15,7 +15,11 @@ had when it was committed, and a fetch drops offsets of a topic that is gone or 
 deleted and created again (Kafka deletes a deleted topic's offsets). Without that, a
 group reading a re-created topic would resume at an offset of the old one and skip the
 new records below it. Tagging makes this hold without a compare on the topic key: a
-commit racing the deletion writes the old id, which no fetch will return.
+commit racing the deletion writes the old id, which no fetch will return. A commit that
+names the incarnation its offset was read in (``topic_id``, as the SDK's does) and finds
+another answers INCONSISTENT_TOPIC_ID: a consumer that had not yet noticed a re-creation
+committed its old position into the new topic, and the group skipped the new records
+below it (found by an audit).
 
 Every gateway reads and writes the same keys, so commits through one gateway are seen by
 FetchOffsets through any other.
@@ -35,6 +39,7 @@ from services.gateway.metadata_cache import MetadataCache, MetadataView
 from services.metastore import Compare, DeleteOp, KeyValue, MetaStore, MetaStoreError, PutOp
 from tidelog.errors import (
     GroupIdNotFoundError,
+    InconsistentTopicIdError,
     InvalidGroupIdError,
     InvalidRequestError,
     InvalidTopicError,
@@ -80,6 +85,7 @@ class Committed:
     metadata: str = ""
     leader_epoch: int = -1
     error: TidelogError | None = None  # why this partition has no answer (a bad name)
+    topic_id: str = ""  # a commit's: the incarnation the offset is in ("": the current)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +211,13 @@ class OffsetStore:
                 topic_id = ""
                 try:
                     topic_id = view.check_partition(item.topic, item.partition).topic_id
+                    if item.topic_id and item.topic_id != topic_id:
+                        raise InconsistentTopicIdError(
+                            f"offset {item.offset} for {item.topic}-{item.partition} is a "
+                            f"position in topic id {item.topic_id}, but the topic's id is now "
+                            f"{topic_id!r}: it was deleted and created again, and the offset "
+                            "is not committed"
+                        )
                     if item.offset < 0:
                         raise InvalidRequestError(
                             f"offset {item.offset} for {item.topic}-{item.partition} is negative"

@@ -441,7 +441,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         outcomes = self._offsets.commit(
             group_id,
             [
-                Committed(o.topic, o.partition, o.offset, o.metadata, o.leader_epoch)
+                Committed(
+                    o.topic, o.partition, o.offset, o.metadata, o.leader_epoch, topic_id=o.topic_id
+                )
                 for o in request.offsets
             ],
             guard=lambda: self._groups.commit_guard(group_id, member_id, generation, instance_id),

@@ -136,18 +136,20 @@ class CommitOffsetsRequest(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., offsets: _Optional[_Iterable[_Union[CommitOffset, _Mapping]]] = ..., member_id: _Optional[str] = ..., generation_id: _Optional[int] = ..., group_instance_id: _Optional[str] = ...) -> None: ...
 
 class CommitOffset(_message.Message):
-    __slots__ = ("topic", "partition", "offset", "metadata", "leader_epoch")
+    __slots__ = ("topic", "partition", "offset", "metadata", "leader_epoch", "topic_id")
     TOPIC_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_ID_FIELD_NUMBER: _ClassVar[int]
     topic: str
     partition: int
     offset: int
     metadata: str
     leader_epoch: int
-    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., offset: _Optional[int] = ..., metadata: _Optional[str] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
+    topic_id: str
+    def __init__(self, topic: _Optional[str] = ..., partition: _Optional[int] = ..., offset: _Optional[int] = ..., metadata: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., topic_id: _Optional[str] = ...) -> None: ...
 
 class CommitOffsetsResponse(_message.Message):
     __slots__ = ("partitions",)
