@@ -36,6 +36,7 @@ from tidelog.errors import (
     InvalidTimestampError,
     MessageTooLargeError,
     OffsetOutOfRangeError,
+    StorageError,
 )
 from tidelog.records import decode_batches, encode_batch
 
@@ -1348,6 +1349,58 @@ def test_retention_ms_keeps_a_recent_negative_timestamp_segment(tmp_path: Path) 
     clock.advance(DAY_MS)
     assert log.delete_retention_segments(high_watermark=log.log_end_offset) == 0
     assert log.segment_base_offsets == [0, 1]
+    log.close()
+
+
+def _damaged_oldest_segment_log(directory: Path, clock: ManualClock, config: LogConfig) -> Log:
+    """Seven 2-record batches in segments [0, 6, 12], flushed; then bit rot in the
+    header of the oldest segment's last batch (after its last index entry), and the log
+    reopened with that segment trusted (below the recovery point)."""
+    size = len(make_batch(2))
+    log = Log.open(directory, config, clock=clock)
+    for i in range(7):
+        log.append(make_batch(2, ts=T0 + 1000 * i, tag=i))
+    assert log.segment_base_offsets == [0, 6, 12]
+    log.flush()
+    end = log.log_end_offset
+    log.close()
+    first = directory / f"{0:020d}.log"
+    data = bytearray(first.read_bytes())
+    data[2 * size + 20] ^= 0xFF
+    first.write_bytes(bytes(data))
+    return Log.open(directory, config, recovery_point=end, clock=clock)
+
+
+def test_a_damaged_tail_in_an_old_segment_does_not_stop_time_retention(tmp_path: Path) -> None:
+    """Retention aged a segment by reading its tail: damage there raised at every
+    retention pass, so the partition was never trimmed again (by retention.ms nor
+    retention.bytes, checked after it). Kafka ages a segment by its time index's last
+    entry and never reads the log for it; so does this now. Found by an audit."""
+    clock = ManualClock(start_ms=T0)
+    config = LogConfig(
+        segment_bytes=3 * len(make_batch(2)), retention_ms=DAY_MS, file_delete_delay_ms=0
+    )
+    log = _damaged_oldest_segment_log(tmp_path / "p-0", clock, config)
+    clock.advance(2 * DAY_MS)
+    assert log.delete_retention_segments(high_watermark=log.log_end_offset) >= 1
+    assert log.log_start_offset >= 6
+    log.close()
+
+
+def test_a_damaged_tail_in_an_old_segment_does_not_fail_lookups_in_later_ones(
+    tmp_path: Path,
+) -> None:
+    """ListOffsets by time walks the segments oldest first, and asked each for its
+    largest timestamp by reading its tail: one damaged old segment failed every lookup
+    by time (and MAX_TIMESTAMP), even when the answer was in a healthy later segment
+    (found by an audit)."""
+    config = LogConfig(segment_bytes=3 * len(make_batch(2)))
+    log = _damaged_oldest_segment_log(tmp_path / "p-0", ManualClock(start_ms=T0), config)
+    assert log.offset_for_timestamp(T0 + 5000) == (10, T0 + 5000)
+    assert log.max_timestamp() == (T0 + 6000, 12)
+    assert log.offset_for_timestamp(T0 + 500) == (2, T0 + 1000)  # before the damage
+    with pytest.raises(StorageError):
+        log.read(4, 1 << 20)  # the damaged batch itself still fails its reads
     log.close()
 
 

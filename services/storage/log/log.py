@@ -814,7 +814,7 @@ class Log:
         record (below ``max_offset``) is older.
         """
         for segment in self._segments:
-            if segment.largest_timestamp_ms < timestamp_ms:
+            if segment.known_max_timestamp_ms < timestamp_ms:
                 continue
             found = segment.find_by_timestamp(timestamp_ms)
             if found is None:
@@ -840,7 +840,7 @@ class Log:
         empty. The record's own offset, not its batch's last one (KIP-734, as Kafka since
         KAFKA-16310): the segments say which timestamp is largest, and the one batch that
         holds it is decoded by ``offset_for_timestamp``."""
-        stamps = [s.largest_timestamp_ms for s in self._segments if s.size_bytes]
+        stamps = [s.known_max_timestamp_ms for s in self._segments if s.size_bytes]
         if not stamps:
             return None
         largest = max(stamps)

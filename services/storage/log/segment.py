@@ -365,13 +365,36 @@ class LogSegment:
         return self._max_timestamp_ms
 
     @property
+    def known_max_timestamp_ms(self) -> int:
+        """``largest_timestamp_ms``, or when the tail cannot be read (damage after the
+        last index entry of a segment trusted at start-up), the largest of the time
+        index's last entry and the batches readable before the damage: about what Kafka
+        ages and searches segments by (its time index) without reading the log.
+        Retention and lookups by time raised on such a segment at every pass: the
+        partition was never trimmed again, and every ListOffsets by time failed, however
+        new its answer (found by an audit). A read that reaches the damage still fails."""
+        try:
+            return self.largest_timestamp_ms
+        except StorageError:
+            known = -1
+            if self.time_index.entries:
+                known = self.time_index.entry(self.time_index.entries - 1)[0]
+            _, position = self.offset_index.lookup(self.base_offset + formats.MAX_RELATIVE_OFFSET)
+            try:
+                for _, header in self._scan_headers(position):
+                    known = max(known, header.max_timestamp)
+            except StorageError:
+                pass  # the damage: what is after it is unknown
+            return known
+
+    @property
     def retention_timestamp_ms(self) -> int:
         """What retention.ms ages the segment by: the newest record timestamp, or when no
         record has a non-negative one, the ``.log`` file's last-modified time in ms
         (Kafka's ``LogSegment.largestTimestamp``). Without the fallback a segment of
         negative timestamps was never old enough, and retention, which removes segments
         oldest first, stopped at it for good."""
-        largest = self.largest_timestamp_ms
+        largest = self.known_max_timestamp_ms
         if largest >= 0:
             return largest
         return os.fstat(self._fd).st_mtime_ns // 1_000_000
@@ -547,7 +570,7 @@ class LogSegment:
 
     def find_by_timestamp(self, timestamp_ms: int) -> tuple[int, BatchHeader] | None:
         """Position and header of the first batch whose max timestamp >= ``timestamp_ms``."""
-        if self.largest_timestamp_ms < timestamp_ms:
+        if self.known_max_timestamp_ms < timestamp_ms:
             return None
         found: tuple[int, BatchHeader] | None = None
         for attempt in range(2):
