@@ -435,6 +435,27 @@ def test_an_assigned_consumer_cannot_commit_over_an_active_group(
         outsider.close()
 
 
+def test_a_join_voids_the_empty_mark_of_an_earlier_expiry_pass(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Offsets expire a retention after their group emptied (KIP-211), counted from the
+    mark an expiry pass writes when it sees the group without members. A join did not
+    clear it: a member that joined after a mark and went without LeaveGroup (kill -9, a
+    static member's close) before the next pass left the old mark, and the offsets
+    expired a retention after it: right after the member went. The first join now
+    deletes it, in the same transaction. Found by an audit."""
+    admin.create_topic("marked", partitions=1, replication_factor=1)
+    mark = "group-emptied/marked-group"
+    cluster.store.put(mark, str(int(time.time() * 1000)).encode())  # as a pass writes it
+    member = tidelog.Consumer(gateway.address, group_id="marked-group", **FAST)
+    try:
+        member.subscribe(["marked"])
+        _join(member)
+        assert cluster.store.get(mark) is None
+    finally:
+        member.close()
+
+
 def test_a_subscribed_consumer_outside_any_generation_cannot_commit(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

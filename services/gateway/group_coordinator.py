@@ -217,6 +217,12 @@ class GroupCoordinator:
                         f"limit is {MAX_STATE_BYTES}: fewer members, topics or partitions"
                     )
                 ops = [PutOp(state_key(group_id), encoded)]
+                if not state.members:
+                    # Members again: an empty mark an expiry pass wrote before is void.
+                    # Kept, it outlived a member that joined and went without LeaveGroup
+                    # between two passes, and the offsets expired a retention after the
+                    # old mark: right after the member went (found by an audit).
+                    ops.append(DeleteOp(group_emptied_key(quote(group_id, safe=""))))
                 if new.generation != state.generation or set(new.members) != set(state.members):
                     ops.append(PutOp(fence_key(group_id), str(new.generation).encode()))
                 if new.phase == "preparing" and state.phase != "preparing":
