@@ -477,11 +477,27 @@ class FetchHandler:
             return request.start_offset
         if spec not in (common_pb2.EARLIEST, common_pb2.LATEST, common_pb2.BY_TIMESTAMP):
             raise InvalidRequestError(f"start_spec {spec} must be EARLIEST, LATEST or BY_TIMESTAMP")
+        answer = self._resolve(request, spec, request.start_timestamp_ms)
+        if answer < 0:
+            # No record at or after the timestamp: follow from the end, as Kafka does. Its
+            # error is raised too: unchecked, a failed look-up (e.g. right after a leader
+            # change) started the subscription at offset 0, replaying the whole partition
+            # (found by an audit).
+            answer = self._resolve(request, common_pb2.LATEST, -1)
+        return max(answer, 0)
+
+    def _resolve(
+        self,
+        request: gateway_pb2.SubscribeRequest,
+        spec: common_pb2.OffsetSpec,
+        timestamp_ms: int,
+    ) -> int:
+        """``spec`` of the subscribed partition, as its leader answers; raises its error."""
         item = storage_pb2.ListOffsetsPartition(
             topic=request.topic,
             partition=request.partition,
             spec=spec,
-            timestamp_ms=request.start_timestamp_ms,
+            timestamp_ms=timestamp_ms,
         )
         response = self.list_offsets(
             storage_pb2.ListOffsetsRequest(replica_id=-1, partitions=[item])
@@ -489,16 +505,7 @@ class FetchHandler:
         answer = response.partitions[0]
         if answer.error.code != common_pb2.NONE:
             raise error_from_proto(answer.error) or InvalidRequestError(answer.error.message)
-        if answer.offset < 0:
-            # No record at or after the timestamp: follow from the end, as Kafka does.
-            latest = storage_pb2.ListOffsetsPartition(
-                topic=request.topic, partition=request.partition, spec=common_pb2.LATEST
-            )
-            response = self.list_offsets(
-                storage_pb2.ListOffsetsRequest(replica_id=-1, partitions=[latest])
-            )
-            return max(response.partitions[0].offset, 0)
-        return answer.offset
+        return int(answer.offset)
 
     # --- ListOffsets ----------------------------------------------------------------------
 
