@@ -356,3 +356,33 @@ def test_list_offsets_keeps_to_the_admins_timeout_while_the_leader_is_stopped(
         finally:
             os.kill(broker.pid, signal.SIGCONT)
         assert elapsed < 3.0, f"list_offsets took {elapsed:.2f} s with timeout_ms=2000"
+
+
+def test_list_offsets_of_a_missing_topic_or_partition_fails_at_once(
+    gateway: GatewayProcess,
+) -> None:
+    """The gateway answers UNKNOWN_TOPIC_OR_PARTITION at once, but the SDK asked again
+    until the admin's timeout and then raised REQUEST_TIMED_OUT "no answer before the
+    deadline", the real error lost. Kafka's Admin.listOffsets fails such a partition at
+    once (KAFKA-12879); so does this now (found by an audit)."""
+    admin = tidelog.Admin(gateway.address, timeout_ms=5_000)
+    admin.create_topic("offsets-of-one", 1)
+    for asked in ([("no-such-topic", 0)], [("offsets-of-one", 3)]):
+        started = time.monotonic()
+        with pytest.raises(UnknownTopicOrPartitionError):
+            admin.list_offsets(asked, "latest")
+        assert time.monotonic() - started < 2.0
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "", "no-port", "127.0.0.1:0"])
+def test_a_gateway_address_no_connection_can_use_is_refused(address: str) -> None:
+    """The CLI checked --gateway and the SDK $TIDELOG_GATEWAY, but an address given to
+    the SDK was taken as it was: gRPC wrapped port 99999 round to 34463 and connected
+    there, and "" meant the default gateway (found by an audit)."""
+    for make in (
+        lambda: tidelog.Admin(address, timeout_ms=1_000),
+        lambda: tidelog.Producer(address),
+        lambda: tidelog.Consumer(address),
+    ):
+        with pytest.raises(ConfigError, match="gateway address"):
+            make()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import tidelog as tidelog_sdk
-from tests.support.cluster import wait_for
+from tests.support.cluster import TestCluster, wait_for
 from tests.support.process import REPO_ROOT, tidelog_env
 from tidelog.dev import DevProcess
 
@@ -147,6 +147,24 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
     assert [b["broker_id"] for b in cluster["brokers"]] == [0, 1, 2]
     assert cluster["offline_partitions"] == [] and cluster["under_replicated_partitions"] == []
     assert "under-replicated partitions: 0" in tidelog("cluster", gateway=g).stdout
+
+
+def test_consume_prints_the_values_produce_took_byte_for_byte(dev: DevProcess) -> None:
+    """`produce` takes any bytes as a value, but `consume` decoded each one and printed
+    text: bytes that are not UTF-8 came out as U+FFFD, and `consume a | produce b`
+    corrupted binary data. Kafka's console consumer writes the bytes as they are; so does
+    this now (found by an audit)."""
+    g = dev.gateway
+    tidelog("topics", "create", "raw-bytes", gateway=g)
+    values = b"a\xff\xfeb\n\x80\x81\n"
+    tidelog("produce", "raw-bytes", gateway=g, stdin=values)
+    consumed = subprocess.run(
+        [sys.executable, "-m", "tidelog", "consume", "raw-bytes", "--from-beginning"],
+        capture_output=True, cwd=REPO_ROOT, env={**tidelog_env(), "TIDELOG_GATEWAY": g},
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert consumed.returncode == 0, consumed.stderr
+    assert consumed.stdout == values
 
 
 @pytest.mark.parametrize(
@@ -694,3 +712,34 @@ def test_dev_reports_its_etcd_exiting(tmp_path: Path) -> None:
         )
     finally:
         dev.kill()
+
+
+def test_consume_to_the_end_fails_in_one_line_when_its_gateway_dies(
+    cluster: TestCluster,
+) -> None:
+    """`consume` without --follow stops at the end offsets; its gateway killed mid-read,
+    it waited silently for ever (the consumer retries a dead gateway, as Kafka's does).
+    With no record for --timeout-ms (30 s by default) short of the end, it now fails in
+    one line, status 1 (found by an audit)."""
+    own = cluster.start_gateway()
+    tidelog("topics", "create", "dying-gateway", gateway=own.address)
+    lines = "".join(f"{i}{'x' * 1000}\n" for i in range(8_000))  # 8 MB: more than it buffers
+    tidelog("produce", "dying-gateway", gateway=own.address, stdin=lines)
+    consume = subprocess.Popen(
+        [sys.executable, "-m", "tidelog", "consume", "dying-gateway", "--from-beginning",
+         "--timeout-ms", "3000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
+        env={**tidelog_env(), "TIDELOG_GATEWAY": own.address},
+    )  # fmt: skip
+    try:
+        assert consume.stdout is not None
+        consume.stdout.read(100_000)  # it is reading; unread, the pipe holds it back now
+        cluster.kill(own)
+        _, err = consume.communicate(timeout=60)
+        assert consume.returncode == 1
+        (line,) = err.decode().strip().splitlines()
+        assert "no record for 3000 ms before the end of dying-gateway" in line, line
+    finally:
+        if consume.poll() is None:
+            consume.kill()
+            consume.wait()

@@ -12,6 +12,7 @@ one there (``tidelog.client.check_same_process``).
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -464,12 +465,17 @@ class Admin:
         if isinstance(partitions, str | bytes) or not isinstance(partitions, Iterable):
             raise ConfigError("partitions must be an iterable of (topic, partition) tuples")
         tps = [_partition_key(tp) for tp in partitions]
+        # A missing topic or partition fails at once, as in Kafka's Admin (KAFKA-12879):
+        # retried, a typo cost the whole timeout and ended in REQUEST_TIMED_OUT.
+        ask = functools.partial(
+            self._conn.list_offsets, tps, partial=partial, retry_unknown_topic=False
+        )
         if spec == "earliest":
-            found = self._conn.list_offsets(tps, common_pb2.EARLIEST, partial=partial)
+            found = ask(common_pb2.EARLIEST)
         elif spec == "latest":
-            found = self._conn.list_offsets(tps, common_pb2.LATEST, partial=partial)
+            found = ask(common_pb2.LATEST)
         elif isinstance(spec, int) and not isinstance(spec, bool) and 0 <= spec <= INT64_MAX:
-            found = self._conn.list_offsets(tps, common_pb2.BY_TIMESTAMP, spec, partial=partial)
+            found = ask(common_pb2.BY_TIMESTAMP, spec)
         else:
             raise ConfigError(
                 f"spec {spec!r} must be 'earliest', 'latest' or a timestamp in 0..{INT64_MAX}"

@@ -609,6 +609,15 @@ def _add_consume(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     )
     parser.add_argument("--key-separator", metavar="SEP", default=None, help="print KEY SEP VALUE")
     parser.add_argument(
+        "--timeout-ms",
+        type=_positive_int,
+        default=None,
+        metavar="MS",
+        help="with --follow, stop (status 0) after MS ms without a record, as Kafka's "
+        "console consumer; without it, fail (status 1) when MS ms pass without a record "
+        "before the end is reached (default: 30000 then, none with --follow)",
+    )
+    parser.add_argument(
         "--direct",
         action="store_true",
         help="fetch from the partition leaders, not through the gateway (the brokers' "

@@ -51,18 +51,23 @@ from tidelog.errors import (
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, gateway_pb2_grpc, storage_pb2
 
 MAX_MESSAGE_BYTES: Final = 128 * 1024 * 1024
+"""gRPC message cap both ways; the gateway's own limits are below it."""
 LIST_OFFSETS_RETRY_S: Final = 0.05
 """Pause before asking again for offsets answered with a retriable error."""
-"""gRPC message cap both ways; the gateway's own limits are below it."""
 DEFAULT_GATEWAY: Final = "127.0.0.1:9094"
 GATEWAY_ENV: Final = "TIDELOG_GATEWAY"
 
 
 def resolve_gateway(address: str | None) -> str:
-    """``address``, else ``$TIDELOG_GATEWAY`` (unset or empty: the local default), checked
-    as ``--gateway`` is: ConfigError for a value no connection can use."""
-    if address:
-        return address
+    """``address``, else (None) ``$TIDELOG_GATEWAY`` (unset or empty: the local default),
+    either checked as ``--gateway`` is: ConfigError for a value no connection can use.
+    A given address was taken as it was: gRPC wrapped port 99999 round to 34463 and
+    connected there, and "" meant the default (found by an audit)."""
+    if address is not None:
+        try:
+            return check_connectable(address)
+        except ValueError as exc:
+            raise ConfigError(f"gateway address {address!r}: {exc}") from None
     from_env = os.environ.get(GATEWAY_ENV)
     if not from_env:
         return DEFAULT_GATEWAY
@@ -334,6 +339,7 @@ class GatewayConnection:
         *,
         partial: bool = False,
         deadline: float | None = None,
+        retry_unknown_topic: bool = True,
     ) -> dict[tuple[str, int], tuple[int, int]]:
         """``spec`` (a ``common_pb2.OffsetSpec``) resolved per partition: (offset, ts).
 
@@ -341,9 +347,16 @@ class GatewayConnection:
         ``partial``, one pass: partitions that failed (no leader, say) are left out
         instead of retried until the timeout and then raised for all. ``deadline``
         (monotonic; default: the request timeout from now) bounds the whole call.
+        ``retry_unknown_topic`` False: UNKNOWN_TOPIC_OR_PARTITION raises at once (Kafka's
+        Admin.listOffsets, KAFKA-12879) instead of being asked again until the deadline.
         """
         found = self.list_offset_results(
-            partitions, spec, timestamp_ms, partial=partial, deadline=deadline
+            partitions,
+            spec,
+            timestamp_ms,
+            partial=partial,
+            deadline=deadline,
+            retry_unknown_topic=retry_unknown_topic,
         )
         return {tp: (item.offset, item.timestamp_ms) for tp, item in found.items()}
 
@@ -355,6 +368,7 @@ class GatewayConnection:
         *,
         partial: bool = False,
         deadline: float | None = None,
+        retry_unknown_topic: bool = True,
     ) -> dict[tuple[str, int], storage_pb2.ListOffsetsResult]:
         """``list_offsets`` with each partition's whole answer (its leader epoch too)."""
         request = storage_pb2.ListOffsetsRequest(
@@ -375,23 +389,36 @@ class GatewayConnection:
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
         result: dict[tuple[str, int], storage_pb2.ListOffsetsResult] = {}
+        last: common_pb2.Error | None = None  # a partition's last error, while retried
         while True:
-            response: storage_pb2.ListOffsetsResponse = self.call(
-                self.stub.ListOffsets,
-                request,
-                "list offsets",
-                timeout_s=max(0.001, deadline - time.monotonic()),
-            )
+            try:
+                response: storage_pb2.ListOffsetsResponse = self.call(
+                    self.stub.ListOffsets,
+                    request,
+                    "list offsets",
+                    timeout_s=max(0.001, deadline - time.monotonic()),
+                )
+            except RequestTimedOutError:
+                if last is None:
+                    raise
+                # The retry ran out of time: the error it was retried for says more than
+                # "no answer before the deadline" (found by an audit).
+                raise_for(last, "list offsets (retried until the timeout)")
+                raise
             again = []
             for item in response.partitions:
                 if partial and item.error.code != common_pb2.NONE:
                     continue
                 error = error_for_code(int(item.error.code), item.error.message)
+                retriable = error.retriable and (
+                    retry_unknown_topic or error.code != ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+                )
                 if item.error.code != common_pb2.NONE and not (
-                    error.retriable and time.monotonic() + LIST_OFFSETS_RETRY_S < deadline
+                    retriable and time.monotonic() + LIST_OFFSETS_RETRY_S < deadline
                 ):
                     raise_for(item.error, f"offsets of {item.topic}-{item.partition}")
                 if item.error.code != common_pb2.NONE:
+                    last = item.error
                     again.append(item)
                     continue
                 result[(item.topic, item.partition)] = item

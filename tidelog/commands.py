@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any, Final
@@ -26,10 +27,12 @@ from tidelog.errors import (
     GroupIdNotFoundError,
     NonEmptyGroupError,
     OffsetOutOfRangeError,
+    RequestTimedOutError,
     TidelogError,
     UnknownMemberIdError,
     UnknownServerError,
     UnknownTopicOrPartitionError,
+    error_for_code,
 )
 from tidelog.producer import Producer, RecordMetadata
 from tidelog.records import BATCH_OVERHEAD_BYTES, record_bytes
@@ -180,7 +183,8 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
 def _alter_topic(admin: Admin, args: argparse.Namespace) -> int:
     """``tidelog topics alter``: partitions first (the one change that can be refused for
-    the topic's state), then the config overrides, in one all-or-nothing change."""
+    the topic's state), then the config overrides, checked before anything changes; a
+    config change refused after the partitions grew (a concurrent change) says so."""
     if args.partitions is None and not args.config and not args.delete_config:
         raise ConfigError("nothing to alter: give --partitions, --config or --delete-config")
     set_configs = _parse_configs(args.config)
@@ -191,7 +195,18 @@ def _alter_topic(admin: Admin, args: argparse.Namespace) -> int:
         admin.create_partitions(args.name, args.partitions)
     configs = None
     if args.config or args.delete_config:
-        configs = admin.alter_topic_config(args.name, set_configs, args.delete_config)
+        try:
+            configs = admin.alter_topic_config(args.name, set_configs, args.delete_config)
+        except TidelogError as exc:
+            if args.partitions is None:
+                raise
+            # Checked above, but a concurrent change can still refuse it: the one line
+            # must not hide that the partitions did grow.
+            raise error_for_code(
+                exc.code,
+                f"{exc.message} (the topic now has {args.partitions} partitions: that part "
+                "of the change was made)",
+            ) from None
     if args.output == "json":
         _json({"altered": args.name, "partitions": args.partitions, "configs": configs})
     else:
@@ -217,6 +232,8 @@ ALONE_LINE_BYTES: Final = 1024 * 1024
 SETTLE_EVERY_LINES: Final = 10_000
 # How often produce looks whether a line it sent has failed, to stop reading early.
 FAILURE_CHECK_EVERY_LINES: Final = 256
+# consume without --follow fails after this long without a record short of the end.
+CONSUME_STALL_TIMEOUT_MS: Final = 30_000
 
 
 class _Delivery:
@@ -396,6 +413,18 @@ def cmd_consume(args: argparse.Namespace) -> int:
             ends: dict[tuple[str, int], int] = {}
             shown = 0
             sep = args.key_separator
+            # Table output is the records' bytes as they are, as Kafka's console consumer
+            # writes them: decoded and re-encoded, bytes that are not UTF-8 came out as
+            # U+FFFD, and `consume a | produce b` corrupted binary values (found by an audit).
+            out = sys.stdout.buffer
+            sep_bytes = sep.encode() if sep is not None else b""
+            # The consumer retries a dead gateway for ever (as Kafka's does): without a
+            # bound, a consume to the end whose gateway died waited silently for ever
+            # (found by an audit).
+            timeout_ms = args.timeout_ms
+            if timeout_ms is None and not args.follow:
+                timeout_ms = CONSUME_STALL_TIMEOUT_MS
+            last_record_at = time.monotonic()
             while args.max_messages is None or shown < args.max_messages:
                 assigned = consumer.assignment()
                 new = [tp for tp in assigned if tp not in ends]
@@ -418,6 +447,18 @@ def cmd_consume(args: argparse.Namespace) -> int:
                     break
                 left = None if args.max_messages is None else args.max_messages - shown
                 records = consumer.poll(max_records=left, timeout_ms=500)
+                if records:
+                    last_record_at = time.monotonic()
+                elif (
+                    timeout_ms is not None
+                    and (time.monotonic() - last_record_at) * 1000 >= timeout_ms
+                ):
+                    if args.follow:
+                        break  # Kafka's --timeout-ms: no record for that long, done
+                    raise RequestTimedOutError(
+                        f"no record for {timeout_ms} ms before the end of {args.topic} was "
+                        "reached: is the gateway (or a partition's leader) reachable?"
+                    )
                 for record in records:
                     if args.output == "json":
                         print(
@@ -434,11 +475,12 @@ def cmd_consume(args: argparse.Namespace) -> int:
                             )
                         )
                     elif sep is not None:
-                        print(f"{_text(record.key) or ''}{sep}{_text(record.value) or ''}")
+                        out.write(b"%s%s%s\n" % (record.key or b"", sep_bytes, record.value or b""))
                     else:
-                        print(_text(record.value) or "")
+                        out.write(b"%s\n" % (record.value or b""))
                     shown += 1
                 sys.stdout.flush()
+                out.flush()
                 if records and args.group is not None:
                     consumer.commit()  # what was printed (positions follow poll's records)
         return 0
