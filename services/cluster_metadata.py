@@ -229,14 +229,15 @@ def decode_topic(kv: KeyValue) -> Topic:
 
 
 def encode_partition(record: PartitionRecord) -> bytes:
-    return _dump(
-        {
-            "leader": record.leader,
-            "leader_epoch": record.leader_epoch,
-            "isr": list(record.isr),
-            "partition_epoch": record.partition_epoch,
-        }
-    )
+    value: dict[str, object] = {
+        "leader": record.leader,
+        "leader_epoch": record.leader_epoch,
+        "isr": list(record.isr),
+        "partition_epoch": record.partition_epoch,
+    }
+    if record.isr_epochs:
+        value["isr_epochs"] = list(record.isr_epochs)
+    return _dump(value)
 
 
 @_decoder
@@ -244,11 +245,15 @@ def decode_partition(kv: KeyValue) -> tuple[str, int, PartitionRecord]:
     """``(topic, partition, record)`` from a ``partitions/<topic>/<p>`` key."""
     topic, _, partition = kv.key.removeprefix(PARTITIONS_PREFIX).rpartition("/")
     value = _load(kv)
+    isr = tuple(int(b) for b in value["isr"])
+    epochs = tuple(int(e) for e in value.get("isr_epochs", ()))
     record = PartitionRecord(
         leader=int(value["leader"]),
         leader_epoch=int(value["leader_epoch"]),
-        isr=tuple(int(b) for b in value["isr"]),
+        isr=isr,
         partition_epoch=int(value["partition_epoch"]),
+        # Kept only when they pair with the ISR (absent in records written before).
+        isr_epochs=epochs if len(epochs) == len(isr) else (),
     )
     return topic, int(partition), record
 

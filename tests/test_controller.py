@@ -43,7 +43,7 @@ from services.cluster_metadata import (
     topic_key,
 )
 from services.controller import controller as controller_module
-from services.controller.controller import Controller, ControllerConfig, NewTopic
+from services.controller.controller import Controller, ControllerConfig, IsrProposal, NewTopic
 from services.controller.election import ControllerElection
 from services.controller.state import Broker, PartitionRecord
 from services.metastore import Guard, MetaStore
@@ -416,6 +416,99 @@ def test_a_standby_does_not_campaign_in_a_loop_once_the_terms_revision_is_compac
             active.stop()
             standby_meta.close()
             active_meta.close()
+
+
+@pytest.mark.parametrize("ends_by", ["resync", "failover"])
+def test_a_broker_restarted_unseen_mid_term_leaves_the_isr_after_a_later_isr_write(
+    tmp_path: Path, ends_by: str
+) -> None:
+    """A broker restarts (perhaps with an empty disk) while the controller's broker watch
+    is down; before the controller notices, the leader's ordinary AlterPartition (keeping
+    it) rewrites the partition key. The resync (or a successor's take-office) told a
+    restart by the registration being newer than the key's revision, so the new
+    incarnation stayed in the ISR and was elected when the leader died: every
+    acknowledged record could be lost. Records now name their ISR members' broker epochs
+    (``isr_epochs``). In-process controller, real etcd, brokers as bare registrations;
+    the watch outage is made by retiring the watch's generation. Found by an audit."""
+    with EtcdProcess(tmp_path / "etcd") as server, MetaStore(server.endpoint, cluster="c") as meta:
+        leases = {}
+        for broker_id in (1, 2, 3):
+            leases[broker_id] = meta.grant_lease(3600)
+            assert meta.create_if_absent(
+                broker_key(broker_id),
+                encode_broker(Broker(broker_id, "127.0.0.1", 1)),
+                leases[broker_id],
+            )
+        controller = Controller(
+            meta,
+            ControllerConfig(controller_id=1, advertised_address="127.0.0.1:1", session_ttl_s=2),
+        ).start()
+        try:
+            wait_for(lambda: controller.is_active, 15, "the controller active")
+            (created,) = controller.create_topics(
+                [NewTopic("t", 0, 0, assignments=((0, (1, 2, 3)),))]
+            )
+            assert created.error is None, created.error
+
+            def record() -> PartitionRecord:
+                return decode_partition(meta.get(partition_key("t", 0)))[2]
+
+            assert record().isr == (1, 2, 3) and record().leader == 1
+            term = controller._term
+            assert term is not None
+            # The broker watch goes down: its events are no longer delivered.
+            with controller._lock:
+                term.watch_generation += 1
+            old_epoch = meta.get(broker_key(3)).create_revision
+            # Broker 3 restarts (say with an empty disk) while nobody watches.
+            meta.revoke_lease_id(leases[3].id)
+            leases[3] = meta.grant_lease(3600)
+            assert meta.create_if_absent(
+                broker_key(3), encode_broker(Broker(3, "127.0.0.1", 1)), leases[3]
+            )
+            new_epoch = meta.get(broker_key(3)).create_revision
+            assert new_epoch > old_epoch
+            # The leader shrinks the lagging broker 2 out (an ordinary AlterPartition).
+            before = record()
+            broker1_epoch = meta.get(broker_key(1)).create_revision
+            (outcome,) = controller.alter_partition(
+                1,
+                broker1_epoch,
+                [IsrProposal("t", 0, before.leader_epoch, (1, 3), before.partition_epoch)],
+            )
+            assert outcome.error is None, outcome.error
+            if ends_by == "resync":
+                # The watch failure is noticed: a resync re-reads the brokers.
+                generation = term.watch_generation
+                controller._schedule_resync(term)
+                wait_for(
+                    lambda: term.watch_generation > generation and not term.resync_needed,
+                    15,
+                    "the resync",
+                )
+            else:
+                # The controller stops before noticing; a successor takes office.
+                controller.stop()
+                controller = Controller(
+                    meta,
+                    ControllerConfig(
+                        controller_id=2, advertised_address="127.0.0.1:2", session_ttl_s=2
+                    ),
+                ).start()
+                wait_for(lambda: controller.is_active, 15, "the successor active")
+            time.sleep(0.5)
+            after = record()
+            # The consequence: the leader dies, and the restarted incarnation is elected.
+            meta.revoke_lease_id(leases[1].id)
+            wait_for(lambda: record().leader != 1, 15, "the leader's failure handled")
+            elected = record()
+            assert 3 not in after.isr and elected.leader != 3, (
+                f"broker 3's new incarnation (epoch {new_epoch}, old {old_epoch}) stayed in "
+                f"the ISR after the resync ({after}) and was elected when the leader died "
+                f"({elected})"
+            )
+        finally:
+            controller.stop()
 
 
 def test_a_failing_resync_backs_off_while_etcd_is_down(tmp_path: Path) -> None:

@@ -106,6 +106,27 @@ def test_a_replica_that_registered_again_after_its_isr_was_decided_leaves_it() -
     assert everyone.evict_restarted({("u", 0): 1000}) == []  # written since: done
 
 
+def test_a_restart_is_told_by_the_records_broker_epochs_whenever_it_was_written() -> None:
+    """A record stamped with its ISR members' broker epochs shows a member that restarted
+    unseen even when the record was written after the restart (the controller stamped
+    the epoch it knew: the old one); the revision test alone missed it (found by an
+    audit). A stamp equal to the registration is no restart, whatever the revision."""
+    state = cluster()  # brokers' epochs 100-102
+    stamped = {key: record.stamped(state.brokers) for key, record in state.partitions.items()}
+    state.partitions.update(stamped)
+    assert state.partitions[("t", 0)].isr_epochs == (100, 101, 102)
+    assert state.partitions[("t", 0)] == PartitionRecord(0, 0, (0, 1, 2), 0)  # not compared
+    state.brokers[1] = Broker(1, "127.0.0.1", 9001, epoch=500)  # restarted unseen
+    written_after = {key: 600 for key in state.partitions}  # every key rewritten since
+    changes = {c.key: c.new for c in step(state, state.evict_restarted(written_after))}
+    assert set(changes) == {("t", 0), ("t", 1), ("t", 2)}
+    assert all(1 not in record.isr for record in changes.values())
+    assert changes[("t", 1)].leader != 1
+    restamped = {key: record.stamped(state.brokers) for key, record in state.partitions.items()}
+    state.partitions.update(restamped)
+    assert state.evict_restarted({key: 1 for key in state.partitions}) == []
+
+
 def test_last_isr_member_death_takes_partition_offline_and_keeps_it_in_isr() -> None:
     state = cluster()
     step(state, state.on_broker_down(1))

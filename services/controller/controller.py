@@ -415,7 +415,7 @@ TXN_CHUNK_BYTES: Final = 512 * 1024
 """Estimated bytes per split transaction: a third of etcd's default 1.5 MiB request
 limit, with 249-character topic names in every key (each key goes in twice: its
 compare and its put)."""
-_PARTITION_VALUE_BYTES: Final = 128
+_PARTITION_VALUE_BYTES: Final = 256
 """An upper estimate of an encoded partition record and of a compare's own fields."""
 
 
@@ -654,6 +654,14 @@ class Controller:
         Raises _ConflictError (a compared revision moved), NotControllerError (the guard
         failed: deposed) or MetaStoreError (outcome unknown: a resync is scheduled).
         """
+        # Each record names its ISR members' broker epochs as known now: a member that
+        # restarted unseen shows by its epoch later, whenever the record was written
+        # (``ClusterState.evict_restarted``).
+        brokers = term.state.brokers
+        plan = dataclasses.replace(
+            plan,
+            changes=[dataclasses.replace(c, new=c.new.stamped(brokers)) for c in plan.changes],
+        )
         chunks = _chunks(plan)
         for done, chunk in enumerate(chunks):
             try:

@@ -91,12 +91,31 @@ class Topic:
 
 @dataclass(frozen=True, slots=True)
 class PartitionRecord:
-    """What etcd holds under ``partitions/<topic>/<p>``."""
+    """What etcd holds under ``partitions/<topic>/<p>``.
+
+    ``isr_epochs``: the broker epoch of each ISR member (same order) as the controller
+    knew it when it wrote the record (-1: not registered then; empty: written before
+    they were kept). Not part of the record's identity (``compare=False``): decisions
+    compare the rest. It tells a member that restarted unseen (``evict_restarted``) even
+    when the record was written after the restart.
+    """
 
     leader: int
     leader_epoch: int
     isr: tuple[int, ...]
     partition_epoch: int
+    isr_epochs: tuple[int, ...] = field(default=(), compare=False)
+
+    def stamped(self, brokers: Mapping[int, Broker]) -> PartitionRecord:
+        """This record with ``isr_epochs`` taken from ``brokers`` (the registrations)."""
+        epochs = tuple(brokers[b].epoch if b in brokers else -1 for b in self.isr)
+        return dataclasses.replace(self, isr_epochs=epochs)
+
+    def epoch_of(self, broker_id: int) -> int:
+        """The broker epoch ``broker_id`` had when this record was written; -1: unknown."""
+        if len(self.isr_epochs) == len(self.isr) and broker_id in self.isr:
+            return self.isr_epochs[self.isr.index(broker_id)]
+        return -1
 
     def is_online(self) -> bool:
         return self.leader != NO_LEADER
@@ -269,9 +288,11 @@ class ClusterState:
         return changes
 
     def evict_restarted(self, decided_at: Mapping[TopicPartition, int]) -> list[PartitionChange]:
-        """Take replicas registered after their partition's state was last written
-        (``decided_at``: the partition key's etcd mod revision) out of its ISR and
-        leadership: they restarted while no controller was active, so nobody ran
+        """Take replicas registered anew since their partition's state was written (a
+        broker epoch other than the record's ``isr_epochs`` says; for a record without
+        them, a registration after ``decided_at``, the partition key's etcd mod
+        revision) out of its ISR and leadership: they restarted while no controller was
+        active, or while this one's broker watch was down, so nobody ran
         ``on_broker_down`` for the old incarnation, and the new one may have come back
         with less (an empty disk). Kafka's controller fences a re-registered incarnation
         the same way. They rejoin through their leader once caught up. An ISR whose
@@ -279,18 +300,19 @@ class ClusterState:
         a restarted leader leads a new epoch: its new incarnation may hold less than it
         did, and a follower ahead of it at the old epoch must find that divergence
         (KIP-320) rather than keep records the leader then writes over at the same
-        offsets."""
+        offsets.
+
+        The revision alone missed a restart followed by a write of the record (a leader's
+        AlterPartition keeping the member, decided while the controller did not know of
+        the restart): the new incarnation, perhaps with an empty disk, stayed in the ISR
+        and could be elected (found by an audit)."""
         changes = []
         for (name, p), old in sorted(self.partitions.items()):
             revision = decided_at.get((name, p))
             topic = self.topics.get(name)
-            if revision is None or topic is None:
+            if topic is None:
                 continue
-            restarted = {
-                b
-                for b in (*old.isr, old.leader)
-                if b in self.brokers and self.brokers[b].epoch > revision
-            }
+            restarted = {b for b in (*old.isr, old.leader) if self._restarted(old, b, revision)}
             remaining = [b for b in old.isr if b not in restarted]
             if not restarted:
                 continue
@@ -312,6 +334,16 @@ class ClusterState:
                 leader, isr = old.leader, tuple(remaining)
             changes.append(PartitionChange(name, p, old, _next(old, leader, isr)))
         return changes
+
+    def _restarted(self, record: PartitionRecord, broker_id: int, revision: int | None) -> bool:
+        """Whether ``broker_id`` registered anew since ``record`` was written."""
+        broker = self.brokers.get(broker_id)
+        if broker is None:
+            return False
+        known = record.epoch_of(broker_id)
+        if known > 0:
+            return broker.epoch != known
+        return revision is not None and broker.epoch > revision
 
     def on_broker_up(self, broker: Broker) -> list[PartitionChange]:
         """A broker (re)registered: elect it where a partition waits for exactly it.
