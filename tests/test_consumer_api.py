@@ -8,12 +8,13 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tidelog
-from tests.support.cluster import GatewayProcess, poll_records
+from tests.support.cluster import GatewayProcess, poll_records, running_cluster, wait_for
 from tests.support.tcp_proxy import TcpProxy
 from tidelog import formats as f
 from tidelog.batch import crc32c, header_crc_of
@@ -459,3 +460,43 @@ def test_a_consumer_refuses_a_request_timeout_below_one_ms() -> None:
     deadline (the producer refused it already)."""
     with pytest.raises(ConfigError, match="request_timeout_ms must be >= 1"):
         tidelog.Consumer("127.0.0.1:1", request_timeout_ms=0)
+
+
+def test_an_offline_partition_does_not_stop_the_reset_of_the_others(tmp_path: Path) -> None:
+    """Positions to reset (auto_offset_reset) were looked up together, in a retry loop
+    until the request timeout: one partition without a leader (its RF=1 broker dead)
+    failed every poll after 30 s, and the partition whose leader was alive was never
+    read. As Kafka does, each partition is reset on its own now; the leaderless one is
+    asked again after a back-off while the others are read. Found by an audit."""
+    with running_cluster(tmp_path, brokers=2) as cluster:
+        gateway = cluster.start_gateway()
+        admin = tidelog.Admin(gateway.address)
+        admin.create_topic("offl", partitions=2, replication_factor=1)
+        with tidelog.Producer(gateway.address) as producer:
+            for p in range(2):
+                producer.send_batch("offl", [f"{p}-{i}".encode() for i in range(10)], partition=p)
+            producer.flush()
+        leaders = {s.partition: s.leader for s in cluster.partitions("offl")}
+        assert leaders[0] != leaders[1], leaders  # one partition per broker
+        cluster.kill(cluster.brokers[leaders[1]])
+        wait_for(
+            lambda: {s.partition: s.leader for s in cluster.partitions("offl")}[1] < 0,
+            30,
+            "partition 1 offline",
+        )
+        with tidelog.Consumer(
+            gateway.address, auto_offset_reset="earliest", request_timeout_ms=5000
+        ) as consumer:
+            consumer.assign([("offl", 0), ("offl", 1)])
+            got: list[bytes] = []
+            errors: list[str] = []
+            deadline = time.monotonic() + 20
+            while len(got) < 10 and time.monotonic() < deadline:
+                try:
+                    got += [r.value for r in consumer.poll(timeout_ms=500)]
+                except TidelogError as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+            assert sorted(got) == sorted(f"0-{i}".encode() for i in range(10)), (
+                f"partition 0 (its leader alive) was not read; poll raised {len(errors)} "
+                f"times: {errors[:2]}"
+            )

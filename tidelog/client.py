@@ -369,8 +369,10 @@ class GatewayConnection:
         partial: bool = False,
         deadline: float | None = None,
         retry_unknown_topic: bool = True,
+        failed: dict[tuple[str, int], TidelogError] | None = None,
     ) -> dict[tuple[str, int], storage_pb2.ListOffsetsResult]:
-        """``list_offsets`` with each partition's whole answer (its leader epoch too)."""
+        """``list_offsets`` with each partition's whole answer (its leader epoch too).
+        With ``partial``, the errors of the partitions left out go into ``failed``."""
         request = storage_pb2.ListOffsetsRequest(
             replica_id=-1,
             partitions=[
@@ -408,6 +410,11 @@ class GatewayConnection:
             again = []
             for item in response.partitions:
                 if partial and item.error.code != common_pb2.NONE:
+                    if failed is not None:
+                        failed[(item.topic, item.partition)] = error_for_code(
+                            int(item.error.code),
+                            f"offsets of {item.topic}-{item.partition}: {item.error.message}",
+                        )
                     continue
                 error = error_for_code(int(item.error.code), item.error.message)
                 retriable = error.retriable and (

@@ -442,6 +442,8 @@ class Consumer:
         self._subscription: list[str] = []
         self._positions: dict[TopicPartition, int] = {}
         self._needs_position: set[TopicPartition] = set()
+        # When poll may ask again for positions a reset could not find (no leader).
+        self._reset_retry_at = 0.0
         self._buffer: deque[_Buffered] = deque()
         # Partitions with an invalid batch in the buffer: not fetched until a seek or a
         # pause drops it (module docstring: invalid batches).
@@ -1001,7 +1003,7 @@ class Consumer:
     def position(self, tp: TopicPartition) -> int:
         """The offset of the next record ``poll`` returns for ``tp``."""
         tp = self._check_assigned(tp)
-        self._ensure_positions()
+        self._ensure_positions(only=[tp])  # the others' look-ups are not this call's
         return self._positions[tp]
 
     def _drop_buffered(self, tps: set[TopicPartition], *, keep_epochs: bool = False) -> None:
@@ -1031,10 +1033,20 @@ class Consumer:
                 del self._fetches[group]
                 fetch.future.cancel()
 
-    def _ensure_positions(self) -> None:
-        if not self._needs_position:
+    def _ensure_positions(
+        self, *, only: Sequence[TopicPartition] | None = None, one_pass: bool = False
+    ) -> None:
+        """Positions for the partitions that need one (``only`` those named): the group's
+        commits, else ``auto_offset_reset``. ``one_pass`` (poll's way): partitions whose
+        reset failed retriably (no leader right now) keep waiting for a position, asked
+        again after a back-off, while the others are fetched, as Kafka resets each
+        partition on its own. One partition without a leader used to hold every other
+        partition's reset in a retry loop until the request timeout, and fail it: a
+        consumer whose broker died read nothing at all (found by an audit)."""
+        wanted = self._needs_position if only is None else self._needs_position & set(only)
+        if not wanted or (one_pass and time.monotonic() < self._reset_retry_at):
             return
-        missing = sorted(self._needs_position)
+        missing = sorted(wanted)
         if self.group_id is not None:
             for tp, (offset, epoch) in self._committed_entries(missing).items():
                 if offset >= 0:
@@ -1043,9 +1055,9 @@ class Consumer:
                     if epoch >= 0:
                         self._position_epoch[tp] = epoch
                         self._fetched_epoch[tp] = epoch
-        self._reset_positions(sorted(self._needs_position))
+        self._reset_positions([tp for tp in missing if tp in self._needs_position], one_pass)
 
-    def _reset_positions(self, tps: list[TopicPartition]) -> None:
+    def _reset_positions(self, tps: list[TopicPartition], one_pass: bool = False) -> None:
         if not tps:
             return
         if self._reset == "none":
@@ -1054,7 +1066,17 @@ class Consumer:
                 "auto_offset_reset is 'none'"
             )
         spec = common_pb2.EARLIEST if self._reset == "earliest" else common_pb2.LATEST
-        self._set_positions(self._conn.list_offset_results(tps, spec))
+        if not one_pass:
+            self._set_positions(self._conn.list_offset_results(tps, spec))
+            return
+        failed: dict[TopicPartition, TidelogError] = {}
+        found = self._conn.list_offset_results(tps, spec, partial=True, failed=failed)
+        self._set_positions(found)
+        for error in failed.values():
+            if not error.retriable:
+                raise error
+        if failed:
+            self._reset_retry_at = time.monotonic() + RETRY_BACKOFF_S
 
     # --- polling --------------------------------------------------------------------------
 
@@ -1162,7 +1184,7 @@ class Consumer:
                 # now, not when this poll ends (a long poll would otherwise send the moved
                 # partitions' fetches to the dead broker until its timeout).
                 self._try_refresh_leaders()
-            self._ensure_positions()
+            self._ensure_positions(one_pass=True)
             self._send_fetches()
             if self._buffer:
                 return
