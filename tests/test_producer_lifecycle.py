@@ -20,13 +20,14 @@ from typing import Any
 import pytest
 
 import tidelog
-from tests.support.cluster import GatewayProcess, TestCluster, wait_for
+from tests.support.cluster import GatewayProcess, TestCluster, poll_records, wait_for
 from tidelog.errors import (
     ClientErrorCode,
     ConcurrentAccessError,
     ConfigError,
     ErrorCode,
     InvalidReplicationFactorError,
+    MessageTooLargeError,
     RequestTimedOutError,
     TidelogError,
     UnknownTopicOrPartitionError,
@@ -442,3 +443,66 @@ def test_wakeup_error_has_a_client_code_of_its_own() -> None:
     assert concurrent.code is ClientErrorCode.CONCURRENT_ACCESS and int(concurrent.code) == -1001
     assert str(concurrent) == "CONCURRENT_ACCESS: not safe for multi-threaded access"
     assert not isinstance(error_for_code(-1001), ConcurrentAccessError)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_batch_over_max_message_bytes_is_split_and_sent_again(
+    gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """Records that each fit a topic's max.message.bytes but not together (its limit
+    below batch_bytes) all failed MESSAGE_TOO_LARGE with their batch. As Kafka's sender
+    does, a refused batch of several records is split in halves and sent again (under a
+    new producer id: its sequences were spent), until each fits: every record written
+    once, in order; one record over the limit alone still fails. Found by an audit."""
+    topic = f"split-{'direct' if direct else 'gateway'}"
+    _create(admin, topic, 1, 1)
+    admin.alter_topic_config(topic, {"max.message.bytes": "4096"})
+    with tidelog.Producer(gateway.address, direct=direct, linger_ms=200) as producer:
+        futures = [producer.send(topic, b"%03d" % i + b"v" * 500, partition=0) for i in range(20)]
+        offsets = [f.result(30).offset for f in futures]
+        grouped = producer.send_batch(topic, [b"w" * 500] * 20, partition=0).result(30)
+        with pytest.raises(MessageTooLargeError):
+            producer.send(topic, b"x" * 5000, partition=0).result(30)
+    assert offsets == list(range(20))
+    assert list(grouped.offsets) == list(range(20, 40))
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([(topic, 0)])
+        values = [value for _, value in poll_records(consumer, 40)]
+    assert values[:20] == [b"%03d" % i + b"v" * 500 for i in range(20)]
+
+
+def test_a_negative_timestamp_is_refused_at_the_send(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka's rule: a record's timestamp is non-negative. Taken, -2**63 and now in one
+    batch overflowed the encoder's int64 deltas in the sender: every batch of the request
+    failed, other partitions' too, and their spent sequences made the next batch
+    OUT_OF_ORDER_SEQUENCE (found by an audit)."""
+    _create(admin, "negative-ts", 2, 1)
+    with tidelog.Producer(gateway.address, linger_ms=100) as producer:
+        innocent = producer.send("negative-ts", b"v", partition=0)
+        with pytest.raises(ConfigError, match="non-negative"):
+            producer.send("negative-ts", b"old", partition=1, timestamp_ms=-(2**63) + 5)
+        with pytest.raises(ConfigError, match="non-negative"):
+            producer.send_batch("negative-ts", [b"old"], partition=1, timestamp_ms=-1)
+        assert innocent.result(30).offset == 0
+        assert producer.send("negative-ts", b"w", partition=0).result(30).offset == 1
+
+
+def test_keyed_send_batch_spreads_its_none_keys_and_takes_bytearray_keys(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A keyed send_batch's None-keyed records went to the sticky partition without
+    counting towards moving it on (KIP-794): every one of them, in every call, landed on
+    one partition. bytearray keys, taken by send(), raised TypeError (unhashable) in
+    send_batch. Found by an audit."""
+    _create(admin, "none-keys", 4, 1)
+    with tidelog.Producer(gateway.address, batch_bytes=1024, linger_ms=0) as producer:
+        spread: set[int] = set()
+        for _ in range(30):
+            meta = producer.send_batch("none-keys", [b"v" * 100] * 20, keys=[None] * 20)
+            spread.update(meta.result(30).partitions)
+        single = producer.send("none-keys", b"v", key=bytearray(b"k")).result(30)
+        grouped = producer.send_batch("none-keys", [b"v"], keys=[bytearray(b"k")]).result(30)
+    assert len(spread) > 1, spread
+    assert grouped.partitions[0] == single.partition

@@ -81,8 +81,10 @@ def murmur2_partitions(
         if key is None:
             append(default)
             continue
-        partition = seen.get(key)
+        # A bytearray or memoryview is no dict key (found by an audit).
+        hashable = key if isinstance(key, bytes) else bytes(key)
+        partition = seen.get(hashable)
         if partition is None:
-            partition = seen[key] = to_positive(murmur2(key)) % num_partitions
+            partition = seen[hashable] = to_positive(murmur2(hashable)) % num_partitions
         append(partition)
     return out

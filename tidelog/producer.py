@@ -149,8 +149,10 @@ from tidelog.errors import (
     DuplicateSequenceError,
     InconsistentTopicIdError,
     LeaderNotAvailableError,
+    MessageTooLargeError,
     NetworkError,
     OutOfOrderSequenceError,
+    RecordListTooLargeError,
     RequestTimedOutError,
     TidelogError,
     UnknownServerError,
@@ -264,16 +266,22 @@ def _check_binary(items: Sequence[Any], name: str) -> None:
 
 
 def _timestamp(timestamp_ms: int | None) -> int:
-    """The records' timestamp: now, or the one given if it is an int64 (checked at the
-    call: found when the sender encodes, it would fail every batch of the request)."""
+    """The records' timestamp: now, or the one given if it is a non-negative int64
+    (Kafka's ProducerRecord rule), checked at the call: found when the sender encodes, it
+    would fail every batch of the request. Negative ones were taken, and two in one batch
+    further apart than an int64 (-2**63 and now) failed the encoding in the sender: every
+    batch of the request, other partitions' too, whose spent sequences then made their
+    next batch OUT_OF_ORDER_SEQUENCE (found by an audit)."""
     if timestamp_ms is None:
         return int(time.time() * 1000)
     try:
         ts = int(timestamp_ms)
     except (TypeError, ValueError):
         raise ConfigError(f"timestamp_ms must be an int, got {timestamp_ms!r}") from None
-    if not -(2**63) <= ts < 2**63:
-        raise ConfigError(f"timestamp_ms must be an int64, got {timestamp_ms!r}")
+    if not 0 <= ts < 2**63:
+        raise ConfigError(
+            f"timestamp_ms must be a non-negative int64 (ms since the epoch), got {timestamp_ms!r}"
+        )
     return ts
 
 
@@ -381,6 +389,7 @@ class _Batch:
         "keys",
         "last_error",
         "ordinal",
+        "ordinal_room",
         "producer_id",
         "record_futures",
         "request_key",
@@ -413,7 +422,10 @@ class _Batch:
         # if its delivery timeout passes first (Producer._fail_expired).
         self.last_error: TidelogError | None = None
         self.finished = False  # its futures are set (_finishing)
-        self.ordinal = 0  # place in its partition's queue (``_PartitionQueue.enqueue``)
+        # Place in its partition's queue (``_PartitionQueue.enqueue``); halves of a split
+        # batch (``Producer._halves``) take places between it and the next one's.
+        self.ordinal: float = 0
+        self.ordinal_room = 1.0  # the gap to the next batch's ordinal
         self.generation = 0  # the flush generation it was created in (Producer.flush)
         # The topic incarnation its records are for ("" unknown): requests name it, so a
         # topic deleted and created again refuses them (INCONSISTENT_TOPIC_ID).
@@ -1080,6 +1092,14 @@ class Producer:
             for index, p in enumerate(chosen):
                 by_partition.setdefault(p, []).append(index)
             plan = list(by_partition.items())
+            # None keys went to the sticky partition: counted, so that it moves on after
+            # a batch's worth as for keyless sends; uncounted, every None-keyed record of
+            # every keyed send_batch landed on one partition for good (found by an audit).
+            unkeyed = sum(
+                record_bytes(values[i], None, None) for i, k in enumerate(keys) if k is None
+            )
+            if unkeyed:
+                self._stick(topic, sticky, unkeyed, count)
         elif keys is not None:
             count = self._partition_count(topic)
             by_partition = {}
@@ -1807,8 +1827,8 @@ class Producer:
             for batch in batches:
                 if batch.encoded is None:
                     self._encode(pq, batch)
-                    self._metrics.record("batch-size", batch.encoded_bytes)
                     if not batch.attempts:  # not a refused batch encoded again
+                        self._metrics.record("batch-size", batch.encoded_bytes)
                         self._metrics.add("record-send-total", len(batch))
                 parts += batch.encoded or ()
             encoded.append(parts)
@@ -2272,7 +2292,8 @@ class Producer:
         self, picked: list[tuple[_PartitionQueue, list[_Batch]]], error: TidelogError
     ) -> None:
         now = time.monotonic()
-        for pq, batches in picked:
+        for pq, answered in picked:
+            batches = answered  # what the request carried (its in-flight count)
             with self._lock:
                 refused = isinstance(
                     error, OutOfOrderSequenceError
@@ -2287,6 +2308,18 @@ class Producer:
                 with self._lock:
                     for batch in batches:
                         batch.request_key = next(self._request_keys)
+            if isinstance(error, MessageTooLargeError | RecordListTooLargeError) and (
+                len(batches) > 1 or len(batches[0]) > 1
+            ):
+                # Kafka's splitAndReenqueue: records that each fit max.message.bytes but
+                # not together (a topic's limit below batch_bytes) all failed here. Each
+                # batch of several records goes back as two halves, each batch in a
+                # request of its own (a request's batches share the partition's error).
+                with self._lock:
+                    batches = [half for batch in batches for half in self._halves(batch)]
+                    for batch in batches:
+                        batch.request_key = next(self._request_keys)
+                split = True
             retry = [
                 b
                 for b in batches
@@ -2328,7 +2361,7 @@ class Producer:
                         pq.requeue(batches)
                         self._watch_expiry(batches)
                         pq.retry_at_s = now + RETRY_BACKOFF_S
-                        pq.request_done(batches, failed=True)
+                        pq.request_done(answered, failed=True)
                         self._lock.notify_all()
                 if not closed and not broken:
                     self._metrics.add("record-retry-total", sum(len(b) for b in batches))
@@ -2337,11 +2370,59 @@ class Producer:
                 # A batch close() stopped from being retried fails as close() fails the rest.
                 self._fail(batch, self._closed_error(batch) if closed else error)
             with self._lock:
-                if self._idempotent and any(b.sent for b in batches):
+                if self._idempotent and any(b.sent for b in answered):
                     # The leader's sequence state for this id is unknown now: start afresh.
                     self._producer_id = -1
-                pq.request_done(batches, failed=True)
+                pq.request_done(answered, failed=True)
                 self._lock.notify_all()
+
+    def _halves(self, batch: _Batch) -> list[_Batch]:
+        """(lock held) ``batch`` cut in two, to be sent again as new batches (``[batch]``
+        as it is when it holds one record). Its sequence numbers were spent and not
+        written: with idempotence the producer takes a new producer id, as after any
+        failed batch, under which the halves and what follows them are numbered anew."""
+        n = len(batch)
+        if n < 2:
+            return [batch]
+        middle = n // 2
+        halves = [_Batch(batch.tp), _Batch(batch.tp)]
+        for half, (lo, hi) in zip(halves, ((0, middle), (middle, n)), strict=True):
+            half.topic_id = batch.topic_id
+            half.created_s = batch.created_s  # its delivery timeout still counts from here
+            half.attempts = batch.attempts  # (not counted as first sends again)
+            half.generation = batch.generation
+            half.last_error = batch.last_error
+            if batch.arrow_values is not None:
+                half.arrow_values = batch.arrow_values.slice(lo, hi - lo)
+                if batch.arrow_keys is not None:
+                    half.arrow_keys = batch.arrow_keys.slice(lo, hi - lo)
+                half.timestamps = list(batch.timestamps)
+            else:
+                half.values = batch.values[lo:hi]
+                if batch.keys is not None:
+                    half.keys = batch.keys[lo:hi]
+                if batch.headers is not None:
+                    half.headers = batch.headers[lo:hi]
+                half.timestamps = batch.timestamps[lo:hi]
+            half.record_futures = [(i - lo, f) for i, f in batch.record_futures if lo <= i < hi]
+            # A send_batch slice: its group indices follow the batch's records in order.
+            half.group_slots = [(group, indices[lo:hi]) for group, indices in batch.group_slots]
+        first, second = halves
+        first.size_bytes = batch.size_bytes * middle // n
+        second.size_bytes = batch.size_bytes - first.size_bytes  # the buffer's count stays
+        first.ordinal_room = second.ordinal_room = batch.ordinal_room / 2
+        first.ordinal, second.ordinal = batch.ordinal, batch.ordinal + first.ordinal_room
+        # One unfinished batch more, in the same flush generation, and one more batch for
+        # each send_batch group to wait for; the original is done with, completed by none.
+        self._unfinished += 1
+        self._unfinished_by_generation[batch.generation] += 1
+        for group, _ in batch.group_slots:
+            group.pending += 1
+        batch.finished = True
+        batch.record_futures, batch.group_slots = [], []
+        if self._idempotent and batch.sent:
+            self._producer_id = -1
+        return halves
 
     def _finishing(self, batch: _Batch) -> bool:
         """Whether ``batch`` is yet to be completed, marking it completed. Only a failed
