@@ -1795,6 +1795,25 @@ def _silent_leader(cluster: TestCluster, admin: tidelog.Admin, topic: str) -> It
         os.kill(cluster.brokers[leader].pid, signal.SIGCONT)
 
 
+def test_a_produce_ends_by_its_client_deadline_and_writes_nothing_after_it(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A unary Produce with a 1 s gRPC deadline and timeout_ms unset (the gateway's 30 s)
+    to a stopped leader: the gateway ignored the client's deadline, held the request (a
+    thread, a concurrency slot, its bytes) and appended it once the leader went on, after
+    the client had been told DEADLINE_EXCEEDED: a client that retried wrote it twice. It
+    now ends by the client's deadline, answering REQUEST_TIMED_OUT, as the other calls
+    do (found by an audit)."""
+    with _silent_leader(cluster, admin, "client-deadline"):
+        result = _produce_batch(
+            gateway, "client-deadline", encode_batch([b"once"]), timeout_ms=0, deadline_s=1.0
+        )
+        time.sleep(1.0)  # the leader stays stopped past the client's deadline
+    assert ErrorCode(result.error.code) == ErrorCode.REQUEST_TIMED_OUT, result.error
+    time.sleep(1.0)  # the leader goes on: what it was sent it would write now
+    assert _end_offset(gateway, "client-deadline", 0) == 0
+
+
 def test_a_leader_that_does_not_answer_is_named_in_the_timeout(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

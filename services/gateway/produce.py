@@ -591,9 +591,19 @@ class ProduceHandler:
             partitions=[_failed(data, error) for data in request.partitions],
         )
 
-    def produce(self, request: gateway_pb2.ProduceRequest) -> gateway_pb2.ProduceResponse:
-        """A unary Produce; raises TidelogError when the request as a whole is bad."""
+    def produce(
+        self, request: gateway_pb2.ProduceRequest, client_deadline: float | None = None
+    ) -> gateway_pb2.ProduceResponse:
+        """A unary Produce; raises TidelogError when the request as a whole is bad.
+
+        ``client_deadline`` (monotonic): when the caller stops waiting, if before the
+        request's ``timeout_ms``. Its appends end by then: one kept on for ``timeout_ms``
+        held a worker, a concurrency slot and its bytes long after the client had gone,
+        and could write after the client was told DEADLINE_EXCEEDED, which a retrying
+        client then wrote twice (found by an audit)."""
         deadline = validate(request, self.limits)
+        if client_deadline is not None:
+            deadline = min(deadline, client_deadline)
         size = record_bytes(request)
         if not self.budget.acquire(size, deadline):
             return self._no_room(request)

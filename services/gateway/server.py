@@ -181,7 +181,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def Produce(  # noqa: N802 - gRPC's method name
         self, request: gateway_pb2.ProduceRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.ProduceResponse:
-        return self._produce.produce(request)
+        remaining_s = context.time_remaining()
+        client_deadline = (
+            None
+            if remaining_s is None
+            else time.monotonic() + max(0.0, remaining_s - DEADLINE_MARGIN_S)
+        )
+        return self._produce.produce(request, client_deadline)
 
     def ProduceStream(  # noqa: N802 - gRPC's method name
         self, request_iterator: Iterator[gateway_pb2.ProduceRequest], context: grpc.ServicerContext
