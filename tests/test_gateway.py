@@ -1778,6 +1778,55 @@ def _end_offset(gateway: GatewayProcess, topic: str, partition: int) -> int:
     return int(answer.partitions[0].offset)
 
 
+def test_appends_waiting_for_a_leader_hold_no_worker_and_end_by_their_deadline() -> None:
+    """Appends to partitions without a leader waited on workers of one shared pool for
+    their whole timeout: a client writing to offline partitions filled it, and an append
+    to a partition merely between leaders (elected a moment later) queued behind them
+    and failed long after its leader was known. They wait holding no worker now
+    (``leader_waits``), start once the metadata names a leader, and are answered by
+    their deadline. Scripted storage and metadata (the moment between two leaders cannot
+    be held on cue with real processes); 2 workers per pool. Found by an audit."""
+    storage = _ScriptedStorage()
+    leaders = _ScriptedLeaders([Broker(1, "127.0.0.1", storage.port)], {p: -1 for p in range(6)})
+    channels = Channels()
+    handler = ProduceHandler(Router(cast(Any, leaders), channels), ProduceLimits(workers=2))
+    offline: list[tuple[float, gateway_pb2.ProduceResponse]] = []
+
+    def produce_offline(partitions: list[int]) -> None:
+        response = handler.produce(_scripted_produce(common_pb2.ALL, partitions, 2_500))
+        offline.append((time.monotonic(), response))
+
+    blockers = [
+        threading.Thread(target=produce_offline, args=(parts,), daemon=True)
+        for parts in ([0, 1], [2, 3])
+    ]
+    try:
+        started = time.monotonic()
+        for thread in blockers:
+            thread.start()
+        wait_for(lambda: handler.leader_waits.waiting() == 4 or None, 5, "the offline appends")
+        elect = threading.Timer(0.3, lambda: (leaders.move(4, 1), leaders.move(5, 1)))
+        elect.start()
+        asked = time.monotonic()
+        response = handler.produce(_scripted_produce(common_pb2.ALL, [4, 5], 2_000))
+        took_s = time.monotonic() - asked
+        assert [r.error.code for r in response.partitions] == [common_pb2.NONE] * 2, response
+        assert took_s < 1.5, took_s
+        assert sorted(storage.appended) == [4, 5]
+        for thread in blockers:
+            thread.join(10)
+        for answered_at, answer in offline:  # at their deadline, not a worker's later
+            assert answered_at - started < 2.5 + 1.0
+            codes = {ErrorCode(r.error.code) for r in answer.partitions}
+            assert codes == {ErrorCode.LEADER_NOT_AVAILABLE}, answer
+        assert handler.leader_waits.waiting() == 0
+        elect.join()
+    finally:
+        handler.close()
+        channels.close()
+        storage.stop()
+
+
 @contextlib.contextmanager
 def _silent_leader(cluster: TestCluster, admin: tidelog.Admin, topic: str) -> Iterator[int]:
     """A new one-partition topic whose leader is stopped (SIGSTOP) inside the block,
@@ -2635,7 +2684,7 @@ def test_send_batch_checks_its_items_before_queueing_anything(
             producer.send(topic, b"x", partition=0, headers=[("k",)])  # type: ignore[list-item]
         with pytest.raises(ConfigError, match="header names must be str"):
             producer.send(topic, b"x", partition=0, headers=[(b"k", b"v")])  # type: ignore[list-item]
-        with pytest.raises(ConfigError, match="timestamp_ms must be an int64"):
+        with pytest.raises(ConfigError, match="timestamp_ms must be a non-negative int64"):
             producer.send(topic, b"x", partition=0, timestamp_ms=2**63)
         with pytest.raises(ConfigError, match="timestamp_ms must be an int"):
             producer.send_batch(topic, [b"x"], timestamp_ms="soon")  # type: ignore[arg-type]

@@ -37,6 +37,8 @@ import grpc
 import structlog
 
 from services.gateway.byte_budget import ByteBudget
+from services.gateway.leader_waits import LeaderWaits
+from services.gateway.leader_waits import failed_result as _failed
 from services.gateway.metadata_cache import Leader
 from services.gateway.router import DEADLINE_MARGIN_S, Router
 from services.status import error_from_proto, to_error_proto
@@ -45,6 +47,7 @@ from tidelog.errors import (
     REROUTE_CODES,
     InvalidRequestError,
     InvalidRequiredAcksError,
+    LeaderNotAvailableError,
     NotLeaderOrFollowerError,
     RecordListTooLargeError,
     RequestTimedOutError,
@@ -147,20 +150,6 @@ def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> floa
     return time.monotonic() + timeout_ms / 1000
 
 
-def _failed(
-    data: gateway_pb2.ProducePartitionData, error: TidelogError
-) -> gateway_pb2.ProducePartitionResult:
-    return gateway_pb2.ProducePartitionResult(
-        topic=data.topic,
-        partition=data.partition,
-        error=to_error_proto(error),
-        base_offset=-1,
-        last_offset=-1,
-        log_append_time_ms=-1,
-        log_start_offset=-1,
-    )
-
-
 def _stopping(data: gateway_pb2.ProducePartitionData) -> gateway_pb2.ProducePartitionResult:
     return _failed(data, UnknownServerError("the gateway is stopping; nothing was written"))
 
@@ -235,6 +224,8 @@ class ProduceHandler:
         self._pools_lock = threading.Lock()
         self._closed = False
         self.budget = ByteBudget(limits.queued_max_request_bytes)
+        # Appends whose partition has no leader wait there, holding no worker.
+        self.leader_waits = LeaderWaits(router.cache)
         self._counts_lock = threading.Lock()
         self._append_many_calls = 0  # AppendMany calls made (observability, tests)
         self._group_partitions_alone = 0  # of their partitions, those appended alone after
@@ -246,6 +237,7 @@ class ProduceHandler:
             self._pools.clear()
         for pool in pools:
             pool.executor.shutdown(wait=False, cancel_futures=True)
+        self.leader_waits.close()
 
     def group_counts(self) -> tuple[int, int]:
         """(AppendMany calls made, partitions of a group that were appended alone after
@@ -320,15 +312,33 @@ class ProduceHandler:
         data: gateway_pb2.ProducePartitionData,
         fn: Callable[[], gateway_pb2.ProducePartitionResult],
         refused: Callable[[], None] | None,
+        deadline: float,
     ) -> Future[gateway_pb2.ProducePartitionResult]:
         """``fn`` on the pool of the partition's leader; never raises. When no pool takes
-        it (the gateway is stopping), ``refused`` runs and the future holds the failure."""
+        it (the gateway is stopping), ``refused`` runs and the future holds the failure.
+        A partition without a leader now waits for one in ``leader_waits`` (no worker
+        held), answered there by ``deadline`` if none comes."""
+        if self._leaderless(data):
+            waiting = self.leader_waits.wait(
+                data, deadline, partial(self._on_leader_pool, data, fn), refused
+            )
+            if waiting is not None:
+                return waiting
         future = self._on_leader_pool(data, fn)
         if future is not None:
             return future
         if refused is not None:
             refused()
         return Submitted.done(_stopping(data)).result
+
+    def _leaderless(self, data: gateway_pb2.ProducePartitionData) -> bool:
+        try:
+            self._router.cache.leader(data.topic, data.partition)
+        except LeaderNotAvailableError:
+            return True
+        except TidelogError:
+            return False  # no such partition: the append says so at once
+        return False
 
     # --- one partition ----------------------------------------------------------------------
 
@@ -429,7 +439,9 @@ class ProduceHandler:
                 if result is not None:
                     future.set_result(result)
                     continue
-                alone = self._start(data, partial(self.append, data, acks, deadline), None)
+                alone = self._start(
+                    data, partial(self.append, data, acks, deadline), None, deadline
+                )
                 alone.add_done_callback(partial(_pass_on, future, data))
 
         def run() -> None:
@@ -669,7 +681,9 @@ class ProduceHandler:
         if unknown is not None:
             return Submitted.done(_failed(data, unknown))
         if acks != common_pb2.NONE_ACKS:
-            future = self._chain(data, after, lambda: self.append(data, acks, deadline))
+            future = self._chain(
+                data, after, lambda: self.append(data, acks, deadline), deadline=deadline
+            )
             return Submitted(result=future, tail=future)
         # acks=0: answer now; the append runs in the background, bounded per leader
         # broker (the one the metadata names now: the slot stays taken if it moves).
@@ -708,7 +722,7 @@ class ProduceHandler:
             finally:
                 background.release()
 
-        tail = self._chain(data, after, run, refused=background.release)
+        tail = self._chain(data, after, run, refused=background.release, deadline=deadline)
         accepted = Submitted.done(
             gateway_pb2.ProducePartitionResult(
                 topic=data.topic,
@@ -728,11 +742,13 @@ class ProduceHandler:
         after: Future[gateway_pb2.ProducePartitionResult] | None,
         fn: Callable[[], gateway_pb2.ProducePartitionResult],
         refused: Callable[[], None] | None = None,
+        *,
+        deadline: float,
     ) -> Future[gateway_pb2.ProducePartitionResult]:
         """``fn`` on a worker once ``after`` is done; the pool is chosen when it starts
         (the one it would have had at submit may have been dropped since)."""
         if after is None or after.done():
-            return self._start(data, fn, refused)
+            return self._start(data, fn, refused, deadline)
         chained: Future[gateway_pb2.ProducePartitionResult] = Future()
 
         def finished(inner: Future[gateway_pb2.ProducePartitionResult]) -> None:
@@ -744,7 +760,7 @@ class ProduceHandler:
             chained.set_result(inner.result())
 
         def start(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
-            self._start(data, fn, refused).add_done_callback(finished)
+            self._start(data, fn, refused, deadline).add_done_callback(finished)
 
         after.add_done_callback(start)
         return chained
