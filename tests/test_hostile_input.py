@@ -794,6 +794,38 @@ def _follower_fetch(
     )
 
 
+def test_a_fetch_naming_a_later_leader_epoch_than_the_leaders_is_refused(env: Env) -> None:
+    """A consumer fetch whose last_fetched_epoch is later than the leader's own epoch:
+    the fetcher read records of a successor this broker has not heard of (it was routed
+    by stale metadata). It was answered as a divergence, and a consumer moved its
+    position back and read records twice; it is UNKNOWN_LEADER_EPOCH now (retriable),
+    with nothing changed (found by an audit)."""
+    leader = env.leader_of(KNOWN, 0)
+    (state,) = [p for p in env.cluster.partitions(KNOWN) if p.partition == 0]
+    before = quiet_snapshot(env)
+    result = rpc(
+        env.storage(leader),
+        "Storage",
+        "Fetch",
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=0,
+            partitions=[
+                storage_pb2.FetchPartition(
+                    topic=KNOWN,
+                    partition=0,
+                    fetch_offset=RECORDS_PER_PARTITION,
+                    last_fetched_epoch=state.leader_epoch + 3,
+                )
+            ],
+        ),
+    )
+    assert_refused(result, ErrorCode.UNKNOWN_LEADER_EPOCH, "last_fetched_epoch past the leader's")
+    (answer,) = [p for r in result.responses for p in r.partitions]  # type: ignore[attr-defined]
+    assert answer.diverging_end_offset in (-1, 0), answer
+    assert_unchanged(before, quiet_snapshot(env), "a fetch naming a later leader epoch")
+
+
 def test_follower_fetch_from_a_broker_that_is_not_a_replica_is_refused(env: Env) -> None:
     leader = env.leader_of(SOLO)
     other = 1 - leader

@@ -628,6 +628,17 @@ class Partition:
         """
         with self._lock:
             self._check_leader(current_leader_epoch)
+            if last_fetched_epoch > self._leader_epoch:
+                # The fetcher read records of a later leader epoch than this leader's: a
+                # successor exists that this broker has not heard of yet. Answered as a
+                # divergence (the epoch is unknown here), a consumer routed by stale
+                # metadata moved its position back and read records twice (found by an
+                # audit); Kafka's current-leader-epoch check refuses such a fetch first.
+                raise UnknownLeaderEpochError(
+                    f"{self.topic}-{self.partition}: the fetcher holds records of leader "
+                    f"epoch {last_fetched_epoch}, later than this leader's "
+                    f"{self._leader_epoch}: a newer leader exists"
+                )
             if last_fetched_epoch >= 0:
                 diverging = fetch_divergence(
                     last_fetched_epoch=last_fetched_epoch,
