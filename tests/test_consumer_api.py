@@ -119,6 +119,38 @@ def test_paused_partitions_are_not_read_until_resumed(
         assert consumer.paused() == []
 
 
+def test_a_partition_assigned_again_is_auto_committed_even_at_its_old_offset(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The auto-commit skips positions equal to what this consumer last committed. That
+    memory outlived an assignment: a partition given up and assigned again, its
+    position back at the offset this consumer had committed, was skipped as unchanged
+    over what another consumer had committed meanwhile (Kafka's auto-commit commits every
+    consumed position). Found by an audit."""
+    admin.create_topic("reassigned", partitions=2, replication_factor=1)
+    tp = ("reassigned", 0)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch("reassigned", [b"v%d" % i for i in range(10)], partition=0)
+        producer.flush()
+    with (
+        tidelog.Consumer(
+            gateway.address, group_id="reassigned", auto_commit_interval_ms=1
+        ) as consumer,
+        tidelog.Consumer(gateway.address, group_id="reassigned") as other,
+    ):
+        consumer.assign([tp])
+        consumer.seek(tp, 5)
+        consumer.commit()
+        consumer.assign([("reassigned", 1)])  # gives tp up
+        other.assign([tp])
+        other.commit({tp: 9})
+        consumer.assign([tp])
+        consumer.seek(tp, 5)
+        time.sleep(0.01)  # past the auto-commit interval since assign's own commit
+        consumer.poll(timeout_ms=50)  # the auto-commit is due: position 5 is consumed
+        assert other.committed([tp]) == {tp: 5}
+
+
 def test_offsets_for_times_partitions_for_and_subscription(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -840,6 +840,12 @@ class Consumer:
         self._drop_buffered({tp for tp in self._assignment if tp not in keep})
         self._assignment = partitions
         self._positions = {tp: o for tp, o in self._positions.items() if tp in keep}
+        # What this consumer last committed means nothing for a partition it gave up: back
+        # later at the same offset, the auto-commit skipped it as unchanged, over what
+        # another consumer had committed meanwhile (found by an audit).
+        self._committed_positions = {
+            tp: o for tp, o in self._committed_positions.items() if tp in keep
+        }
         self._needs_position = {tp for tp in partitions if tp not in self._positions}
         self._paused_tps &= keep
         self._leaders = {
@@ -1514,6 +1520,10 @@ class Consumer:
             self._next_fetch[tp] = position
             if known_epoch is not None:
                 self._fetched_epoch[tp] = known_epoch
+            if position_epoch is not None:
+                # Kept, so a commit made after catching this names it, and a consumer
+                # restarted from that commit finds the truncation too (found by an audit).
+                self._position_epoch[tp] = position_epoch
             raise OffsetOutOfRangeError(
                 f"{tp[0]}-{tp[1]}: the log was truncated at offset {end_offset}, below the "
                 f"position {position} (an unclean leader election): records "
