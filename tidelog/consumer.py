@@ -642,6 +642,10 @@ class Consumer:
         lost = membership.partitions_lost()
         if not lost:
             self._commit_before_reassigning()
+            # A commit the group refused (ILLEGAL_GENERATION, UNKNOWN_MEMBER_ID) shows the
+            # partitions were another member's already: lost, not revoked (Kafka's
+            # onPartitionsLost), read again after the commit (found by an audit).
+            lost = membership.partitions_lost()
         callback = self._on_revoked
         if lost and self._on_lost is not None:
             callback = self._on_lost
