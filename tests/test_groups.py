@@ -1010,6 +1010,15 @@ def test_member_ids_handed_out_and_never_used_are_bounded(gateway: GatewayProces
         joined = stub.JoinGroup(request, timeout=30)
         assert (joined.error.code, joined.member_id) == (ErrorCode.NONE, ids[0])
         stub.LeaveGroup(gateway_pb2.LeaveGroupRequest(group_id="id-hoarders", member_id=ids[0]))
+        # A pending id that leaves (Kafka removes a pending member on LeaveGroup) gives its
+        # place back at once; it used to count until its session ended (found by an audit).
+        request.member_id = ""
+        request.max_wait_ms = 0
+        stub.JoinGroup(request, timeout=30)  # the place ids[0] left: full again
+        with pytest.raises(grpc.RpcError):
+            stub.JoinGroup(request, timeout=30)
+        stub.LeaveGroup(gateway_pb2.LeaveGroupRequest(group_id="id-hoarders", member_id=ids[1]))
+        assert stub.JoinGroup(request, timeout=30).member_id not in ids
 
 
 def test_a_commit_whose_deadline_passed_writes_nothing(

@@ -503,6 +503,17 @@ class GroupCoordinator:
     def leave(self, group_id: str, member_id: str, instance_id: str = "") -> None:
         check_group_id(group_id)
         check_member_id(member_id)
+        if member_id and not instance_id:
+            state, _, _ = self._read(group_id)
+            if member_id not in state.members:
+                pending = self._store.get(session_key(group_id, member_id))
+                if pending is not None and pending.value.isdigit():
+                    # A member id handed out by a first join and never used to join (KIP-394):
+                    # Kafka removes such a pending member on LeaveGroup. Its session key and
+                    # lease lived on, counting against the group's pending ids until the
+                    # session ended (found by an audit).
+                    self._store.revoke_lease_id(int(pending.value))
+                    return
         lease_id: list[int] = []
 
         def change(state: GroupState, alive: set[str], _deadline_passed: bool) -> GroupState:
