@@ -768,11 +768,15 @@ class ProduceHandler:
     # --- ProduceStream ----------------------------------------------------------------------
 
     def stream(
-        self, requests: Iterator[gateway_pb2.ProduceRequest], max_in_flight: int
+        self,
+        requests: Iterator[gateway_pb2.ProduceRequest],
+        max_in_flight: int,
+        is_active: Callable[[], bool] = lambda: True,
     ) -> Iterator[gateway_pb2.ProduceResponse]:
         """Answer a ProduceStream: responses in completion order, matched by
         correlation_id. Raises TidelogError (ending the stream) when the client has more
-        than ``max_in_flight`` requests unanswered."""
+        than ``max_in_flight`` requests unanswered. ``is_active`` (the call's): a request
+        that waited for budget room while the client cancelled is not appended."""
         out: queue.SimpleQueue[gateway_pb2.ProduceResponse | TidelogError | None] = (
             queue.SimpleQueue()
         )
@@ -858,6 +862,14 @@ class ProduceHandler:
                             state["in_flight"] -= 1
                             out.put(refusal)
                         continue
+                    if not is_active():
+                        # Cancelled while it waited for room: its client has gone and
+                        # will not learn the outcome, so nothing is written (found by an
+                        # audit, by reading).
+                        self.budget.release(size)
+                        with lock:
+                            state["in_flight"] -= 1
+                        return
                     try:
                         keys = [(data.topic, data.partition) for data in request.partitions]
                         with lock:

@@ -193,7 +193,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         self, request_iterator: Iterator[gateway_pb2.ProduceRequest], context: grpc.ServicerContext
     ) -> Iterator[gateway_pb2.ProduceResponse]:
         try:
-            yield from self._produce.stream(request_iterator, self._max_in_flight)
+            yield from self._produce.stream(
+                request_iterator, self._max_in_flight, context.is_active
+            )
         except TidelogError as exc:
             abort(context, exc)
 
