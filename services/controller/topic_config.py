@@ -91,7 +91,7 @@ def validate_topic_configs(
     so that a name given twice is caught). Returns the overrides in canonical form
     (booleans lower-cased); raises InvalidConfigError for an unknown key, a duplicate, an
     oversized entry, a value out of range, ``min.insync.replicas`` above the replication
-    factor, or a setting whose value is not implemented (compaction, LogAppendTime).
+    factor, or a setting whose value is not implemented (compaction).
     """
     pairs = list(entries.items()) if isinstance(entries, Mapping) else list(entries)
     if len(pairs) > MAX_CONFIG_ENTRIES:

@@ -52,8 +52,9 @@ import functools
 import random
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 from tidelog import formats
 from tidelog.batch import (
@@ -184,8 +185,11 @@ def check_record_count(header: BatchHeader, position: int) -> None:
         )
 
 
-class AppendInfo(NamedTuple):
-    """Offsets of an append (inclusive).
+@dataclass(frozen=True, slots=True)
+class AppendInfo:
+    """Offsets of an append (inclusive). Unpacks as DESIGN.md's contract says, into the
+    first and last offsets assigned (``first, last = log.append(batch)``); it used to be a
+    tuple of all four fields, which that unpacking refused (found by an audit).
 
     ``duplicate`` is True when the request repeated idempotent batches already in the log
     (a producer retry): nothing was written and the offsets are the original ones, or
@@ -200,6 +204,9 @@ class AppendInfo(NamedTuple):
     # The time the batches were stamped with (message.timestamp.type LogAppendTime); -1
     # for CreateTime, as Kafka answers.
     log_append_time_ms: int = -1
+
+    def __iter__(self) -> Iterator[int]:
+        return iter((self.first_offset, self.last_offset))
 
 
 def _fitting(base_offset: int, spans: list[BatchSpan], begin: int) -> int:
