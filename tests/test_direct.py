@@ -1071,3 +1071,78 @@ def test_channels_to_addresses_no_broker_has_are_closed_after_a_grace(
     assert not directory._retired
     with pytest.raises(ValueError, match="closed"):  # grpc's error on a closed channel
         channels[0].unary_unary("/x")(b"", timeout=1)
+
+
+def test_a_stopped_broker_does_not_stall_appends_to_healthy_leaders(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """max_in_flight_requests counted every leader's requests together: a stopped
+    broker's unanswered appends took all 16 places, and nothing went to the healthy
+    leaders until they timed out (request_timeout_ms, then again). It bounds each
+    leader's now, as Kafka's per connection. Found by an audit."""
+    topic = "direct-stopped-one"
+    wait_for(lambda: len(cluster.describe_cluster().brokers) == 3 or None, 30, "3 brokers")
+    admin.create_topic(topic, partitions=18, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+    stopped_id = leaders[0]
+    stuck = [p for p, b in leaders.items() if b == stopped_id]
+    healthy = next(p for p, b in leaders.items() if b != stopped_id)
+    with tidelog.Producer(
+        gateway.address, direct=True, linger_ms=0, request_timeout_ms=20_000
+    ) as producer:
+        for p in range(18):  # pipes, producer id and leaders known
+            producer.send(topic, b"warm", partition=p).result(30)
+        pid = cluster.brokers[stopped_id].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for _ in range(5):  # a few sender passes' worth each, left unanswered
+                for p in stuck:
+                    producer.send(topic, b"to-stopped", partition=p)
+                    time.sleep(0.03)
+            started = time.monotonic()
+            assert producer.send(topic, b"to-healthy", partition=healthy).result(8).offset == 1
+            assert time.monotonic() - started < 3.0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+def _threads_in_until_stop() -> int:
+    """Threads of this process blocked in the producer's stream request iterator."""
+    count = 0
+    for top in sys._current_frames().values():
+        frame: Any = top
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "_until_stop" and code.co_filename.endswith("producer.py"):
+                count += 1
+                break
+            frame = frame.f_back
+    return count
+
+
+def test_pipes_that_end_leave_no_thread_behind(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """An append stream (pipe) that ended by itself (its broker died, it was cancelled
+    as hung, the broker refused it) left gRPC's thread sending its requests waiting for
+    ever, one per pipe, close() too: a producer facing restarting brokers piled them up
+    until it could start no thread. The reader tells it to stop now, as the gateway
+    stream's does. Found by an audit."""
+    topic = "direct-pipe-threads"
+    _create(admin, topic, 1)
+    before = _threads_in_until_stop()
+    producer = tidelog.Producer(gateway.address, direct=True, linger_ms=0)
+    try:
+        producer.send(topic, b"first").result(30)
+        leader = admin.describe_topic(topic).partitions[0].leader
+        cluster.kill(cluster.brokers[leader])  # its pipe ends; retries find it dead
+        futures = []
+        for i in range(60):
+            futures.append(producer.send(topic, b"r%d" % i))
+            time.sleep(0.02)
+        for future in futures:
+            future.result(60)
+    finally:
+        producer.close(10)
+        cluster.start_broker(leader)
+    wait_for(lambda: _threads_in_until_stop() == before or None, 10, "the pipes' threads to end")

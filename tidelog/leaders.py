@@ -243,6 +243,16 @@ class LeaderDirectory:
             return None  # the leader's registration is gone: it died or is restarting
         return Leader(broker_id=entry[0], leader_epoch=entry[1], address=address)
 
+    def cached_address(self, tp: TopicPartition) -> str | None:
+        """The address of the partition's leader as cached now, never asking the gateway
+        (None when unknown): for choices that must not wait, as the producer's sender
+        skipping partitions whose leader has its requests in flight at the limit."""
+        with self._lock:
+            entry = self._leaders.get(tp)
+            if entry is None or entry[0] < 0:
+                return None
+            return self._addresses.get(entry[0])
+
     def address(self, broker_id: int) -> str | None:
         """A live broker's address as last known; None when it is not registered."""
         with self._lock:

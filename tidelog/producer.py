@@ -24,8 +24,10 @@ Pieces (Kafka's producer, reduced to what a gateway client needs):
   ``Append`` to the partition's leader itself, as Kafka's producer does, instead of through
   the gateway (``tidelog.leaders``: the gateway still gives metadata and producer ids).
   The appends one pass of the sender makes to one leader count as one request against
-  ``max_in_flight_requests``, as they would be one produce request in Kafka (counted one
-  by one, a thousand partitions' acks=all appends went 16 at a time). Those of
+  that leader's ``max_in_flight_requests``, as they would be one produce request on one
+  connection in Kafka (counted one by one, a thousand partitions' acks=all appends went
+  16 at a time; counted for all leaders together, a stopped broker's took every place and
+  the healthy leaders' partitions waited for its timeout). Those of
   partitions with nothing else in flight, ``GROUP_MIN_PARTITIONS`` or more, go in one
   ``AppendMany`` call, answered per partition.
   An answer that says the leader moved, or a broker that cannot be reached, makes the
@@ -799,6 +801,12 @@ class Producer:
         # dispatch; dispatch -> its requests unanswered).
         self._dispatch_of: dict[int, int] = {}
         self._dispatch_left: dict[int, int] = {}
+        # Direct mode: dispatches unanswered per leader address, and each one's address.
+        # max_in_flight_requests bounds each leader's, as Kafka's per connection: one
+        # bound for all let a stopped broker's unanswered requests take every place, and
+        # nothing went to the healthy leaders until they timed out (found by an audit).
+        self._dispatches_by_address: dict[str, int] = {}
+        self._dispatch_address: dict[int, str] = {}
         self._dispatches = itertools.count(1)
         # GROUP_MIN_PARTITIONS, per producer: the chaos workload sets 1, as its gateway
         # runs with --produce-group-min-partitions 1, so that groups meet its faults.
@@ -1385,6 +1393,8 @@ class Producer:
         self._sent_at_s.clear()
         self._dispatch_of.clear()
         self._dispatch_left.clear()
+        self._dispatches_by_address.clear()
+        self._dispatch_address.clear()
         calls = [self._stream.call] if self._stream is not None else []
         calls += [pipe.call for pipe in self._pipes.values()]
         self._lock.notify_all()
@@ -1435,12 +1445,19 @@ class Producer:
     def _ready(self, now: float) -> tuple[list[tuple[_PartitionQueue, list[_Batch]]], float]:
         """(lock held) Batches to send now, and how long until more may be ready."""
         wait_s = 1.0
+        full = {
+            address
+            for address, count in self._dispatches_by_address.items()
+            if count >= self._max_in_flight
+        }
         for tp, batch in list(self._open.items()):
             if self._flushing or self._closing:
                 self._close_open(tp)
                 continue
             pq = self._queues.get(tp)
-            if pq is not None and (not self._may_send(pq) or pq.retry_at_s > now):
+            if pq is not None and (
+                not self._may_send(pq) or pq.retry_at_s > now or self._leader_full(tp, full)
+            ):
                 # The partition cannot send now: later records keep joining this batch
                 # (as in Kafka's accumulator) instead of each wake-up closing a batch of
                 # a few records, which the leader, followers and consumers would then
@@ -1456,6 +1473,8 @@ class Producer:
         for pq in self._queues.values():
             if not pq.batches or not self._may_send(pq):
                 continue
+            if self._leader_full(pq.batches[0].tp, full):
+                continue  # its leader's places are taken: the others' partitions go on
             if pq.retry_at_s > now:
                 wait_s = min(wait_s, pq.retry_at_s - now)
                 continue
@@ -1614,7 +1633,8 @@ class Producer:
                         hung = self._hung_pipe(time.monotonic())
                     if hung is not None:
                         break
-                    if self._requests_in_flight() < self._max_in_flight:
+                    if self._leaders is not None or len(self._in_flight) < self._max_in_flight:
+                        # (Direct mode: bounded per leader, in ``_ready``.)
                         picked, wait_s = self._ready(time.monotonic())
                         if picked:
                             self._sending = picked  # for _sender_failed, until dispatched
@@ -1661,11 +1681,12 @@ class Producer:
             # Calls not started yet are dropped when forced: close() failed their batches.
             self._appenders.shutdown(cancel=aborted)
 
-    def _requests_in_flight(self) -> int:
-        """(lock held) Requests unanswered, as ``max_in_flight_requests`` counts them."""
-        if self._leaders is None:
-            return len(self._in_flight)
-        return len(self._dispatch_left)
+    def _leader_full(self, tp: tuple[str, int], full: set[str]) -> bool:
+        """(lock held, direct mode) Whether the partition's leader, as cached, has
+        ``max_in_flight_requests`` dispatches unanswered (``full``)."""
+        if not full or self._leaders is None:
+            return False
+        return self._leaders.cached_address(tp) in full
 
     def _put_in_flight(
         self,
@@ -1681,6 +1702,9 @@ class Producer:
         dispatch = dispatch_of_leader.get(leader.address)
         if dispatch is None:
             dispatch = dispatch_of_leader[leader.address] = next(self._dispatches)
+            self._dispatch_address[dispatch] = leader.address
+            by_address = self._dispatches_by_address
+            by_address[leader.address] = by_address.get(leader.address, 0) + 1
         self._dispatch_of[correlation_id] = dispatch
         self._dispatch_left[dispatch] = self._dispatch_left.get(dispatch, 0) + 1
 
@@ -1698,6 +1722,13 @@ class Producer:
                 self._dispatch_left[dispatch] = left
             else:
                 self._dispatch_left.pop(dispatch, None)
+                address = self._dispatch_address.pop(dispatch, None)
+                if address is not None:
+                    count = self._dispatches_by_address.get(address, 1) - 1
+                    if count > 0:
+                        self._dispatches_by_address[address] = count
+                    else:
+                        self._dispatches_by_address.pop(address, None)
                 self._lock.notify_all()  # the sender may send again
         return picked, sent_at_s
 
@@ -2159,6 +2190,11 @@ class Producer:
                 if picked is not None:
                     stranded.append(picked)
             pipe.pending.clear()
+        # gRPC's thread sending this stream's requests waits on the queue: told to stop,
+        # as the gateway stream's is. Left waiting, every pipe that ended on its own (a
+        # dead or hung broker, a refused stream) kept a thread for the life of the
+        # process, close() too (found by an audit).
+        pipe.requests.put(_STOP)
         if stranded and self._leaders is not None and error.retriable:
             self._leaders.invalidate()  # the broker may be gone: ask where leaders are
         for picked in stranded:  # in send order, so retries keep it
