@@ -1471,3 +1471,55 @@ def test_with_the_topic_option_a_topic_column_of_any_type_is_ignored() -> None:
     check_schema(schema, parse_write_options({"topic": "t"}, streaming=False))
     with pytest.raises(ConfigError, match="column 'topic' must be a string"):
         check_schema(schema, parse_write_options({}, streaming=False))
+
+
+def test_a_pattern_query_polling_while_one_of_its_topics_is_deleted_goes_on(
+    gateway: GatewayProcess,
+) -> None:
+    """With subscribePattern a deleted topic is data loss, and failOnDataLoss=false goes
+    on without it (docs/SPARK.md). The driver's latestOffset and reportLatestOffset, which
+    Spark calls every few ms while a query idles, listed the partitions, then asked for
+    their bounds: a deletion in between was asked for until the request timeout and
+    failed the query. The partitions are listed again now. Found by an audit."""
+    admin = tidelog.Admin(gateway.address)
+    for topic in ("pdel-keep", "pdel-gone"):
+        admin.create_topic(topic, partitions=2, replication_factor=1)
+    options = parse_read_options(
+        {
+            "gateway": gateway.address,
+            "subscribepattern": "pdel-.*",
+            "startingoffsets": "earliest",
+            "failondataloss": "false",
+            "requesttimeoutms": "2000",
+        },
+        streaming=True,
+    )
+    source = TidelogStreamReader(options)
+    start: dict[str, Any] = source.latestOffset(source.initialOffset(), ReadAllAvailable())
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        nonlocal start
+        while not stop.is_set():
+            try:
+                start = source.latestOffset(start, ReadAllAvailable())
+                source.reportLatestOffset()
+            except Exception as exc:  # what failed the query, whatever it is
+                errors.append(exc)
+                return
+
+    polling = threading.Thread(target=poll)
+    polling.start()
+    try:
+        for _ in range(3):
+            admin.delete_topic("pdel-gone")
+            time.sleep(2.5)  # past the 2 s request timeout
+            if errors:
+                break
+            admin.create_topic("pdel-gone", partitions=2, replication_factor=1)
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        polling.join(30)
+    assert not errors, repr(errors[0])

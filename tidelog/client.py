@@ -437,13 +437,23 @@ class GatewayConnection:
             time.sleep(LIST_OFFSETS_RETRY_S)
 
     def bounds(
-        self, partitions: Sequence[tuple[str, int]]
+        self, partitions: Sequence[tuple[str, int]], *, retry_unknown_topic: bool = True
     ) -> dict[tuple[str, int], PartitionOffsets]:
         """[earliest, latest) of each partition, latest being the high watermark, both
-        within one request timeout."""
+        within one request timeout (``retry_unknown_topic`` as ``list_offsets``')."""
         deadline = time.monotonic() + self.timeout_s
-        earliest = self.list_offsets(partitions, common_pb2.EARLIEST, deadline=deadline)
-        latest = self.list_offsets(partitions, common_pb2.LATEST, deadline=deadline)
+        earliest = self.list_offsets(
+            partitions,
+            common_pb2.EARLIEST,
+            deadline=deadline,
+            retry_unknown_topic=retry_unknown_topic,
+        )
+        latest = self.list_offsets(
+            partitions,
+            common_pb2.LATEST,
+            deadline=deadline,
+            retry_unknown_topic=retry_unknown_topic,
+        )
         return {tp: PartitionOffsets(earliest[tp][0], latest[tp][0]) for tp in partitions}
 
     # --- data ---------------------------------------------------------------------------------

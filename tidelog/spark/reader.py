@@ -95,10 +95,14 @@ def resolve_partitions(connection: GatewayConnection, options: ReadOptions) -> l
 
 
 def resolve_bounds(
-    connection: GatewayConnection, partitions: Sequence[TopicPartition]
+    connection: GatewayConnection,
+    partitions: Sequence[TopicPartition],
+    *,
+    retry_unknown_topic: bool = True,
 ) -> dict[TopicPartition, Bounds]:
-    """[earliest, high watermark) of each partition."""
-    raw = connection.bounds(partitions)
+    """[earliest, high watermark) of each partition; ``retry_unknown_topic`` False: a
+    partition gone since it was listed raises UnknownTopicOrPartitionError at once."""
+    raw = connection.bounds(partitions, retry_unknown_topic=retry_unknown_topic)
     return {tp: Bounds(b.earliest, b.latest) for tp, b in raw.items()}
 
 

@@ -30,7 +30,7 @@ from pyspark.sql.streaming.datasource import (
 from pyspark.sql.types import StructType
 
 from tidelog.client import GatewayConnection
-from tidelog.errors import ConfigError
+from tidelog.errors import ConfigError, TidelogError, UnknownTopicOrPartitionError
 from tidelog.leaders import Leader
 from tidelog.spark import direct, planning, reader
 from tidelog.spark.options import ReadOptions, parse_read_options
@@ -64,6 +64,10 @@ def _range_partitions(
         RangePartition(r, leaders.get((r.topic, r.partition)), topic_ids.get(r.topic, ""))
         for r in ranges
     ]
+
+
+LIST_ATTEMPTS = 3
+"""Times the partitions are listed again when one vanished before its bounds came."""
 
 
 def _topic_ids(connection: GatewayConnection, topics: Iterable[str]) -> dict[str, str]:
@@ -227,10 +231,29 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return GatewayConnection.get(self.options.gateway, self.options.request_timeout_ms)
 
     def _bounds(self) -> dict[TopicPartition, planning.Bounds]:
-        connection = self._connection()
-        return reader.resolve_bounds(
-            connection, reader.resolve_partitions(connection, self.options)
-        )
+        return self._listed(self._connection(), with_ids=False)[1]
+
+    def _listed(
+        self, connection: GatewayConnection, *, with_ids: bool = True
+    ) -> tuple[dict[str, str], dict[TopicPartition, planning.Bounds]]:
+        """The partitions to read with their bounds (and their topics' ids, taken before
+        the bounds: see latestOffset). A topic deleted between the listing and the bounds
+        (a subscribePattern topic, polled every few ms by an idle query) was asked for
+        until the request timeout and failed the query; it is listed again instead, so it
+        drops out (a loss ``resume_offsets`` reports as the options say), and only a
+        subscribed or assigned topic that is gone fails, as an unknown topic (found by an
+        audit)."""
+        for attempt in range(LIST_ATTEMPTS):
+            tps = reader.resolve_partitions(connection, self.options)
+            topic_ids = _topic_ids(connection, (t for t, _ in tps)) if with_ids else {}
+            try:
+                bounds = reader.resolve_bounds(connection, tps, retry_unknown_topic=False)
+            except UnknownTopicOrPartitionError:
+                if attempt == LIST_ATTEMPTS - 1:
+                    raise
+                continue
+            return topic_ids, bounds
+        raise AssertionError("unreachable")
 
     def _latest(self) -> dict[TopicPartition, int]:
         return {tp: b.latest for tp, b in self._bounds().items()}
@@ -243,12 +266,10 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _resolve_initial(self) -> dict[str, Any]:
         options = self.options
         connection = self._connection()
-        tps = reader.resolve_partitions(connection, options)
         # Ids before bounds, as in latestOffset: bounds of a topic deleted and created
         # again in between would otherwise carry the new topic's id, and the next plan
         # would take the old topic's offsets for the new one's.
-        topic_ids = _topic_ids(connection, (t for t, _ in tps))
-        bounds = reader.resolve_bounds(connection, tps)
+        topic_ids, bounds = self._listed(connection)
         if options.starting_timestamp is not None:
             starts = reader.resolve_timestamps(connection, options, bounds)
         else:
@@ -269,11 +290,9 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         connection = self._connection()
-        tps = reader.resolve_partitions(connection, self.options)
         # Ids before bounds, as the batch reader does: bounds looked up first could be the
         # old incarnation's and be labelled with the id of a topic created again between.
-        topic_ids = _topic_ids(connection, (t for t, _ in tps))
-        bounds = reader.resolve_bounds(connection, tps)
+        topic_ids, bounds = self._listed(connection)
         # ``start`` is where the checkpoint says the query got to; what was lost since
         # (retention, a re-created topic) fails the query here, before any task runs, or
         # with failOnDataLoss=false moves the start to what is still there.
@@ -315,7 +334,11 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return planning.end_offsets(start, planning.to_json_offsets(ends, topic_ids))
 
     def reportLatestOffset(self) -> dict[str, dict[str, int]] | None:
-        return planning.to_json_offsets(self._latest())
+        # Only a progress metric: a failed look-up must not fail the query.
+        try:
+            return planning.to_json_offsets(self._latest())
+        except TidelogError:
+            return None
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         # Batch 0 reads from the start its end was computed from (recorded in the end),
