@@ -26,6 +26,7 @@ from services.status import (
     error_from_rpc_error,
     to_error_proto,
 )
+from services.storage.node import EXIT_DISK_FAILURE
 from tests.support.cluster import rpc_error_code, wait_for
 from tests.support.page_cache import on_tmpfs, resident_pages
 from tests.support.process import REPO_ROOT, StartStorage, StorageProcess, tidelog_env
@@ -1527,3 +1528,38 @@ def test_fetches_beyond_the_waiting_places_are_throttled_and_followers_keep_thei
     for future in waiting:
         answer = future.result(RPC_TIMEOUT_S)
         assert answer.throttle_time_ms == 0 and answer.partitions[0].records, answer
+
+
+def _start_storage_on(data_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tidelog", "storage", "--broker-id", "1",
+         "--data-dir", str(data_dir), "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, cwd=REPO_ROOT, env=tidelog_env(), timeout=30,
+        check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("broken", "target", "error"),
+    [
+        ("meta.properties.tmp", "/dev/full", "No space left on device"),
+        ("replication-offset-checkpoint", "/proc/self/mem", "Input/output error"),
+        ("recovery-point-offset-checkpoint", "/proc/self/mem", "Input/output error"),
+    ],
+)
+def test_a_disk_failure_on_the_data_dirs_own_files_at_start_exits_3(
+    tmp_path: Path, broken: str, target: str, error: str
+) -> None:
+    """ENOSPC writing meta.properties and EIO reading the replication-offset checkpoint
+    at start-up ended the node with status 1 (a configuration error's) instead of the
+    failed disk's 3, which the recovery checkpoint already had (found by an audit). Real
+    errors without privileges: /dev/full fails writes with ENOSPC, and /proc/self/mem
+    read at offset 0 with EIO."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    if not broken.startswith("meta.properties"):
+        (data_dir / "meta.properties").write_text("version=0\nbroker.id=1\n")
+    (data_dir / broken).symlink_to(target)
+    done = _start_storage_on(data_dir)
+    assert error in done.stderr, done.stderr[-2000:]
+    assert done.returncode == EXIT_DISK_FAILURE, done.stderr[-2000:]

@@ -287,7 +287,8 @@ class LogManager:
     def read_high_watermarks(self) -> dict[TopicPartitionKey, int]:
         """The last replication-offset-checkpoint (HW per partition); {} if none/unreadable."""
         try:
-            return dict(self._replication_checkpoint.read())
+            with self._reporting_disk_failure():  # an EIO reading it: the disk failed
+                return dict(self._replication_checkpoint.read())
         except CheckpointCorruptError as exc:
             # Without it a replica starts from HW = log start and relearns the HW from its
             # leader (or its followers): slower to serve, never wrong.

@@ -60,6 +60,7 @@ from services.process import (
 )
 from services.status import error_from_proto, error_from_rpc_error
 from services.storage.log import LogConfig
+from services.storage.log.log import is_disk_failure
 from services.storage.log_manager import LogManager
 from services.storage.meta_properties import (
     check_identity,
@@ -383,12 +384,19 @@ class StorageNode:
         if config.etcd:
             self._store = MetaStore(config.etcd, cluster=config.cluster)
             cluster_id = _cluster_id(self._store)
-        found = read_meta_properties(config.data_dir)
-        meta = check_identity(
-            found, broker_id=config.broker_id, cluster_id=cluster_id, data_dir=config.data_dir
-        )
-        if meta != found:
-            write_meta_properties(config.data_dir, meta)
+        try:
+            found = read_meta_properties(config.data_dir)
+            meta = check_identity(
+                found, broker_id=config.broker_id, cluster_id=cluster_id, data_dir=config.data_dir
+            )
+            if meta != found:
+                write_meta_properties(config.data_dir, meta)
+        except OSError as exc:
+            # The data directory's disk failed (ENOSPC, EIO): its exit status, as for the
+            # checkpoints and logs; it was any start-up error's, 1 (found by an audit).
+            if is_disk_failure(exc):
+                _halt(Path(config.data_dir), exc)
+            raise
 
     def _start_aborted(self) -> bool:
         """Whether a stop came during start-up (``abort_start_on``). Checked after the logs
