@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
+from functools import partial
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -121,7 +122,7 @@ def _same_shape(
 
 
 def _parse_or_refuse(
-    deserializer: Callable[[bytes], Any], raw: bytes, method: str, context: grpc.ServicerContext
+    deserializer: Callable[[bytes], Any], method: str, context: grpc.ServicerContext, raw: bytes
 ) -> Any:
     """``raw`` parsed by ``deserializer``; bytes that do not parse end the call with
     INVALID_ARGUMENT (INVALID_REQUEST in the trailer) and a message naming the method."""
@@ -155,11 +156,13 @@ def _parsing_in_behavior(
         return handler  # takes bytes as they are
 
     def run_streaming(raw_requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
-        parsed = (_parse_or_refuse(deserializer, raw, method, context) for raw in raw_requests)
-        return behavior(parsed, context)
+        # map and partial rather than a generator: one Python frame less per message of
+        # a stream (a broker's AppendStream takes thousands a second).
+        parse = partial(_parse_or_refuse, deserializer, method, context)
+        return behavior(map(parse, raw_requests), context)
 
     def run_unary(raw: bytes, context: grpc.ServicerContext) -> Any:
-        return behavior(_parse_or_refuse(deserializer, raw, method, context), context)
+        return behavior(_parse_or_refuse(deserializer, method, context, raw), context)
 
     run = run_streaming if handler.request_streaming else run_unary
     pool = getattr(behavior, "experimental_thread_pool", None)
