@@ -93,6 +93,7 @@ bench-peers: sysdeps bench-deps
 # and strace for disk errors (sysdeps installs them when missing).
 chaos: sysdeps venv
 	TIDELOG_SIM_SEEDS=5000 $(BIN)/pytest -q tests/sim
+	$(BIN)/pytest -q -m slow tests
 	TIDELOG_FUZZ_EXAMPLES=300 $(BIN)/pytest -q tests/test_hostile_input.py
 	TIDELOG_CRASH_IMAGE_SEEDS=200 $(BIN)/pytest -q tests/test_crash_images.py
 	PYTHONPATH=. $(BIN)/python -m tests.chaos --seeds 1-16 --rounds 3 --negative-seeds 1-2 --write-docs

@@ -47,6 +47,21 @@ class TcpProxy:
 
     close = down
 
+    def retarget(self, target: str, *, cut: bool = True) -> None:
+        """Forward new connections to ``target``, and with ``cut`` cut the forwarded
+        ones; the listener stays, so a client reconnecting to the same address lands on
+        the new target (a load balancer moving a client to another gateway)."""
+        host, port = target.rsplit(":", 1)
+        with self._lock:
+            self._target = (host, int(port))
+            if not cut:
+                return
+            connections, self._connections = self._connections, []
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+
     def _accept(self, server: socket.socket) -> None:
         while True:
             try:
