@@ -4,7 +4,9 @@ address nothing listens on: the sender retries while changes keep coming."""
 from __future__ import annotations
 
 import socket
+import threading
 from concurrent import futures
+from typing import Any
 
 import grpc
 
@@ -17,7 +19,9 @@ from services.controller.channel import (
     PartitionAssignmentState,
 )
 from services.controller.state import Broker, PartitionRecord
+from services.status import to_error_proto
 from tests.support.cluster import wait_for
+from tidelog.errors import StorageError
 from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 
 
@@ -103,6 +107,83 @@ def test_a_request_naming_many_partitions_gets_a_longer_deadline() -> None:
         assert many_left_s > DEFAULT_RPC_TIMEOUT_S + 900 * PER_PARTITION_TIMEOUT_S
         # Numbered as sent, so a broker can tell a late one from its successor.
         assert 0 < recorder.versions[0] < recorder.versions[1]
+    finally:
+        manager.shutdown()
+        server.stop(None)
+
+
+class _DiskFullBroker(storage_pb2_grpc.StorageServicer):
+    """Creating 'new-topic' fails (ENOSPC) every time; everything else succeeds."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.leader_and_isr_calls = 0
+        self.stop_replica_calls: list[list[tuple[str, int]]] = []
+
+    def LeaderAndIsr(self, request: Any, context: Any) -> Any:  # noqa: N802
+        with self.lock:
+            self.leader_and_isr_calls += 1
+        return storage_pb2.LeaderAndIsrResponse(
+            partitions=[
+                common_pb2.PartitionResult(
+                    topic=p.state.topic,
+                    partition=p.state.partition,
+                    error=to_error_proto(
+                        StorageError("No space left on device")
+                        if p.state.topic == "new-topic"
+                        else None
+                    ),
+                )
+                for p in request.partitions
+            ]
+        )
+
+    def StopReplica(self, request: Any, context: Any) -> Any:  # noqa: N802
+        with self.lock:
+            self.stop_replica_calls.append([(p.topic, p.partition) for p in request.partitions])
+        return storage_pb2.StopReplicaResponse(
+            partitions=[
+                common_pb2.PartitionResult(topic=p.topic, partition=p.partition)
+                for p in request.partitions
+            ]
+        )
+
+    def UpdateMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return storage_pb2.UpdateMetadataResponse()
+
+
+def test_stop_replica_is_not_starved_by_a_leader_and_isr_that_keeps_failing() -> None:
+    """A partition whose LeaderAndIsr keeps failing with STORAGE_ERROR (retried: a full
+    disk, a stray file where the log goes) kept the LeaderAndIsr mailbox full, and only
+    UpdateMetadata got a turn: every StopReplica(delete) for that broker waited for good,
+    the deletion that would free its disk included. After a failed batch the other kinds
+    go first now. Scripted broker (the channel is what is tested). Found by an audit."""
+    servicer = _DiskFullBroker()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    storage_pb2_grpc.add_StorageServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    acked: list[tuple[int, list[tuple[str, int]]]] = []
+    manager = ControllerChannelManager(
+        1,
+        7,
+        on_stale_controller=lambda error: None,
+        on_stop_acked=lambda broker_id, parts: acked.append((broker_id, parts)),
+    )
+    manager.add_broker(Broker(0, "127.0.0.1", port, epoch=5))
+    try:
+        # The broker's disk is full: the new partition cannot be created (retried).
+        manager.send_leader_and_isr(
+            0, [PartitionAssignmentState("new-topic", 0, PartitionRecord(0, 0, (0,), 0), (0,))]
+        )
+        # The operator deletes an old topic to free space.
+        deletion = Completion()
+        manager.send_stop_replica(
+            0, [("old-topic", 0)], delete=True, topic_id="old-id", completion=deletion
+        )
+        delivered = deletion.wait(15)
+        assert delivered and not deletion.errors, "StopReplica(delete) never sent"
+        assert acked == [(0, [("old-topic", 0)])]
     finally:
         manager.shutdown()
         server.stop(None)

@@ -403,7 +403,9 @@ class _BrokerSender:
         self._closed = False
         self._retry_at = 0.0
         self._backoff_s = INITIAL_BACKOFF_S
-        self._metadata_turn = False  # after a failed partitions batch: UpdateMetadata next
+        # The kind of the last batch that failed: it goes last at the next take, after the
+        # other kinds' pending batches (see ``_take``).
+        self._failed_kind: str | None = None
         self._channel = grpc.insecure_channel(
             format_host_port(broker.host, broker.port), _CHANNEL_OPTIONS
         )
@@ -512,19 +514,29 @@ class _BrokerSender:
                     break
                 self._cond.wait(None if not has_work else self._retry_at - now)
             limit = self._manager.max_partitions_per_request
-            metadata_first = self._metadata_turn and self._update_metadata is not None
-            self._metadata_turn = False
-            for kind, mailbox in (
-                ("leader_and_isr", self._leader_and_isr),
-                ("stop_replica", self._stop_replica),
-            ):
-                if mailbox and not metadata_first:
+            # LeaderAndIsr first, then StopReplica, then UpdateMetadata; after a failed
+            # batch its kind goes last. Partitions a broker keeps failing (STORAGE_ERROR
+            # is retried: a full disk) must not hold back the other kinds: only
+            # UpdateMetadata used to get a turn, and every StopReplica(delete) for that
+            # broker waited for good, the deletion that would free its disk with them
+            # (found by an audit).
+            order = ["leader_and_isr", "stop_replica", "update_metadata"]
+            if self._failed_kind in order:
+                cut = order.index(self._failed_kind) + 1
+                order = order[cut:] + order[:cut]
+            self._failed_kind = None
+            for kind in order:
+                if kind == "update_metadata":
+                    if self._update_metadata is not None:
+                        pending_metadata = self._update_metadata
+                        self._update_metadata = None
+                        return kind, pending_metadata
+                    continue
+                mailbox = self._leader_and_isr if kind == "leader_and_isr" else self._stop_replica
+                if mailbox:
                     keys = sorted(mailbox)[:limit]
                     return kind, {key: mailbox.pop(key) for key in keys}
-            assert self._update_metadata is not None
-            pending_metadata = self._update_metadata
-            self._update_metadata = None
-            return "update_metadata", pending_metadata
+            raise AssertionError("has_work but every mailbox is empty")
 
     def _requeue(
         self,
@@ -587,8 +599,8 @@ class _BrokerSender:
                     self._retry_at = time.monotonic() + self._backoff_s
                     self._backoff_s = min(self._backoff_s * 2, MAX_BACKOFF_S)
                     # Partitions a broker keeps failing must not hold back its metadata
-                    # (admin calls wait for it): a pending UpdateMetadata goes next.
-                    self._metadata_turn = kind != "update_metadata"
+                    # (admin calls wait for it) nor its StopReplicas: the others go next.
+                    self._failed_kind = kind
                 self._requeue(kind, batch if retry.requeue is None else retry.requeue)
             except _DeposedError as deposed:
                 _resolve_all(_waiters_of(batch), deposed.error)
