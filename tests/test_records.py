@@ -653,3 +653,30 @@ def test_batches_cut_by_record_bytes_stay_within_the_batch_size(seed: int) -> No
             values.slice(first, count), keys.slice(first, count), headers.slice(first, count)
         )
         assert count == 1 or len(encoded) <= batch_bytes, (first, end, len(encoded))
+
+
+@pytest.mark.parametrize("compression", ["zstd", "lz4"])
+def test_a_compressed_batch_larger_inflated_than_consumers_take_is_refused(
+    compression: str,
+) -> None:
+    """A body over DEFAULT_MAX_UNCOMPRESSED_BYTES compresses small (zeros: ~32,000:1 with
+    zstd), passed the broker, and every consumer with the default limit refused the batch
+    as corrupt; the encoder refuses it now, as it refuses an uncompressed batch over
+    MAX_BATCH_BYTES (found by an audit). The zero pages are never touched."""
+    value = bytes(1 << 30)  # as key and value: 2 GiB + 32 bytes of plain body
+    with pytest.raises(ConfigError, match="even compressed"):
+        encode_batch([value], [value], compression=compression, base_timestamp_ms=0)
+
+
+def test_arrow_timestamps_in_seconds_past_int64_milliseconds_are_refused() -> None:
+    """timestamp('s') values beyond int64 milliseconds wrapped in the cast (2**62 s was
+    stored as 0 ms); refused now, as int64 input out of range is (found by an audit)."""
+    stamps = pa.array([2**62, 2**62 + 1], pa.timestamp("s"))
+    with pytest.raises(ConfigError, match="timestamps_ms"):
+        encode_batch_arrow(pa.array([b"a", b"b"]), timestamps_ms=stamps)
+    fine = pa.array([1_700_000_000, 1_700_000_001], pa.timestamp("s"))
+    batch = encode_batch_arrow(pa.array([b"a", b"b"]), timestamps_ms=fine)
+    assert [r.timestamp_ms for r in decode_batches(batch)[0].records] == [
+        1_700_000_000_000,
+        1_700_000_001_000,
+    ]

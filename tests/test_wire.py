@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import tidelog
 from tidelog import wire
+from tidelog.errors import ConfigError
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
@@ -177,3 +180,24 @@ def test_fetch_response(
     # An empty error is still present, as the servers always set one.
     for result in storage_pb2.FetchResponse.FromString(encoded).partitions:
         assert result.HasField("error")
+
+
+def test_int32_fields_out_of_range_are_refused_as_protobuf_does() -> None:
+    """The hand encoders wrote an int32 field of 2**31 as a wider varint, which the
+    receiver read as -2**31 (a producer's 2**31 ms timeout arrived negative, 2**32 + 5
+    as 5 ms); they refuse it now, as protobuf's own encoder (found by an audit)."""
+    with pytest.raises(ValueError):
+        gateway_pb2.ProduceRequest(timeout_ms=2**31)
+    for timeout_ms in (2**31, 2**32 + 5, -(2**31) - 1):
+        with pytest.raises(ValueError, match="int32"):
+            wire.encode_produce_request(
+                acks=common_pb2.ALL, timeout_ms=timeout_ms, partitions=[],
+                correlation_id=1, client_id="c",
+            )  # fmt: skip
+        with pytest.raises(ValueError, match="int32"):
+            wire.append_request_parts(
+                topic="t", partition=0, batches=[b"x"], acks=common_pb2.ALL,
+                timeout_ms=timeout_ms, current_leader_epoch=None,
+            )  # fmt: skip
+    with pytest.raises(ConfigError, match="request_timeout_ms"):
+        tidelog.Producer("127.0.0.1:1", request_timeout_ms=2**31)

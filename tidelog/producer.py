@@ -161,6 +161,7 @@ from tidelog.errors import (
     UnknownTopicOrPartitionError,
     error_for_code,
 )
+from tidelog.formats import INT32_MAX
 from tidelog.leaders import Leader, LeaderDirectory, directory_for
 from tidelog.metrics import ClientMetrics
 from tidelog.partitioner import murmur2_partitions, partition_for_key
@@ -719,6 +720,11 @@ class Producer:
                 raise ConfigError(f"{name} must be >= 1, not {value}")
         if linger_ms < 0 or retries < 0 or max_block_ms < 0:
             raise ConfigError("linger_ms, retries and max_block_ms must be >= 0")
+        if request_timeout_ms > INT32_MAX:
+            # Requests carry it as an int32 (found by an audit: 2**31 arrived negative).
+            raise ConfigError(
+                f"request_timeout_ms must be <= {INT32_MAX}, not {request_timeout_ms}"
+            )
         if enable_idempotence and max_in_flight_requests_per_partition > (
             MAX_BATCHES_IN_FLIGHT_PER_PARTITION
         ):

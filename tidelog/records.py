@@ -675,6 +675,13 @@ def _seal_parts(
         region: list[Any] = [_ZEROS[:UNCOMPRESSED_BODY_PAD], *body.parts]
         region_size = UNCOMPRESSED_BODY_PAD + body.size
     else:
+        if body.size > DEFAULT_MAX_UNCOMPRESSED_BYTES:
+            # What a consumer decodes by default: a larger body compressed small (zeros)
+            # made a batch every default consumer refused as corrupt (found by an audit).
+            raise ConfigError(
+                f"a batch body of {body.size} bytes exceeds the {DEFAULT_MAX_UNCOMPRESSED_BYTES}"
+                "-byte limit even compressed (consumers refuse to inflate more)"
+            )
         region = [_compress(options.codec, b"".join(body.parts))]
         region_size = len(region[0])
     total = f.BATCH_HEADER_SIZE + region_size
@@ -916,7 +923,14 @@ def _epoch_ms(timestamps: Any) -> Any:
         raise ConfigError(f"timestamps_ms: {kind} is a duration, not a point in time")
     if pa.types.is_timestamp(kind) or pa.types.is_date(kind):
         tz = kind.tz if pa.types.is_timestamp(kind) else None
-        return timestamps.cast(pa.timestamp("ms", tz=tz), safe=False).cast(pa.int64())
+        # Unsafe casts only drop sub-millisecond digits (us, ns); from seconds (or days)
+        # they wrapped on overflow: 2**62 s was stored as 0 ms (found by an audit).
+        coarse = (pa.types.is_timestamp(kind) and kind.unit == "s") or pa.types.is_date(kind)
+        try:
+            as_ms = timestamps.cast(pa.timestamp("ms", tz=tz), safe=coarse)
+        except pa.ArrowInvalid as exc:
+            raise ConfigError(f"timestamps_ms: {exc}") from None
+        return as_ms.cast(pa.int64())
     return timestamps
 
 

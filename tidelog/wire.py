@@ -63,6 +63,15 @@ def _int_field(field: int, value: int, parts: list[_Buffer]) -> None:
         parts.append(_VARINT_TAGS[field] + _varint(value))
 
 
+def _int32_field(field: int, value: int, parts: list[_Buffer]) -> None:
+    """An int32 field: ValueError outside its range, as protobuf's own encoder refuses it.
+    Written as a wider varint, the receiver kept the low 32 bits: a timeout of 2**31 ms
+    arrived negative, 2**32 + 5 as 5 (found by an audit)."""
+    if not -(2**31) <= value < 2**31:
+        raise ValueError(f"field {field}: {value} is out of the int32 range")
+    _int_field(field, value, parts)
+
+
 def _optional_int_field(field: int, value: int | None, parts: list[_Buffer]) -> None:
     """An ``optional`` int field: written whenever it is given, 0 included."""
     if value is not None:
@@ -103,11 +112,11 @@ def encode_produce_request(
     """``ProduceRequest``; each partition is (topic, partition, its batches, topic id)."""
     parts: list[_Buffer] = []
     _int_field(1, acks, parts)
-    _int_field(2, timeout_ms, parts)
+    _int32_field(2, timeout_ms, parts)
     for topic, partition, batches, topic_id in partitions:
         body: list[_Buffer] = []
         _string_field(1, topic, body)
-        _int_field(2, partition, body)
+        _int32_field(2, partition, body)
         _bytes_field(3, batches, body)
         _string_field(4, topic_id, body)
         _message_field(3, body, parts)
@@ -134,10 +143,10 @@ def append_request_parts(
     ``AppendRequest`` is ``b"".join`` of them, ``encode_append_many_request`` nests them."""
     parts: list[_Buffer] = []
     _string_field(1, topic, parts)
-    _int_field(2, partition, parts)
+    _int32_field(2, partition, parts)
     _bytes_field(3, batches, parts)
     _int_field(4, acks, parts)
-    _int_field(5, timeout_ms, parts)
+    _int32_field(5, timeout_ms, parts)
     _optional_int_field(6, current_leader_epoch, parts)
     _int_field(7, correlation_id, parts)
     _string_field(8, topic_id, parts)
