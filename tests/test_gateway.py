@@ -3243,3 +3243,91 @@ def test_consume_to_the_end_fails_in_one_line_when_its_gateway_dies(
         if consume.poll() is None:
             consume.kill()
             consume.wait()
+
+
+def _timed_fetch(
+    gateway: GatewayProcess, topic: str, partitions: list[int], min_bytes: int, wait_ms: int
+) -> tuple[float, int]:
+    """(seconds the gateway took, record bytes) of one raw Fetch from offset 0."""
+    started = time.monotonic()
+    response = gateway.stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=wait_ms,
+            min_bytes=min_bytes,
+            partitions=[
+                storage_pb2.FetchPartition(topic=topic, partition=p, fetch_offset=0)
+                for p in partitions
+            ],
+        ),
+        timeout=20,
+    )
+    return time.monotonic() - started, sum(len(r.records) for r in response.partitions)
+
+
+def _two_leader_topic(admin: tidelog.Admin, topic: str) -> None:
+    admin.create_topic(topic, partitions=2, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+    assert len(set(leaders.values())) == 2, leaders
+
+
+def test_min_bytes_over_several_leaders_waits_as_over_one(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """min_bytes is for the whole answer (Kafka's fetch.min.bytes). Over one leader the
+    leader waits for it; over several, each leader that had a little answered at once
+    and the round ended: a fetch across leaders ignored min_bytes. Each is asked again
+    now for what is still missing, until max_wait_ms. Found by an audit."""
+    topic = "min-bytes-two-leaders"
+    _two_leader_topic(admin, topic)
+    with tidelog.Producer(gateway.address) as producer:
+        for partition in (0, 1):
+            producer.send(topic, b"v" * 100, partition=partition).result(30)
+    took_s, got = _timed_fetch(gateway, topic, [0, 1], min_bytes=1_000_000, wait_ms=2_000)
+    assert got > 0
+    assert took_s >= 1.8, f"answered after {took_s:.3f} s with {got} bytes < min_bytes"
+
+
+def test_min_bytes_reached_later_at_a_leader_that_answered_early_is_answered_then(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A leader that answered a little early was never asked again: records reaching it
+    afterwards were not seen, and the fetch waited out max_wait_ms though min_bytes was
+    there. It is asked again for what is missing, so the fetch answers when the records
+    come (found by an audit)."""
+    topic = "min-bytes-later"
+    _two_leader_topic(admin, topic)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send(topic, b"v" * 100, partition=0).result(30)
+
+    def produce_later() -> None:
+        time.sleep(0.5)
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch(topic, [b"w" * 1000] * 20, partition=0).result(30)
+
+    writer = threading.Thread(target=produce_later)
+    writer.start()
+    took_s, got = _timed_fetch(gateway, topic, [0, 1], min_bytes=5_000, wait_ms=8_000)
+    writer.join()
+    assert got >= 5_000 and took_s < 4, f"answered after {took_s:.3f} s with {got} bytes"
+
+
+def test_a_fetch_answers_within_the_clients_deadline_when_its_leader_is_silent(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A leader call of a Fetch got the long poll's wait plus 5 s, whatever the client's
+    deadline: a stopped leader gave the client a bare DEADLINE_EXCEEDED and held the
+    gateway's thread and budget 5 s past it. It ends by the client's deadline now, a
+    REQUEST_TIMED_OUT per partition, as Produce and ListOffsets (found by an audit)."""
+    with _silent_leader(cluster, admin, "fetch-silent"):
+        answer = gateway.stub.Fetch(
+            storage_pb2.FetchRequest(
+                replica_id=-1,
+                max_wait_ms=100,
+                partitions=[
+                    storage_pb2.FetchPartition(topic="fetch-silent", partition=0, fetch_offset=0)
+                ],
+            ),
+            timeout=2.0,
+        )
+    assert [ErrorCode(p.error.code) for p in answer.partitions] == [ErrorCode.REQUEST_TIMED_OUT]

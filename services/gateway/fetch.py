@@ -219,7 +219,17 @@ class FetchHandler:
         try:
             # The wait for room came out of the long poll's time.
             waited_ms = int((time.monotonic() - started_s) * 1000)
-            encoded = self._fetch_granted(request, granted, max(0, wait_ms - waited_ms))
+            # A leader call ends by the client's deadline too (a stopped leader then
+            # answers REQUEST_TIMED_OUT per partition, not a bare DEADLINE_EXCEEDED with
+            # the gateway working on for 5 s more; found by an audit).
+            client_deadline = (
+                None
+                if time_remaining_s is None
+                else started_s + time_remaining_s - DEADLINE_MARGIN_S
+            )
+            encoded = self._fetch_granted(
+                request, granted, max(0, wait_ms - waited_ms), client_deadline=client_deadline
+            )
             if len(encoded) > granted:
                 self.budget.take(len(encoded) - granted)  # a first batch larger than asked
                 held = len(encoded)
@@ -231,7 +241,12 @@ class FetchHandler:
         return encoded
 
     def _fetch_granted(
-        self, request: storage_pb2.FetchRequest, max_bytes: int, wait_ms: int
+        self,
+        request: storage_pb2.FetchRequest,
+        max_bytes: int,
+        wait_ms: int,
+        *,
+        client_deadline: float | None = None,
     ) -> bytes:
         """``fetch`` once its budget is granted: ``max_bytes`` for the whole answer."""
         local_errors: list[storage_pb2.FetchPartitionResult] = []
@@ -248,7 +263,11 @@ class FetchHandler:
         # The grant bounds the whole answer, so leaders asked together share it (the SDK's
         # consumer asks one leader per fetch, and gets all of it).
         max_bytes = max(1, max_bytes // max(1, len(by_leader)))
-        limits = {"max_bytes": max_bytes, "min_bytes": min_bytes}
+        limits: dict[str, Any] = {
+            "max_bytes": max_bytes,
+            "min_bytes": min_bytes,
+            "client_deadline": client_deadline,
+        }
         run = self._calls.run
         if len(by_leader) == 1:
             # One leader - every fetch of the SDK's consumer, which groups its partitions
@@ -279,6 +298,7 @@ class FetchHandler:
                         max_bytes=max_bytes,
                         min_bytes=1,
                         enough_bytes=min_bytes,
+                        client_deadline=client_deadline,
                     )
                 )
         encoded = storage_pb2.FetchResponse(partitions=local_errors).SerializeToString()
@@ -292,13 +312,14 @@ class FetchHandler:
         max_bytes: int,
         min_bytes: int,
         wait_ms: int,
+        client_deadline: float | None = None,
     ) -> bytes:
         """One leader's encoded answer (a failed call becomes an error per partition)."""
         fetch = self._router.channels.storage_fetch_encoded(leader.broker)
         try:
             encoded: bytes = fetch(
                 _leader_request(partitions, max_bytes, min_bytes, wait_ms),
-                timeout=wait_ms / 1000 + ANSWER_SLACK_S,
+                timeout=_call_timeout_s(wait_ms, client_deadline),
             )
         except grpc.RpcError as exc:
             return _failed_answer(exc, partitions)
@@ -313,6 +334,7 @@ class FetchHandler:
         wait_ms: int,
         answers: dict[int, bytes],
         enough_bytes: int | None = None,
+        client_deadline: float | None = None,
     ) -> tuple[int, bool]:
         """One fetch to every leader, run on the ``LeaderCalls`` loop; each leader's
         encoded answer goes into ``answers``. Returns (record bytes found, whether some
@@ -322,32 +344,55 @@ class FetchHandler:
         of records (default ``min_bytes``), or one failed, or all answered;
         the calls still running are cancelled and their leaders keep the answer
         ``answers`` already held, or get a "not answered" one (no records, offsets -1).
+
+        With ``enough_bytes`` (the client's min_bytes over several leaders), a leader that
+        answers short of it while time is left is asked again, to wait for what is still
+        missing: its early answer used to end its part of the round, so a fetch whose
+        leaders each had a little answered at once whatever min_bytes said, and records
+        reaching such a leader later were not seen until max_wait_ms (found by an audit).
         """
+        loop = asyncio.get_running_loop()
+        ends_at = loop.time() + wait_ms / 1000
         calls: dict[asyncio.Future[bytes], tuple[list[storage_pb2.FetchPartition], int]] = {}
-        for broker_id, (leader, partitions) in by_leader.items():
+
+        def ask(broker_id: int, at_least: int, wait: int) -> None:
+            leader, partitions = by_leader[broker_id]
             call = self._calls.fetch_encoded(leader.broker)(
-                _leader_request(partitions, max_bytes, min_bytes, wait_ms),
-                timeout=wait_ms / 1000 + ANSWER_SLACK_S,
+                _leader_request(partitions, max_bytes, at_least, wait),
+                timeout=_call_timeout_s(wait, client_deadline),
             )
             calls[asyncio.ensure_future(call)] = (partitions, broker_id)
+
+        for broker_id in by_leader:
+            ask(broker_id, min_bytes, wait_ms)
+        target = min_bytes if enough_bytes is None else enough_bytes
         found = 0
         failed = False
+        held: dict[int, int] = {}  # record bytes of each leader's answer in ``answers``
         pending: set[asyncio.Future[bytes]] = set(calls)
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                short: list[int] = []
                 for call_done in done:
                     partitions, broker_id = calls[call_done]
                     encoded, data, error = _leader_answer(call_done, partitions)
                     answers[broker_id] = encoded
-                    found += data
+                    found += data - held.get(broker_id, 0)
+                    held[broker_id] = data
                     failed = failed or error
+                    if not error and data < max_bytes:
+                        short.append(broker_id)
                 # A leader's error needs its client's attention now, as Kafka's delayed
                 # fetch completes on a partition error: no waiting for the quiet others.
-                if wait_ms > 0 and (
-                    failed or found >= (min_bytes if enough_bytes is None else enough_bytes)
-                ):
+                if wait_ms > 0 and (failed or found >= target):
                     break
+                left_ms = int((ends_at - loop.time()) * 1000)
+                if enough_bytes is not None and left_ms > 0:
+                    before = set(calls)
+                    for broker_id in short:
+                        ask(broker_id, max(1, target - (found - held[broker_id])), left_ms)
+                    pending |= set(calls) - before
         finally:
             for call_pending in pending:
                 call_pending.cancel()
@@ -649,6 +694,15 @@ def _has_error(results: Iterable[storage_pb2.FetchPartitionResult]) -> bool:
     # Like a storage node, answer at once when a partition has an error, so the client can
     # act on it (re-route, reset its offset) instead of waiting for nothing.
     return any(r.error.code != common_pb2.NONE for r in results)
+
+
+def _call_timeout_s(wait_ms: int, client_deadline: float | None) -> float:
+    """A leader call's gRPC timeout: its long poll's wait and ``ANSWER_SLACK_S``, but never
+    past the client's own deadline (monotonic; None: the client set none)."""
+    timeout_s = wait_ms / 1000 + ANSWER_SLACK_S
+    if client_deadline is not None:
+        timeout_s = min(timeout_s, client_deadline - time.monotonic())
+    return max(0.001, timeout_s)
 
 
 def _leader_request(
