@@ -149,6 +149,45 @@ def test_topics_produce_consume_groups_cluster(dev: DevProcess) -> None:
     assert "under-replicated partitions: 0" in tidelog("cluster", gateway=g).stdout
 
 
+def test_sigterm_of_consume_in_a_group_leaves_the_group(dev: DevProcess) -> None:
+    """SIGTERM (`docker stop`, systemd, `timeout`) killed `consume --group` at once: the
+    member stayed in the group for its whole session, and `groups reset-offsets` was
+    refused meanwhile. It closes the consumer now, as Ctrl-C does and Kafka's console
+    consumer on SIGTERM: status 143, nothing on stderr, the group left (found by an
+    audit)."""
+    g = dev.gateway
+    tidelog("topics", "create", "terminated", "--partitions", "2", gateway=g)
+    tidelog("produce", "terminated", gateway=g, stdin="a\nb\nc\n")
+    consumer = subprocess.Popen(
+        [sys.executable, "-m", "tidelog", "consume", "terminated", "--follow", "--group",
+         "terminated-group", "--from-beginning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
+        env={**tidelog_env(), "TIDELOG_GATEWAY": g},
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: (
+                "1 member(s)"
+                in tidelog("groups", "members", "terminated-group", gateway=g, check=False).stdout
+                or None
+            ),
+            60,
+            "the consumer in the group",
+        )
+        consumer.send_signal(signal.SIGTERM)
+        _, err = consumer.communicate(timeout=30)
+    finally:
+        if consumer.poll() is None:
+            consumer.kill()
+            consumer.wait()
+    assert consumer.returncode == 143 and err == b"", (consumer.returncode, err)
+    reset = tidelog(
+        "groups", "reset-offsets", "terminated-group", "--topic", "terminated",
+        "--to-earliest", "--execute", gateway=g, check=False,
+    )  # fmt: skip
+    assert reset.returncode == 0, reset.stderr
+
+
 def test_consume_prints_the_values_produce_took_byte_for_byte(dev: DevProcess) -> None:
     """`produce` takes any bytes as a value, but `consume` decoded each one and printed
     text: bytes that are not UTF-8 came out as U+FFFD, and `consume a | produce b`

@@ -18,7 +18,9 @@ import argparse
 import importlib
 import math
 import re
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final, NoReturn
 
@@ -792,13 +794,35 @@ def _load_handler(spec: str) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C is, so that the command's ``with``
+    blocks close: a consumer leaves its group, a producer flushes what it read. The
+    default action killed the process at once: `docker stop`, systemd or `timeout` left a
+    `consume --group` member registered for its whole session, and `groups reset-offsets`
+    and `groups delete` were refused meanwhile (found by an audit). Kafka's console tools
+    close on SIGTERM too. Services install their own handler (``serve_until_signal``)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> NoReturn:
+    raise _Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the command, return its status.
-    Ctrl-C exits 130 without a traceback wherever it lands, the imports included."""
+    Ctrl-C exits 130 and SIGTERM 143 (128 + the signal, as a shell reports them) without
+    a traceback wherever they land, the imports included."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _main(argv)
+    except _Terminated:
+        return 143
     except KeyboardInterrupt:
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:
