@@ -206,6 +206,22 @@ def test_consume_prints_the_values_produce_took_byte_for_byte(dev: DevProcess) -
     assert consumed.stdout == values
 
 
+def test_consume_prints_a_missing_key_or_value_as_null(dev: DevProcess) -> None:
+    """A record without a key and a tombstone (no value) printed as empty strings, which
+    read, and produce back, as zero-byte keys and values. Kafka's console consumer prints
+    ``null``; so does this now."""
+    g = dev.gateway
+    tidelog("topics", "create", "nulls", gateway=g)
+    with tidelog_sdk.Producer(g) as producer:
+        producer.send("nulls", b"no key", partition=0).result(30)
+        producer.send("nulls", None, key=b"gone", partition=0).result(30)
+        producer.send("nulls", b"", key=b"", partition=0).result(30)
+    keyed = tidelog("consume", "nulls", "--from-beginning", "--key-separator", "=", gateway=g)
+    assert keyed.stdout.splitlines() == ["null=no key", "gone=null", "="]
+    plain = tidelog("consume", "nulls", "--from-beginning", gateway=g)
+    assert plain.stdout.splitlines() == ["no key", "null", ""]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -475,9 +475,11 @@ def cmd_consume(args: argparse.Namespace) -> int:
                             )
                         )
                     elif sep is not None:
-                        out.write(b"%s%s%s\n" % (record.key or b"", sep_bytes, record.value or b""))
+                        out.write(
+                            b"%s%s%s\n" % (_shown(record.key), sep_bytes, _shown(record.value))
+                        )
                     else:
-                        out.write(b"%s\n" % (record.value or b""))
+                        out.write(b"%s\n" % _shown(record.value))
                     shown += 1
                 sys.stdout.flush()
                 out.flush()
@@ -486,6 +488,13 @@ def cmd_consume(args: argparse.Namespace) -> int:
         return 0
 
     return run("consume", body, args)
+
+
+def _shown(value: bytes | None) -> bytes:
+    """A key or value as the table output shows it: a missing one (a record without a key,
+    a tombstone) as ``null``, as Kafka's console consumer prints it; it printed as an empty
+    string, which reads (and produces back) as a key or value of zero bytes."""
+    return b"null" if value is None else value
 
 
 def _text(value: bytes | None) -> str | None:
