@@ -28,7 +28,6 @@ from services.gateway.metadata_cache import MetadataCache
 from services.gateway.router import DEADLINE_MARGIN_S
 from services.status import error_from_proto, error_from_rpc_error
 from tidelog.errors import (
-    BrokerNotAvailableError,
     ErrorCode,
     RequestTimedOutError,
     TidelogError,
@@ -57,15 +56,26 @@ class ControllerClient:
     ) -> R:
         """``fn(stub, remaining_s)`` on the active controller, retried across fail-overs."""
         deadline = time.monotonic() + timeout_s
-        last: TidelogError = BrokerNotAvailableError("no controller is active right now")
+        last: TidelogError | None = None  # why the latest try failed
+        first = True
         while True:
             version = self._cache.version
             remaining_s = deadline - time.monotonic()
             if remaining_s <= DEADLINE_MARGIN_S:
                 # Every retried failure means the same to the caller: no controller took
                 # the request in time (gRPC's own "failed to connect to all addresses"
-                # says less).
-                raise RequestTimedOutError(f"no active controller answered in time: {last}")
+                # says less). Out of time before the first try, the time given was the
+                # reason: it read "no controller is active" to a client whose timeout
+                # was 50 ms.
+                if first:
+                    raise RequestTimedOutError(
+                        f"a timeout of {timeout_s * 1000:.0f} ms is too short to reach the "
+                        f"controller (it takes more than {DEADLINE_MARGIN_S * 1000:.0f} ms)"
+                    )
+                raise RequestTimedOutError(
+                    f"no active controller answered in time: {last or 'none is active'}"
+                )
+            first = False
             controller = self._cache.read(lambda view: view.controller)
             if controller is not None:
                 try:

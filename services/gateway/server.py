@@ -116,6 +116,14 @@ def _admin_budget_s(timeout_ms: int) -> float:
     MAX_ADMIN_TIMEOUT_S."""
     if timeout_ms < 0:
         raise InvalidRequestError(f"timeout_ms {timeout_ms} is negative")
+    if 0 < timeout_ms <= DEADLINE_MARGIN_S * 1000:
+        # Out of time before the controller was tried: it was answered "no controller is
+        # active right now" of a healthy cluster, and the SDK added "the change may still
+        # have been made" of a change never sent.
+        raise InvalidRequestError(
+            f"timeout_ms {timeout_ms} is too short: reaching the controller takes more "
+            f"than {DEADLINE_MARGIN_S * 1000:.0f} ms"
+        )
     return min(timeout_ms / 1000 if timeout_ms else ADMIN_TIMEOUT_S, MAX_ADMIN_TIMEOUT_S)
 
 
