@@ -350,10 +350,15 @@ class FetchHandler:
         missing: its early answer used to end its part of the round, so a fetch whose
         leaders each had a little answered at once whatever min_bytes said, and records
         reaching such a leader later were not seen until max_wait_ms (found by an audit).
+        Only a leader that answered with what it was asked for is asked again: one that
+        answered short of its own min_bytes said waiting would not help (its reads were cut
+        short by max_bytes, it was throttled, or its wait ran out), and asking it again at
+        once spun thousands of calls a second until max_wait_ms (found by an audit).
         """
         loop = asyncio.get_running_loop()
         ends_at = loop.time() + wait_ms / 1000
-        calls: dict[asyncio.Future[bytes], tuple[list[storage_pb2.FetchPartition], int]] = {}
+        # Each call: its partitions, its leader, and the min_bytes it asked for.
+        calls: dict[asyncio.Future[bytes], tuple[list[storage_pb2.FetchPartition], int, int]] = {}
 
         def ask(broker_id: int, at_least: int, wait: int) -> None:
             leader, partitions = by_leader[broker_id]
@@ -361,7 +366,7 @@ class FetchHandler:
                 _leader_request(partitions, max_bytes, at_least, wait),
                 timeout=_call_timeout_s(wait, client_deadline),
             )
-            calls[asyncio.ensure_future(call)] = (partitions, broker_id)
+            calls[asyncio.ensure_future(call)] = (partitions, broker_id, at_least)
 
         for broker_id in by_leader:
             ask(broker_id, min_bytes, wait_ms)
@@ -375,13 +380,13 @@ class FetchHandler:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 short: list[int] = []
                 for call_done in done:
-                    partitions, broker_id = calls[call_done]
+                    partitions, broker_id, asked = calls[call_done]
                     encoded, data, error = _leader_answer(call_done, partitions)
                     answers[broker_id] = encoded
                     found += data - held.get(broker_id, 0)
                     held[broker_id] = data
                     failed = failed or error
-                    if not error and data < max_bytes:
+                    if not error and asked <= data < max_bytes:
                         short.append(broker_id)
                 # A leader's error needs its client's attention now, as Kafka's delayed
                 # fetch completes on a partition error: no waiting for the quiet others.
@@ -396,7 +401,7 @@ class FetchHandler:
         finally:
             for call_pending in pending:
                 call_pending.cancel()
-                partitions, broker_id = calls[call_pending]
+                partitions, broker_id, _ = calls[call_pending]
                 if broker_id not in answers:
                     answers[broker_id] = storage_pb2.FetchResponse(
                         partitions=[_result_without_records(fp) for fp in partitions]
