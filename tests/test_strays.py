@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,8 +46,10 @@ from services.storage.strays import (
     stop_replica_deletes,
     strays_in_view,
 )
+from tests.support.process import StartStorage
 from tidelog.errors import ErrorCode, InconsistentTopicIdError
 from tidelog.records import decode_batches, encode_batch
+from tidelog.v1 import common_pb2, storage_pb2
 
 OLD = "0" * 31 + "1"
 NEW = "0" * 31 + "2"
@@ -128,14 +131,16 @@ def test_strays_in_a_view() -> None:
 # --- the replica manager over real files ----------------------------------------------------
 
 
-def _state(topic_id: str, *, topic: str = "t", leader_epoch: int = 0) -> PartitionState:
+def _state(
+    topic_id: str, *, topic: str = "t", leader_epoch: int = 0, replicas: tuple[int, ...] = (1,)
+) -> PartitionState:
     return PartitionState(
         topic=topic,
         partition=0,
         leader=1,
         leader_epoch=leader_epoch,
-        isr=(1,),
-        replicas=(1,),
+        isr=replicas,
+        replicas=replicas,
         partition_epoch=0,
         topic_id=topic_id,
     )
@@ -260,6 +265,111 @@ def test_stop_replica_for_the_old_incarnation_spares_the_new_ones_log(tmp_path: 
     assert manager.stop_replicas(1, [stop], broker_epoch=manager.broker_epoch) == [None]
     assert not (tmp_path / "t-0").exists()
     manager.shutdown()
+
+
+def test_a_recreated_topics_log_does_not_inherit_the_deleted_ones_high_watermark(
+    tmp_path: Path,
+) -> None:
+    """The HW checkpoint (replication-offset-checkpoint, no topic ids) kept the deleted
+    incarnation's HW until the next periodic write (5 s): a crash in between gave the new
+    incarnation's log that HW at restart (clamped to its log end), so records no follower
+    had, never acknowledged to acks=all, were served to consumers as committed (found by
+    an audit). A "crash" here is the manager abandoned without shutdown(): checkpoint
+    writes are synchronous, so the files are as kill -9 leaves them."""
+    manager = _manager(tmp_path)
+    assert _lead(manager, _state(OLD)) == [ErrorCode.NONE]
+    manager.get_partition("t", 0).append(encode_batch([b"old-%d" % i for i in range(10)]))
+    assert manager.get_partition("t", 0).high_watermark == 10
+    manager.maintenance(checkpoint=True)
+    stop = StopReplicaItem("t", 0, -1, True, OLD)
+    assert manager.stop_replicas(1, [stop], broker_epoch=manager.broker_epoch) == [None]
+    # Created again with a follower, 2, that has fetched nothing: nothing is committed.
+    assert _lead(manager, _state(NEW, replicas=(1, 2))) == [ErrorCode.NONE]
+    manager.get_partition("t", 0).append(encode_batch([b"new-1", b"new-2", b"new-3"]))
+    assert manager.get_partition("t", 0).high_watermark == 0
+    restarted = _manager(tmp_path, broker_epoch=20)
+    assert _lead(restarted, _state(NEW, replicas=(1, 2), leader_epoch=1)) == [ErrorCode.NONE]
+    assert restarted.get_partition("t", 0).high_watermark == 0
+    assert _values(restarted) == []
+    restarted.shutdown()
+
+
+def test_kill_9_right_after_a_topic_is_re_created_serves_nothing_uncommitted(
+    start_storage: StartStorage, tmp_path: Path
+) -> None:
+    """The same with a real storage node killed -9 within the checkpoint interval."""
+    node = start_storage()
+    _rpc_lead(node.stub, OLD, replicas=[1], epoch=0)
+    for _ in range(10):
+        node.stub.Append(
+            storage_pb2.AppendRequest(topic="t", partition=0, records=encode_batch([b"old"])),
+            timeout=RPC_TIMEOUT_S,
+        )
+    checkpoint = tmp_path / "data" / "replication-offset-checkpoint"
+    deadline = time.monotonic() + 15
+    while "t 0 10" not in (checkpoint.read_text() if checkpoint.exists() else ""):
+        assert time.monotonic() < deadline, "no HW checkpoint written"
+        time.sleep(0.1)
+    node.stub.StopReplica(
+        storage_pb2.StopReplicaRequest(
+            controller_epoch=1,
+            partitions=[
+                storage_pb2.StopReplicaPartition(
+                    topic="t", partition=0, leader_epoch=-1, delete_partition=True, topic_id=OLD
+                )
+            ],
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    _rpc_lead(node.stub, NEW, replicas=[1, 2], epoch=0)  # follower 2 has fetched nothing
+    node.stub.Append(
+        storage_pb2.AppendRequest(
+            topic="t", partition=0, records=encode_batch([b"n1", b"n2", b"n3"]),
+            acks=common_pb2.LEADER,
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )  # fmt: skip
+    assert _rpc_consume(node.stub) == (0, [])
+    node.kill()
+    node = start_storage()
+    _rpc_lead(node.stub, NEW, replicas=[1, 2], epoch=1)
+    assert _rpc_consume(node.stub) == (0, [])
+    assert node.terminate() == 0
+
+
+RPC_TIMEOUT_S = 10.0
+
+
+def _rpc_lead(stub: Any, topic_id: str, *, replicas: list[int], epoch: int) -> None:
+    state = common_pb2.PartitionState(
+        topic="t", partition=0, leader=1, leader_epoch=epoch, isr=replicas, replicas=replicas,
+        partition_epoch=epoch,
+    )  # fmt: skip
+    response = stub.LeaderAndIsr(
+        storage_pb2.LeaderAndIsrRequest(
+            controller_id=0,
+            controller_epoch=1,
+            partitions=[
+                storage_pb2.LeaderAndIsrPartition(state=state, is_new=True, topic_id=topic_id)
+            ],
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    assert [p.error.code for p in response.partitions] == [0], response
+
+
+def _rpc_consume(stub: Any) -> tuple[int, list[bytes | None]]:
+    response = stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            partitions=[storage_pb2.FetchPartition(topic="t", partition=0, fetch_offset=0)],
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+    (result,) = response.partitions
+    assert result.error.code == 0, result.error
+    values = [r.value for b in decode_batches(result.records) for r in b.records]
+    return result.high_watermark, values
 
 
 def test_a_damaged_partition_metadata_stops_the_start_up(tmp_path: Path) -> None:

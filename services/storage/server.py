@@ -616,6 +616,12 @@ class ReplicaManager:
         self._log_manager.delete_log(*key)
         self._confirmed = self._confirmed - {key}
         self._applied_versions.pop(key, None)
+        # The HW checkpoint names logs by topic and partition only: left naming the deleted
+        # log until the next periodic write, a crash meanwhile gave a log created again
+        # under the same name (the topic re-created) the old HW, and records no follower
+        # had were served as committed (found by an audit). delete_log rewrote the
+        # recovery points already.
+        self._write_high_watermarks()
 
     def _delete_stray(self, key: tuple[str, int], *, named: str) -> None:
         """Delete a log of a deleted topic incarnation (lock held).
