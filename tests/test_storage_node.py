@@ -7,6 +7,7 @@ topics; restart and crash tests start their own processes on their own data dire
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -1528,6 +1529,30 @@ def test_fetches_beyond_the_waiting_places_are_throttled_and_followers_keep_thei
     for future in waiting:
         answer = future.result(RPC_TIMEOUT_S)
         assert answer.throttle_time_ms == 0 and answer.partitions[0].records, answer
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (make sysdeps)")
+@pytest.mark.parametrize("error", ["EROFS", "EIO"])
+def test_a_failed_disk_refusing_the_lock_file_exits_3(tmp_path: Path, error: str) -> None:
+    """A failing disk is typically remounted read-only (ext4's errors=remount-ro): opening
+    ``.lock``, the first file a start touches, then fails with EROFS, and the node exited
+    1 (a configuration error's status) without ``log_dir_failed``, where every later file
+    gives the failed disk's 3 (found by an audit). strace injects the error into that one
+    open of the real process."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / ".lock").touch()
+    (data_dir / "meta.properties").write_text("version=0\nbroker.id=1\n")
+    done = subprocess.run(
+        ["strace", "-f", "-qq", "-o", "/dev/null", "-P", str(data_dir / ".lock"),
+         "-e", "trace=openat", "-e", f"inject=openat:error={error}",
+         sys.executable, "-m", "tidelog", "storage", "--broker-id", "1",
+         "--data-dir", str(data_dir), "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, cwd=REPO_ROOT, env=tidelog_env(), timeout=60,
+        check=False,
+    )  # fmt: skip
+    assert "log_dir_failed" in done.stderr and ".lock" in done.stderr, done.stderr[-2000:]
+    assert done.returncode == EXIT_DISK_FAILURE, done.stderr[-2000:]
 
 
 def _start_storage_on(data_dir: Path) -> subprocess.CompletedProcess[str]:

@@ -475,8 +475,16 @@ class StorageNode:
         the logs the first is writing. The kernel drops the lock when the process dies,
         kill -9 included."""
         data_dir = self.config.data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(data_dir / DATA_DIR_LOCK, "a")  # noqa: SIM115 - held until stop()
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            lock = open(data_dir / DATA_DIR_LOCK, "a")  # noqa: SIM115 - held until stop()
+        except OSError as exc:
+            # The first file a start touches: a disk remounted read-only (EROFS) fails
+            # here, and ended the node with a configuration error's status 1 where every
+            # later file gives the failed disk's 3 (found by an audit).
+            if is_disk_failure(exc):
+                _halt(Path(data_dir), exc)
+            raise
         try:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
