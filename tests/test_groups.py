@@ -515,6 +515,22 @@ def test_a_pending_wakeup_is_not_taken_by_the_commit_before_a_revocation(
         member.close()
 
 
+def test_a_consumer_with_a_max_poll_interval_of_hours_joins_its_group(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """max_poll_interval_ms is sent as the rebalance timeout, which Kafka bounds by its
+    int32 only (long intervals are common for slow batch work). The gateway refused more
+    than an hour: every poll of such a consumer raised INVALID_REQUEST (found by an
+    audit)."""
+    admin.create_topic("long-poll-interval", partitions=1, replication_factor=1)
+    consumer = _member(gateway.address, "long-poll-interval", max_poll_interval_ms=2**31 - 1)
+    try:
+        consumer.subscribe(["long-poll-interval"])
+        _join(consumer)
+    finally:
+        consumer.close()
+
+
 def test_added_partitions_are_assigned_after_a_rebalance(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -71,6 +71,7 @@ from tidelog.errors import (
     TidelogError,
     UnknownMemberIdError,
 )
+from tidelog.formats import INT32_MAX
 from tidelog.logging import get_logger
 from tidelog.topics import validate_topic_name
 
@@ -81,7 +82,11 @@ MIN_SESSION_TIMEOUT_MS: Final = 1_000
 timing) is the real floor here, and short sessions are what tests of failover need."""
 MAX_SESSION_TIMEOUT_MS: Final = 1_800_000
 """Kafka's group.max.session.timeout.ms (30 minutes)."""
-MAX_REBALANCE_TIMEOUT_MS: Final = 3_600_000
+MAX_REBALANCE_TIMEOUT_MS: Final = INT32_MAX
+"""Kafka bounds it by its int32 only: a consumer's max_poll_interval_ms (the rebalance
+timeout it sends) of hours is common for slow batch work, and a cap of one hour here left
+such a consumer refused at every join (found by an audit). It only sets the TTL of the
+group's rebalance timer lease (at most ~25 days; etcd takes far longer)."""
 MAX_GROUP_MEMBERS: Final = 500
 """Kafka's group.max.size, bounded so a group's state stays well inside one etcd value."""
 MAX_PENDING_MEMBERS: Final = MAX_GROUP_MEMBERS
