@@ -24,6 +24,7 @@ from services.gateway.groups import Committed, OffsetStore
 from services.gateway.metadata_cache import MetadataCache
 from services.metastore import MetaStore
 from tests.support.cluster import GatewayProcess, TestCluster, rpc_error_code, wait_for
+from tests.support.tcp_proxy import TcpProxy
 from tidelog.errors import (
     ErrorCode,
     FencedInstanceIdError,
@@ -529,6 +530,46 @@ def test_a_consumer_with_a_max_poll_interval_of_hours_joins_its_group(
         _join(consumer)
     finally:
         consumer.close()
+
+
+def test_a_poll_right_after_a_join_ends_by_its_timeout_when_the_gateway_goes_away(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Kafka's poll fetches a new assignment's committed offsets within the poll's timer:
+    with the gateway gone it returns empty at its timeout and asks again at the next poll.
+    Here the look-up was retried for default_api_timeout_ms inside the poll, which then
+    raised, and so did every poll after it (found by an audit). The gateway goes away
+    right after the JoinGroup answer (the assignment callback is only where the test cuts
+    it); no position is taken from auto_offset_reset meanwhile."""
+    admin.create_topic("bounded-poll", partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for i in range(5):
+            producer.send("bounded-poll", b"%d" % i, partition=0).result(30)
+    committer = _member(gateway.address, "bounded-poll")
+    committer.assign([("bounded-poll", 0)])
+    committer.commit({("bounded-poll", 0): 3})
+    committer.close()
+    proxy = TcpProxy(gateway.address)
+    consumer = _member(
+        proxy.address, "bounded-poll", request_timeout_ms=1_000, default_api_timeout_ms=8_000
+    )
+    try:
+        consumer.subscribe(["bounded-poll"], on_partitions_assigned=lambda _: proxy.down())
+        started = time.monotonic()
+        assert consumer.poll(timeout_ms=2_000) == []
+        took_s = time.monotonic() - started
+        assert consumer.assignment() == [("bounded-poll", 0)]
+        assert took_s < 4.0, f"poll(2000 ms) took {took_s:.1f} s"
+        proxy.up()
+        seen: list[bytes | None] = []
+        deadline = time.monotonic() + 30
+        while len(seen) < 2 and time.monotonic() < deadline:
+            seen += [r.value for r in consumer.poll(timeout_ms=200)]
+        assert seen == [b"3", b"4"]  # from the commit, not from the earliest offset
+    finally:
+        proxy.up()
+        consumer.close()
+        proxy.close()
 
 
 def test_added_partitions_are_assigned_after_a_rebalance(

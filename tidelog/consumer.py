@@ -1044,7 +1044,11 @@ class Consumer:
                 fetch.future.cancel()
 
     def _ensure_positions(
-        self, *, only: Sequence[TopicPartition] | None = None, one_pass: bool = False
+        self,
+        *,
+        only: Sequence[TopicPartition] | None = None,
+        one_pass: bool = False,
+        poll_deadline: float | None = None,
     ) -> None:
         """Positions for the partitions that need one (``only`` those named): the group's
         commits, else ``auto_offset_reset``. ``one_pass`` (poll's way): partitions whose
@@ -1052,13 +1056,32 @@ class Consumer:
         again after a back-off, while the others are fetched, as Kafka resets each
         partition on its own. One partition without a leader used to hold every other
         partition's reset in a retry loop until the request timeout, and fail it: a
-        consumer whose broker died read nothing at all (found by an audit)."""
+        consumer whose broker died read nothing at all (found by an audit).
+
+        The group's commits are asked for within ``poll_deadline`` in one pass (at least
+        ``MIN_AUTO_COMMIT_TIMEOUT_MS``), as Kafka's poll refreshes committed offsets within
+        its timer; a retriable failure leaves every partition waiting for its position
+        (never reset by ``auto_offset_reset``: that would skip or re-read records), asked
+        again after a back-off. A poll right after a join used to retry the look-up for
+        ``default_api_timeout_ms`` while the gateway was away, and raise (found by an
+        audit)."""
         wanted = self._needs_position if only is None else self._needs_position & set(only)
         if not wanted or (one_pass and time.monotonic() < self._reset_retry_at):
             return
         missing = sorted(wanted)
         if self.group_id is not None:
-            for tp, (offset, epoch) in self._committed_entries(missing).items():
+            deadline = None
+            if one_pass and poll_deadline is not None:
+                deadline = max(poll_deadline, time.monotonic() + MIN_AUTO_COMMIT_TIMEOUT_MS / 1000)
+            try:
+                committed = self._committed_entries(missing, deadline=deadline)
+            except TidelogError as exc:
+                if not one_pass or not exc.retriable:
+                    raise
+                _log.info("committed offsets not fetched (%s); asking again shortly", exc)
+                self._reset_retry_at = time.monotonic() + RETRY_BACKOFF_S
+                return
+            for tp, (offset, epoch) in committed.items():
                 if offset >= 0:
                     self._positions[tp] = offset
                     self._needs_position.discard(tp)
@@ -1194,7 +1217,7 @@ class Consumer:
                 # now, not when this poll ends (a long poll would otherwise send the moved
                 # partitions' fetches to the dead broker until its timeout).
                 self._try_refresh_leaders()
-            self._ensure_positions(one_pass=True)
+            self._ensure_positions(one_pass=True, poll_deadline=deadline)
             self._send_fetches()
             if self._buffer:
                 return
@@ -1711,9 +1734,10 @@ class Consumer:
         return {tp: offset for tp, (offset, _) in entries.items()}
 
     def _committed_entries(
-        self, partitions: Iterable[TopicPartition] | None = None
+        self, partitions: Iterable[TopicPartition] | None = None, deadline: float | None = None
     ) -> dict[TopicPartition, tuple[int, int]]:
-        """The group's committed (offset, leader epoch) pairs ((-1, -1) where none)."""
+        """The group's committed (offset, leader epoch) pairs ((-1, -1) where none), asked
+        until ``deadline`` (``_call_retrying``'s)."""
         if self.group_id is None:
             raise ConfigError("committed needs a consumer with a group_id")
         tps = list(self._assignment if partitions is None else partitions)
@@ -1724,6 +1748,7 @@ class Consumer:
                 partitions=[common_pb2.TopicPartition(topic=t, partition=p) for t, p in tps],
             ),
             f"committed offsets of group {self.group_id!r}",
+            deadline=deadline,
         )
         return {(o.topic, o.partition): (o.offset, o.leader_epoch) for o in response.offsets}
 
