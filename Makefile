@@ -41,7 +41,16 @@ sysdeps:
 	fi
 
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@# Debian keeps ensurepip (which `python3 -m venv` needs) in python3-venv, which a
+	@# fresh install lacks. A venv whose creation failed has bin/python but no pip: made
+	@# again (--clear), or every later make failed on the missing pip.
+	@if ! $(PY) -m ensurepip --version >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing python3-venv with apt"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null; \
+	  else echo "$(PY) cannot make a virtualenv: run 'sudo apt-get install -y python3-venv'" >&2; exit 1; fi; \
+	fi
+	@test -x $(BIN)/pip || $(PY) -m venv --clear $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	@touch $(STAMP)

@@ -15,15 +15,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import kubernetes_validate
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cluster_metadata import CONTROLLER_KEY, decode_controller
 from tests.support.cluster import TestCluster, wait_for
 from tests.support.process import REPO_ROOT, TidelogProcess
 from tidelog.cli import build_parser
-from tidelog.etcd_launcher import free_port
+from tidelog.etcd_launcher import find_etcd_binary, free_port
 
 K8S = REPO_ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.32.0"
@@ -231,6 +233,113 @@ def test_overlay_sizes() -> None:
                 confs[key] = value
         assert confs["spark.executor.instances"] == executors
         assert confs["spark.kubernetes.authenticate.driver.serviceAccountName"] == "tidelog-spark"
+
+
+def test_quorums_are_guarded_by_disruption_budgets_and_claims_fit_one_node() -> None:
+    """Two drains at once (an upgrade, the autoscaler) could evict 2 of the 3 etcd
+    members: no PodDisruptionBudget selected them, as one does the brokers. And the dev
+    overlay (kind, k3d: local-path storage, ReadWriteOnce only) asked for a ReadWriteMany
+    claim that stayed Pending (found by an audit)."""
+    production = render("production")
+    for name, members in (("tidelog-etcd", 3), ("tidelog-storage", 3)):
+        workload = find(production, "StatefulSet", name)
+        assert workload["spec"]["replicas"] == members
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        budgets = [
+            o["spec"]
+            for o in production
+            if o["kind"] == "PodDisruptionBudget"
+            and o["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        ]
+        assert budgets, f"no PodDisruptionBudget selects {name}"
+        assert all(members - b["maxUnavailable"] >= members // 2 + 1 for b in budgets)
+    claims = [o for o in render("dev") if o["kind"] == "PersistentVolumeClaim"]
+    assert claims and all(c["spec"]["accessModes"] == ["ReadWriteOnce"] for c in claims)
+
+
+def _container_env(
+    objects: list[dict[str, Any]], container: dict[str, Any], pod_name: str
+) -> dict[str, str]:
+    """The environment Kubernetes gives ``container`` (envFrom, then env)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(find(objects, "ConfigMap", source["configMapRef"]["name"])["data"])
+    for item in container.get("env", []):
+        if "value" in item:
+            env[item["name"]] = item["value"]
+            continue
+        ref = item["valueFrom"]
+        if "configMapKeyRef" in ref:
+            key = ref["configMapKeyRef"]
+            env[item["name"]] = find(objects, "ConfigMap", key["name"])["data"][key["key"]]
+        elif ref.get("fieldRef", {}).get("fieldPath") == "metadata.name":
+            env[item["name"]] = pod_name
+        else:
+            raise AssertionError(f"unexpected env source {item}")
+    return env
+
+
+def _etcd_serving(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=1
+            )
+        except grpc.RpcError:
+            return False
+    return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_etcd_starts_with_the_manifests_env_and_args(tmp_path: Path, overlay: str) -> None:
+    """etcd reads every ETCD_<FLAG> variable as that flag and exits when the flag is given
+    too: the manifest gave both ETCD_INITIAL_CLUSTER and --initial-cluster, so etcd
+    crash-looped in every overlay and no cluster came up (found by an audit). Debian's
+    etcd runs here with the container's environment and arguments as Kubernetes expands
+    them, only host names, ports and the data directory made local."""
+    objects = render(overlay)
+    statefulset = find(objects, "StatefulSet", "tidelog-etcd")
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["etcd"]
+    pod = "tidelog-etcd-0"
+    env = _container_env(objects, container, pod)
+    client, peer = free_port(), free_port()
+    peers = {f"tidelog-etcd-{i}": free_port() for i in range(statefulset["spec"]["replicas"])}
+    peers[pod] = peer
+
+    def localize(value: str) -> str:
+        value = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), value)
+        value = value.replace(f"{pod}.tidelog-etcd:2379", f"127.0.0.1:{client}")
+        value = value.replace("0.0.0.0:2379", f"127.0.0.1:{client}")
+        value = value.replace("0.0.0.0:2380", f"127.0.0.1:{peer}")
+        for name, port in peers.items():
+            value = value.replace(f"{name}.tidelog-etcd:2380", f"127.0.0.1:{port}")
+        # One member alone: the others' URLs would leave it without a quorum.
+        cluster = ",".join(f"{n}=http://127.0.0.1:{p}" for n, p in sorted(peers.items()))
+        return value.replace(cluster, f"{pod}=http://127.0.0.1:{peer}").replace(
+            "/var/lib/etcd", str(tmp_path)
+        )
+
+    args = [localize(a) for a in container["args"]]
+    process_env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
+    process_env.update({k: localize(v) for k, v in env.items()})
+    with (tmp_path / "etcd.log").open("w") as log:
+        process = subprocess.Popen(
+            [find_etcd_binary(), *args], env=process_env, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_for(
+                lambda: process.poll() is not None or _etcd_serving(client) or None,
+                20,
+                "etcd serving or exited",
+            )
+            assert process.poll() is None and _etcd_serving(client), (
+                f"etcd started as the {overlay} manifest starts it exited with "
+                f"{process.returncode}: {(tmp_path / 'etcd.log').read_text()[-600:]}"
+            )
+        finally:
+            process.kill()
+            process.wait()
 
 
 def test_dockerfile_is_multi_stage_slim_and_non_root() -> None:
