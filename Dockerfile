@@ -21,6 +21,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 RUN useradd --uid 10001 --user-group --no-create-home --home-dir /nonexistent tidelog
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+# Made here, owned by the user: a new Docker volume takes the image directory's owner
+# (without it, root's, and `docker run -v data:/var/lib/tidelog ... storage` could not
+# write). Kubernetes sets the volume's group through fsGroup instead.
+RUN mkdir -p /var/lib/tidelog && chown 10001:10001 /var/lib/tidelog
 USER 10001:10001
 # Storage data lives on a volume mounted here; everything else is read-only.
 VOLUME ["/var/lib/tidelog"]

@@ -352,6 +352,9 @@ def test_dockerfile_is_multi_stage_slim_and_non_root() -> None:
     assert "build-essential" in build and "build-essential" not in runtime
     assert re.search(r"^USER 10001", runtime, re.M) and re.search(r"^USER 10001", spark, re.M)
     assert 'ENTRYPOINT ["tidelog"]' in runtime
+    # The data volume's directory belongs to the user before VOLUME declares it (a new
+    # Docker volume takes the image directory's owner; found by an audit).
+    assert runtime.index("chown 10001:10001 /var/lib/tidelog") < runtime.index("VOLUME")
     assert "openjdk-17-jre-headless" in spark and "pyspark==4.3.0" in spark
     # Spark finds the format through pyspark_tidelog's entry point, so the wheel needs it.
     assert "COPY pyspark_tidelog ./pyspark_tidelog" in build
