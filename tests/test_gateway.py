@@ -1939,6 +1939,107 @@ def test_a_subscription_moves_on_from_a_leader_that_stopped_answering(
     )
 
 
+def _slow_subscription(gateway: GatewayProcess, topic: str) -> tuple[Any, grpc.Channel]:
+    """A Subscribe from offset 0 over a channel with a small receive window (no BDP
+    probing): the gateway's stream stays blocked in its send while the test does not
+    read, as a slow reader's does."""
+    channel = grpc.insecure_channel(
+        gateway.address,
+        options=[("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20)],
+    )
+    stream = gateway_pb2_grpc.GatewayStub(channel).Subscribe(
+        gateway_pb2.SubscribeRequest(topic=topic, partition=0, start_offset=0, max_bytes=500_000),
+        timeout=120,
+    )
+    return stream, channel
+
+
+def _offsets_and_values(message: Any) -> list[tuple[int, bytes]]:
+    return [(r.offset, r.value[:8]) for b in decode_batches(message.records) for r in b.records]
+
+
+def test_a_subscription_does_not_run_on_into_its_topic_created_again(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A Subscribe step named no topic id: a subscription held by a slow reader while its
+    topic was deleted and created again went on in the new topic from the old offset,
+    skipping the new topic's first records and handing out the rest as if they followed
+    the old ones. It ends with INCONSISTENT_TOPIC_ID now (found by an audit)."""
+    topic = "subscribed-reborn"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for i in range(8):  # about 400 KB each: more than the stream's window
+            producer.send_batch(topic, [b"old%03d" % i + b"x" * 400_000], partition=0).result(30)
+    stream, channel = _slow_subscription(gateway, topic)
+    seen = _offsets_and_values(next(stream))
+    time.sleep(2)  # the reader is slow
+    _delete_and_create_again(admin, topic)
+    with tidelog.Producer(gateway.address) as producer:
+        for i in range(16):  # one batch each: offsets show where it would resume
+            producer.send_batch(topic, [b"new%03d" % i], partition=0).result(30)
+    with pytest.raises(grpc.RpcError) as ended:
+        try:
+            for message in stream:
+                seen += _offsets_and_values(message)
+        finally:
+            channel.close()
+    assert rpc_error_code(ended.value) == ErrorCode.INCONSISTENT_TOPIC_ID
+    assert all(value.startswith(b"old") for _, value in seen), seen
+
+
+def test_a_subscription_past_an_unclean_election_reads_the_new_leaders_records(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A Subscribe step named no last fetched epoch: a subscription that had forwarded
+    records an unclean leader does not have went on from its offset in the new leader's
+    log, skipping the records the new leader wrote below it, without a word. It goes on
+    from where the logs agree now, as Kafka's consumer (KIP-320), told by an answer
+    carrying the divergence (found by an audit)."""
+    topic = "subscribed-unclean"
+    admin.create_topic(
+        topic, partitions=1, replication_factor=2, config={"unclean.leader.election.enable": "true"}
+    )
+    wait_for(lambda: len(admin.describe_topic(topic).partitions[0].isr) == 2 or None, 15, "ISR 2")
+    state = admin.describe_topic(topic).partitions[0]
+    leader = state.leader
+    (follower,) = [b for b in state.replicas if b != leader]
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"both-%d" % i for i in range(10)], partition=0).result(30)
+    cluster.brokers[follower].kill()
+    wait_for(lambda: admin.describe_topic(topic).partitions[0].isr == (leader,) or None, 20, "ISR")
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"lost-%d" % i for i in range(10)], partition=0).result(30)
+        for i in range(4):  # 20..23, about 400 KB each: more than the stream's window
+            big = [b"lostbig-%d" % i + b"x" * 400_000]
+            producer.send_batch(topic, big, partition=0).result(30)
+    stream, channel = _slow_subscription(gateway, topic)
+    try:
+        seen = _offsets_and_values(next(stream))
+        time.sleep(2)  # the reader is slow
+        cluster.brokers[leader].kill()
+        cluster.start_broker(follower)
+        wait_for(
+            lambda: admin.describe_topic(topic).partitions[0].leader == follower or None,
+            30,
+            "an unclean election",
+        )
+        with tidelog.Producer(gateway.address) as producer:
+            for i in range(25):  # the new leader's 10..34, one batch each
+                producer.send_batch(topic, [b"new-%d" % i], partition=0).result(30)
+        diverged = False
+        while not any(value.startswith(b"new") for _, value in seen):
+            message = next(stream)
+            diverged = diverged or message.diverging_end_offset == 10
+            seen += _offsets_and_values(message)
+    finally:
+        stream.cancel()
+        channel.close()
+        cluster.start_broker(leader)
+    new = [(offset, value) for offset, value in seen if value.startswith(b"new")]
+    assert diverged and new[0] == (10, b"new-0"), new[:3]
+    wait_for(lambda: len(admin.describe_topic(topic).partitions[0].isr) == 2 or None, 60, "ISR 2")
+
+
 def test_a_produce_waiting_on_a_stopped_leader_moves_to_its_successor(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

@@ -143,22 +143,29 @@ def iter_batches(buf: bytes | bytearray | memoryview) -> Iterator[tuple[int, Bat
         position += header.size_bytes
 
 
-def next_offset_after(buf: bytes | bytearray | memoryview, fallback: int) -> int:
-    """The offset after the last whole batch in ``buf`` (``fallback`` when there is none).
+def last_whole_batch(buf: bytes | bytearray | memoryview) -> BatchHeader | None:
+    """The header of the last whole batch in ``buf`` (None when there is none).
 
     Reads batch headers only (no CRC check), O(1) per batch: for code that forwards or
     prefetches batches without decoding them.
     """
     view = memoryview(buf)
     position = 0
-    result = fallback
+    last = None
     while position + f.BATCH_HEADER_SIZE <= len(view):
         header = parse_header(view, position)
         if header.size_bytes <= 0 or position + header.size_bytes > len(view):
             break
-        result = header.next_offset
+        last = header
         position += header.size_bytes
-    return result
+    return last
+
+
+def next_offset_after(buf: bytes | bytearray | memoryview, fallback: int) -> int:
+    """The offset after the last whole batch in ``buf`` (``fallback`` when there is none);
+    headers only, as ``last_whole_batch``."""
+    last = last_whole_batch(buf)
+    return fallback if last is None else last.next_offset
 
 
 LOG_APPEND_TIME_STAMPED_END = f.MAX_TIMESTAMP_OFFSET + 8

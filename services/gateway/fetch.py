@@ -43,7 +43,7 @@ from services.status import (
     error_from_rpc_error,
     to_error_proto,
 )
-from tidelog.batch import next_offset_after
+from tidelog.batch import last_whole_batch
 from tidelog.errors import (
     REROUTE_CODES,
     BrokerNotAvailableError,
@@ -423,8 +423,15 @@ class FetchHandler:
         wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
         if wait_ms < 0:
             raise InvalidRequestError(f"max_wait_ms {wait_ms} is negative")
-        self._router.cache.read(lambda view: view.check_partition(request.topic, request.partition))
+        # The incarnation and the epoch of what was forwarded go with every step: a topic
+        # deleted and created again (while a slow reader held the stream) went on from the
+        # old offset in the new topic, and an unclean election's new leader was read on
+        # from past its log's divergence, skipping its records (found by an audit).
+        topic_id = self._router.cache.read(
+            lambda view: view.check_partition(request.topic, request.partition).topic_id
+        )
         offset = self._start_offset(request)
+        last_epoch: int | None = None
         # Each long poll to the leader lasts at most SUBSCRIBE_POLL_SLICE_MS, so a
         # subscription whose client went away gives back its thread (and its place under
         # the gateway's max_concurrent_rpcs) within that, not after a whole max_wait_ms.
@@ -444,28 +451,50 @@ class FetchHandler:
             if granted == 0:
                 continue  # no room within a poll's time: as if the poll found nothing
             try:
-                answer = self._subscribe_step(request, offset, granted, poll_ms)
+                answer = self._subscribe_step(
+                    request, offset, granted, poll_ms, topic_id=topic_id, last_epoch=last_epoch
+                )
                 if answer is None:
                     continue
                 if answer.ByteSize() > granted:
                     self.budget.take(answer.ByteSize() - granted)
                     granted = answer.ByteSize()
-                offset = next_offset_after(answer.records, offset)
+                if answer.diverging_end_offset >= 0:
+                    # The leader's log parts from what was forwarded there (an unclean
+                    # election): go on from where they agree, as Kafka's consumer resets
+                    # to the divergence; the client is told by this answer (no records).
+                    offset = answer.diverging_end_offset
+                    last_epoch = answer.diverging_epoch
+                else:
+                    last = last_whole_batch(answer.records)
+                    if last is not None:
+                        offset, last_epoch = last.next_offset, last.partition_leader_epoch
                 yield answer
             finally:
                 self.budget.release(granted)
 
     def _subscribe_step(
-        self, request: gateway_pb2.SubscribeRequest, offset: int, max_bytes: int, poll_ms: int
+        self,
+        request: gateway_pb2.SubscribeRequest,
+        offset: int,
+        max_bytes: int,
+        poll_ms: int,
+        *,
+        topic_id: str,
+        last_epoch: int | None,
     ) -> storage_pb2.FetchPartitionResult | None:
-        """One long poll of a Subscribe from ``offset``: the leader's answer if it has
-        records, else None."""
+        """One long poll of a Subscribe from ``offset`` of incarnation ``topic_id``, whose
+        batch before it had ``last_epoch``: the leader's answer if it has records or
+        reports a divergence, else None."""
         fetch_partition = storage_pb2.FetchPartition(
             topic=request.topic,
             partition=request.partition,
             fetch_offset=offset,
             max_bytes=max_bytes,
+            topic_id=topic_id,
         )
+        if last_epoch is not None:
+            fetch_partition.last_fetched_epoch = last_epoch
 
         def call(
             stub: Any,
@@ -508,7 +537,7 @@ class FetchHandler:
         deadline = time.monotonic() + 30.0
         result = self._router.call_leader(request.topic, request.partition, deadline, call)
         answer: storage_pb2.FetchPartitionResult = result.partitions[0]
-        if answer.records:
+        if answer.records or answer.diverging_end_offset >= 0:
             return answer
         if result.throttle_time_ms > 0:
             # The leader could not hold the poll waiting: wait here what it would have,

@@ -174,7 +174,11 @@ class GatewayServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Subscribe(self, request, context):
-        """Follow one partition from an offset: a stream of results as data arrives.
+        """Follow one partition from an offset: a stream of results as data arrives. It follows
+        the topic incarnation it started in: a topic deleted and created again ends it with
+        INCONSISTENT_TOPIC_ID. Past an unclean election that truncated records it forwarded,
+        it goes on from where the new leader's log agrees, told by a result without records
+        whose diverging_end_offset is that offset (Kafka's consumer after a truncation).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
