@@ -3445,6 +3445,40 @@ def test_min_bytes_reached_later_at_a_leader_that_answered_early_is_answered_the
     assert got >= 5_000 and took_s < 4, f"answered after {took_s:.3f} s with {got} bytes"
 
 
+def test_fetches_their_clients_cancelled_do_not_keep_the_leaders_long_polls(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """A gateway Fetch's leader call was never tied to its own call: a client cancelling
+    (a consumer's seek, new assignment or close) left the leader's long poll running for
+    the whole max_wait_ms, holding one of the leader's places for waiting fetches (24 for
+    consumers). With them taken by abandoned polls, other consumers of that leader were
+    answered at once with a throttle. The calls are cancelled with their client's now
+    (found by an audit)."""
+    topic = "fetches-cancelled"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+
+    def request(wait_ms: int) -> storage_pb2.FetchRequest:
+        return storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=wait_ms,
+            partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=0)],
+        )
+
+    channel = grpc.insecure_channel(gateway.address)
+    try:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        abandoned = [stub.Fetch.future(request(20_000), timeout=30) for _ in range(30)]
+        time.sleep(1.5)
+        for future in abandoned:
+            future.cancel()
+        time.sleep(1.0)
+        started = time.monotonic()
+        answer = gateway.stub.Fetch(request(2_000), timeout=10)
+    finally:
+        channel.close()
+    assert answer.throttle_time_ms == 0 and time.monotonic() - started >= 1.5
+
+
 def test_a_fetch_answers_within_the_clients_deadline_when_its_leader_is_silent(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

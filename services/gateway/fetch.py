@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -93,6 +93,35 @@ class FetchLimits:
 Defer = Callable[[Callable[[], None]], bool]
 """Runs a callback when the call ends (``grpc.ServicerContext.add_callback``); False if it
 ended already."""
+
+CANCELLABLE_WAIT_MS: Final = 1_000
+"""A one-leader Fetch that may wait longer than this runs on the ``LeaderCalls`` loop, where
+its client going away cancels it; a shorter one is a blocking call (cheaper: see
+``_fetch_granted``) that may outlive its client by its wait at most."""
+
+
+class _ClientGone:
+    """A Fetch's leader calls, cancelled when its client goes away (cancels, or its
+    deadline passes): they used to run on for the whole max_wait_ms, each holding a
+    gateway thread, its share of the fetch budget and one of the leader's places for
+    waiting fetches, so a few consumers that cancelled long polls had every other consumer
+    of that leader answered at once with a throttle (found by an audit). Called at the
+    end of every call, answered ones too, where cancelling does nothing."""
+
+    def __init__(self) -> None:
+        self.gone = False
+        self._cancel: Callable[[], object] | None = None
+
+    def on_cancel(self, cancel: Callable[[], object]) -> None:
+        self._cancel = cancel
+        if self.gone:
+            cancel()
+
+    def __call__(self) -> None:
+        self.gone = True
+        cancel = self._cancel
+        if cancel is not None:
+            cancel()
 
 
 def _fetch_error(
@@ -209,9 +238,12 @@ class FetchHandler:
             started_s + budget_wait_s,
             share=FETCH_GRANT_SHARE,
         )
-        if granted == 0:
-            # Every byte of the budget is another consumer's answer: nothing asked, nothing
-            # held; the client fetches again (results say "not answered").
+        client_gone = _ClientGone()
+        if granted == 0 or (defer is not None and not defer(client_gone)):
+            # Every byte of the budget is another consumer's answer (or the client has gone
+            # already): nothing asked, nothing held; the client fetches again (results say
+            # "not answered").
+            self.budget.release(granted)
             return storage_pb2.FetchResponse(
                 partitions=[_result_without_records(fp) for fp in request.partitions]
             ).SerializeToString()
@@ -227,9 +259,18 @@ class FetchHandler:
                 if time_remaining_s is None
                 else started_s + time_remaining_s - DEADLINE_MARGIN_S
             )
-            encoded = self._fetch_granted(
-                request, granted, max(0, wait_ms - waited_ms), client_deadline=client_deadline
-            )
+            try:
+                encoded = self._fetch_granted(
+                    request,
+                    granted,
+                    max(0, wait_ms - waited_ms),
+                    client_deadline=client_deadline,
+                    client_gone=client_gone,
+                )
+            except BrokerNotAvailableError:
+                if not client_gone.gone:
+                    raise
+                encoded = b""  # nobody to answer
             if len(encoded) > granted:
                 self.budget.take(len(encoded) - granted)  # a first batch larger than asked
                 held = len(encoded)
@@ -247,8 +288,10 @@ class FetchHandler:
         wait_ms: int,
         *,
         client_deadline: float | None = None,
+        client_gone: _ClientGone | None = None,
     ) -> bytes:
-        """``fetch`` once its budget is granted: ``max_bytes`` for the whole answer."""
+        """``fetch`` once its budget is granted: ``max_bytes`` for the whole answer. Calls
+        on the ``LeaderCalls`` loop are cancelled through ``client_gone``."""
         local_errors: list[storage_pb2.FetchPartitionResult] = []
         by_leader: dict[int, tuple[Leader, list[storage_pb2.FetchPartition]]] = {}
         for fp in request.partitions:
@@ -268,16 +311,26 @@ class FetchHandler:
             "min_bytes": min_bytes,
             "client_deadline": client_deadline,
         }
-        run = self._calls.run
-        if len(by_leader) == 1:
+        on_cancel = None if client_gone is None else client_gone.on_cancel
+
+        def run(coroutine: Coroutine[Any, Any, tuple[int, bool]]) -> tuple[int, bool]:
+            return self._calls.run(coroutine, on_cancel)
+
+        if len(by_leader) == 1 and (
+            wait_ms <= CANCELLABLE_WAIT_MS or local_errors or client_gone is None
+        ):
             # One leader - every fetch of the SDK's consumer, which groups its partitions
             # by leader: a blocking call from this handler thread. Handing it to the
             # LeaderCalls loop and waiting there cost ~0.25 ms more CPU and ~0.3 ms more
-            # latency per call (BENCHMARKS.md, fifth pass); the loop is for fan-outs.
+            # latency per call (BENCHMARKS.md, fifth pass); the loop is for fan-outs, and
+            # for long polls, which its client going away can cancel there.
             [(leader, partitions)] = by_leader.values()
             answers[leader.broker.broker_id] = self._fetch_one(
                 leader, partitions, wait_ms=0 if local_errors else wait_ms, **limits
             )
+        elif len(by_leader) == 1:
+            # A long poll of one leader, cancellable: the leader waits for min_bytes.
+            run(self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits))
         elif local_errors or wait_ms == 0:
             # A partition that failed here needs its client's attention now: no waiting.
             run(self._round(by_leader, wait_ms=0, answers=answers, **limits))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from typing import Any, Final, TypeVar
 
 import grpc
@@ -49,15 +49,22 @@ class LeaderCalls:
         )
         self._thread.start()
 
-    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+    def run(
+        self,
+        coroutine: Coroutine[Any, Any, T],
+        on_cancel: Callable[[Callable[[], object]], None] | None = None,
+    ) -> T:
         """Run ``coroutine`` on the loop and wait for its result (it must end by itself:
-        every call it makes has a deadline). Raises BrokerNotAvailableError when the
-        gateway is stopping."""
+        every call it makes has a deadline). ``on_cancel`` is given the function that
+        cancels it (its calls with it), for a caller whose own client may go away. Raises
+        BrokerNotAvailableError when the gateway is stopping or it was cancelled."""
         with self._lock:
             if self._closed:
                 coroutine.close()
                 raise BrokerNotAvailableError("the gateway is stopping")
             future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        if on_cancel is not None:
+            on_cancel(future.cancel)
         try:
             return future.result()
         except concurrent.futures.CancelledError:
