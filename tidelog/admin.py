@@ -132,7 +132,7 @@ class GroupMemberDescription:
 
 @dataclass(frozen=True, slots=True)
 class GroupDescription:
-    """A group's membership: Kafka's state name (Empty, PreparingRebalance, Stable), the
+    """A group's membership: Kafka's state name (Dead, Empty, PreparingRebalance, Stable), the
     generation (completed rebalances) and the members with their partitions."""
 
     group_id: str

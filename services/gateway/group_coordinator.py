@@ -539,6 +539,11 @@ class GroupCoordinator:
         check_group_id(group_id)
         return self._update(group_id, lambda s, alive, _: group_state.expire(s, alive))
 
+    def has_sessions(self, group_id: str) -> bool:
+        """Whether any member's session lives, pending members' (KIP-394) included."""
+        check_group_id(group_id)
+        return bool(self._store.get_prefix(session_prefix(group_id)))
+
     def list_groups(self) -> list[str]:
         """Groups with members (a group without any has no state key)."""
         kvs = self._store.get_prefix(GROUP_STATES_PREFIX)[:MAX_GROUPS_LISTED]
