@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final
 
@@ -172,6 +172,12 @@ def leaders_by_topic(response: controller_pb2.MetadataResponse) -> dict[str, lis
         by_index = sorted(topic.partitions, key=lambda p: p.partition)
         leaders[topic.name] = [p.leader for p in by_index]
     return leaders
+
+
+GONE_CODES: Final = frozenset(
+    {ErrorCode.UNKNOWN_TOPIC_OR_PARTITION, ErrorCode.INCONSISTENT_TOPIC_ID}
+)
+"""A partition's topic is gone, or is another incarnation of it now."""
 
 
 def raise_for(error: common_pb2.Error, what: str) -> None:
@@ -521,17 +527,41 @@ class GatewayConnection:
 
         return wait
 
-    def commit_offsets(self, group_id: str, offsets: dict[tuple[str, int], int]) -> None:
-        """Store ``offsets`` (the next offset to read per partition) for ``group_id``."""
+    def commit_offsets(
+        self,
+        group_id: str,
+        offsets: dict[tuple[str, int], int],
+        *,
+        topic_ids: Mapping[str, str] | None = None,
+        skip_gone: bool = False,
+    ) -> list[TidelogError]:
+        """Store ``offsets`` (the next offset to read per partition) for ``group_id``;
+        each of a topic named in ``topic_ids`` only in that incarnation. ``skip_gone``:
+        partitions whose topic is gone (or is another incarnation now) are left out and
+        their errors returned, rather than raised."""
+        ids = topic_ids or {}
         request = gateway_pb2.CommitOffsetsRequest(
             group_id=group_id,
             offsets=[
-                gateway_pb2.CommitOffset(topic=t, partition=p, offset=o, leader_epoch=-1)
+                gateway_pb2.CommitOffset(
+                    topic=t, partition=p, offset=o, leader_epoch=-1, topic_id=ids.get(t, "")
+                )
                 for (t, p), o in sorted(offsets.items())
             ],
         )
         response: gateway_pb2.CommitOffsetsResponse = self.call(
             self.stub.CommitOffsets, request, f"commit offsets of group {group_id!r}"
         )
+        skipped: list[TidelogError] = []
         for item in response.partitions:
-            raise_for(item.error, f"commit {item.topic}-{item.partition} for {group_id!r}")
+            if item.error.code == common_pb2.NONE:
+                continue
+            error = error_for_code(
+                int(item.error.code),
+                f"commit {item.topic}-{item.partition} for {group_id!r}: {item.error.message}",
+            )
+            if skip_gone and error.code in GONE_CODES:
+                skipped.append(error)
+                continue
+            raise error
+        return skipped

@@ -46,7 +46,13 @@ def generate(spark: Any, gateway: str, topic: str, lines: int, minutes: int = 10
     line = F.format_string(
         '%s - - [%s +0000] "GET %s HTTP/1.1" %d %d "-" "curl/8.5" rt=%.3f svc=%s',
         F.col("ip"),
-        F.date_format(F.from_unixtime(F.col("ts")), "dd/MMM/yyyy:HH:mm:ss"),
+        # UTC wall time, as "+0000" says: date_format shows the session's zone (the
+        # machine's), and off UTC the lines carried local time marked UTC (found by an
+        # audit).
+        F.date_format(
+            F.to_utc_timestamp(F.timestamp_seconds(F.col("ts")), F.current_timezone()),
+            "dd/MMM/yyyy:HH:mm:ss",
+        ),
         F.element_at(paths, F.col("path_index").cast("int") + 1),
         status,
         F.col("bytes"),

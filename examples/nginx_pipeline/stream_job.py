@@ -51,7 +51,10 @@ def run(
         F.avg((F.col("status") >= 500).cast("double")).alias("error_rate_5xx"),
         F.percentile_approx("latency_ms", 0.95).alias("p95_latency_ms"),
     )
-    minute = F.date_format(F.col("window.start"), "yyyy-MM-dd HH:mm")
+    # In UTC, as the lines' times are, whatever the session's (the machine's) zone.
+    minute = F.date_format(
+        F.to_utc_timestamp(F.col("window.start"), F.current_timezone()), "yyyy-MM-dd HH:mm"
+    )
     out = stats.select(
         F.concat_ws("|", "service", minute).cast("binary").alias("key"),
         F.to_json(

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -32,9 +32,13 @@ from pyspark.sql.types import StructType
 from tidelog.client import GatewayConnection
 from tidelog.errors import ConfigError, TidelogError, UnknownTopicOrPartitionError
 from tidelog.leaders import Leader
+from tidelog.logging import get_logger
 from tidelog.spark import direct, planning, reader
 from tidelog.spark.options import ReadOptions, parse_read_options
 from tidelog.spark.planning import OffsetRange, TopicPartition
+from tidelog.spark.retries import retrying
+
+T = TypeVar("T")
 
 
 class RangePartition(InputPartition):
@@ -157,6 +161,9 @@ class TidelogBatchReader(DataSourceReader):
         self.options = options
 
     def partitions(self) -> Sequence[InputPartition]:
+        return retrying(self._plan, self.options.request_timeout_ms / 1000)
+
+    def _plan(self) -> list[RangePartition]:
         options = self.options
         connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
         tps = reader.resolve_partitions(connection, options)
@@ -230,6 +237,10 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _connection(self) -> GatewayConnection:
         return GatewayConnection.get(self.options.gateway, self.options.request_timeout_ms)
 
+    def _retrying(self, call: Callable[[], T]) -> T:
+        """``call`` through failures that pass (``retries``), for up to requestTimeoutMs."""
+        return retrying(call, self.options.request_timeout_ms / 1000)
+
     def _bounds(self) -> dict[TopicPartition, planning.Bounds]:
         return self._listed(self._connection(), with_ids=False)[1]
 
@@ -260,7 +271,7 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict[str, Any]:
         if self._initial is None:
-            self._initial = planning.mark_initial(self._resolve_initial())
+            self._initial = planning.mark_initial(self._retrying(self._resolve_initial))
         return copy.deepcopy(self._initial)  # what a caller does to it must not change it
 
     def _resolve_initial(self) -> dict[str, Any]:
@@ -286,9 +297,12 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(self.options.max_offsets_per_trigger)
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self._target = self._latest()
+        self._target = self._retrying(self._latest)
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        return self._retrying(lambda: self._latest_offset(start, limit))
+
+    def _latest_offset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         connection = self._connection()
         # Ids before bounds, as the batch reader does: bounds looked up first could be the
         # old incarnation's and be labelled with the id of a topic created again between.
@@ -316,7 +330,7 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Spark plans the next micro-batch only after the previous one completed, so
         # ``start`` is processed data: the group sees it now rather than when Spark gets
         # round to commit() (a batch later, and never for the last AvailableNow batch).
-        self._commit_group(starts)
+        self._commit_group(starts, topic_ids)
         latest = {tp: b.latest for tp, b in bounds.items()}
         if self._target is not None:
             # AvailableNow: no further than the high watermarks seen when the query
@@ -360,24 +374,40 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for tp, (at, resumed) in self._skipped.items():
             if checkpointed.get(tp, 0) == at:
                 starts[tp] = resumed
-        ranges = planning.ranges_between(starts, planning.from_json_offsets(end))
-        return _range_partitions(
-            self._connection(),
-            self.options,
-            planning.split_ranges(ranges, self.options.min_partitions),
-            end_ids,  # the end offsets' incarnation: the ranges are read in it
+        ranges = planning.split_ranges(
+            planning.ranges_between(starts, planning.from_json_offsets(end)),
+            self.options.min_partitions,
+        )
+        return self._retrying(
+            # The end offsets' incarnation (end_ids): the ranges are read in it.
+            lambda: _range_partitions(self._connection(), self.options, ranges, end_ids)
         )
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         return _read(self.options, partition)
 
     def commit(self, end: dict[str, Any]) -> None:
-        self._commit_group(planning.from_json_offsets(end))
+        self._commit_group(planning.from_json_offsets(end), planning.topic_ids_of(end))
 
-    def _commit_group(self, offsets: dict[TopicPartition, int]) -> None:
-        if self.options.group_id is None or not offsets or offsets == self._committed:
+    def _commit_group(
+        self, offsets: dict[TopicPartition, int], topic_ids: Mapping[str, str]
+    ) -> None:
+        """The group's copy of where the query got to (for lag monitoring; the checkpoint
+        is what the query resumes from), each topic in its incarnation. A partition whose
+        topic is gone, or was created again, is left out with a warning: Spark commits
+        the previous micro-batch's end, which still names a topic deleted since, and
+        its refusal failed a query that failOnDataLoss=false kept reading (found by an
+        audit)."""
+        group_id = self.options.group_id
+        if group_id is None or not offsets or offsets == self._committed:
             return
-        self._connection().commit_offsets(self.options.group_id, offsets)
+        skipped = self._retrying(
+            lambda: self._connection().commit_offsets(
+                group_id, offsets, topic_ids=topic_ids, skip_gone=True
+            )
+        )
+        for error in skipped:
+            get_logger(group=group_id).warning("spark_group_commit_skipped", error=str(error))
         self._committed = dict(offsets)
 
     def stop(self) -> None:

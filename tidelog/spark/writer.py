@@ -50,6 +50,7 @@ from tidelog.partitioner import murmur2_partitions
 from tidelog.records import arrow_record_bytes, batch_cuts, encode_batch_arrow
 from tidelog.spark.direct import Appender
 from tidelog.spark.options import WriteOptions, parse_write_options
+from tidelog.spark.retries import retrying
 from tidelog.v1 import common_pb2
 
 REQUEST_BYTES: Final = 8 * 1024 * 1024
@@ -68,23 +69,29 @@ class WriteSummary(WriterCommitMessage):
 
 
 def check_topic_option(options: WriteOptions) -> None:
-    """On the driver, before any task runs: the gateway answers, knows the `topic` option's
-    topic, and the topic takes batches of `batchBytes` (else every task would fail on it,
-    each retried by Spark). Topics named only by a `topic` column are checked by the tasks
-    that meet them."""
+    """On the driver, before any task runs: the gateway answers and knows the `topic`
+    option's topic (else every task would fail on it, each retried by Spark). Topics named
+    only by a `topic` column are checked by the tasks that meet them."""
     if options.topic is None:
         return
     connection = GatewayConnection.get(options.gateway, options.request_timeout_ms)
-    (topic,) = connection.metadata([options.topic]).topics
+    (topic,) = retrying(
+        lambda: connection.metadata([options.topic or ""]).topics,
+        options.request_timeout_ms / 1000,
+    )
     raise_for(topic.error, f"topic {options.topic!r}")
+
+
+def batch_limit_bytes(batch_bytes: int, topic: Any) -> int:
+    """How large a batch to ``topic`` (its metadata) is cut: ``batchBytes``, or less where
+    the topic's max.message.bytes is smaller, as a Kafka producer's batches never outgrow
+    what the topic takes. Cut at batchBytes whatever the topic, small records to a topic
+    with a lowered limit failed the write with MESSAGE_TOO_LARGE (found by an audit). (A
+    limit changed between an exactly-once batch and its replay cuts the replay
+    differently; its sequence numbers then do not match what was written.)"""
     configs = {c.name: c.value for c in topic.configs}
     limit = int(configs.get("max.message.bytes", formats.DEFAULT_MAX_MESSAGE_BYTES))
-    if options.batch_bytes > limit:
-        raise ConfigError(
-            f"batchBytes {options.batch_bytes} is above the max.message.bytes of topic "
-            f"{options.topic!r} ({limit}): the brokers would refuse every batch; set "
-            "batchBytes at most that"
-        )
+    return min(batch_bytes, limit)
 
 
 def check_schema(schema: StructType, options: WriteOptions) -> None:
@@ -141,19 +148,26 @@ class _TaskWriter:
         # direct=true: requests go to the leaders (closed when the task's write ends).
         self.appender = Appender(self.connection) if options.direct else None
         self.partition_counts: dict[str, int] = {}
+        self.batch_limits: dict[str, int] = {}  # per topic: batch_limit_bytes
         self.sticky: dict[str, int] = {}
         self.random = random.Random(sticky_seed)
         self.pending: list[tuple[str, int, bytes]] = []
         self.pending_bytes = 0
-        self.in_flight: list[tuple[Callable[[], list[Any]], set[tuple[str, int]]]] = []
+        # Requests sent: how to wait for each one's answer, its partitions, its batches.
+        self.in_flight: list[
+            tuple[Callable[[], list[Any]], set[tuple[str, int]], list[tuple[str, int, bytes]]]
+        ] = []
+        self.timeout_s = options.request_timeout_ms / 1000
         self.rows = 0
         self.batches = 0
 
     def partitions_of(self, topic: str) -> int:
         count = self.partition_counts.get(topic)
         if count is None:
-            count = self.connection.partition_counts([topic])[topic]
-            self.partition_counts[topic] = count
+            (found,) = retrying(lambda: self.connection.metadata([topic]).topics, self.timeout_s)
+            raise_for(found.error, f"topic {topic!r}")
+            count = self.partition_counts[topic] = len(found.partitions)
+            self.batch_limits[topic] = batch_limit_bytes(self.options.batch_bytes, found)
         return count
 
     def write(self, batches: Iterator[Any]) -> WriteSummary:
@@ -259,7 +273,8 @@ class _TaskWriter:
         # included): counting only value and key bytes, or cutting at the average size,
         # made batches past batchBytes, and past the topic's max.message.bytes (1 MiB + 12
         # by default, batchBytes' default + 12).
-        cuts = batch_cuts(arrow_record_bytes(values, keys, headers), self.options.batch_bytes)
+        self.partitions_of(topic)  # (its batch limit)
+        cuts = batch_cuts(arrow_record_bytes(values, keys, headers), self.batch_limits[topic])
         for start, stop, _ in cuts:
             sequence = -1
             if self.identity is not None:
@@ -307,27 +322,63 @@ class _TaskWriter:
         while self.in_flight and (
             self.identity is not None
             or len(self.in_flight) >= MAX_REQUESTS_IN_FLIGHT
-            or any(partitions & tps for _, tps in self.in_flight)
+            or any(partitions & tps for _, tps, _ in self.in_flight)
         ):
-            self._check(self.in_flight.pop(0)[0]())
+            self._finish(*self.in_flight.pop(0))
+        self.in_flight.append((self._start(items), partitions, items))
+
+    def _start(self, items: list[tuple[str, int, bytes]]) -> Callable[[], list[Any]]:
         produce_async = (
             self.connection.produce_async if self.appender is None else self.appender.append_async
         )
-        wait = produce_async(items, _ACKS[self.options.acks], self.options.request_timeout_ms)
-        self.in_flight.append((wait, partitions))
+        return produce_async(items, _ACKS[self.options.acks], self.options.request_timeout_ms)
 
     def _drain(self) -> None:
         self._send()
         while self.in_flight:
-            self._check(self.in_flight.pop(0)[0]())
+            self._finish(*self.in_flight.pop(0))
 
-    def _check(self, results: list[Any]) -> None:
-        for result in results:
-            if result.error.code != common_pb2.NONE:
-                raise error_for_code(
-                    int(result.error.code),
-                    f"writing to {result.topic}-{result.partition}: {result.error.message}",
+    def _finish(
+        self,
+        wait: Callable[[], list[Any]],
+        partitions: set[tuple[str, int]],
+        items: list[tuple[str, int, bytes]],
+    ) -> None:
+        """Wait for a request's answer; the batches refused with a retriable error (the
+        gateway restarting, a leader moving, too few in-sync replicas) are sent again,
+        the same bytes, for up to requestTimeoutMs, as Kafka's producer retries within
+        its delivery timeout: a task failed at the first refused connection, and with it
+        the job (found by an audit). No other request of these partitions is in flight
+        meanwhile (``_send``), so their order holds; exactly-once writes resend the same
+        sequence numbers, which the leader answers as duplicates once written. At least
+        once, a batch whose answer was lost may be written twice."""
+        del partitions  # (the request's; what is resent is what failed)
+        pending: Callable[[], list[Any]] | None = wait
+
+        def attempt() -> None:
+            nonlocal pending, items
+            if pending is None:
+                pending = self._start(items)
+            try:
+                results = pending()
+            finally:
+                pending = None  # answered or failed: the next attempt sends again
+            failed = {
+                (r.topic, r.partition): error_for_code(
+                    int(r.error.code), f"writing to {r.topic}-{r.partition}: {r.error.message}"
                 )
+                for r in results
+                if r.error.code != common_pb2.NONE
+            }
+            if not failed:
+                return
+            final = next((e for e in failed.values() if not e.retriable), None)
+            if final is not None:
+                raise final
+            items = [item for item in items if (item[0], item[1]) in failed]
+            raise next(iter(failed.values()))
+
+        retrying(attempt, self.timeout_s)
 
 
 EXACTLY_ONCE_PRODUCER_IDS: Final = 2**62
