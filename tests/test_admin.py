@@ -15,9 +15,11 @@ import grpc
 import pytest
 
 import tidelog
+import tidelog.client
 from services.gateway.server import ADMIN_TIMEOUT_S, _admin_budget_s
 from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
 from tidelog.admin import change_deadline_s
+from tidelog.client import GatewayConnection
 from tidelog.errors import (
     ConfigError,
     ErrorCode,
@@ -145,6 +147,41 @@ def test_an_admin_change_given_too_little_time_says_so(gateway: GatewayProcess) 
     assert "may still have been made" not in str(raised.value)
     assert "hurried" not in tidelog.Admin(gateway.address).list_topics()
     assert tidelog.Admin(gateway.address, timeout_ms=51).list_topics() is not None
+
+
+def test_more_partitions_than_a_request_takes_are_asked_in_several(
+    gateway: GatewayProcess, admin: tidelog.Admin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway takes at most MAX_PARTITIONS_PER_REQUEST partitions per ListOffsets or
+    CommitOffsets; the SDK sent any number in one, so a Spark read over more than 10,000
+    partitions could not be planned (found by an audit). The limit is lowered to 2 here
+    so that 5 partitions take three requests."""
+    admin.create_topic("many-asks", partitions=5, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(5):
+            producer.send_batch("many-asks", [b"v"] * (p + 1), partition=p).result(30)
+    connection = GatewayConnection.get(gateway.address, 10_000)
+    indexes = range(5)
+    tps = [("many-asks", p) for p in indexes]
+    whole = connection.bounds(tps)
+    monkeypatch.setattr(tidelog.client, "MAX_PARTITIONS_PER_REQUEST", 2)
+    asked: list[int] = []
+    call = connection.call
+
+    def counting(method: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(len(getattr(request, "partitions", getattr(request, "offsets", []))))
+        return call(method, request, *args, **kwargs)
+
+    monkeypatch.setattr(connection, "call", counting)
+    assert connection.bounds(tps) == whole
+    assert {b.latest for b in whole.values()} == {1, 2, 3, 4, 5}
+    assert connection.commit_offsets("many-asks-group", {tp: 1 for tp in tps}) == []
+    assert asked == [2, 2, 1, 2, 2, 1, 2, 2, 1]  # earliest, latest, commit
+    monkeypatch.undo()
+    committed = admin.describe_group("many-asks-group")
+    assert sorted((c.partition, c.committed_offset) for c in committed) == [
+        (p, 1) for p in range(5)
+    ]
 
 
 def test_good_arguments_still_go_through_numbers_in_configs_as_text(

@@ -48,6 +48,7 @@ from tidelog.errors import (
     UnknownServerError,
     error_for_code,
 )
+from tidelog.formats import MAX_PARTITIONS_PER_REQUEST
 from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, gateway_pb2_grpc, storage_pb2
 
 MAX_MESSAGE_BYTES: Final = 128 * 1024 * 1024
@@ -378,7 +379,27 @@ class GatewayConnection:
         failed: dict[tuple[str, int], TidelogError] | None = None,
     ) -> dict[tuple[str, int], storage_pb2.ListOffsetsResult]:
         """``list_offsets`` with each partition's whole answer (its leader epoch too).
-        With ``partial``, the errors of the partitions left out go into ``failed``."""
+        With ``partial``, the errors of the partitions left out go into ``failed``.
+        More partitions than a request takes are asked in several (a Spark read over
+        more than 10,000 partitions could not be planned; found by an audit)."""
+        partitions = list(partitions)
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
+        if len(partitions) > MAX_PARTITIONS_PER_REQUEST:
+            merged: dict[tuple[str, int], storage_pb2.ListOffsetsResult] = {}
+            for start in range(0, len(partitions), MAX_PARTITIONS_PER_REQUEST):
+                merged.update(
+                    self.list_offset_results(
+                        partitions[start : start + MAX_PARTITIONS_PER_REQUEST],
+                        spec,
+                        timestamp_ms,
+                        partial=partial,
+                        deadline=deadline,
+                        retry_unknown_topic=retry_unknown_topic,
+                        failed=failed,
+                    )
+                )
+            return merged
         request = storage_pb2.ListOffsetsRequest(
             replica_id=-1,
             partitions=[
@@ -394,8 +415,6 @@ class GatewayConnection:
         # a leader moving) are asked again after a pause, within the request timeout. Each
         # attempt gets what is left of it: a full timeout each let a retry begun just
         # before the deadline double the call (found by an audit).
-        if deadline is None:
-            deadline = time.monotonic() + self.timeout_s
         result: dict[tuple[str, int], storage_pb2.ListOffsetsResult] = {}
         last: common_pb2.Error | None = None  # a partition's last error, while retried
         while True:
@@ -540,6 +559,15 @@ class GatewayConnection:
         partitions whose topic is gone (or is another incarnation now) are left out and
         their errors returned, rather than raised."""
         ids = topic_ids or {}
+        if len(offsets) > MAX_PARTITIONS_PER_REQUEST:
+            items = sorted(offsets.items())
+            skipped_all: list[TidelogError] = []
+            for start in range(0, len(items), MAX_PARTITIONS_PER_REQUEST):
+                chunk = dict(items[start : start + MAX_PARTITIONS_PER_REQUEST])
+                skipped_all += self.commit_offsets(
+                    group_id, chunk, topic_ids=ids, skip_gone=skip_gone
+                )
+            return skipped_all
         request = gateway_pb2.CommitOffsetsRequest(
             group_id=group_id,
             offsets=[

@@ -100,6 +100,9 @@ MAX_BATCH_BYTES: Final = INT32_MAX
 """Hard ceiling from the i32 length field; configured limits are far lower."""
 DEFAULT_MAX_MESSAGE_BYTES: Final = 1_048_588
 """max.message.bytes when a topic does not set it (Kafka's default, 1 MiB + 12)."""
+MAX_PARTITIONS_PER_REQUEST: Final = 10_000
+"""The most partitions one client request to a gateway names (Produce, Fetch, ListOffsets,
+CommitOffsets, FetchOffsets); the SDK splits larger asks."""
 NO_TIMESTAMP: Final = -1
 """A batch timestamp meaning "none" (Kafka's RecordBatch.NO_TIMESTAMP)."""
 

@@ -52,6 +52,7 @@ from tidelog.errors import (
     InvalidRequestError,
     TidelogError,
 )
+from tidelog.formats import MAX_PARTITIONS_PER_REQUEST
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
 
 DEFAULT_MAX_WAIT_MS: Final = 500
@@ -59,7 +60,6 @@ MAX_WAIT_MS_LIMIT: Final = 30_000
 """Longest wait a fetch is given; a longer max_wait_ms is clamped to it."""
 MIN_SUBSCRIBE_POLL_MS: Final = 100
 """Shortest long poll of a Subscribe step (see ``subscribe``)."""
-MAX_PARTITIONS_PER_FETCH: Final = 10_000
 DEFAULT_PARTITION_MAX_BYTES: Final = 1024 * 1024
 EMPTY_RESULT_BYTES: Final = 80
 """Upper bound of the encoded size of a partition result without records, beyond its
@@ -165,10 +165,10 @@ class FetchHandler:
                 f"replica_id {request.replica_id}: clients fetch with replica_id -1; followers "
                 "fetch from storage nodes directly"
             )
-        if len(request.partitions) > MAX_PARTITIONS_PER_FETCH:
+        if len(request.partitions) > MAX_PARTITIONS_PER_REQUEST:
             raise InvalidRequestError(
                 f"{len(request.partitions)} partitions in one fetch; the limit is "
-                f"{MAX_PARTITIONS_PER_FETCH}"
+                f"{MAX_PARTITIONS_PER_REQUEST}"
             )
         if request.HasField("max_bytes") and request.max_bytes <= 0:
             raise InvalidFetchSizeError(f"max_bytes {request.max_bytes} must be positive")
@@ -645,10 +645,10 @@ class FetchHandler:
         self, request: storage_pb2.ListOffsetsRequest, timeout_s: float = 10.0
     ) -> storage_pb2.ListOffsetsResponse:
         """Forward to each leader; answers in request order, errors per partition."""
-        if len(request.partitions) > MAX_PARTITIONS_PER_FETCH:
+        if len(request.partitions) > MAX_PARTITIONS_PER_REQUEST:
             raise InvalidRequestError(
                 f"{len(request.partitions)} partitions in one request; the limit is "
-                f"{MAX_PARTITIONS_PER_FETCH}"
+                f"{MAX_PARTITIONS_PER_REQUEST}"
             )
         # One deadline for both passes (the second used to get a whole timeout of its own
         # after the first, so a stopped leader cost twice the timeout).

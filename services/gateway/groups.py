@@ -48,6 +48,7 @@ from tidelog.errors import (
     RequestTimedOutError,
     TidelogError,
 )
+from tidelog.formats import MAX_PARTITIONS_PER_REQUEST
 from tidelog.logging import get_logger
 from tidelog.topics import validate_topic_name
 
@@ -56,7 +57,6 @@ _log = get_logger(component="gateway.groups")
 MAX_GROUP_ID_CHARS: Final = 255
 MAX_METADATA_BYTES: Final = 4096
 """Kafka's offset.metadata.max.bytes."""
-MAX_PARTITIONS_PER_REQUEST: Final = 10_000
 """Partitions one CommitOffsets or FetchOffsets may name (as Fetch and ListOffsets)."""
 
 

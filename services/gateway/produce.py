@@ -54,6 +54,7 @@ from tidelog.errors import (
     TidelogError,
     UnknownServerError,
 )
+from tidelog.formats import MAX_PARTITIONS_PER_REQUEST
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
 from tidelog.wire import append_request_parts, encode_append_many_request
 
@@ -66,7 +67,6 @@ DEFAULT_TIMEOUT_MS: Final = 30_000
 MAX_TIMEOUT_MS: Final = 300_000
 """A larger timeout_ms is clamped to this, as the storage nodes clamp an acks=all wait:
 refusing it failed every request of a client configured with a long request timeout."""
-MAX_PARTITIONS_PER_REQUEST: Final = 10_000
 LEADER_WATCH_S: Final = 0.5
 """How often an append waiting for its leader looks whether the metadata names another."""
 MIN_GROUP_PARTITIONS: Final = 4
