@@ -3,7 +3,7 @@
 Starts a real cluster the way the process-level tests do (``TestCluster``): a private
 etcd, one controller, three storage nodes and one gateway, each its own ``python -m
 tidelog`` process on 127.0.0.1; the benchmark (the SDK client) is one more process. All
-share the machine's 2 cores, so every figure includes the cost of the servers.
+share the machine's cores, so every figure includes the cost of the servers.
 
 Cases (100-byte values, no keys, ``Producer.send_batch`` of ``--chunk`` values per call,
 1 MiB batches, several calls in flight so the sender pipelines requests):
@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-from bench.storage_engine import cpu_model, memory_gib
+from bench.storage_engine import cores, cpu_model, memory_gib
 from tests.support.cluster import TestCluster
 from tidelog.admin import Admin
 from tidelog.consumer import Consumer
@@ -107,7 +107,7 @@ def report(results: dict[str, float], records: int, chunk: int) -> str:
             "Command: `PYTHONPATH=. .venv/bin/python -m bench.gateway "
             f"--records {records} --write-docs`",
             "",
-            f"- CPU: {cpu_model()}, 2 cores; memory {memory_gib():.1f} GiB",
+            f"- CPU: {cpu_model()}, {cores()} cores; memory {memory_gib():.1f} GiB",
             f"- Python {platform.python_version()}, Linux {platform.release()}",
             "",
             "| case | records/s | target | met |",

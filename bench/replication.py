@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.storage_engine import (
+    cores,
     cpu_model,
     filesystem_of,
     memory_gib,
@@ -460,7 +461,7 @@ class Bench:
 
 def machine_lines(directory: Path, load_before: str) -> list[str]:
     return [
-        f"- CPU: {cpu_model()}, {os.cpu_count()} cores, shared by every process of the run "
+        f"- CPU: {cpu_model()}, {cores()} cores, shared by every process of the run "
         "(etcd, controller, 3 storage nodes, the client)",
         f"- Memory: {memory_gib():.1f} GiB",
         f"- Data dirs: `{directory.parent / 'tidelog-repl-bench-*'}` on {filesystem_of(directory)}",
@@ -541,7 +542,7 @@ def report_markdown(
     lines += [
         "CPU milliseconds per MB produced, by process (from `/proc/PID/stat`; a MB is",
         "stored once per replica). Which broker leads differs per case (marked);",
-        "two cores give at most 2,000 CPU ms per second of wall time:",
+        f"{cores()} cores give at most {cores() * 1000:,} CPU ms per second of wall time:",
         "",
         f"| case | client | {' | '.join(names)} | etcd + controller "
         "| cores busy, benchmark processes | cores busy, other jobs on the machine |",
@@ -568,7 +569,8 @@ def report_markdown(
             for k, v in catchup.cpu_s.items()
             if v >= 0.05 and k != "other"
         )
-        + f" CPU ms per MB caught up; {ours(catchup.cpu_s) / catchup.elapsed_s:.2f} of 2 cores"
+        + " CPU ms per MB caught up; "
+        f"{ours(catchup.cpu_s) / catchup.elapsed_s:.2f} of {cores()} cores"
         f" busy with the benchmark, {catchup.cpu_s.get('other', 0.0) / catchup.elapsed_s:.2f}"
         " with other jobs.",
         "",

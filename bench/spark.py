@@ -1,7 +1,7 @@
 """Spark data source benchmark: batch write and batch read rows/s on ``local[2]``.
 
 A real cluster (etcd, controller, 3 storage nodes, gateway; ``TestCluster``) and a Spark
-``local[2]`` session share the machine's 2 cores. The write case is
+``local[2]`` session share the machine's cores. The write case is
 ``spark.range(N)`` turned into 100-byte binary values and written with
 ``df.write.format("tidelog")`` (no keys: sticky partitions, acks=all, RF=1, 4
 partitions); the read case reads the topic back with ``spark.read.format("tidelog")``
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Final
 
 from bench.gateway import write_docs as _write_section
-from bench.storage_engine import cpu_model, memory_gib
+from bench.storage_engine import cores, cpu_model, memory_gib
 from tests.support.cluster import running_cluster
 from tidelog.admin import Admin
 
@@ -105,7 +105,8 @@ def report(results: dict[str, float], rows: int) -> str:
             SECTION_TITLE,
             "",
             "`bench/spark.py`: Spark `local[2]` and a whole cluster (etcd, controller, 3",
-            'storage nodes, gateway) on the same 2 cores. Write: `df.write.format("tidelog")`',
+            f"storage nodes, gateway) on the same {cores()} cores. Write: "
+            '`df.write.format("tidelog")`',
             f"of {rows:,} rows with 100-byte values (acks=all, RF=1, 4 partitions). Read: the",
             "topic back in the Kafka source schema into Spark's `noop` sink (every row",
             "materialised), after one warm-up read; the writes after a warm-up write of a",
@@ -117,7 +118,7 @@ def report(results: dict[str, float], rows: int) -> str:
             "",
             f"Command: `PYTHONPATH=. .venv/bin/python -m bench.spark --rows {rows} --write-docs`",
             "",
-            f"- CPU: {cpu_model()}, 2 cores; memory {memory_gib():.1f} GiB",
+            f"- CPU: {cpu_model()}, {cores()} cores; memory {memory_gib():.1f} GiB",
             f"- Python {platform.python_version()}, Linux {platform.release()}, Java 17",
             "",
             "| case | rows/s | target | met |",

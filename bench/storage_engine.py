@@ -241,6 +241,12 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def cores() -> int:
+    """The cores this process may run on (a container's or taskset's share, not the
+    host's): the machine line said "2 cores" whatever the machine (found by an audit)."""
+    return len(os.sched_getaffinity(0))
+
+
 def memory_gib() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -269,7 +275,7 @@ def filesystem_of(path: Path) -> str:
 
 def machine_lines(directory: Path) -> list[str]:
     return [
-        f"- CPU: {cpu_model()}, {os.cpu_count()} cores",
+        f"- CPU: {cpu_model()}, {cores()} cores",
         f"- Memory: {memory_gib():.1f} GiB",
         f"- Temp dir: `{directory.parent / 'tidelog-bench-*'}` on {filesystem_of(directory)}",
         f"- Python {platform.python_version()} ({platform.python_implementation()}), "

@@ -27,7 +27,7 @@ from typing import Any, Final
 from bench import ceilings, peers, workloads
 from bench import spark as spark_bench
 from bench.gateway import write_docs
-from bench.storage_engine import cpu_model, filesystem_of, memory_gib
+from bench.storage_engine import cores, cpu_model, filesystem_of, memory_gib
 from bench.workloads import Result
 from tests.support.cluster import running_cluster
 
@@ -380,8 +380,8 @@ def report(results: dict[str, Any], quick: bool) -> str:
         SECTION_TITLE,
         "",
         "`bench/suite.py` (`tidelog bench`): tidelog, its peers and the machine's ceilings in one",
-        "run, every server and client on this 2-core machine. tidelog: 3 storage nodes, one",
-        "gateway, the Python SDK (`send_batch`, several calls in flight); 6 partitions and",
+        f"run, every server and client on this {cores()}-core machine. tidelog: 3 storage nodes,",
+        "one gateway, the Python SDK (`send_batch`, several calls in flight); 6 partitions and",
         "100-byte records as in Kafka's 2014 benchmark; the OMB-style case has 100",
         "partitions and 1 KiB records and, as OMB does, a warm-up (a third of its volume,",
         "not measured) first, and so does each mode's first case (RF=1). The end-to-end",
@@ -404,7 +404,7 @@ def report(results: dict[str, Any], quick: bool) -> str:
         "Command: `PYTHONPATH=. .venv/bin/tidelog bench"
         f"{' --quick' if quick else ''} --write-docs`",
         "",
-        f"- CPU: {cpu_model()}, 2 cores; memory {memory_gib():.1f} GiB; "
+        f"- CPU: {cpu_model()}, {cores()} cores; memory {memory_gib():.1f} GiB; "
         f"disk {results.get('disk', '?')}",
         f"- Python {platform.python_version()}, Linux {platform.release()}",
         "",
@@ -534,7 +534,8 @@ def chart(results: dict[str, Any], path: Path = CHART) -> None:
     ax.barh(names[::-1], values[::-1], color=colors[::-1])
     ax.set_xlabel("records/s (100-byte records; OMB case 1 KiB; Spark: rows/s)")
     ax.set_title(
-        "tidelog vs peers on one 2-core machine\n(grey: Kafka 2014, published, other hardware)"
+        f"tidelog vs peers on one {cores()}-core machine\n"
+        "(grey: Kafka 2014, published, other hardware)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
