@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from bench.storage_engine import cores, cpu_model, memory_gib
+from bench.workloads import producing
 from tests.support.cluster import TestCluster
 from tidelog.admin import Admin
 from tidelog.consumer import Consumer
@@ -39,7 +40,9 @@ TARGETS = {"rf1": 300_000, "rf3": 200_000, "consume": 500_000}
 
 def produce(address: str, topic: str, acks: str, records: int, chunk: int) -> float:
     values = [b"v" * 100] * chunk
-    with Producer(address, acks=acks, enable_idempotence=acks == "all", linger_ms=5) as producer:
+    with producing(
+        Producer(address, acks=acks, enable_idempotence=acks == "all", linger_ms=5)
+    ) as producer:
         started = time.perf_counter()
         pending: list[Future[BatchMetadata]] = []
         for _ in range(records // chunk):

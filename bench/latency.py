@@ -31,6 +31,7 @@ import grpc
 
 from bench import workloads
 from bench.replication import cpu_seconds
+from bench.workloads import producing
 from tests.support.cluster import TestCluster, running_cluster
 from tidelog.admin import Admin
 from tidelog.producer import Producer
@@ -97,8 +98,8 @@ def _sequential_layers(
             *_time_calls(lambda: gateway_stub.Produce(produce, timeout=10)),
         ),
     ]
-    with Producer(
-        gateway, acks=acks_name, linger_ms=0, enable_idempotence=acks_name == "all"
+    with producing(
+        Producer(gateway, acks=acks_name, linger_ms=0, enable_idempotence=acks_name == "all")
     ) as producer:
         rows.append(
             (

@@ -36,6 +36,9 @@ MODES: Final = ("gateway", "direct")
 from and append to the partition leaders), each on a topic of its own."""
 
 
+DRIVER_MEMORY: Final = "2g"
+
+
 def run(rows: int, partitions: int) -> dict[str, float]:
     """rows/s of each case: ``write`` and ``read`` through the gateway, ``write direct`` and
     ``read direct`` with the ``direct`` option, in one Spark session and cluster."""
@@ -48,7 +51,7 @@ def run(rows: int, partitions: int) -> dict[str, float]:
         base = Path(tmp)
         with running_cluster(base / "cluster") as cluster:
             gateway = cluster.start_gateway().address
-            spark = local_session("tidelog-bench", base / "spark", driver_memory="2g")
+            spark = local_session("tidelog-bench", base / "spark", driver_memory=DRIVER_MEMORY)
             try:
                 values = spark.range(rows, numPartitions=2).select(
                     F.concat(F.lpad(F.col("id").cast("string"), 20, "0"), F.lit("v" * 80))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -327,11 +328,48 @@ PEER_BATCHING: Final = {
 """How each peer's client batches (``bench/peers.py`` defaults), beside its figure."""
 
 
+SPARK_CHILD_CLEANUP_S: Final = 60.0
+"""How long a stopped bench waits for its Spark child to close that child's cluster."""
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C, once: the ``with`` blocks close the child's cluster and temp dir
+    (the default action killed it there, leaving etcd, 3 brokers, a controller and a
+    gateway running; found by an audit), and a second SIGTERM does not cut that short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def _spark_child(rows: int, answer: Any) -> None:
+    from tidelog.spark import start_jvm  # pyspark is heavy: imported where needed
+
+    # A SIGTERM while PySpark launches its JVM (before it records the process) left that
+    # JVM running for good: it waits until the JVM is up, then interrupts.
+    deferred: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: deferred.append(signum))
     try:
+        try:
+            start_jvm(driver_memory=spark_bench.DRIVER_MEMORY)
+        finally:
+            signal.signal(signal.SIGTERM, _interrupt_once)
+        if deferred:
+            raise KeyboardInterrupt
         answer.put(spark_bench.run(rows, partitions=4))
     except Exception as exc:  # reported by the parent as skipped, with the reason
         answer.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        _end_jvm()
+
+
+def _end_jvm() -> None:
+    """End the JVM PySpark started in this process: stopped by SIGTERM, this process exited
+    and the JVM ran on (its end-of-stdin watch did not see this process go)."""
+    from pyspark import SparkContext  # pyspark is heavy: imported where needed
+
+    process = getattr(SparkContext._gateway, "proc", None)
+    if process is not None and process.poll() is None:
+        process.kill()
+        process.wait(10)
 
 
 def _spark_rates(rows: int) -> dict[str, float] | None:
@@ -346,6 +384,12 @@ def _spark_rates(rows: int) -> dict[str, float] | None:
         outcome = answer.get(timeout=600)
     except Exception:  # queue.Empty: a child that hung or died
         outcome = "no answer within 600 s"
+    except BaseException:
+        # Ctrl-C or SIGTERM here: the child closes its cluster before this one exits (it
+        # was a daemon terminated at exit, without cleaning up).
+        child.terminate()
+        child.join(SPARK_CHILD_CLEANUP_S)
+        raise
     child.join(30)
     if isinstance(outcome, dict):
         return outcome
