@@ -43,7 +43,7 @@ def _run(seed: int, rounds: int, negative: bool) -> tuple[RunReport | None, str]
         report = run_chaos(base, seed, rounds, negative_control=negative)
     except Exception as exc:  # a harness failure is reported, not hidden
         return None, f"seed {seed}: the run itself failed: {exc!r} (logs in {base})"
-    failed = (report.verdict.lost == 0) if negative else not report.verdict.ok
+    failed = (report.verdict.lost == 0) if negative else not report.ok
     failed = failed or report.unhealed > 0  # worth reading why, too
     if not failed:
         shutil.rmtree(base, ignore_errors=True)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in _seeds(args.seeds):
         report, text = _run(seed, args.rounds, negative=False)
         print(text, flush=True)
-        if report is None or not report.verdict.ok:
+        if report is None or not report.ok:
             bad += 1
         if report is not None:
             safe.append(report)

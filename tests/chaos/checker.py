@@ -13,8 +13,9 @@ Checks (issue 9):
 - every consumer's reads of a partition have strictly increasing offsets (``non_monotonic``)
   and each read is the record the final log has at that offset — a read can neither be
   of a record that later vanished nor disagree with the final log (``vanished_reads``);
-- replicas hold byte-identical batches below the high watermark (``divergent``); one
-  that lags (outside the ISR at the end) must hold a prefix of the others'.
+- replicas hold byte-identical batches below the high watermark (``divergent``): all of
+  them when every replica is in sync at the end; one that lags (outside the ISR) must
+  hold a prefix of the longest's.
 
 An acknowledgement from a fenced leader shows up as a loss: the fenced leader's copy is
 truncated away when it rejoins, so the value is not in the final log at its offset.
@@ -81,10 +82,14 @@ def check(
     final_log: dict[int, list[tuple[int, bytes]]],
     replicas: dict[int, dict[int, ReplicaBatches]] | None = None,
     high_watermarks: dict[int, int] | None = None,
+    *,
+    in_sync: bool = False,
 ) -> Verdict:
     """``final_log``: partition -> [(offset, value)] read from the beginning to the HW.
     ``replicas``: partition -> broker id -> batches on its disk; ``high_watermarks``:
-    partition -> HW, below which the replicas must agree."""
+    partition -> HW, below which the replicas must agree. ``in_sync``: every replica is
+    in its ISR at the end (the run healed), so each holds all that is below the HW; else
+    a lagging one may hold a prefix."""
     verdict = Verdict(
         acked=len(history.acked),
         sent=history.sent,
@@ -142,17 +147,27 @@ def check(
                 )
     for partition, by_broker in (replicas or {}).items():
         hw = (high_watermarks or {}).get(partition, 0)
-        reference: ReplicaBatches | None = None
-        reference_broker = -1
-        for broker_id, batches in sorted(by_broker.items()):
-            below = [b for b in batches if b[1] < hw]
-            if reference is None:
-                reference, reference_broker = below, broker_id
-            elif below[: len(reference)] != reference[: len(below)]:
-                # A replica outside the ISR may lag (a prefix is fine); it must not differ.
+        below = {b: [x for x in batches if x[1] < hw] for b, batches in by_broker.items()}
+        # The longest is the reference: every other must be a prefix of it (then every
+        # two are consistent); in sync, each must be all of it. Comparing each with the
+        # lowest broker id's only, up to the shorter length, passed two replicas that
+        # differed past a short third, and any replica holding a part of what is below
+        # the HW at the end of a healed run (found by an audit).
+        reference_broker = max(sorted(below), key=lambda b: len(below[b]), default=-1)
+        reference = below.get(reference_broker, [])
+        for broker_id, batches in sorted(below.items()):
+            if broker_id == reference_broker:
+                continue
+            if batches != reference[: len(batches)]:
                 verdict.divergent += 1
                 verdict.note(
                     f"partition {partition}: broker {broker_id} differs from broker "
                     f"{reference_broker} below HW {hw}"
+                )
+            elif in_sync and len(batches) < len(reference):
+                verdict.divergent += 1
+                verdict.note(
+                    f"partition {partition}: broker {broker_id} in sync holds "
+                    f"{len(batches)} of the {len(reference)} batches below HW {hw}"
                 )
     return verdict

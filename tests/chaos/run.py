@@ -54,6 +54,16 @@ class RunReport:
     unhealed: int = 0
     seconds: float = 0.0
     nemesis_lines: list[str] = field(default_factory=list)
+    # Whether every partition's full ISR was back at the end (a replica that never rejoins
+    # is a failure even when nothing was lost; found by an audit), and the nodes that
+    # stopped without a fault stopping them.
+    healed: bool = True
+    unexpected_exits: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Nothing lost or wrong in the data, the cluster whole again, no node crashed."""
+        return self.verdict.ok and self.healed and not self.unexpected_exits
 
     def describe(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items()))
@@ -61,8 +71,9 @@ class RunReport:
         return (
             f"seed {self.seed} ({'negative control' if self.negative_control else 'safe'}), "
             f"{self.seconds:.0f} s: faults {kinds}; skipped {skipped}; not healed in time "
-            f"{self.unhealed}\n{self.verdict.summary()}\nnemesis:\n  "
-            + "\n  ".join(self.nemesis_lines)
+            f"{self.unhealed}{'' if self.healed else ' (nor at the end)'}; exited by "
+            f"themselves: {', '.join(self.unexpected_exits) or 'none'}\n"
+            f"{self.verdict.summary()}\nnemesis:\n  " + "\n  ".join(self.nemesis_lines)
         )
 
 
@@ -102,7 +113,8 @@ def run_chaos(
         time.sleep(1.0)  # some traffic before the first fault
         nemesis = Nemesis(cluster, TOPIC, seed)
         log = nemesis.run(schedule(seed, rounds, PARTITIONS, kinds))
-        if not cluster.wait_healthy(TOPIC, 60.0):
+        healed = cluster.wait_healthy(TOPIC, 60.0)
+        if not healed:
             log.unhealed += 1
         workload.stop_writers(flush_timeout_s=30.0)
         probe = Consumer(cluster.gateway_address, request_timeout_ms=10_000)
@@ -118,7 +130,8 @@ def run_chaos(
             p: {b: replica_batches(cluster.data_dir(b), TOPIC, p) for b in BROKER_IDS}
             for p in range(PARTITIONS)
         }
-        verdict = check(workload.history, final, replicas, ends)
+        # Healed, every replica is in its ISR: each must hold all that is below the HW.
+        verdict = check(workload.history, final, replicas, ends, in_sync=healed)
     return RunReport(
         seed=seed,
         rounds=rounds,
@@ -129,4 +142,6 @@ def run_chaos(
         unhealed=log.unhealed,
         seconds=time.monotonic() - started,
         nemesis_lines=log.lines,
+        healed=healed,
+        unexpected_exits=log.unexpected_exits,
     )

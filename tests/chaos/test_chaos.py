@@ -22,7 +22,7 @@ SEED = int(os.environ.get("TIDELOG_CHAOS_SEED", "11"))
 def test_short_schedule_loses_nothing(tmp_path: Path) -> None:
     report = run_chaos(tmp_path, SEED, rounds=1)
     print(report.describe())
-    assert report.verdict.ok, report.describe()
+    assert report.ok, report.describe()
     assert report.verdict.acked > 1000, report.describe()
     assert sum(report.faults.values()) >= 8, report.describe()
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
+from services.storage.log import Log, LogConfig
 from tests.chaos.checker import Verdict, check
+from tests.chaos.disk import replica_batches, segment_files
 from tests.chaos.workload import History, make_value, parse_value
+from tidelog.clock import ManualClock
+from tidelog.records import encode_batch
 
 
 def _clean() -> tuple[
@@ -101,3 +106,52 @@ def test_a_lagging_replica_is_a_prefix_not_a_divergence() -> None:
     history, log, replicas = _clean()
     replicas[0][1] = replicas[0][1][:2]
     assert check(history, log, replicas, _hw(log)).ok
+    # In sync at the end (the run healed), it must hold all that is below the HW: a
+    # replica that lost committed batches passed as "lagging" (found by an audit).
+    assert check(history, log, replicas, _hw(log), in_sync=True).divergent == 1
+
+
+def test_replicas_are_compared_with_the_longest_not_the_lowest_broker_id() -> None:
+    """Brokers 1 and 2 differ below the HW; broker 0, the only reference before, holds
+    nothing (or a short prefix), and an empty list is a prefix of anything (found by an
+    audit)."""
+    for kept in (0, 1):
+        history, log, replicas = _clean()
+        replicas[0][0] = replicas[0][0][:kept]
+        base, last, _ = replicas[0][2][2]
+        replicas[0][2][2] = (base, last, make_value(7, 7))
+        assert check(history, log, replicas, _hw(log)).divergent == 1
+
+
+def _write_segment(directory: Path, batches: int) -> None:
+    log = Log.open(directory, LogConfig(), clock=ManualClock())
+    try:
+        for i in range(batches):
+            log.append(encode_batch([make_value(0, i)], base_timestamp_ms=0))
+        log.flush()
+    finally:
+        log.close()
+
+
+def test_garbage_in_the_middle_of_an_in_sync_replica_is_divergence(tmp_path: Path) -> None:
+    """Through ``replica_batches``, as the run reads replicas: three brokers' segments hold
+    the same 6 batches; broker 2's batch at offset 2 is overwritten with garbage (what a
+    recovery that wrongly kept a torn write would leave). Reading stops at the damage;
+    the rest passed as a lagging prefix (found by an audit)."""
+    for broker in (0, 1, 2):
+        _write_segment(tmp_path / f"broker-{broker}" / "chaos-0", 6)
+    (segment,) = segment_files(tmp_path / "broker-2", "chaos", 0)
+    batches = replica_batches(tmp_path / "broker-0", "chaos", 0)
+    assert [b[0] for b in batches] == list(range(6))
+    data = bytearray(segment.read_bytes())
+    start = sum(len(b[2]) for b in batches[:2])
+    data[start + 20 : start + 40] = b"\xff" * 20  # inside batch 2
+    segment.write_bytes(bytes(data))
+    replicas = {0: {b: replica_batches(tmp_path / f"broker-{b}", "chaos", 0) for b in (0, 1, 2)}}
+    assert len(replicas[0][2]) == 2  # only the batches before the damage
+    history = History()
+    log = {0: [(b[0], make_value(0, b[0])) for b in batches]}
+    for offset, value in log[0]:
+        history.acked[value] = (0, offset)
+    verdict = check(history, log, replicas, {0: 6}, in_sync=True)
+    assert verdict.divergent == 1, verdict.summary()
