@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -11,7 +13,9 @@ from services.storage.log import Log, LogConfig
 from tests.chaos.checker import Verdict, check
 from tests.chaos.disk import replica_batches, segment_files
 from tests.chaos.workload import History, make_value, parse_value
+from tests.support.load import SteadyLoad
 from tidelog.clock import ManualClock
+from tidelog.producer import RecordMetadata
 from tidelog.records import encode_batch
 
 
@@ -155,3 +159,16 @@ def test_garbage_in_the_middle_of_an_in_sync_replica_is_divergence(tmp_path: Pat
         history.acked[value] = (0, offset)
     verdict = check(history, log, replicas, {0: 6}, in_sync=True)
     assert verdict.divergent == 1, verdict.summary()
+
+
+def test_the_e2e_load_does_not_collapse_two_acknowledgements_at_one_offset() -> None:
+    """tests/support/load.py keyed acknowledgements by (partition, offset): a record
+    acknowledged by a fenced leader and its successor's record acknowledged at the same
+    offset became one entry, and the lost one was invisible (found by an audit)."""
+    load = SteadyLoad(cast(Any, None), "t", 1)
+    acked_at_0: list[Future[RecordMetadata]] = [Future(), Future()]
+    for future in acked_at_0:
+        future.set_result(RecordMetadata("t", 0, 0, 0))
+    load.sent = [(0, b"0:A", acked_at_0[0]), (0, b"0:B", acked_at_0[1])]
+    with pytest.raises(AssertionError, match="both acknowledged at"):
+        load.acknowledged()
