@@ -1881,6 +1881,40 @@ def test_a_leader_that_does_not_answer_is_named_in_the_timeout(
     assert "did not answer before the deadline" in error.message
 
 
+def test_acks0_records_accepted_under_a_short_client_deadline_are_written(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """acks=0 is answered at once and appended in the background, which took the client's
+    gRPC deadline (the fix above, right for acks=1/all) as its own: with a deadline of 80
+    ms, ample for an answer that comes at once, every request was answered "accepted" and
+    none written, to a healthy leader. The background append has the request's timeout,
+    as Kafka appends acks=0 whatever the client's timeouts (found by an audit)."""
+    topic = "acks0-short-deadline"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+
+    def request(acks: int) -> gateway_pb2.ProduceRequest:
+        data = gateway_pb2.ProducePartitionData(
+            topic=topic, partition=0, records=encode_batch([b"v"])
+        )
+        return gateway_pb2.ProduceRequest(acks=acks, partitions=[data])
+
+    assert (
+        gateway.stub.Produce(request(common_pb2.LEADER), timeout=10).partitions[0].error.code == 0
+    )
+    before = _end_offset(gateway, topic, 0)
+    accepted = 0
+    for _ in range(20):
+        with contextlib.suppress(grpc.RpcError):  # not answered in time: nothing promised
+            answer = gateway.stub.Produce(request(common_pb2.NONE_ACKS), timeout=0.08)
+            accepted += answer.partitions[0].error.code == common_pb2.NONE
+    assert accepted >= 10, accepted
+    wait_for(
+        lambda: _end_offset(gateway, topic, 0) - before >= accepted or None,
+        10,
+        f"{accepted} accepted acks=0 records written",
+    )
+
+
 def test_list_offsets_answers_within_the_clients_deadline_when_a_leader_is_silent(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

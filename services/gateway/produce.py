@@ -384,6 +384,8 @@ class ProduceHandler:
         acks: common_pb2.Acks,
         deadline: float,
         afters: Sequence[Future[gateway_pb2.ProducePartitionResult] | None] | None = None,
+        *,
+        append_deadline: float | None = None,
     ) -> list[Submitted]:
         """``submit`` for each partition, ``afters[i]`` being partition i's; but the
         acks=1/all appends of partitions that share a leader and have no append of theirs
@@ -398,7 +400,8 @@ class ProduceHandler:
         wanted = list(afters) if afters is not None else [None] * len(partitions)
         if acks == common_pb2.NONE_ACKS or len(partitions) < 2:
             return [
-                self.submit(d, acks, deadline, a) for d, a in zip(partitions, wanted, strict=True)
+                self.submit(d, acks, deadline, a, append_deadline=append_deadline)
+                for d, a in zip(partitions, wanted, strict=True)
             ]
         submitted: dict[int, Submitted] = {}
         by_leader: dict[int, list[int]] = {}
@@ -613,14 +616,14 @@ class ProduceHandler:
         held a worker, a concurrency slot and its bytes long after the client had gone,
         and could write after the client was told DEADLINE_EXCEEDED, which a retrying
         client then wrote twice (found by an audit)."""
-        deadline = validate(request, self.limits)
+        request_deadline = deadline = validate(request, self.limits)
         if client_deadline is not None:
             deadline = min(deadline, client_deadline)
         size = record_bytes(request)
         if not self.budget.acquire(size, deadline):
             return self._no_room(request)
         try:
-            response, submitted = self._produce_held(request, deadline)
+            response, submitted = self._produce_held(request, deadline, request_deadline)
         except BaseException:
             self.budget.release(size)
             raise
@@ -648,7 +651,7 @@ class ProduceHandler:
             item.tail.add_done_callback(one_over)
 
     def _produce_held(
-        self, request: gateway_pb2.ProduceRequest, deadline: float
+        self, request: gateway_pb2.ProduceRequest, deadline: float, request_deadline: float
     ) -> tuple[gateway_pb2.ProduceResponse, list[Submitted]]:
         if len(request.partitions) == 1 and request.acks != common_pb2.NONE_ACKS:
             # The common case needs no hop to a worker thread.
@@ -661,7 +664,9 @@ class ProduceHandler:
                 correlation_id=request.correlation_id, partitions=[result]
             )
             return response, []
-        submitted = self.submit_all(request.partitions, request.acks, deadline)
+        submitted = self.submit_all(
+            request.partitions, request.acks, deadline, append_deadline=request_deadline
+        )
         response = gateway_pb2.ProduceResponse(
             correlation_id=request.correlation_id,
             partitions=[s.result.result() for s in submitted],
@@ -674,9 +679,18 @@ class ProduceHandler:
         acks: common_pb2.Acks,
         deadline: float,
         after: Future[gateway_pb2.ProducePartitionResult] | None = None,
+        *,
+        append_deadline: float | None = None,
     ) -> Submitted:
         """Start one partition's append once ``after`` (the tail of the previous append of
-        the same partition on the same stream) is done. The futures never fail."""
+        the same partition on the same stream) is done. The futures never fail.
+
+        ``deadline`` bounds the waits before the answer; an acks=0 append, answered at
+        once, runs in the background until ``append_deadline`` (default ``deadline``): the
+        request's own timeout, not its client's deadline, which is past once the answer
+        is given (records answered "accepted" to a client with a deadline of 100 ms were
+        never written; found by an audit)."""
+        append_deadline = deadline if append_deadline is None else append_deadline
         unknown = self._known(data)
         if unknown is not None:
             return Submitted.done(_failed(data, unknown))
@@ -710,7 +724,7 @@ class ProduceHandler:
 
         def run() -> gateway_pb2.ProducePartitionResult:
             try:
-                result = self.append(data, common_pb2.NONE_ACKS, deadline)
+                result = self.append(data, common_pb2.NONE_ACKS, append_deadline)
                 if result.error.code != common_pb2.NONE:
                     _log.warning(
                         "acks0_append_failed",
@@ -722,7 +736,7 @@ class ProduceHandler:
             finally:
                 background.release()
 
-        tail = self._chain(data, after, run, refused=background.release, deadline=deadline)
+        tail = self._chain(data, after, run, refused=background.release, deadline=append_deadline)
         accepted = Submitted.done(
             gateway_pb2.ProducePartitionResult(
                 topic=data.topic,
