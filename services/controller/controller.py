@@ -156,9 +156,9 @@ from tidelog.topics import MAX_PARTITION, validate_topic_name
 _log = structlog.get_logger("tidelog.controller")
 
 MAX_PARTITIONS_PER_TOPIC: Final = 4_000
-"""Creating a topic writes one etcd key per partition in one transaction, and etcd caps
-the operations of a transaction (``--max-txn-ops``; ``EtcdProcess`` sets 4096, etcd's own
-default is 128). The same bound applies to the total after CreatePartitions."""
+"""Creating a topic writes one etcd key per partition (in transactions of at most a
+thousand: docs/METADATA.md, section 3); this bounds one decision's size and the push that
+follows it. The same bound applies to the total after CreatePartitions."""
 
 PRODUCER_ID_BLOCK_SIZE: Final = 1_000
 EXPIRY_KEYS_PER_TXN: Final = 50
