@@ -825,6 +825,23 @@ class _FetchParams:
     broker_epoch: int = -1  # a follower's registration epoch (its fetches carry it)
 
 
+ANSWER_MARGIN_S: Final = 0.05
+"""What an append's answer leaves of its caller's deadline, for the answer's way back."""
+
+
+def _answer_by(context: grpc.ServicerContext) -> float | None:
+    """When an Append or AppendMany must answer for its caller to hear it (monotonic): its
+    acknowledgement waits end by then. An AppendMany whose entries took a while to receive
+    and append answered after the gateway's deadline, and the gateway took every
+    partition of it, written and committed ones included, for timed out (a non-idempotent
+    producer then wrote them twice); each entry is answered on its own now, the waiting
+    ones REQUEST_TIMED_OUT (found by an audit)."""
+    remaining_s = context.time_remaining()
+    if remaining_s is None:
+        return None
+    return time.monotonic() + max(0.0, remaining_s - ANSWER_MARGIN_S)
+
+
 @dataclass(frozen=True, slots=True)
 class _StartedAppend:
     """An AppendStream or AppendMany request after its append: the partition and result to
@@ -1055,12 +1072,13 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     def Append(  # noqa: N802 - gRPC's method name
         self, request: storage_pb2.AppendRequest, context: grpc.ServicerContext
     ) -> storage_pb2.AppendResponse:
+        answer_by = _answer_by(context)
         partition, result = self._start_append(request)
         if result.waiter is not None:
             # A client that goes away (cancelled, deadline passed) frees this thread at
             # once instead of when timeout_ms runs out.
             _withdraw_when_gone(context, partition, result.waiter)
-        return self._finish_append(request, partition, result)
+        return self._finish_append(request, partition, result, answer_by=answer_by)
 
     @unary_errors
     def AppendMany(  # noqa: N802 - gRPC's method name
@@ -1080,12 +1098,13 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     "AppendMany; put all its batches in one entry"
                 )
             seen.add(key)
+        answer_by = _answer_by(context)
         started = [self._start_append_answering_errors(entry) for entry in request.appends]
         for item in started:
             if item.partition is not None and item.result is not None and item.result.waiter:
                 _withdraw_when_gone(context, item.partition, item.result.waiter)
         return storage_pb2.AppendManyResponse(
-            responses=[self._finish_append_answering_errors(item) for item in started]
+            responses=[self._finish_append_answering_errors(item, answer_by) for item in started]
         )
 
     def AppendStream(  # noqa: N802 - gRPC's method name
@@ -1162,12 +1181,14 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         except Exception as exc:
             return _StartedAppend(request, None, None, exc)
 
-    def _finish_append_answering_errors(self, item: _StartedAppend) -> storage_pb2.AppendResponse:
+    def _finish_append_answering_errors(
+        self, item: _StartedAppend, answer_by: float | None = None
+    ) -> storage_pb2.AppendResponse:
         error = item.error
         if error is None and item.partition is not None and item.result is not None:
             try:
                 return self._finish_append(
-                    item.request, item.partition, item.result, item.started_at
+                    item.request, item.partition, item.result, item.started_at, answer_by
                 )
             except Exception as exc:
                 error = exc
@@ -1205,11 +1226,12 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
         partition: Partition,
         result: AppendResult,
         started_at: float | None = None,
+        answer_by: float | None = None,
     ) -> storage_pb2.AppendResponse:
         """Wait for the acknowledgement ``request.acks`` asks for, then answer. The wait's
         timeout counts from ``started_at`` when given (a stream's or an AppendMany's
         entries are awaited one after another, and each may wait only what is left of its
-        own)."""
+        own), and ends by ``answer_by`` (monotonic; ``_answer_by``) at the latest."""
         high_watermark = result.high_watermark
         if result.waiter is not None:
             # The purgatory: this handler thread sleeps on the waiter's event, which the
@@ -1220,6 +1242,8 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             timeout_s = timeout_ms / 1000
             if started_at is not None:
                 timeout_s = max(0.0, timeout_s - (time.monotonic() - started_at))
+            if answer_by is not None:
+                timeout_s = min(timeout_s, max(0.0, answer_by - time.monotonic()))
             high_watermark = partition.wait_for_ack(result.waiter, timeout_s)
         no_acks = request.acks == common_pb2.NONE_ACKS
         if tracing.ENABLED:
