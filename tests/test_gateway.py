@@ -70,6 +70,7 @@ from tidelog.errors import (
     UnknownServerError,
     UnknownTopicOrPartitionError,
 )
+from tidelog.formats import MAX_PRODUCE_REQUEST_BYTES
 from tidelog.partitioner import partition_for_key
 from tidelog.producer import BatchMetadata
 from tidelog.records import (
@@ -1913,6 +1914,24 @@ def test_acks0_records_accepted_under_a_short_client_deadline_are_written(
         10,
         f"{accepted} accepted acks=0 records written",
     )
+
+
+def test_a_partitions_records_the_gateway_takes_are_taken_by_its_leader(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """The gateway takes produce requests up to 100 MiB, and a storage node's gRPC server
+    took messages up to 64 MiB: 72 MB of one partition's valid batches were refused
+    RECORD_LIST_TOO_LARGE by the leader (found by an audit)."""
+    topic = "big-request"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    records = encode_batch([b"x" * 1000] * 1000) * 72  # ~1 MB batches, 72 MB in all
+    assert 64 * 1024 * 1024 < len(records) < MAX_PRODUCE_REQUEST_BYTES
+    data = gateway_pb2.ProducePartitionData(topic=topic, partition=0, records=records)
+    result = gateway.stub.Produce(
+        gateway_pb2.ProduceRequest(acks=common_pb2.LEADER, timeout_ms=30_000, partitions=[data]),
+        timeout=60,
+    ).partitions[0]
+    assert (result.error.code, result.base_offset) == (common_pb2.NONE, 0), result.error.message
 
 
 def test_list_offsets_answers_within_the_clients_deadline_when_a_leader_is_silent(

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Final, NoReturn
 
 from tidelog.addresses import check_connectable, parse_host_port
-from tidelog.formats import INT32_MAX
+from tidelog.formats import INT32_MAX, MAX_PRODUCE_REQUEST_BYTES
 
 ECHO_MAX_CHARS: Final = 80
 """How much of a value the user gave (a topic or group name, an argument) an error line
@@ -419,7 +419,7 @@ def _add_gateway(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     parser.add_argument(
         "--max-request-bytes",
         type=_message_bytes,
-        default=100 * 1024 * 1024,
+        default=MAX_PRODUCE_REQUEST_BYTES,
         metavar="N",
         help="largest produce request accepted (default: 104857600, 100 MiB)",
     )

@@ -100,6 +100,12 @@ MAX_BATCH_BYTES: Final = INT32_MAX
 """Hard ceiling from the i32 length field; configured limits are far lower."""
 DEFAULT_MAX_MESSAGE_BYTES: Final = 1_048_588
 """max.message.bytes when a topic does not set it (Kafka's default, 1 MiB + 12)."""
+MAX_PRODUCE_REQUEST_BYTES: Final = 100 * 1024 * 1024
+"""A gateway's default largest produce request (Kafka's socket.request.max.bytes); a
+storage node takes messages somewhat larger (``REQUEST_OVERHEAD_BYTES``), so that a
+partition's records of a request the gateway took reach its leader whole."""
+REQUEST_OVERHEAD_BYTES: Final = 1024 * 1024
+"""What a request's framing adds to the records it carries, at most."""
 MAX_PARTITIONS_PER_REQUEST: Final = 10_000
 """The most partitions one client request to a gateway names (Produce, Fetch, ListOffsets,
 CommitOffsets, FetchOffsets); the SDK splits larger asks."""

@@ -44,6 +44,7 @@ from services.metastore import MetaStore
 from services.process import bind, format_address, new_server, serve_until_signal
 from tidelog import logging as tidelog_logging
 from tidelog.errors import TidelogError
+from tidelog.formats import MAX_PRODUCE_REQUEST_BYTES
 from tidelog.v1 import gateway_pb2
 
 _log = structlog.get_logger("tidelog.gateway.node")
@@ -64,7 +65,7 @@ class GatewayNodeConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     cluster: str = "default"
-    max_request_bytes: int = 100 * 1024 * 1024
+    max_request_bytes: int = MAX_PRODUCE_REQUEST_BYTES
     # None: max_fetch_bytes_for() of the cgroup memory limit.
     max_fetch_bytes: int | None = None
     max_in_flight_per_stream: int = 64

@@ -79,6 +79,7 @@ from tidelog import logging as tidelog_logging
 from tidelog.addresses import format_host_port
 from tidelog.clock import SYSTEM_CLOCK, Clock
 from tidelog.errors import BrokerNotAvailableError, StorageError, TidelogError
+from tidelog.formats import MAX_PRODUCE_REQUEST_BYTES, REQUEST_OVERHEAD_BYTES
 from tidelog.stop_flag import StopFlag
 from tidelog.v1 import controller_pb2, controller_pb2_grpc, storage_pb2, storage_pb2_grpc
 
@@ -90,8 +91,11 @@ EXIT_DISK_FAILURE: Final = 3
 STORAGE_SERVICE_NAME: Final[str] = storage_pb2.DESCRIPTOR.services_by_name["Storage"].full_name
 
 # gRPC's defaults (4 MiB in) are too small for batch traffic; both directions are set
-# explicitly so a Fetch answer (ServerLimits.max_fetch_response_bytes) always fits.
-DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# explicitly so a Fetch answer (ServerLimits.max_fetch_response_bytes) always fits, and so
+# that an Append (or AppendMany) of a produce request the gateway took (up to
+# MAX_PRODUCE_REQUEST_BYTES) does: at 64 MiB, 72 MB of a partition's records the gateway
+# had accepted were refused here (found by an audit).
+DEFAULT_MAX_MESSAGE_BYTES: Final = MAX_PRODUCE_REQUEST_BYTES + REQUEST_OVERHEAD_BYTES
 ALTER_PARTITION_TIMEOUT_S: Final = 2.0
 DATA_DIR_LOCK: Final = ".lock"
 FETCH_SPARE_THREADS: Final = 8
