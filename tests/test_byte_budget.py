@@ -42,6 +42,32 @@ def test_a_request_that_finds_no_room_before_its_deadline_takes_nothing() -> Non
     assert budget.in_use_bytes == 80
 
 
+def test_requests_waiting_for_room_are_bounded_and_the_rest_refused_at_once() -> None:
+    """A waiting request is in memory already (gRPC read it whole): 40 requests of 3 MB
+    waiting for a 4 MB budget grew the gateway by 326 MB (found by an audit). Requests may
+    wait up to ``max_waiting_bytes``; one more is refused at once, taking nothing."""
+    budget = ByteBudget(100, max_waiting_bytes=100)
+    assert budget.acquire(100, time.monotonic() + 1)
+    got: list[bool] = []
+    waiters = [
+        threading.Thread(target=lambda: got.append(budget.acquire(50, time.monotonic() + 10)))
+        for _ in range(2)
+    ]
+    for waiter in waiters:
+        waiter.start()
+    wait_until = time.monotonic() + 5
+    while budget._waiting_bytes < 100 and time.monotonic() < wait_until:
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert not budget.acquire(1, started + 10)  # 100 bytes wait already: refused at once
+    assert time.monotonic() - started < 1.0 and budget.in_use_bytes == 100
+    budget.release(100)
+    for waiter in waiters:
+        waiter.join(5)
+    assert got == [True, True] and budget.in_use_bytes == 100
+    assert budget._waiting_bytes == 0
+
+
 def test_a_request_larger_than_the_budget_passes_alone() -> None:
     budget = ByteBudget(100)
     assert budget.acquire(500, time.monotonic() + 1)  # nothing else held

@@ -595,11 +595,13 @@ class ProduceHandler:
     # --- whole requests ---------------------------------------------------------------------
 
     def _no_room(self, request: gateway_pb2.ProduceRequest) -> gateway_pb2.ProduceResponse:
-        """The answer to a request that found no room in the budget before its deadline:
-        nothing was written, and the client's retry may find room."""
+        """The answer to a request that found no room in the budget before its deadline
+        (or too many bytes waiting for room already): nothing was written, and the
+        client's retry may find room."""
         error = RequestTimedOutError(
-            f"the gateway held {self.budget.limit_bytes} bytes of other produce requests "
-            "until this one's timeout (--queued-max-request-bytes); nothing was written"
+            f"the gateway holds {self.budget.limit_bytes} bytes of other produce requests "
+            "(--queued-max-request-bytes) and as many waiting for room, or held them until "
+            "this one's timeout; nothing was written"
         )
         return gateway_pb2.ProduceResponse(
             correlation_id=request.correlation_id,
