@@ -17,9 +17,10 @@ first batch is always whole, as in Kafka); ``take`` charges that excess without 
 A request waiting for room is in memory already (gRPC read it whole before the handler
 ran): each unary call and each stream waiting holds one. So the requests that may wait are
 bounded too, by ``max_waiting_bytes`` (the budget's size by default): one that would wait
-beyond that is refused at once (the client retries) rather than held. Without this, 40
-requests of 3 MB waiting for a 4 MB budget grew the gateway by 326 MB (found by an
-audit); with it, produce requests hold at most about twice the budget.
+beyond that is refused at once (the client retries) rather than held until its timeout:
+40 requests of 3 MB waiting for a 4 MB budget held 326 MB (found by an audit). What
+gRPC has read and not yet handed over is beyond any budget's reach: ``--max-concurrent-rpcs``
+times ``--max-request-bytes`` at worst (docs/DEPLOY.md).
 
 Invariants: ``in_use_bytes`` never exceeds ``limit_bytes``, except that one request larger
 than the whole budget is let through when nothing else is held (it passed
