@@ -137,3 +137,53 @@ def test_acknowledged_partitions_of_a_group_are_not_reported_timed_out(
         got,
         [r.error.message for r in response.partitions],
     )
+
+
+def test_a_stream_answers_a_partitions_requests_in_order(
+    two: tuple[TestCluster, GatewayProcess],
+) -> None:
+    """gateway.proto: ProduceStream answers "possibly out of order across partitions, in
+    order within a partition". r1 = {ord-fast-0, ord-slow-0 (stuck on acks=all)} and
+    r2 = {ord-fast-0}: r2's answer, which carries ord-fast-0's second append, comes
+    before r1's, which carries its first (the answers go out as whole requests complete:
+    a client completing ord-fast-0's sends as answers come sees them out of order; found
+    by an audit)."""
+    cluster, gateway = two
+    _create(cluster, "ord-fast", [[0]])
+    _create(cluster, "ord-slow", [[0, 1]])
+
+    def request(i: int, *topics: str) -> gateway_pb2.ProduceRequest:
+        return gateway_pb2.ProduceRequest(
+            acks=common_pb2.ALL,
+            timeout_ms=3_000,
+            correlation_id=i,
+            partitions=[
+                gateway_pb2.ProducePartitionData(
+                    topic=t, partition=0, records=encode_batch([b"%d" % i])
+                )
+                for t in topics
+            ],
+        )
+
+    wait_for(
+        lambda: all(
+            r.error.code == 0
+            for r in gateway.stub.Produce(request(0, "ord-fast", "ord-slow"), timeout=30).partitions
+        ),
+        30,
+        "both topics writable",
+    )
+    os.kill(cluster.brokers[1].pid, signal.SIGSTOP)
+    try:
+        answers = list(
+            gateway.stub.ProduceStream(
+                iter([request(1, "ord-fast", "ord-slow"), request(2, "ord-fast")]), timeout=30
+            )
+        )
+    finally:
+        os.kill(cluster.brokers[1].pid, signal.SIGCONT)
+    order = [
+        (a.correlation_id, [(r.topic, r.error.code, r.base_offset) for r in a.partitions])
+        for a in answers
+    ]
+    assert [a.correlation_id for a in answers] == [1, 2], order

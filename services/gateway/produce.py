@@ -810,12 +810,27 @@ class ProduceHandler:
                 if tails.get(key) is tail:
                     del tails[key]
 
+        # Each partition's latest request whose answer is not sent yet: a request's answer
+        # waits for those of the earlier requests it shares a partition with. Sent when its
+        # own appends were over, a request {A, stuck B} was answered after a later {A}, and
+        # a raw client saw A's appends acknowledged out of order (found by an audit; the
+        # SDK keeps one request per partition in flight, so never saw it).
+        unanswered: dict[tuple[str, int], Future[None]] = {}
+
         def answer(
             request: gateway_pb2.ProduceRequest, results: list[Submitted], held_bytes: int = 0
         ) -> None:
-            remaining = [len(results)]
+            keys = [(data.topic, data.partition) for data in request.partitions]
+            sent: Future[None] = Future()
+            with lock:
+                before = {id(f): f for f in (unanswered.get(k) for k in keys) if f is not None}
+                for key in keys:
+                    unanswered[key] = sent
+            waiting_for: list[Future[Any]] = [r.result for r in results]
+            waiting_for += before.values()
+            remaining = [len(waiting_for)]
 
-            def one_done(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
+            def one_done(_: Future[Any]) -> None:
                 with lock:
                     remaining[0] -= 1
                     if remaining[0] > 0:
@@ -827,6 +842,7 @@ class ProduceHandler:
                 # Each result future keeps this callback, which keeps ``results``: a cycle
                 # that only the cyclic GC would free, with the request's records in it.
                 results.clear()
+                waiting_for.clear()
                 if tracing.ENABLED:
                     tracing.event("g_out", request.correlation_id)
                 with lock:
@@ -835,16 +851,24 @@ class ProduceHandler:
                     # request's answer was then never sent; a CI run caught it).
                     state["in_flight"] -= 1
                     out.put(response)
+                    for key in keys:
+                        if unanswered.get(key) is sent:
+                            del unanswered[key]
+                sent.set_result(None)  # the later requests of these partitions may go
 
-            if not results:
+            if not waiting_for:
                 self.budget.release(held_bytes)
                 with lock:
                     state["in_flight"] -= 1
                     out.put(gateway_pb2.ProduceResponse(correlation_id=request.correlation_id))
+                    for key in keys:
+                        if unanswered.get(key) is sent:
+                            del unanswered[key]
+                sent.set_result(None)
                 return
             self._release_when_appended(held_bytes, results)
-            for submitted in results:
-                submitted.result.add_done_callback(one_done)
+            for future in list(waiting_for):
+                future.add_done_callback(one_done)
 
         def read() -> None:
             try:
