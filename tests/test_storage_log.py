@@ -1933,3 +1933,20 @@ def test_a_batch_whose_offset_delta_disagrees_with_its_record_count_is_refused(
         log.append(bytes(reseal(buf)))
     assert dir_state(directory) == before and log.log_end_offset == 1
     log.close()
+
+
+def test_truncation_to_empty_restarts_the_segment_age(tmp_path: Path) -> None:
+    """Kafka's LogSegment.truncateTo resets a segment emptied by a truncation as new; its
+    old age was kept, and one refilled with batches without timestamps (its age then
+    counts from its creation) rolled at its second append (found by an audit)."""
+    clock = ManualClock()
+    log = Log.open(tmp_path / "p-0", LogConfig(segment_ms=DAY_MS, retention_ms=-1), clock=clock)
+    log.append(encode_batch([b"a"], timestamps_ms=[-1]))
+    clock.advance(2 * DAY_MS)
+    log.truncate_to(0)  # a follower diverged from its first batch on: the segment is empty
+    assert log.log_end_offset == 0 and log.segment_base_offsets == [0]
+    log.append(encode_batch([b"b"], timestamps_ms=[-1]))
+    log.append(encode_batch([b"c"], timestamps_ms=[-1]))
+    # The refilled segment is seconds old: Kafka would not roll it.
+    assert log.segment_base_offsets == [0]
+    log.close()

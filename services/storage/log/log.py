@@ -951,7 +951,7 @@ class Log:
             self._delete_now(self._segments.pop_from(len(self._segments) - 1))
             removed_files = True
         active = self._segments.last
-        active.truncate_to(offset)
+        active.truncate_to(offset, now_ms=self._clock.now_ms())
         # Made durable now: a later segment may be rolled at the new end, and flush()
         # fsyncs only from the recovery point's segment on, so a power loss could bring
         # this tail back under the new segment's offsets, served as if committed.

@@ -678,12 +678,14 @@ class LogSegment:
         size = min(max(RECOVERY_CHUNK_BYTES, at_least), self.size_bytes - position)
         return os.pread(self._fd, size, position)
 
-    def truncate_to(self, offset: int) -> int:
+    def truncate_to(self, offset: int, *, now_ms: int) -> int:
         """Remove the batch holding ``offset`` and everything after; returns bytes removed.
 
         Truncation happens at a batch boundary, so the segment's next offset afterwards is
         the base offset of the batch that held ``offset`` (or ``offset`` itself when it
-        already starts a batch).
+        already starts a batch). Emptied, the segment is as new: its age counts from
+        ``now_ms`` (Kafka's LogSegment.truncateTo; it kept its old age, and one refilled
+        with batches without timestamps rolled at its second append; found by an audit).
         """
         found = self.translate_offset(offset)
         if found is None:
@@ -705,6 +707,7 @@ class LogSegment:
             self._max_timestamp_ms, self._offset_of_max_timestamp = -1, self.base_offset
             self._bytes_since_index_entry = 0
             self._first_batch_timestamp_ms = -1
+            self.created_ms = now_ms
         return removed
 
     # --- lifecycle -------------------------------------------------------------------------
