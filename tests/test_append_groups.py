@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.cluster import GatewayProcess, TestCluster, wait_for
+from tests.test_gateway import _end_offset
 from tidelog.records import encode_batch
-from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2, storage_pb2
+from tidelog.v1 import common_pb2, controller_pb2, gateway_pb2
 
 
 @pytest.fixture(scope="module")
@@ -65,21 +66,6 @@ def _create(cluster: TestCluster, name: str, assignment: list[list[int]]) -> Non
         timeout=20,
     )
     assert response.topics[0].error.code == 0, response
-
-
-def _end_offset(gateway: GatewayProcess, topic: str, partition: int) -> int:
-    answer = gateway.stub.ListOffsets(
-        storage_pb2.ListOffsetsRequest(
-            replica_id=-1,
-            partitions=[
-                storage_pb2.ListOffsetsPartition(
-                    topic=topic, partition=partition, spec=common_pb2.LATEST
-                )
-            ],
-        ),
-        timeout=10,
-    )
-    return int(answer.partitions[0].offset)
 
 
 @pytest.mark.parametrize("mib_per_partition", [10])

@@ -38,6 +38,14 @@ class B:
     retired: bool = False
 
 
+def _resume(model: list[B], start: int) -> tuple[int, dict[int, tuple[int, int]]]:
+    """After the model lost its tail: the log end, and each producer's (epoch, next
+    sequence) to continue from (retry-safe)."""
+    end = model[-1].last + 1 if model and not model[-1].retired else start
+    seqs = {b.pid: (b.pepoch, b.seq + b.last - b.base + 1) for b in model if b.pid >= 0}
+    return end, seqs
+
+
 def crash(log: Log) -> None:
     """Drop the Log without trimming anything: close only the descriptors (kill -9)."""
     for seg in log._segments:
@@ -218,12 +226,7 @@ def test_engine_fuzz(tmp_path: Path, seed: int) -> None:
                 if b.last < target or b.retired:
                     keep.append(b)
             model = keep
-            end = model[-1].last + 1 if model and not model[-1].retired else start
-            # producer sequences: continue from the state (retry-safe restart of seqs)
-            seqs = {}
-            for b in model:
-                if b.pid >= 0:
-                    seqs[b.pid] = (b.pepoch, b.seq + b.last - b.base + 1)
+            end, seqs = _resume(model, start)
         elif op == "retain":
             keep_bytes = rng.randint(0, 2000)
             log.update_config(_replace(cfg, retention_bytes=keep_bytes))
@@ -339,11 +342,7 @@ def test_engine_fuzz(tmp_path: Path, seed: int) -> None:
             log = Log.open(d, cfg, clock=clock, recovery_point=rp)
             if dropped:
                 model.pop()
-                end = model[-1].last + 1 if model and not model[-1].retired else start
-                seqs = {}
-                for b in model:
-                    if b.pid >= 0:
-                        seqs[b.pid] = (b.pepoch, b.seq + b.last - b.base + 1)
+                end, seqs = _resume(model, start)
         elif op == "epoch":
             epoch += 1
         check(log, model, start, end)
