@@ -231,6 +231,7 @@ def test_consume_prints_a_missing_key_or_value_as_null(dev: DevProcess) -> None:
         (("topics", "create", "wide", "--replication-factor", "5"), "INVALID_REPLICATION_FACTOR"),
         (("topics", "create", "x", "--partitions", "0"), "must be >= 1"),
         (("topics", "create", "x", "--config", "novalue"), "NAME=VALUE"),
+        (("topics", "create", "x", "--config", "a.b=1", "--config", "a.b=2"), "given twice"),
         (("consume", "events", "--partition", "0", "--offset", "999"), "outside"),
         (("consume", "events", "--partition", "9"), "partition 9 does not exist"),
         (("produce", "events", "--partition", "7"), "partition 7 does not exist"),

@@ -89,6 +89,11 @@ def _parse_configs(items: Sequence[str]) -> dict[str, str]:
         name, sep, value = item.partition("=")
         if not sep or not name:
             raise ConfigError(f"--config {echo(item)} is not NAME=VALUE")
+        if name in configs and configs[name] != value:
+            # The last one silently won: a typo in a long command line went unseen.
+            raise ConfigError(
+                f"--config {echo(name)} is given twice ({echo(configs[name])} and {echo(value)})"
+            )
         configs[name] = value
     return configs
 
