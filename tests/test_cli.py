@@ -405,6 +405,15 @@ def test_groups_reset_offsets_and_delete(dev: DevProcess) -> None:
         ["resettable", "0", "4", "1"],
         ["resettable", "1", "0", "0"],
     ]
+    # A partition without a commit shows none, as `groups describe` does (it showed -1).
+    fresh = tidelog(
+        "groups", "reset-offsets", "fresh-resetters", "--topic", "resettable", "--to-latest",
+        gateway=g,
+    )  # fmt: skip
+    assert [line.split() for line in fresh.stdout.splitlines()[1:]] == [
+        ["resettable", "0", "-", "4"],
+        ["resettable", "1", "-", "0"],
+    ]
     reset("--partition", "0", "--to-offset", "99", "--execute")
     assert committed() == {0: 4, 1: 0}  # clamped to the high watermark
     reset("--to-earliest", "--execute")

@@ -690,7 +690,8 @@ def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
             raise NonEmptyGroupError(
                 f"group {echo(args.group)} has members: stop its consumers first"
             ) from None
-    rows = [(t, p, current.get((t, p), -1), new[(t, p)]) for t, p in tps]
+    # No commit yet: null / "-", as `groups describe` shows it (it showed -1 here).
+    rows = [(t, p, current.get((t, p)), new[(t, p)]) for t, p in tps]
     if args.output == "json":
         _json(
             {
@@ -702,7 +703,10 @@ def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
             }
         )
     else:
-        _print_table(["TOPIC", "PARTITION", "CURRENT", "NEW"], [list(r) for r in rows])
+        _print_table(
+            ["TOPIC", "PARTITION", "CURRENT", "NEW"],
+            [[t, p, "-" if c is None else c, n] for t, p, c, n in rows],
+        )
         if not args.execute:
             print("(dry run: add --execute to commit these offsets)", file=sys.stderr)
     return 0
