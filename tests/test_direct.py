@@ -4,6 +4,7 @@ offsets. Real etcd, 3 storage nodes, a controller and a gateway as processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -1148,3 +1150,53 @@ def test_pipes_that_end_leave_no_thread_behind(
         producer.close(10)
         cluster.start_broker(leader)
     wait_for(lambda: _threads_in_until_stop() == before or None, 10, "the pipes' threads to end")
+
+
+def test_direct_consumer_follows_a_moved_leader_after_another_assigned_topic_is_deleted(
+    cluster: TestCluster, gateway: GatewayProcess
+) -> None:
+    """Direct mode sends each fetch to the leader the consumer's grouping names. With one
+    assigned topic deleted, every regrouping fails on it (UnknownTopicOrPartitionError for
+    the whole metadata look-up) and is given up, marked fresh: a partition of another
+    topic whose leader moved was fetched from the old leader (NOT_LEADER_OR_FOLLOWER) for
+    ever. Kafka's consumer updates the other topics' metadata; so does this now (found by
+    an audit)."""
+    admin = tidelog.Admin(gateway.address)
+    moving = f"direct-moving-{uuid.uuid4().hex[:6]}"
+    doomed = f"direct-doomed-{uuid.uuid4().hex[:6]}"
+    admin.create_topic(moving, partitions=1, replication_factor=2)
+    admin.create_topic(doomed, partitions=1, replication_factor=1)
+    wait_for(lambda: len(admin.describe_topic(moving).partitions[0].isr) == 2 or None, 15, "ISR 2")
+    leader = admin.describe_topic(moving).partitions[0].leader
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(moving, [b"a-%d" % i for i in range(5)], partition=0).result(30)
+    consumer = tidelog.Consumer(gateway.address, auto_offset_reset="earliest", direct=True)
+    try:
+        consumer.assign([(moving, 0), (doomed, 0)])
+        got: list[int] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 5 and time.monotonic() < deadline:
+            got += [r.offset for r in consumer.poll(timeout_ms=300)]
+        assert got == list(range(5))
+        admin.delete_topic(doomed)
+        wait_for(lambda: doomed not in admin.list_topics() or None, 20, "the deletion")
+        cluster.brokers[leader].kill()
+        wait_for(
+            lambda: admin.describe_topic(moving).partitions[0].leader not in (leader, -1) or None,
+            30,
+            "a new leader",
+        )
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch(moving, [b"b-%d" % i for i in range(5)], partition=0).result(30)
+        deadline = time.monotonic() + 20
+        while len(got) < 10 and time.monotonic() < deadline:
+            # (The deleted topic's fetches may say so, as Kafka's do.)
+            with contextlib.suppress(tidelog.errors.UnknownTopicOrPartitionError):
+                got += [r.offset for r in consumer.poll(timeout_ms=300)]
+        assert got == list(range(10)), (got, consumer._leaders)
+    finally:
+        consumer.close()
+        cluster.start_broker(leader)
+        wait_for(
+            lambda: len(admin.describe_topic(moving).partitions[0].isr) == 2 or None, 60, "ISR 2"
+        )

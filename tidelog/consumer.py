@@ -592,6 +592,16 @@ class Consumer:
                 # that do not exist yet, but never for a name no topic can have); and
                 # before anything changes, so a bad name leaves the subscription as it was.
                 validate_topic_name(topic)
+            if self._membership is not None and set(wanted) == set(self._subscription):
+                # The subscription it has: nothing changes but the callbacks, as Kafka's
+                # subscribe rejoins only for a new subscription. It revoked everything,
+                # made the whole group rebalance and took positions afresh from the
+                # commits: without auto-commit, what was read since was handed out again
+                # (found by an audit).
+                self._on_revoked = on_partitions_revoked
+                self._on_assigned = on_partitions_assigned
+                self._on_lost = on_partitions_lost
+                return
         self._commit_before_reassigning()
         try:
             self._revoke_group_partitions()  # (told to the callbacks given with them)
@@ -774,10 +784,14 @@ class Consumer:
             leaders = self._partition_leaders(topics) if topics else {}
         except UnknownTopicOrPartitionError:
             # An assigned topic is gone: its fetches keep answering with that error (as
-            # Kafka's consumer does for an assignment); the others keep their grouping.
-            self._last_refresh = time.monotonic()
-            self._leaders_stale = False
-            return
+            # Kafka's consumer does for an assignment); the others are regrouped by what
+            # the metadata says of them now. Giving up on all of them left a partition
+            # whose leader moved fetching from the old one for good, in direct mode
+            # (found by an audit).
+            leaders = {}
+            for topic in topics:
+                with contextlib.suppress(UnknownTopicOrPartitionError):
+                    leaders.update(self._partition_leaders([topic]))
         self._set_assignment(self._assignment, leaders)
 
     def _try_refresh_leaders(self) -> None:
@@ -1588,6 +1602,10 @@ class Consumer:
         try:
             self._acquire()
             held = True
+            if self._closed:
+                # As every call on a closed consumer (it ended quietly: "nothing to read";
+                # found by an audit). A close inside the loop body still ends it quietly.
+                raise ConfigError("the consumer is closed")
             while not self._closed:
                 self._wait_for_data(ITERATOR_POLL_TIMEOUT_MS)
                 membership = self._membership
@@ -1798,9 +1816,10 @@ class Consumer:
         return self._membership is not None and self._membership.partitions_lost()
 
     def _maybe_auto_commit(self, poll_deadline: float | None = None) -> None:
-        """Commit the positions that changed, once ``auto_commit_interval_ms`` passed
-        since the last commit. Never raises, nor takes a pending ``wakeup()``: a failure
-        is logged and tried again an interval later (Kafka's auto-commit).
+        """Commit the positions (a group member's: those that changed), once
+        ``auto_commit_interval_ms`` passed since the last commit. Never raises, nor takes
+        a pending ``wakeup()``: a failure is logged and tried again an interval later
+        (Kafka's auto-commit).
 
         From a poll or the iterator (``poll_deadline``, monotonic, when that wait ends):
         one attempt, bounded by the poll's remaining time (at least
@@ -1815,9 +1834,17 @@ class Consumer:
         now = time.monotonic()
         if now - self._last_commit < self._auto_commit_interval_s:
             return
-        changed = {
-            tp: o for tp, o in self._positions.items() if self._committed_positions.get(tp) != o
-        }
+        if self._membership is None:
+            # Not a group member (assign): every position, changed or not, as Kafka's
+            # auto-commit does. A group without members expires its offsets a retention
+            # after its last commit, so a standalone consumer on an idle topic lost its
+            # commit while it ran (found by an audit). A member's group keeps its offsets
+            # while it has members: only what changed.
+            changed = dict(self._positions)
+        else:
+            changed = {
+                tp: o for tp, o in self._positions.items() if self._committed_positions.get(tp) != o
+            }
         if changed:
             try:
                 if poll_deadline is None:

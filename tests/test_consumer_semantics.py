@@ -1,0 +1,131 @@
+"""Consumer semantics against Kafka's, on a real one-broker cluster whose controller expires
+committed offsets fast (2 s): each test here failed on the code an audit found it in."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tidelog
+from tests.support.cluster import GatewayProcess, TestCluster
+
+RETENTION_MS = 2_000
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
+    base: Path = tmp_path_factory.mktemp("audit-cons")
+    with TestCluster(base) as c:
+        c.start_broker(0)
+        c.start_controller(
+            1,
+            extra_args=(
+                "--offsets-retention-ms",
+                str(RETENTION_MS),
+                "--offsets-retention-check-interval-s",
+                "0.3",
+            ),
+        )
+        c.wait_brokers([0])
+        yield c
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: TestCluster) -> GatewayProcess:
+    return cluster.start_gateway()
+
+
+def _topic(gateway: GatewayProcess, prefix: str, **config: str) -> str:
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    tidelog.Admin(gateway.address).create_topic(
+        name, partitions=1, replication_factor=1, config=config or None
+    )
+    return name
+
+
+def test_idle_standalone_consumer_keeps_its_committed_offsets_alive(
+    gateway: GatewayProcess,
+) -> None:
+    """Kafka's auto-commit commits every consumed position each interval, changed or not
+    (ConsumerCoordinator.maybeAutoCommitOffsetsAsync -> allConsumed()). That is what keeps
+    a running standalone (assign()) consumer's offsets from expiring under
+    offsets.retention.minutes while its topic is idle (KIP-211: a group without members
+    expires a retention after its last commit). Here only *changed* positions are
+    auto-committed, so a live consumer's offsets expired; restarted, it reset
+    (re-reading everything with "earliest"). Found by an audit."""
+    topic = _topic(gateway, "audit-cons-idle")
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"a", b"b", b"c"], partition=0).result(30)
+    consumer = tidelog.Consumer(
+        gateway.address,
+        group,
+        auto_offset_reset="earliest",
+        auto_commit_interval_ms=200,
+    )
+    try:
+        consumer.assign([(topic, 0)])
+        got: list[int] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += [r.offset for r in consumer.poll(timeout_ms=200)]
+        assert got == [0, 1, 2]
+        # Idle, but alive and polling, for a few retention periods.
+        end = time.monotonic() + 3 * RETENTION_MS / 1000
+        while time.monotonic() < end:
+            assert consumer.poll(timeout_ms=200) == []
+        assert consumer.committed([(topic, 0)]) == {(topic, 0): 3}
+    finally:
+        consumer.close()
+
+
+def test_subscribing_again_to_the_same_topics_keeps_the_positions(
+    gateway: GatewayProcess,
+) -> None:
+    """Kafka's subscribe() with the subscription it already has changes nothing: no
+    revocation, no rejoin, the positions stay (ConsumerCoordinator rejoins only when the
+    subscription changed). It revoked every partition and joined again, and the
+    positions were taken afresh from the group's commits: without auto-commit, the
+    records read since the last commit were handed out a second time (found by an
+    audit)."""
+    topic = _topic(gateway, "audit-cons-resub")
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [f"{i}".encode() for i in range(10)], partition=0).result(30)
+    revoked: list[list[tuple[str, int]]] = []
+    consumer = tidelog.Consumer(
+        gateway.address, group, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    try:
+        consumer.subscribe([topic], on_partitions_revoked=revoked.append)
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(got) < 4 and time.monotonic() < deadline:
+            got += [r.offset for r in consumer.poll(max_records=4 - len(got), timeout_ms=500)]
+        assert got == [0, 1, 2, 3]
+        consumer.subscribe([topic], on_partitions_revoked=revoked.append)
+        after: list[int] = []
+        deadline = time.monotonic() + 30
+        while not after and time.monotonic() < deadline:
+            after += [r.offset for r in consumer.poll(max_records=1, timeout_ms=500)]
+        assert after == [4], f"after subscribing again to the same topic: {after}"
+        assert revoked == []
+    finally:
+        consumer.close()
+
+
+def test_iterating_a_closed_consumer_raises(gateway: GatewayProcess) -> None:
+    """The module docstring: once closed, every call but close(), wakeup() and metrics()
+    raises ConfigError (Kafka's IllegalStateException). ``for r in consumer`` on a closed
+    consumer ended at once, silently, as if there were nothing to read (found by an
+    audit)."""
+    topic = _topic(gateway, "audit-cons-iterclosed")
+    consumer = tidelog.Consumer(gateway.address, auto_offset_reset="earliest")
+    consumer.assign([(topic, 0)])
+    consumer.close()
+    with pytest.raises(tidelog.errors.ConfigError, match="closed"):
+        next(iter(consumer))
