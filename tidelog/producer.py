@@ -1833,21 +1833,39 @@ class Producer:
             error: TidelogError = error_from_rpc(exc, f"produce stream to {self._conn.address}")
         else:
             error = NetworkError("the gateway closed the produce stream")
-        # The stream is over: everything in flight on it goes back to its queue.
+        # The stream is over: everything in flight on it goes back to its queue. Its end
+        # says nothing of each request, so they are failed retriably, to be sent again:
+        # failed with the stream's own status, they failed for good, written ones
+        # included, or were split and written twice (found by an audit). But a request
+        # over the gateway's message limit ends the stream (RESOURCE_EXHAUSTED) and would
+        # again and again: the largest in flight, which is one such, takes that error
+        # (and is split); the others go again.
+        oversized = error if isinstance(error, RecordListTooLargeError) else None
+        if not error.retriable:
+            error = NetworkError(f"the produce stream ended ({error}); its requests go again")
         with self._lock:
             if stream.timed_out:
                 error = RequestTimedOutError(
                     f"produce stream to {self._conn.address}: no answer within "
                     f"request_timeout_ms ({self._request_timeout_ms} ms)"
                 )
+                oversized = None
             if self._stream is stream:
                 self._stream = None
             stranded = list(self._in_flight.values())
             self._in_flight.clear()
             self._sent_at_s.clear()
         stream.requests.put(_STOP)
+        largest = None
+        if oversized is not None and stranded:
+            largest = max(
+                stranded, key=lambda picked: sum(b.encoded_bytes for _, bs in picked for b in bs)
+            )
         for picked in stranded:
-            self._complete_failed(picked, error)
+            if oversized is not None and picked is largest:
+                self._complete_failed(picked, oversized)
+            else:
+                self._complete_failed(picked, error)
 
     def _prepare(self, picked: list[tuple[_PartitionQueue, list[_Batch]]]) -> list[list[Any]]:
         """Encode the batches sent for the first time (which gives them their sequence) and
@@ -2177,6 +2195,8 @@ class Producer:
             error = error_from_rpc(exc, f"append stream to {pipe.where}")
         else:
             error = NetworkError(f"the append stream to {pipe.where} ended")
+        if not error.retriable:  # says nothing of each request: as the gateway stream's
+            error = NetworkError(f"the append stream ended ({error}); its requests go again")
         with self._lock:
             pipe.closed = True
             if self._pipes.get(pipe.address) is pipe:

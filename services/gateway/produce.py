@@ -87,6 +87,9 @@ ACKS_VALUES: Final = frozenset(
     {common_pb2.ACKS_UNSPECIFIED, common_pb2.NONE_ACKS, common_pb2.LEADER, common_pb2.ALL}
 )
 
+IN_FLIGHT_WAIT_S: Final = 0.5
+"""How often a ProduceStream held at its in-flight limit checks that its client is still there."""
+
 
 MAX_BACKGROUND_APPENDS: Final = 1024
 """acks=0 appends answered but not yet written, per leader broker (``ProduceLimits``)."""
@@ -790,13 +793,18 @@ class ProduceHandler:
         is_active: Callable[[], bool] = lambda: True,
     ) -> Iterator[gateway_pb2.ProduceResponse]:
         """Answer a ProduceStream: responses in completion order, matched by
-        correlation_id. Raises TidelogError (ending the stream) when the client has more
-        than ``max_in_flight`` requests unanswered. ``is_active`` (the call's): a request
-        that waited for budget room while the client cancelled is not appended."""
+        correlation_id. With ``max_in_flight`` requests of the client unanswered, the
+        stream is read no further until one is answered (gRPC's flow control then holds
+        the client's next requests back): ending the stream with INVALID_REQUEST failed
+        every request in flight on it, records written among them, for a client whose
+        pipeline was deeper than this gateway's limit (found by an audit). ``is_active``
+        (the call's): a request that waited for budget room while the client cancelled
+        is not appended."""
         out: queue.SimpleQueue[gateway_pb2.ProduceResponse | TidelogError | None] = (
             queue.SimpleQueue()
         )
         lock = threading.Lock()
+        room = threading.Condition(lock)  # notified whenever a request is answered
         state = {"in_flight": 0, "reading": 1}
         # Each partition's latest append still running, which the next one waits for.
         # Only while running: a done future keeps its callbacks, and through them the
@@ -850,6 +858,7 @@ class ProduceHandler:
                     # is in flight or queued, and must not end between the two (the
                     # request's answer was then never sent; a CI run caught it).
                     state["in_flight"] -= 1
+                    room.notify_all()
                     out.put(response)
                     for key in keys:
                         if unanswered.get(key) is sent:
@@ -860,6 +869,7 @@ class ProduceHandler:
                 self.budget.release(held_bytes)
                 with lock:
                     state["in_flight"] -= 1
+                    room.notify_all()
                     out.put(gateway_pb2.ProduceResponse(correlation_id=request.correlation_id))
                     for key in keys:
                         if unanswered.get(key) is sent:
@@ -875,16 +885,11 @@ class ProduceHandler:
                 for request in requests:
                     if tracing.ENABLED:
                         tracing.event("g_in", request.correlation_id)
-                    with lock:
-                        if state["in_flight"] >= max_in_flight:
-                            out.put(
-                                InvalidRequestError(
-                                    f"more than {max_in_flight} produce requests in flight on "
-                                    "one stream (--max-in-flight-per-stream); wait for "
-                                    "answers before sending more"
-                                )
-                            )
-                            return
+                    with room:
+                        while state["in_flight"] >= max_in_flight:
+                            if not is_active():
+                                return
+                            room.wait(IN_FLIGHT_WAIT_S)
                         state["in_flight"] += 1
                     try:
                         deadline = validate(request, self.limits)
@@ -900,6 +905,7 @@ class ProduceHandler:
                         refusal = self._no_room(request)
                         with lock:
                             state["in_flight"] -= 1
+                            room.notify_all()
                             out.put(refusal)
                         continue
                     if not is_active():
@@ -909,6 +915,7 @@ class ProduceHandler:
                         self.budget.release(size)
                         with lock:
                             state["in_flight"] -= 1
+                        room.notify_all()
                         return
                     try:
                         keys = [(data.topic, data.partition) for data in request.partitions]
