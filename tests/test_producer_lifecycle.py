@@ -471,6 +471,24 @@ def test_a_batch_over_max_message_bytes_is_split_and_sent_again(
     assert values[:20] == [b"%03d" % i + b"v" * 500 for i in range(20)]
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_split_is_not_a_retry(
+    gateway: GatewayProcess, admin: tidelog.Admin, direct: bool
+) -> None:
+    """Kafka splits a batch refused as too large "regardless of retries": with retries=0
+    every record of such a batch failed, though each fits the topic's max.message.bytes
+    (found by an audit)."""
+    topic = f"split-no-retries-{'direct' if direct else 'gateway'}"
+    _create(admin, topic, 1, 1)
+    admin.alter_topic_config(topic, {"max.message.bytes": "4096"})
+    with tidelog.Producer(
+        gateway.address, direct=direct, linger_ms=200, retries=0, enable_idempotence=False, acks=1
+    ) as producer:
+        futures = [producer.send(topic, b"%03d" % i + b"v" * 500, partition=0) for i in range(20)]
+        errors = [f.exception(30) for f in futures]
+    assert [e for e in errors if e is not None] == []
+
+
 def test_a_negative_timestamp_is_refused_at_the_send(
     gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:

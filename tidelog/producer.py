@@ -2382,12 +2382,15 @@ class Producer:
                     for batch in batches:
                         batch.request_key = next(self._request_keys)
                 split = True
+            # A split batch is no retry (Kafka splits "regardless of retries"): with
+            # retries=0, records that each fit a topic's max.message.bytes but not
+            # together all failed (found by an audit).
             retry = [
                 b
                 for b in batches
                 if self._broken is None
                 and (error.retriable or refused or split)
-                and b.attempts <= self._retries
+                and (split or b.attempts <= self._retries)
                 and now - b.created_s < self._delivery_timeout_s
             ]
             if tracing.ENABLED:
