@@ -998,6 +998,7 @@ class Producer:
         timestamp_ms: int | None = None,
     ) -> Future[RecordMetadata]:
         """Queue one record; the future gives where it was written."""
+        started_s = time.monotonic()
         check_same_process(self._pid, "Producer")
         if value is not None and not isinstance(value, bytes | bytearray | memoryview):
             raise ConfigError(f"value must be bytes or None, not {type(value).__name__}")
@@ -1019,7 +1020,7 @@ class Producer:
         future: Future[RecordMetadata] = Future()
         tp = (topic, partition)
         with self._lock:
-            self._reserve(size)
+            self._reserve(size, started_s=started_s)
             batch = self._open.get(tp)
             if batch is not None and batch.size_bytes + size > self._records_budget:
                 # Close before the record would take the batch past batch_bytes (Kafka's
@@ -1074,11 +1075,12 @@ class Producer:
         with no Python work per record. Without keys or ``partition``, records go to the
         sticky partition as ``send``'s do, moving on after each ``batch_bytes`` worth.
         """
+        started_s = time.monotonic()  # max_block_ms counts from here (``_reserve``)
         check_same_process(self._pid, "Producer")
         if tracing.ENABLED:
             tracing.event("c_call", topic)
         if _is_arrow(values) and keys is None:
-            return self._send_arrow(topic, values, partition, timestamp_ms)
+            return self._send_arrow(topic, values, partition, timestamp_ms, started_s)
         if _is_arrow(values):
             values = cast(Any, values).to_pylist()
         if keys is not None and _is_arrow(keys):
@@ -1161,11 +1163,16 @@ class Producer:
                 batch.group_slots.append((group, indices))
                 yield batch
 
-        self._queue_group(group, batches(), len(chunks))
+        self._queue_group(group, batches(), len(chunks), started_s)
         return group.future
 
     def _send_arrow(
-        self, topic: str, values: Any, partition: int | None, timestamp_ms: int | None
+        self,
+        topic: str,
+        values: Any,
+        partition: int | None,
+        timestamp_ms: int | None,
+        started_s: float,
     ) -> Future[BatchMetadata]:
         n = len(values)
         ts = _timestamp(timestamp_ms)
@@ -1199,7 +1206,7 @@ class Producer:
                     went = self._records_budget if stop < n else batch.size_bytes
                     self._stick(topic, target, went, count)
 
-        self._queue_group(group, batches(), len(cuts))
+        self._queue_group(group, batches(), len(cuts), started_s)
         return group.future
 
     def _chunk(
@@ -1238,14 +1245,21 @@ class Producer:
         if batch is not None:
             self._queue(tp).enqueue(batch)
 
-    def _reserve(self, size: int, *, bounded: bool = True) -> None:
-        """Wait (lock held) for ``size`` bytes of buffer room: at most ``max_block_ms``
-        when ``bounded``, else until batches queued before finish (each does by its
-        delivery timeout at the latest)."""
+    def _reserve(self, size: int, *, bounded: bool = True, started_s: float | None = None) -> None:
+        """Wait (lock held) for ``size`` bytes of buffer room: when ``bounded``, until
+        ``max_block_ms`` after ``started_s`` (the send's start: its metadata wait counts
+        too, as Kafka's max.block.ms bounds both; each had a whole one, found by an
+        audit), else until batches queued before finish (each does by its delivery
+        timeout at the latest). A sender that fails meanwhile fails the wait: the room
+        its failure frees must not queue a record no sender will take (found by an
+        audit: its future never completed)."""
         if self._broken is not None:
             raise self._broken
-        deadline = time.monotonic() + self._max_block_s if bounded else float("inf")
+        start = time.monotonic() if started_s is None else started_s
+        deadline = start + self._max_block_s if bounded else float("inf")
         while self._buffered_bytes + size > self._buffer_bytes and self._buffered_bytes > 0:
+            if self._broken is not None:
+                raise self._broken
             if self._closing:
                 raise ConfigError("the producer is closed")
             remaining = deadline - time.monotonic()
@@ -1255,14 +1269,19 @@ class Producer:
                     f"max_block_ms; the gateway is not keeping up or unreachable"
                 )
             self._lock.wait(min(remaining, 1.0))
+        if self._broken is not None:
+            raise self._broken
         if self._closing:
             raise ConfigError("the producer is closed")
         self._buffered_bytes += size
 
-    def _queue_group(self, group: _Group, batches: Iterator[_Batch], count: int) -> None:
+    def _queue_group(
+        self, group: _Group, batches: Iterator[_Batch], count: int, started_s: float
+    ) -> None:
         """Queue a send_batch's ``count`` batches, made one at a time by ``batches``.
 
-        Only the first waits at most ``max_block_ms`` for buffer room, and raises
+        Only the first waits for buffer room until ``max_block_ms`` after ``started_s``
+        (the call's start), and raises
         (nothing queued) when it finds none. Once a batch is queued the call cannot fail
         without having written part of the records (a caller that retried would write
         them twice), so the others wait as long as room takes to free up. A producer
@@ -1270,7 +1289,11 @@ class Producer:
         for queued, batch in enumerate(batches):
             with self._lock:
                 try:
-                    self._reserve(min(batch.size_bytes, self._buffer_bytes), bounded=not queued)
+                    self._reserve(
+                        min(batch.size_bytes, self._buffer_bytes),
+                        bounded=not queued,
+                        started_s=started_s,
+                    )
                 except TidelogError as exc:  # closed (or the sender failed) meanwhile
                     if not queued:
                         raise
