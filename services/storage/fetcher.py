@@ -59,6 +59,7 @@ from tidelog.errors import (
     NotLeaderOrFollowerError,
     TidelogError,
 )
+from tidelog.formats import MAX_PRODUCE_REQUEST_BYTES, REQUEST_OVERHEAD_BYTES
 from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 
 _log = structlog.get_logger("tidelog.storage.fetcher")
@@ -69,7 +70,11 @@ FETCH_MAX_BYTES: Final = 32 * 1024 * 1024  # whole response (replica.fetch.respo
 PARTITION_FETCH_MAX_BYTES: Final = 8 * 1024 * 1024  # replica.fetch.max.bytes
 RPC_SLACK_S: Final = 5.0  # deadline beyond the long-poll for the transfer itself
 FETCH_BACKOFF_S: Final = 0.2  # replica.fetch.backoff.ms
-MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+MAX_MESSAGE_BYTES: Final = MAX_PRODUCE_REQUEST_BYTES + REQUEST_OVERHEAD_BYTES + FETCH_MAX_BYTES
+"""A fetch answer a follower takes: a whole first batch as large as a leader's Append can
+carry (a leader answers it whatever the budget, as Kafka does), or the budget's worth. At
+64 MiB, a larger batch the leader had taken was never replicated, and the partitions
+fetched after it in the same session stopped too (found by an audit)."""
 PIPELINE_MIN_BYTES: Final = 512 * 1024
 """A smaller answer is appended before the next Fetch goes out (see ``_predict``)."""
 
