@@ -54,7 +54,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, Final, ParamSpec, TypeVar
 
 from tidelog import formats
 from tidelog.batch import (
@@ -96,6 +96,13 @@ NOT_DISK_FAILURE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EEXIST})
 while a request read it) or taken by a stray file where a log directory goes (that
 partition fails with STORAGE_ERROR and the controller sends it again). Every other
 OSError from the files is a disk failure."""
+
+
+TIMESTAMP_LOOKUP_MAX_UNCOMPRESSED_BYTES: Final = 16 * 1024 * 1024
+"""What the one batch a lookup by time decodes may inflate to. With a consumer's limit (2
+GiB), an 8 KB batch of zeros made every ListOffsets by time allocate hundreds of MiB in
+the broker (found by an audit); past this the batch's header answers (its base offset and
+largest timestamp: the answer within a batch is less exact, never wrong by more than it)."""
 
 
 def is_disk_failure(error: OSError) -> bool:
@@ -830,10 +837,14 @@ class Log:
             if max_offset is not None and header.base_offset >= max_offset:
                 return None
             try:
-                records = decode_batches(segment.read_batch(position, header))[0].records
+                records = decode_batches(
+                    segment.read_batch(position, header),
+                    max_uncompressed_bytes=TIMESTAMP_LOOKUP_MAX_UNCOMPRESSED_BYTES,
+                )[0].records
             except CorruptBatchError:
-                # Checksums hold (the broker verified them) but the body is malformed: a
-                # producer bug. The batch's own header still bounds the answer.
+                # Checksums hold (the broker verified them) but the body is malformed (a
+                # producer bug), or inflates beyond what a lookup may (a hostile one):
+                # the batch's own header still bounds the answer.
                 return header.base_offset, header.max_timestamp
             for record in records:
                 if record.timestamp_ms >= timestamp_ms:
