@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -1937,6 +1938,45 @@ def test_a_partitions_records_the_gateway_takes_are_taken_by_its_leader(
         timeout=60,
     ).partitions[0]
     assert (result.error.code, result.base_offset) == (common_pb2.NONE, 0), result.error.message
+
+
+def test_client_ids_are_bounded(gateway: GatewayProcess) -> None:
+    """InitProducerId and Produce took a client id of any length (4 million characters
+    were taken, and InitProducerId logged it on every call); JoinGroup's are bounded
+    (found by an audit)."""
+    for call, request in (
+        (gateway.stub.InitProducerId, gateway_pb2.InitProducerIdRequest(client_id="c" * 256)),
+        (gateway.stub.Produce, gateway_pb2.ProduceRequest(acks=1, client_id="c" * 256)),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            call(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "client id of 256 characters" in (refused.value.details() or "")
+
+
+def test_events_of_loggers_made_at_import_reach_the_json_log(gateway: GatewayProcess) -> None:
+    """Loggers made at import with bound fields (``get_logger(component=...)``) were built
+    before ``tidelog.logging.configure`` ran: their events (producer ids issued, group and
+    metadata events) went to stdout as console text, not to the JSON log on stderr (found
+    by an audit)."""
+    answer = gateway.stub.InitProducerId(
+        gateway_pb2.InitProducerIdRequest(client_id="json-log"), timeout=10
+    )
+
+    def logged() -> bool | None:
+        lines = gateway.log_path.read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.startswith("{")]
+        return (
+            any(
+                e.get("event") == "producer_id_issued"
+                and e.get("producer_id") == answer.producer_id
+                for e in events
+            )
+            or None
+        )
+
+    wait_for(logged, 10, "producer_id_issued in the JSON log")
+    assert not [line for line in gateway.stdout_lines if "producer_id_issued" in line]
 
 
 def test_list_offsets_answers_within_the_clients_deadline_when_a_leader_is_silent(

@@ -106,6 +106,8 @@ storage node takes messages somewhat larger (``REQUEST_OVERHEAD_BYTES``), so tha
 partition's records of a request the gateway took reach its leader whole."""
 REQUEST_OVERHEAD_BYTES: Final = 1024 * 1024
 """What a request's framing adds to the records it carries, at most."""
+MAX_CLIENT_ID_CHARS: Final = 255
+"""The longest client id a gateway takes (in produce, InitProducerId and group requests)."""
 MAX_PARTITIONS_PER_REQUEST: Final = 10_000
 """The most partitions one client request to a gateway names (Produce, Fetch, ListOffsets,
 CommitOffsets, FetchOffsets); the SDK splits larger asks."""

@@ -75,6 +75,9 @@ def configure(
 
 
 def get_logger(**bound: object) -> FilteringBoundLogger:
-    """A logger with ``bound`` fields on every event it emits."""
-    logger: FilteringBoundLogger = structlog.get_logger().bind(**bound)
+    """A logger with ``bound`` fields on every event it emits. Lazy: assembled at its
+    first event, after ``configure`` (modules call this at import). Bound at once, it was
+    built from structlog's defaults: those modules' events went to stdout as console
+    text, without the level filter, instead of into the JSON log (found by an audit)."""
+    logger: FilteringBoundLogger = structlog.get_logger(**bound)
     return logger

@@ -71,7 +71,7 @@ from tidelog.errors import (
     TidelogError,
     UnknownMemberIdError,
 )
-from tidelog.formats import INT32_MAX
+from tidelog.formats import INT32_MAX, MAX_CLIENT_ID_CHARS
 from tidelog.logging import get_logger
 from tidelog.topics import validate_topic_name
 
@@ -92,7 +92,6 @@ MAX_GROUP_MEMBERS: Final = 500
 MAX_PENDING_MEMBERS: Final = MAX_GROUP_MEMBERS
 """Member ids handed out by first joins (KIP-394) whose members have not joined yet."""
 MAX_TOPICS_PER_MEMBER: Final = 1_000
-MAX_CLIENT_ID_CHARS: Final = 255
 MAX_MEMBER_ID_CHARS: Final = MAX_CLIENT_ID_CHARS + 1 + 36
 """The longest member id this gateway hands out: ``<client id>-<uuid4>``. A longer one
 cannot be a member; refused before it reaches etcd (as a key) or an error message."""

@@ -54,7 +54,7 @@ from tidelog.errors import (
     TidelogError,
     UnknownServerError,
 )
-from tidelog.formats import MAX_PARTITIONS_PER_REQUEST
+from tidelog.formats import MAX_CLIENT_ID_CHARS, MAX_PARTITIONS_PER_REQUEST
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2, storage_pb2_grpc
 from tidelog.wire import append_request_parts, encode_append_many_request
 
@@ -121,6 +121,15 @@ def record_bytes(request: gateway_pb2.ProduceRequest) -> int:
     return sum(len(data.records) for data in request.partitions)
 
 
+def check_client_id(client_id: str) -> None:
+    """Refuse a client id longer than MAX_CLIENT_ID_CHARS (one of 4 million characters was
+    taken, and InitProducerId wrote it to the log; found by an audit)."""
+    if len(client_id) > MAX_CLIENT_ID_CHARS:
+        raise InvalidRequestError(
+            f"client id of {len(client_id)} characters; the limit is {MAX_CLIENT_ID_CHARS}"
+        )
+
+
 def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> float:
     """Check the request as a whole; returns its deadline (time.monotonic based)."""
     if request.acks not in ACKS_VALUES:
@@ -129,6 +138,7 @@ def validate(request: gateway_pb2.ProduceRequest, limits: ProduceLimits) -> floa
         )
     if request.timeout_ms < 0:
         raise InvalidRequestError(f"timeout_ms {request.timeout_ms} is negative (0 = default)")
+    check_client_id(request.client_id)
     if len(request.partitions) > MAX_PARTITIONS_PER_REQUEST:
         raise InvalidRequestError(
             f"{len(request.partitions)} partitions in one request; the limit is "

@@ -26,7 +26,7 @@ from services.gateway.fetch import FetchHandler
 from services.gateway.group_coordinator import GroupCoordinator, check_member_id
 from services.gateway.groups import Committed, OffsetStore, check_partition_count
 from services.gateway.metadata_cache import MetadataCache, MetadataView, TopicKeyRead
-from services.gateway.produce import ProduceHandler
+from services.gateway.produce import ProduceHandler, check_client_id
 from services.gateway.router import DEADLINE_MARGIN_S
 from services.metastore import MetaStoreError
 from services.process import add_servicer_answering_encoded
@@ -598,6 +598,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
     def InitProducerId(  # noqa: N802 - gRPC's method name
         self, request: gateway_pb2.InitProducerIdRequest, context: grpc.ServicerContext
     ) -> gateway_pb2.InitProducerIdResponse:
+        check_client_id(request.client_id)
         producer_id = self._producer_ids.next_id(context.time_remaining())
         _log.info("producer_id_issued", producer_id=producer_id, client_id=request.client_id)
         return gateway_pb2.InitProducerIdResponse(producer_id=producer_id, producer_epoch=0)
