@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -87,16 +88,7 @@ def test_a_send_waiting_for_room_when_the_sender_fails_does_not_hang(
     (``_expire`` raises once): no real one (MemoryError, no thread left) can be caused on
     demand."""
     topic = "broken-wait"
-    admin = tidelog.Admin(gateway.address)
-
-    def created() -> bool | None:
-        # (The test before stopped the broker past its session: it may be registering.)
-        with contextlib.suppress(InvalidReplicationFactorError):
-            admin.create_topic(topic, partitions=1, replication_factor=1)
-            return True
-        return None
-
-    wait_for(created, 30, "the topic created")
+    wait_for(lambda: _created(gateway, topic), 30, "the topic created")
     broker = cluster.brokers[0]
     producer = tidelog.Producer(
         gateway.address, buffer_bytes=1024 * 1024, linger_ms=0, max_block_ms=20_000
@@ -143,3 +135,31 @@ def test_a_send_waiting_for_room_when_the_sender_fails_does_not_hang(
         with contextlib.suppress(RequestTimedOutError):
             producer.flush(timeout_s=2)
         producer.close(timeout_s=0)
+
+
+def test_a_callback_raising_system_exit_does_not_hang_the_producer(
+    cluster: TestCluster, gateway: GatewayProcess
+) -> None:
+    """concurrent.futures catches a callback's Exception but not SystemExit: a sys.exit()
+    in a done-callback killed the thread completing the producer's sends, and every later
+    send and flush() hung (found by an audit)."""
+    topic = "callback-exit"
+    wait_for(lambda: _created(gateway, topic), 30, "the topic created")
+    producer = tidelog.Producer(gateway.address, linger_ms=100, request_timeout_ms=2000)
+    try:
+        first = producer.send(topic, b"first", partition=0)
+        first.add_done_callback(lambda _: sys.exit(1))
+        first.result(30)
+        later = producer.send(topic, b"later", partition=0)
+        producer.flush(timeout_s=10)
+        assert later.result(1).offset == 1
+    finally:
+        producer.close(timeout_s=1)
+
+
+def _created(gateway: GatewayProcess, topic: str) -> bool | None:
+    # (A test before may have stopped the broker past its session: it may be registering.)
+    with contextlib.suppress(InvalidReplicationFactorError):
+        tidelog.Admin(gateway.address).create_topic(topic, partitions=1, replication_factor=1)
+        return True
+    return None

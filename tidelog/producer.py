@@ -2547,6 +2547,11 @@ class Producer:
                 future.set_result(result)
         except InvalidStateError:
             pass  # cancelled: nobody wants the result
+        except BaseException as exc:  # a caller's callback, not ours
+            # concurrent.futures catches a callback's Exception, not SystemExit (a
+            # sys.exit() in a callback): it killed this thread, and the producer hung for
+            # good (found by an audit). The future is done; its later callbacks are lost.
+            _log.error("a callback of a send's future raised %r; ignored", exc)
         finally:
             self._completing.active = False
 
