@@ -42,7 +42,6 @@ from services.cluster_metadata import (
     partition_key,
     topic_key,
 )
-from services.controller import controller as controller_module
 from services.controller.controller import Controller, ControllerConfig, IsrProposal, NewTopic
 from services.controller.election import ControllerElection
 from services.controller.state import Broker, PartitionRecord
@@ -580,18 +579,17 @@ def test_a_malformed_metadata_key_holds_activation_back_until_repaired(tmp_path:
 
 
 def test_decisions_over_more_partitions_than_one_etcd_transaction_takes_are_split(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    """A decision is written in transactions of at most TXN_CHUNK_OPS partitions. Here
-    etcd takes 128 operations per transaction and a chunk is 100 partitions: creating a
+    """A decision is written in transactions of at most TXN_CHUNK_OPS (100) partitions, so
+    that an etcd at its default --max-txn-ops (128) takes them: creating a
     topic of 300 partitions, the failure of a broker leading about half of them, and a
     new controller taking office all succeed. Each used to be one transaction, which
     etcd refused every time: at 4,096 partitions (tidelog's own etcd limit) a broker's
     failure left its partitions led by the dead broker and no controller could take
     office (found by an audit). Brokers here are registrations only: the controller's
     pushes to them fail and are retried, which the etcd side does not wait for."""
-    monkeypatch.setattr(controller_module, "TXN_CHUNK_OPS", 100)
-    tuning = EtcdTuning(max_txn_ops=128)
+    tuning = EtcdTuning(max_txn_ops=128)  # etcd's default (the chunk was 1,000 before)
     with (
         EtcdProcess(tmp_path / "etcd", tuning=tuning) as server,
         MetaStore(server.endpoint, cluster="wide") as meta,

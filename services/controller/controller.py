@@ -408,9 +408,12 @@ class _Plan:
         )
 
 
-TXN_CHUNK_OPS: Final = 1_000
+TXN_CHUNK_OPS: Final = 100
 """Partition changes (or finished deletions) per transaction when a decision is split:
-well inside the --max-txn-ops of 4096 tidelog's etcd runs with (docs/METADATA.md)."""
+under etcd's own default --max-txn-ops (128), with room for the first transaction's
+topic and deletion records. At 1,000 (within the 4096 tidelog's etcd runs with), an etcd
+run elsewhere at its defaults refused every failover of a broker leading over ~125
+partitions, for good: its partitions stayed led by the dead broker (found by an audit)."""
 TXN_CHUNK_BYTES: Final = 512 * 1024
 """Estimated bytes per split transaction: a third of etcd's default 1.5 MiB request
 limit, with 249-character topic names in every key (each key goes in twice: its

@@ -92,14 +92,15 @@ class ControllerServicer:
     """
 
     def CreateTopics(self, request, context):
-        """Forwarded to the active controller.
+        """Create topics. A standby answers NOT_CONTROLLER, naming the active controller's
+        address (trailer `tidelog-controller`); the gateway's CreateTopics forwards for you.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeleteTopics(self, request, context):
-        """Forwarded to the active controller.
+        """Delete topics; a standby answers as for CreateTopics.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
