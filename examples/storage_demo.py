@@ -1,7 +1,7 @@
 """A tour of one storage node: start it, create a partition, append, fetch, stop.
 
-What ``make run`` executes for now. It starts a real ``tidelog storage`` process
-(``python -m tidelog storage``) on a temporary data directory and a free port, waits for
+(``make run`` runs the nginx pipeline, ``examples/nginx_pipeline``.) It starts a real
+``tidelog storage`` process (``python -m tidelog storage``) on a temporary data directory and a free port, waits for
 its gRPC health check to say SERVING, creates partition ``demo-0`` the way the controller
 will (LeaderAndIsr naming this broker leader), appends a few record batches encoded with
 ``tidelog.records``, fetches them back, decodes and prints them, then stops the node with
