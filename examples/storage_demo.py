@@ -1,11 +1,12 @@
 """A tour of one storage node: start it, create a partition, append, fetch, stop.
 
 (``make run`` runs the nginx pipeline, ``examples/nginx_pipeline``.) It starts a real
-``tidelog storage`` process (``python -m tidelog storage``) on a temporary data directory and a free port, waits for
-its gRPC health check to say SERVING, creates partition ``demo-0`` the way the controller
-will (LeaderAndIsr naming this broker leader), appends a few record batches encoded with
-``tidelog.records``, fetches them back, decodes and prints them, then stops the node with
-SIGTERM and checks that it exited cleanly (status 0).
+``tidelog storage`` process (``python -m tidelog storage``) on a temporary data
+directory and a free port, waits for its gRPC health check to say SERVING, creates
+partition ``demo-0`` the way the controller will (LeaderAndIsr naming this broker
+leader), appends a few record batches encoded with ``tidelog.records``, fetches them
+back, decodes and prints them, then stops the node with SIGTERM and checks that it
+exited cleanly (status 0).
 
 Run: ``python -m examples.storage_demo [--keep-data]``.
 """
