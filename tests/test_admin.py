@@ -18,7 +18,13 @@ import tidelog
 import tidelog.client
 from services.gateway.server import ADMIN_TIMEOUT_S, _admin_budget_s
 from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
-from tidelog.admin import change_deadline_s
+from tidelog.admin import (
+    BrokerDescription,
+    ClusterDescription,
+    PartitionDescription,
+    TopicDescription,
+    change_deadline_s,
+)
 from tidelog.client import GatewayConnection
 from tidelog.errors import (
     ConfigError,
@@ -182,6 +188,24 @@ def test_more_partitions_than_a_request_takes_are_asked_in_several(
     assert sorted((c.partition, c.committed_offset) for c in committed) == [
         (p, 1) for p in range(5)
     ]
+
+
+def test_a_partition_led_by_a_broker_not_registered_is_offline() -> None:
+    """Until the controller moves a dead broker's leaderships (which an etcd refusing its
+    transactions stopped for good), its partitions still named it leader: `tidelog
+    cluster` counted them healthy (found by an audit)."""
+    partition = PartitionDescription(
+        partition=0, leader=3, leader_epoch=1, replicas=(1, 3), isr=(1, 3),
+        high_watermark=-1, log_start_offset=-1, log_end_offset=-1,
+    )  # fmt: skip
+    topic = TopicDescription(
+        name="t", topic_id="", replication_factor=2, configs={}, partitions=(partition,)
+    )
+    broker = BrokerDescription(1, "127.0.0.1", 9092, None, 7)
+    cluster = ClusterDescription("c", 1, "127.0.0.1:9093", (broker,), (topic,))
+    assert cluster.offline_partitions == [("t", 0)]
+    live = ClusterDescription("c", 1, "127.0.0.1:9093", (broker,), ())
+    assert live.offline_partitions == []
 
 
 def test_good_arguments_still_go_through_numbers_in_configs_as_text(
