@@ -2017,6 +2017,9 @@ def test_a_subscription_moves_on_from_a_leader_that_stopped_answering(
     assert [r.value for b in decode_batches(next(stream).records) for r in b.records] == [b"before"]
     old = admin.describe_topic(topic).partitions[0].leader
     os.kill(cluster.brokers[old].pid, signal.SIGSTOP)
+    # Stopped once /proc says so (see _silent_leader: a CI rerun saw the leader answer a
+    # request sent right after the kill).
+    wait_for(lambda: _process_state(cluster.brokers[old].pid) == "T", 10, "the leader stopped")
     try:
         wait_for(
             lambda: admin.describe_topic(topic).partitions[0].leader not in (old, -1) or None,
@@ -2150,6 +2153,9 @@ def test_a_produce_waiting_on_a_stopped_leader_moves_to_its_successor(
         producer.send(topic, b"before", partition=0).result(30)
     old = admin.describe_topic(topic).partitions[0].leader
     os.kill(cluster.brokers[old].pid, signal.SIGSTOP)
+    # Stopped once /proc says so (see _silent_leader: a CI rerun saw the leader answer a
+    # request sent right after the kill).
+    wait_for(lambda: _process_state(cluster.brokers[old].pid) == "T", 10, "the leader stopped")
     try:
         result = _produce_batch(
             gateway, topic, encode_batch([b"after"]), timeout_ms=20_000, deadline_s=60
