@@ -344,7 +344,10 @@ def _spark_child(rows: int, answer: Any) -> None:
     from tidelog.spark import start_jvm  # pyspark is heavy: imported where needed
 
     # A SIGTERM while PySpark launches its JVM (before it records the process) left that
-    # JVM running for good: it waits until the JVM is up, then interrupts.
+    # JVM running for good: it waits until the JVM is up, then interrupts. A terminal's
+    # Ctrl-C reaches this process too: ignored, as the parent's SIGTERM follows it, and a
+    # second interruption in the middle of the first one's clean-up cut that short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     deferred: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: deferred.append(signum))
     try:

@@ -173,3 +173,50 @@ def test_a_stream_answers_a_partitions_requests_in_order(
         for a in answers
     ]
     assert [a.correlation_id for a in answers] == [1, 2], order
+
+
+def test_a_long_chain_of_answers_waiting_for_one_request_is_sent_in_order(
+    two: tuple[TestCluster, GatewayProcess],
+) -> None:
+    """Hundreds of requests of one partition waiting for the answer of a first one stuck
+    on another partition: each answer was sent from the callback of the one before, a
+    recursion as deep as the chain, whose stack overflow the futures swallow (the stream's
+    answers would stop for good; found by an audit, by reading). They go in a loop now."""
+    cluster, _ = two
+    deep = cluster.start_gateway(["--max-in-flight-per-stream", "1000"])
+    _create(cluster, "chain-fast", [[0]])
+    _create(cluster, "chain-slow", [[0, 1]])
+
+    def request(i: int, *topics: str) -> gateway_pb2.ProduceRequest:
+        return gateway_pb2.ProduceRequest(
+            acks=common_pb2.ALL,
+            timeout_ms=5_000,
+            correlation_id=i,
+            partitions=[
+                gateway_pb2.ProducePartitionData(
+                    topic=t, partition=0, records=encode_batch([b"%d" % i])
+                )
+                for t in topics
+            ],
+        )
+
+    wait_for(
+        lambda: all(
+            r.error.code == 0
+            for r in deep.stub.Produce(
+                request(0, "chain-fast", "chain-slow"), timeout=30
+            ).partitions
+        ),
+        30,
+        "both topics writable",
+    )
+    requests = [request(1, "chain-fast", "chain-slow")]
+    requests += [request(i, "chain-fast") for i in range(2, 602)]
+    os.kill(cluster.brokers[1].pid, signal.SIGSTOP)
+    try:
+        answers = list(deep.stub.ProduceStream(iter(requests), timeout=60))
+    finally:
+        os.kill(cluster.brokers[1].pid, signal.SIGCONT)
+    assert [a.correlation_id for a in answers] == list(range(1, 602))
+    fast = [a.partitions[0] for a in answers]
+    assert [p.base_offset for p in fast] == list(range(1, 602))  # in order, each once

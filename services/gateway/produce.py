@@ -23,13 +23,14 @@ memory, by the byte budget every request is held in until its appends are over.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final, TypeVar
 
@@ -833,36 +834,25 @@ class ProduceHandler:
         # own appends were over, a request {A, stuck B} was answered after a later {A}, and
         # a raw client saw A's appends acknowledged out of order (found by an audit; the
         # SDK keeps one request per partition in flight, so never saw it).
-        unanswered: dict[tuple[str, int], Future[None]] = {}
+        unanswered: dict[tuple[str, int], _Unanswered] = {}
 
-        def answer(
-            request: gateway_pb2.ProduceRequest, results: list[Submitted], held_bytes: int = 0
-        ) -> None:
-            keys = [(data.topic, data.partition) for data in request.partitions]
-            sent: Future[None] = Future()
-            with lock:
-                before = {id(f): f for f in (unanswered.get(k) for k in keys) if f is not None}
-                for key in keys:
-                    unanswered[key] = sent
-            waiting_for: list[Future[Any]] = [r.result for r in results]
-            waiting_for += before.values()
-            remaining = [len(waiting_for)]
-
-            def one_done(_: Future[Any]) -> None:
-                with lock:
-                    remaining[0] -= 1
-                    if remaining[0] > 0:
-                        return
+        def send_ready(first: _Unanswered) -> None:
+            """Send ``first``'s answer, then those of the later requests that waited only
+            for it, and so on: in a loop, not each from the one before's callback (a chain
+            of hundreds of requests of one partition would overflow the stack, and the
+            callbacks' errors are swallowed: the stream's answers would stop)."""
+            ready = collections.deque([first])
+            while ready:
+                node = ready.popleft()
                 response = gateway_pb2.ProduceResponse(
-                    correlation_id=request.correlation_id,
-                    partitions=[r.result.result() for r in results],
+                    correlation_id=node.request.correlation_id,
+                    partitions=[r.result.result() for r in node.results],
                 )
-                # Each result future keeps this callback, which keeps ``results``: a cycle
-                # that only the cyclic GC would free, with the request's records in it.
-                results.clear()
-                waiting_for.clear()
+                # Each result future keeps a callback, which keeps the node: a cycle that
+                # only the cyclic GC would free, with the request's records in it.
+                node.results.clear()
                 if tracing.ENABLED:
-                    tracing.event("g_out", request.correlation_id)
+                    tracing.event("g_out", node.request.correlation_id)
                 with lock:
                     # Counted out and queued at once: the answering loop ends when nothing
                     # is in flight or queued, and must not end between the two (the
@@ -870,25 +860,42 @@ class ProduceHandler:
                     state["in_flight"] -= 1
                     room.notify_all()
                     out.put(response)
-                    for key in keys:
-                        if unanswered.get(key) is sent:
+                    for key in node.keys:
+                        if unanswered.get(key) is node:
                             del unanswered[key]
-                sent.set_result(None)  # the later requests of these partitions may go
+                    for later in node.successors:
+                        later.remaining -= 1
+                        if later.remaining == 0:
+                            ready.append(later)
+                    node.successors.clear()
 
-            if not waiting_for:
-                self.budget.release(held_bytes)
-                with lock:
-                    state["in_flight"] -= 1
-                    room.notify_all()
-                    out.put(gateway_pb2.ProduceResponse(correlation_id=request.correlation_id))
-                    for key in keys:
-                        if unanswered.get(key) is sent:
-                            del unanswered[key]
-                sent.set_result(None)
-                return
+        def answer(
+            request: gateway_pb2.ProduceRequest, results: list[Submitted], held_bytes: int = 0
+        ) -> None:
+            node = _Unanswered(
+                request, results, [(d.topic, d.partition) for d in request.partitions]
+            )
+            with lock:
+                before = {id(n): n for n in (unanswered.get(k) for k in node.keys) if n is not None}
+                for earlier in before.values():
+                    earlier.successors.append(node)
+                for key in node.keys:
+                    unanswered[key] = node
+                # Its results, the earlier requests, and one for this call itself (so that
+                # it is not sent before every callback is in place).
+                node.remaining = len(results) + len(before) + 1
             self._release_when_appended(held_bytes, results)
-            for future in list(waiting_for):
-                future.add_done_callback(one_done)
+
+            def one_done(_: object) -> None:
+                with lock:
+                    node.remaining -= 1
+                    if node.remaining:
+                        return
+                send_ready(node)
+
+            for submitted in list(results):
+                submitted.result.add_done_callback(one_done)
+            one_done(None)
 
         def read() -> None:
             try:
@@ -961,6 +968,19 @@ class ProduceHandler:
             with lock:
                 if not state["reading"] and state["in_flight"] == 0 and out.empty():
                     return
+
+
+@dataclass(eq=False, slots=True)
+class _Unanswered:
+    """A ProduceStream request whose answer is not sent yet: it goes once ``remaining``
+    (its partitions' results, the earlier unanswered requests sharing a partition with
+    it) is 0; ``successors`` are the later requests waiting for it."""
+
+    request: gateway_pb2.ProduceRequest
+    results: list[Submitted]
+    keys: list[tuple[str, int]]
+    remaining: int = 0
+    successors: list[_Unanswered] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
