@@ -125,6 +125,22 @@ def test_acknowledged_partitions_of_a_group_are_not_reported_timed_out(
     )
 
 
+def _numbered(i: int, *topics: str, timeout_ms: int) -> gateway_pb2.ProduceRequest:
+    """An acks=all request, correlation id ``i``, of one record ``i`` to partition 0 of
+    each of ``topics``."""
+    return gateway_pb2.ProduceRequest(
+        acks=common_pb2.ALL,
+        timeout_ms=timeout_ms,
+        correlation_id=i,
+        partitions=[
+            gateway_pb2.ProducePartitionData(
+                topic=t, partition=0, records=encode_batch([b"%d" % i])
+            )
+            for t in topics
+        ],
+    )
+
+
 def test_a_stream_answers_a_partitions_requests_in_order(
     two: tuple[TestCluster, GatewayProcess],
 ) -> None:
@@ -138,23 +154,12 @@ def test_a_stream_answers_a_partitions_requests_in_order(
     _create(cluster, "ord-fast", [[0]])
     _create(cluster, "ord-slow", [[0, 1]])
 
-    def request(i: int, *topics: str) -> gateway_pb2.ProduceRequest:
-        return gateway_pb2.ProduceRequest(
-            acks=common_pb2.ALL,
-            timeout_ms=3_000,
-            correlation_id=i,
-            partitions=[
-                gateway_pb2.ProducePartitionData(
-                    topic=t, partition=0, records=encode_batch([b"%d" % i])
-                )
-                for t in topics
-            ],
-        )
-
     wait_for(
         lambda: all(
             r.error.code == 0
-            for r in gateway.stub.Produce(request(0, "ord-fast", "ord-slow"), timeout=30).partitions
+            for r in gateway.stub.Produce(
+                _numbered(0, "ord-fast", "ord-slow", timeout_ms=3_000), timeout=30
+            ).partitions
         ),
         30,
         "both topics writable",
@@ -163,7 +168,13 @@ def test_a_stream_answers_a_partitions_requests_in_order(
     try:
         answers = list(
             gateway.stub.ProduceStream(
-                iter([request(1, "ord-fast", "ord-slow"), request(2, "ord-fast")]), timeout=30
+                iter(
+                    [
+                        _numbered(1, "ord-fast", "ord-slow", timeout_ms=3_000),
+                        _numbered(2, "ord-fast", timeout_ms=3_000),
+                    ]
+                ),
+                timeout=30,
             )
         )
     finally:
@@ -187,31 +198,18 @@ def test_a_long_chain_of_answers_waiting_for_one_request_is_sent_in_order(
     _create(cluster, "chain-fast", [[0]])
     _create(cluster, "chain-slow", [[0, 1]])
 
-    def request(i: int, *topics: str) -> gateway_pb2.ProduceRequest:
-        return gateway_pb2.ProduceRequest(
-            acks=common_pb2.ALL,
-            timeout_ms=5_000,
-            correlation_id=i,
-            partitions=[
-                gateway_pb2.ProducePartitionData(
-                    topic=t, partition=0, records=encode_batch([b"%d" % i])
-                )
-                for t in topics
-            ],
-        )
-
     wait_for(
         lambda: all(
             r.error.code == 0
             for r in deep.stub.Produce(
-                request(0, "chain-fast", "chain-slow"), timeout=30
+                _numbered(0, "chain-fast", "chain-slow", timeout_ms=5_000), timeout=30
             ).partitions
         ),
         30,
         "both topics writable",
     )
-    requests = [request(1, "chain-fast", "chain-slow")]
-    requests += [request(i, "chain-fast") for i in range(2, 602)]
+    requests = [_numbered(1, "chain-fast", "chain-slow", timeout_ms=5_000)]
+    requests += [_numbered(i, "chain-fast", timeout_ms=5_000) for i in range(2, 602)]
     os.kill(cluster.brokers[1].pid, signal.SIGSTOP)
     try:
         answers = list(deep.stub.ProduceStream(iter(requests), timeout=60))
