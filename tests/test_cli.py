@@ -3,6 +3,7 @@ stop with SIGTERM, restart on the same data directory with the data kept."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -650,11 +651,23 @@ def test_dev_stopped_while_starting_does_not_wait_for_its_children(tmp_path: Pat
     )  # fmt: skip
     children: list[int] = []
     try:
-        wait_for(lambda: len(_children_of(dev.pid)) == 6, 60, "children")
-        children = _children_of(dev.pid)
-        roles = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children}
-        broker = next(pid for pid, argv in roles.items() if b"storage" in argv)
-        gateway = next(pid for pid, argv in roles.items() if b"gateway" in argv)
+
+        def roles() -> dict[int, list[bytes]] | None:
+            # Each child's command line, once all six have theirs: a child read between
+            # its fork and its exec still shows dev's own (a CI rerun).
+            found = {}
+            for pid in _children_of(dev.pid):
+                with contextlib.suppress(OSError):
+                    found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            wanted = (b"storage", b"gateway")
+            if len(found) == 6 and all(any(w in a for a in found.values()) for w in wanted):
+                return found
+            return None
+
+        by_pid = wait_for(roles, 60, "children")
+        children = list(by_pid)
+        broker = next(pid for pid, argv in by_pid.items() if b"storage" in argv)
+        gateway = next(pid for pid, argv in by_pid.items() if b"gateway" in argv)
         os.kill(broker, signal.SIGSTOP)
         dev.send_signal(signal.SIGTERM)
         wait_for(lambda: not _running(gateway), 30, "the gateway stopped")
