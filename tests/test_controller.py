@@ -1243,13 +1243,13 @@ def test_broker_failure_moves_leaders_and_return_waits_for_preferred_election(
         }
         elected |= {p for p, code in mine.items() if code == ErrorCode.NONE}
         others = {error_code(p.error) for p in response.partitions if p.topic != "failover"}
-        assert others <= {ErrorCode.ELIGIBLE_LEADERS_NOT_AVAILABLE, ErrorCode.NONE}
+        assert others <= {ErrorCode.PREFERRED_LEADER_NOT_AVAILABLE, ErrorCode.NONE}
         refused = {p: c for p, c in mine.items() if p not in elected}
         if not refused:
             break
         # On a loaded machine (make test runs two workers) the returning broker can fall
         # out of an ISR again before the election: re-admit it and ask again.
-        assert set(refused.values()) == {ErrorCode.ELIGIBLE_LEADERS_NOT_AVAILABLE}, refused
+        assert set(refused.values()) == {ErrorCode.PREFERRED_LEADER_NOT_AVAILABLE}, refused
         assert time.monotonic() < deadline, f"never eligible: {refused}"
         expand_isr(cluster, "failover", victim)
     preferred_by_victim = {p for p, state in before.items() if state.replicas[0] == victim}

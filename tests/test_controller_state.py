@@ -18,12 +18,12 @@ from services.controller.state import (
 )
 from tidelog.errors import (
     ElectionNotNeededError,
-    EligibleLeadersNotAvailableError,
     FencedLeaderEpochError,
     InvalidRequestError,
     InvalidUpdateVersionError,
     NotControllerError,
     NotLeaderOrFollowerError,
+    PreferredLeaderNotAvailableError,
     StaleBrokerEpochError,
 )
 
@@ -360,7 +360,7 @@ def test_a_live_preferred_replica_out_of_the_isr_is_not_elected() -> None:
     assert before.leader == 1 and 0 not in before.isr
     changes, errors = state.elect(ElectionType.PREFERRED, [("t", 0)])
     assert changes == []
-    assert isinstance(errors[("t", 0)], EligibleLeadersNotAvailableError)
+    assert isinstance(errors[("t", 0)], PreferredLeaderNotAvailableError)
     assert state.partitions[("t", 0)] == before
 
 
@@ -389,7 +389,7 @@ def test_unclean_election_on_demand() -> None:
     assert not errors
     assert changes[0].new.leader == 2
     _, errors = state.elect(ElectionType.PREFERRED, [("t", 1)])
-    assert isinstance(errors[("t", 1)], EligibleLeadersNotAvailableError)
+    assert isinstance(errors[("t", 1)], PreferredLeaderNotAvailableError)
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -77,6 +77,7 @@ class ErrorCode(IntEnum):
     STALE_BROKER_EPOCH = 77
     OFFSET_NOT_AVAILABLE = 78
     MEMBER_ID_REQUIRED = 79
+    PREFERRED_LEADER_NOT_AVAILABLE = 80
     GROUP_MAX_SIZE_REACHED = 81
     FENCED_INSTANCE_ID = 82
     ELIGIBLE_LEADERS_NOT_AVAILABLE = 83
@@ -119,6 +120,7 @@ RETRIABLE_CODES: frozenset[ErrorCode] = frozenset(
         ErrorCode.FENCED_LEADER_EPOCH,
         ErrorCode.UNKNOWN_LEADER_EPOCH,
         ErrorCode.OFFSET_NOT_AVAILABLE,
+        ErrorCode.PREFERRED_LEADER_NOT_AVAILABLE,
         ErrorCode.ELIGIBLE_LEADERS_NOT_AVAILABLE,
     }
 )
@@ -357,6 +359,13 @@ class InvalidFetchSessionEpochError(TidelogError):
 
 class OffsetNotAvailableError(TidelogError):
     code = ErrorCode.OFFSET_NOT_AVAILABLE
+
+
+class PreferredLeaderNotAvailableError(TidelogError):
+    """A preferred election's preferred replica is not live and in sync (Kafka's code 80;
+    retriable: it may catch up and rejoin the ISR)."""
+
+    code = ErrorCode.PREFERRED_LEADER_NOT_AVAILABLE
 
 
 class EligibleLeadersNotAvailableError(TidelogError):

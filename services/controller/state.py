@@ -38,6 +38,7 @@ from tidelog.errors import (
     InvalidUpdateVersionError,
     NotControllerError,
     NotLeaderOrFollowerError,
+    PreferredLeaderNotAvailableError,
     StaleBrokerEpochError,
     TidelogError,
     UnknownTopicOrPartitionError,
@@ -540,7 +541,7 @@ class ClusterState:
                             f"{name}-{p}: the preferred replica {preferred} already leads"
                         )
                     if preferred not in old.isr or not self._eligible(preferred):
-                        raise EligibleLeadersNotAvailableError(
+                        raise PreferredLeaderNotAvailableError(
                             f"{name}-{p}: preferred replica {preferred} is not live and in sync"
                         )
                     changes.append(PartitionChange(name, p, old, _next(old, preferred, old.isr)))
