@@ -37,6 +37,7 @@ from services.cluster_metadata import (
 )
 from services.controller.state import Broker, PartitionRecord, Topic
 from services.gateway.channels import Channels, ChannelSweeper, broker_address
+from services.gateway.fetch import FetchHandler, FetchLimits
 from services.gateway.groups import offset_key
 from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import Leader, MetadataCache, MetadataView, TopicKeyRead
@@ -2458,6 +2459,74 @@ def test_fetches_share_the_fetch_budget_and_wait_for_room_instead_of_growing(
     assert 0 < len(fed.records) <= mib // 4
     records = _consume_all(small.address, topic, 2_000)
     assert sorted(r.value for r in records) == sorted(values)
+
+
+class _ActiveCall:
+    """The servicer context of a call whose client is still there, with no deadline;
+    callbacks (gRPC's "the call ended") are kept to be run by the test."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+    def is_active(self) -> bool:
+        return True
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+
+def test_an_answer_waiting_to_be_sent_holds_only_its_own_bytes_of_the_fetch_budget(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """While gRPC holds an answer (a client that does not read stops a Subscribe at its
+    yield, for good if it never reads again), only the answer's bytes stay in the fetch
+    budget. The whole grant (1 MiB for a 10 KB answer) used to stay held: a few hundred
+    subscribers of quiet partitions that stopped reading took a whole budget, and every
+    Fetch of the gateway answered "not answered" while they stayed connected (found by
+    an audit). The handler runs here in-process, on a real cluster, to see its budget."""
+    topic = f"held-answers-{uuid.uuid4().hex[:8]}"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address, linger_ms=50) as producer:
+        producer.send_batch(topic, [b"h" * 1000] * 10, partition=0).result(30)
+    store = MetaStore(cluster.etcd.endpoint, cluster=cluster.cluster)
+    cache = MetadataCache(store)
+    channels, calls = Channels(), LeaderCalls()
+    try:
+        cache.start(10)
+        handler = FetchHandler(Router(cache, channels), FetchLimits(), calls)
+        subscription = handler.subscribe(
+            gateway_pb2.SubscribeRequest(topic=topic, partition=0, start_spec=common_pb2.EARLIEST),
+            cast(Any, _ActiveCall()),
+        )
+        answer = next(subscription)  # now "in gRPC": the generator waits at its yield
+        assert answer.high_watermark == 10 and 10_000 < len(answer.records) < 11_000
+        assert handler.budget.in_use_bytes == answer.ByteSize()
+        subscription.close()
+        assert handler.budget.in_use_bytes == 0
+
+        context = _ActiveCall()  # a Fetch's answer is held until its call has ended
+        encoded = handler.fetch(
+            storage_pb2.FetchRequest(
+                replica_id=-1,
+                partitions=[storage_pb2.FetchPartition(topic=topic, partition=0)],
+            ),
+            None,
+            context.add_callback,
+        )
+        assert len(encoded) > 10_000
+        assert handler.budget.in_use_bytes == len(encoded)
+        for callback in context.callbacks:
+            callback()
+        assert handler.budget.in_use_bytes == 0
+    finally:
+        calls.close()
+        channels.close()
+        cache.stop()
+        store.close()
 
 
 def test_admin_calls_reach_the_controller(gateway: GatewayProcess) -> None:

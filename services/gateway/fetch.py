@@ -19,8 +19,10 @@ Memory: every answer is held whole until gRPC has sent it, so all fetches togeth
 one ``ByteBudget`` (``--queued-max-fetch-bytes``). A fetch asks the leaders for at most the
 room it was granted; with less room than ``FETCH_GRANT_FLOOR_BYTES`` it waits for some,
 within its own wait time, and answers "not answered" (no records, offsets -1) if none came:
-a consumer then simply fetches again. The grant is released when the call ends, so many
-consumers slow each other down instead of growing the gateway past its memory limit.
+a consumer then simply fetches again. Once the answer is built, what it did not use of
+the grant goes back; the rest when gRPC has sent it (the call ends, or a Subscribe's
+client takes the answer), so many consumers slow each other down instead of growing the
+gateway past its memory limit.
 """
 
 from __future__ import annotations
@@ -271,15 +273,24 @@ class FetchHandler:
                 if not client_gone.gone:
                     raise
                 encoded = b""  # nobody to answer
-            if len(encoded) > granted:
-                self.budget.take(len(encoded) - granted)  # a first batch larger than asked
-                held = len(encoded)
+            # Until gRPC has sent it, only the answer stays held (see ``subscribe``).
+            held = self._hold_exactly(granted, len(encoded))
         except BaseException:
             self.budget.release(held)
             raise
         if defer is None or not defer(lambda: self.budget.release(held)):
             self.budget.release(held)
         return encoded
+
+    def _hold_exactly(self, granted_bytes: int, answer_bytes: int) -> int:
+        """Make a grant of ``granted_bytes`` the size of its answer: give back what the
+        answer did not use, or charge a first batch larger than asked. Returns the bytes
+        now held."""
+        if answer_bytes > granted_bytes:
+            self.budget.take(answer_bytes - granted_bytes)
+        elif answer_bytes < granted_bytes:
+            self.budget.release(granted_bytes - answer_bytes)
+        return answer_bytes
 
     def _fetch_granted(
         self,
@@ -509,9 +520,11 @@ class FetchHandler:
                 )
                 if answer is None:
                     continue
-                if answer.ByteSize() > granted:
-                    self.budget.take(answer.ByteSize() - granted)
-                    granted = answer.ByteSize()
+                # Only the answer stays held while it waits in gRPC (a client that does not
+                # read stops the stream at the yield, perhaps for good): the rest of the
+                # grant goes back now. Four unread subscriptions holding their whole
+                # grants took a 1 MiB budget and starved every Fetch (found by an audit).
+                granted = self._hold_exactly(granted, answer.ByteSize())
                 if answer.diverging_end_offset >= 0:
                     # The leader's log parts from what was forwarded there (an unclean
                     # election): go on from where they agree, as Kafka's consumer resets
