@@ -118,6 +118,38 @@ def test_subscribing_again_to_the_same_topics_keeps_the_positions(
         consumer.close()
 
 
+def test_seek_to_beginning_and_end_are_lazy_and_per_partition(gateway: GatewayProcess) -> None:
+    """Kafka's seekToBeginning/seekToEnd only mark the partitions: the offsets are looked
+    up by the next poll or position(), each partition on its own. They were looked up
+    at once, all together: with one assigned topic deleted, seek_to_beginning() with no
+    argument raised, and nothing moved (found by an audit). A seek() after the mark wins;
+    a committed offset does not."""
+    kept, gone = _topic(gateway, "lazy-seek-kept"), _topic(gateway, "lazy-seek-gone")
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    with tidelog.Producer(gateway.address) as producer:
+        for topic in (kept, gone):
+            producer.send_batch(topic, [b"%d" % i for i in range(10)], partition=0).result(30)
+    with tidelog.Consumer(
+        gateway.address, group, auto_offset_reset="latest", enable_auto_commit=False
+    ) as consumer:
+        consumer.assign([(kept, 0), (gone, 0)])
+        consumer.commit({(kept, 0): 7, (gone, 0): 7})
+        assert consumer.position((kept, 0)) == 7  # from the commit
+        consumer.seek_to_beginning([(kept, 0)])
+        assert consumer.position((kept, 0)) == 0  # not the commit
+        consumer.seek_to_end()
+        consumer.seek((kept, 0), 3)  # the later seek wins
+        assert consumer.position((kept, 0)) == 3
+        assert consumer.position((gone, 0)) == 10
+        tidelog.Admin(gateway.address).delete_topic(gone)
+        consumer.seek_to_beginning()  # marks; the deleted topic fails nothing here
+        records: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(records) < 10 and time.monotonic() < deadline:
+            records += [r.offset for r in consumer.poll(timeout_ms=500) if r.topic == kept]
+        assert records == list(range(10))
+
+
 def test_iterating_a_closed_consumer_raises(gateway: GatewayProcess) -> None:
     """The module docstring: once closed, every call but close(), wakeup() and metrics()
     raises ConfigError (Kafka's IllegalStateException). ``for r in consumer`` on a closed

@@ -442,6 +442,9 @@ class Consumer:
         self._subscription: list[str] = []
         self._positions: dict[TopicPartition, int] = {}
         self._needs_position: set[TopicPartition] = set()
+        # Of those, the ones a seek_to_beginning/end asked to reset (Kafka's lazy seek):
+        # their next position comes from this spec, not from commits or auto_offset_reset.
+        self._reset_specs: dict[TopicPartition, common_pb2.OffsetSpec] = {}
         # When poll may ask again for positions a reset could not find (no leader).
         self._reset_retry_at = 0.0
         self._buffer: deque[_Buffered] = deque()
@@ -722,6 +725,7 @@ class Consumer:
         # may have been read and committed further by another member meanwhile.
         self._positions = {}
         self._needs_position = set(assignment)
+        self._reset_specs = {}
         self._committed_positions = {}
         if self._on_assigned is not None:
             with membership.in_callback():
@@ -865,6 +869,7 @@ class Consumer:
             tp: o for tp, o in self._committed_positions.items() if tp in keep
         }
         self._needs_position = {tp for tp in partitions if tp not in self._positions}
+        self._reset_specs = {tp: s for tp, s in self._reset_specs.items() if tp in keep}
         self._paused_tps &= keep
         self._leaders = {
             (t, p): leaders[t][p] if t in leaders and p < len(leaders[t]) else -1
@@ -938,27 +943,38 @@ class Consumer:
             raise ConfigError(f"offset {offset} is negative; use seek_to_beginning/end")
         self._positions[tp] = offset
         self._needs_position.discard(tp)
+        self._reset_specs.pop(tp, None)
         self._drop_buffered({tp})
 
     @_one_thread
     def seek_to_beginning(self, tps: Iterable[TopicPartition] | None = None) -> None:
-        """The next poll of ``tps`` (None: every assigned partition) starts at its log start."""
+        """The next poll of ``tps`` (None: every assigned partition) starts at its log
+        start. Lazy, as Kafka's: the offset is looked up by the next ``poll`` or
+        ``position``, each partition on its own."""
         self._seek_to(tps, common_pb2.EARLIEST)
 
     @_one_thread
     def seek_to_end(self, tps: Iterable[TopicPartition] | None = None) -> None:
-        """The next poll of ``tps`` (None: every assigned partition) starts at its HW."""
+        """The next poll of ``tps`` (None: every assigned partition) starts at its HW.
+        Lazy, as ``seek_to_beginning``."""
         self._seek_to(tps, common_pb2.LATEST)
 
     def _seek_to(
         self, partitions: Iterable[TopicPartition] | None, spec: common_pb2.OffsetSpec
     ) -> None:
+        """Mark ``partitions`` for a reset to ``spec``. Looking the offsets up here, all
+        at once, failed the whole seek when one assigned topic had been deleted, and the
+        consumer could not be moved at all until it was unassigned (found by an audit)."""
         tps = (
             list(self._assignment)
             if partitions is None
             else [self._check_assigned(tp) for tp in partitions]
         )
-        self._set_positions(self._conn.list_offset_results(tps, spec))
+        self._drop_buffered(set(tps))
+        for tp in tps:
+            self._positions.pop(tp, None)
+            self._needs_position.add(tp)
+            self._reset_specs[tp] = spec
 
     def _set_positions(self, found: Mapping[TopicPartition, storage_pb2.ListOffsetsResult]) -> None:
         """Move to offsets ListOffsets found, with the leader epoch each came with: the
@@ -969,6 +985,7 @@ class Consumer:
         for tp, item in found.items():
             self._positions[tp] = item.offset
             self._needs_position.discard(tp)
+            self._reset_specs.pop(tp, None)
             if item.leader_epoch >= 0:
                 self._position_epoch[tp] = item.leader_epoch
                 self._fetched_epoch[tp] = item.leader_epoch
@@ -1082,8 +1099,13 @@ class Consumer:
         wanted = self._needs_position if only is None else self._needs_position & set(only)
         if not wanted or (one_pass and time.monotonic() < self._reset_retry_at):
             return
-        missing = sorted(wanted)
-        if self.group_id is not None:
+        missing = sorted(tp for tp in wanted if tp not in self._reset_specs)
+        by_spec: dict[common_pb2.OffsetSpec, list[TopicPartition]] = {}
+        for tp in sorted(wanted - set(missing)):
+            by_spec.setdefault(self._reset_specs[tp], []).append(tp)
+        for spec, tps in by_spec.items():  # seek_to_beginning/end's, before any commit
+            self._reset_to(tps, spec, one_pass)
+        if missing and self.group_id is not None:
             deadline = None
             if one_pass and poll_deadline is not None:
                 deadline = max(poll_deadline, time.monotonic() + MIN_AUTO_COMMIT_TIMEOUT_MS / 1000)
@@ -1113,6 +1135,12 @@ class Consumer:
                 "auto_offset_reset is 'none'"
             )
         spec = common_pb2.EARLIEST if self._reset == "earliest" else common_pb2.LATEST
+        self._reset_to(tps, spec, one_pass)
+
+    def _reset_to(
+        self, tps: list[TopicPartition], spec: common_pb2.OffsetSpec, one_pass: bool
+    ) -> None:
+        """Positions from ListOffsets ``spec``; ``one_pass``: see ``_ensure_positions``."""
         if not one_pass:
             self._set_positions(self._conn.list_offset_results(tps, spec))
             return
