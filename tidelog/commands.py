@@ -475,7 +475,10 @@ def cmd_consume(args: argparse.Namespace) -> int:
                                     "timestamp_ms": record.timestamp_ms,
                                     "key": _text(record.key),
                                     "value": _text(record.value),
-                                    "headers": {n: _text(v) for n, v in record.headers},
+                                    # [name, value] pairs in order: a name may repeat
+                                    # (an object kept only its last value; found by an
+                                    # audit).
+                                    "headers": [[n, _text(v)] for n, v in record.headers],
                                 }
                             )
                         )

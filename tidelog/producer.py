@@ -260,12 +260,30 @@ class RecordMetadata:
 _BINARY_ITEM_TYPES: Final = frozenset({bytes, bytearray, memoryview, type(None)})
 
 
-def _check_binary(items: Sequence[Any], name: str) -> None:
-    """Raise ConfigError unless every item is bytes-like or None (C-speed for a list)."""
-    wrong = set(map(type, items)) - _BINARY_ITEM_TYPES
+def _binary_items(items: Sequence[Any], name: str) -> Sequence[bytes | None]:
+    """``items`` with every bytearray or memoryview copied to bytes (the input itself when
+    there are none: a C-speed check for a list); ConfigError unless every item is
+    bytes-like or None. Copied at the call, as ``send`` copies: a buffer reused after
+    the call changed the record written, and a memoryview of wider items (``len``
+    counts items) passed the check and failed the whole request in the encoder (found
+    by an audit)."""
+    kinds = set(map(type, items))
+    wrong = kinds - _BINARY_ITEM_TYPES
     if wrong:
         names = ", ".join(sorted(t.__name__ for t in wrong))
         raise ConfigError(f"{name} must hold bytes or None, not {names}")
+    if kinds <= {bytes, type(None)}:
+        return items
+    return [item if item is None or type(item) is bytes else bytes(item) for item in items]
+
+
+def _as_bytes(item: Any, name: str) -> bytes | None:
+    """One value or key as ``_binary_items`` takes each item."""
+    if item is None or type(item) is bytes:
+        return item
+    if isinstance(item, bytes | bytearray | memoryview):
+        return bytes(item)
+    raise ConfigError(f"{name} must be bytes or None, not {type(item).__name__}")
 
 
 def _timestamp(timestamp_ms: int | None) -> int:
@@ -301,7 +319,7 @@ class BatchMetadata(Sequence[RecordMetadata]):
     only when someone reads them: the producer's answer path does no work per record,
     which at millions of records a second was half of its Python time."""
 
-    __slots__ = ("_offsets", "_partitions", "_runs", "_timestamp_ms", "topic")
+    __slots__ = ("_append_times", "_offsets", "_partitions", "_runs", "_timestamp_ms", "topic")
 
     def __init__(
         self,
@@ -310,12 +328,17 @@ class BatchMetadata(Sequence[RecordMetadata]):
         offsets: array[int],
         ts: int,
         runs: list[tuple[int, int, int]] | None = None,
+        *,
+        append_times: array[int] | None = None,
     ) -> None:
         self.topic = topic
         self._partitions = partitions
         self._offsets = offsets
         self._timestamp_ms = ts
         self._runs = runs or []
+        # Per value, the broker's stamp where the topic is LogAppendTime (-1: CreateTime,
+        # ``ts``); None when no answer carried one.
+        self._append_times = append_times
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -328,9 +351,13 @@ class BatchMetadata(Sequence[RecordMetadata]):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         offsets = self.offsets
-        return RecordMetadata(
-            self.topic, self._partitions[index], offsets[index], self._timestamp_ms
-        )
+        timestamp_ms = self._timestamp_ms
+        if self._append_times is not None and self._append_times[index] >= 0:
+            # The broker's time, as send()'s RecordMetadata gives on a LogAppendTime
+            # topic: the producer's own stamp matched no record written (found by an
+            # audit).
+            timestamp_ms = self._append_times[index]
+        return RecordMetadata(self.topic, self._partitions[index], offsets[index], timestamp_ms)
 
     @property
     def offsets(self) -> array[int]:
@@ -352,6 +379,7 @@ class _Group:
     """The records of one ``send_batch`` call, spread over one or more batches."""
 
     __slots__ = (
+        "append_times",
         "error",
         "future",
         "offsets",
@@ -371,6 +399,8 @@ class _Group:
         # written into ``offsets`` yet (``BatchMetadata.offsets`` does that on demand).
         self.runs: list[tuple[int, int, int]] = []
         self.timestamp_ms = timestamp_ms
+        # Made at the first answer with a LogAppendTime stamp (``BatchMetadata``).
+        self.append_times: array[int] | None = None
         self.pending = pending
         self.error: BaseException | None = None
 
@@ -1000,10 +1030,11 @@ class Producer:
         """Queue one record; the future gives where it was written."""
         started_s = time.monotonic()
         check_same_process(self._pid, "Producer")
-        if value is not None and not isinstance(value, bytes | bytearray | memoryview):
-            raise ConfigError(f"value must be bytes or None, not {type(value).__name__}")
-        if key is not None and not isinstance(key, bytes | bytearray | memoryview):
-            raise ConfigError(f"key must be bytes or None, not {type(key).__name__}")
+        # Copied to bytes before anything looks at them: the key's partition is the hash
+        # of the bytes written (a memoryview of wider items hashed item by item went to
+        # another partition than its bytes; found by an audit).
+        value = _as_bytes(value, "value")
+        key = _as_bytes(key, "key")
         # Headers and timestamp are checked here, not when the sender encodes the batch: a
         # bad one found there would fail every batch of its request, other partitions'
         # too (as send_batch's values are checked).
@@ -1035,11 +1066,11 @@ class Producer:
                 self._count_unfinished(batch)
                 self._watch_expiry((batch,))
             index = len(batch.values)
-            batch.values.append(bytes(value) if value is not None else None)
+            batch.values.append(value)
             if key is not None or batch.keys is not None:
                 if batch.keys is None:
                     batch.keys = [None] * index
-                batch.keys.append(bytes(key) if key is not None else None)
+                batch.keys.append(key)
             if headers or batch.headers is not None:
                 if batch.headers is None:
                     batch.headers = [()] * index
@@ -1090,9 +1121,9 @@ class Producer:
             raise ConfigError(f"{len(keys)} keys for {n} values")
         # Checked here, not when the sender encodes: a bad item found there would fail
         # every batch of its request and spend sequence numbers of other partitions.
-        _check_binary(values, "values")
+        values = _binary_items(values, "values")
         if keys is not None:
-            _check_binary(keys, "keys")
+            keys = _binary_items(keys, "keys")
         ts = _timestamp(timestamp_ms)
         # (partition, record indices, bytes) of each batch to make, in order.
         chunks: list[tuple[int, range | list[int], int]] = []
@@ -1896,20 +1927,36 @@ class Producer:
         if self._idempotent and self._producer_id < 0:
             self._init_producer_id()
         encoded: list[list[Any]] = []
-        for pq, batches in picked:
-            parts: list[Any] = []
-            if not batches[0].sent:
-                key = next(self._request_keys)
+        # Each partition's next sequence before this call encoded its batches: should one
+        # fail to encode (every input is checked at the call, so only a bug would), the
+        # batches encoded before it are never sent, and the sequences they took would
+        # leave a gap the leader refuses (OUT_OF_ORDER_SEQUENCE) for the partition's next
+        # batch. They are given back with their encodings.
+        sequences_before: dict[int, tuple[_PartitionQueue, int, int]] = {}
+        fresh: list[_Batch] = []
+        try:
+            for pq, batches in picked:
+                parts: list[Any] = []
+                if not batches[0].sent:
+                    key = next(self._request_keys)
+                    for batch in batches:
+                        batch.request_key = key
                 for batch in batches:
-                    batch.request_key = key
-            for batch in batches:
-                if batch.encoded is None:
-                    self._encode(pq, batch)
-                    if not batch.attempts:  # not a refused batch encoded again
-                        self._metrics.record("batch-size", batch.encoded_bytes)
-                        self._metrics.add("record-send-total", len(batch))
-                parts += batch.encoded or ()
-            encoded.append(parts)
+                    if batch.encoded is None:
+                        sequences_before.setdefault(id(pq), (pq, pq.producer_id, pq.next_sequence))
+                        self._encode(pq, batch)
+                        fresh.append(batch)
+                        if not batch.attempts:  # not a refused batch encoded again
+                            self._metrics.record("batch-size", batch.encoded_bytes)
+                            self._metrics.add("record-send-total", len(batch))
+                    parts += batch.encoded or ()
+                encoded.append(parts)
+        except BaseException:
+            for batch in fresh:
+                batch.encoded = None
+            for pq, producer_id, sequence in sequences_before.values():
+                pq.producer_id, pq.next_sequence = producer_id, sequence
+            raise
         for _, batches in picked:
             for batch in batches:
                 batch.attempts += 1
@@ -2570,6 +2617,15 @@ class Producer:
             self._resolve(future, RecordMetadata(topic, partition, offset, timestamp_ms), None)
         for group, indices in batch.group_slots:
             n = len(indices)
+            if log_append_time_ms >= 0:
+                if group.append_times is None:
+                    group.append_times = array("q", [-1]) * len(group.offsets)
+                if isinstance(indices, range):
+                    stamps = array("q", [log_append_time_ms]) * n
+                    group.append_times[indices.start : indices.stop] = stamps
+                else:
+                    for i in indices:
+                        group.append_times[i] = log_append_time_ms
             if isinstance(indices, range):
                 group.partitions[indices.start : indices.stop] = array("i", [partition]) * n
                 if base_offset >= 0:
@@ -2605,7 +2661,12 @@ class Producer:
             self._resolve(
                 group.future,
                 BatchMetadata(
-                    group.topic, group.partitions, group.offsets, group.timestamp_ms, group.runs
+                    group.topic,
+                    group.partitions,
+                    group.offsets,
+                    group.timestamp_ms,
+                    group.runs,
+                    append_times=group.append_times,
                 ),
                 None,
             )

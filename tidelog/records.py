@@ -379,6 +379,15 @@ def _header_bytes(headers: Any, pa: Any, pc: Any) -> Any:
 
 
 def _binary_lengths(array: Any, pc: Any) -> Any:
+    """Each item's byte length (0 for null). The view types the encoder takes (Polars and
+    DuckDB hand them out) have no ``binary_length`` kernel: their lengths come from a
+    cast, which raised ArrowNotImplementedError out of ``send_batch`` (found by an
+    audit)."""
+    pa, _ = _arrow()
+    if pa.types.is_binary_view(array.type):
+        array = array.cast(pa.large_binary())
+    elif pa.types.is_string_view(array.type):
+        array = array.cast(pa.large_string())
     return pc.fill_null(pc.binary_length(array), 0).cast("int64")
 
 
@@ -431,7 +440,7 @@ def encode_batch(  # noqa: PLR0917 - DESIGN.md §6 fixes this signature
     ``values[i]``, ``keys[i]`` (None: no key), ``headers[i]`` (a sequence of
     ``(str, bytes | None)`` pairs) and ``timestamps_ms[i]`` describe record ``i``. Without
     ``timestamps_ms`` every record gets ``base_timestamp_ms`` (default: now); with it the
-    base timestamp defaults to the first record's. The result has base_offset 0 and
+    base timestamp defaults to the smallest (every delta >= 0). The result has base_offset 0 and
     partition_leader_epoch -1: the broker stamps both on append.
 
     Raises ConfigError for an empty batch, mismatched lengths, wrongly typed items, an
@@ -781,8 +790,15 @@ def _timestamps_from_python(
         return base, base, None
     _sequence_length(timestamps_ms, "timestamps_ms", n)
     if base_timestamp_ms is None:
-        base = timestamps_ms[0]
-        _check_int_range("timestamps_ms[0]", base, 64)
+        # The smallest, so that every delta is >= 0: the broker checks only a batch's
+        # base and max timestamps against message.timestamp.before/after.max.ms, and with
+        # the first record's as the base an older record after it passed unchecked
+        # (found by an audit).
+        try:
+            base = min(timestamps_ms)
+        except TypeError:
+            raise ConfigError("timestamps_ms must hold ints") from None
+        _check_int_range("the smallest of timestamps_ms", base, 64)
     else:
         base = base_timestamp_ms
         _check_int_range("base_timestamp_ms", base, 64)
@@ -825,14 +841,19 @@ def _write_python_column(
 
 
 def check_headers(headers: Any) -> tuple[Header, ...]:
-    """One record's headers as a tuple, or ConfigError with the rule ``encode_batch``
-    would apply: (str name encodable as UTF-8, bytes-like or None value) pairs. For
-    callers that queue a record and encode it later (the producer), so that a bad header
-    is refused at the call instead of failing the batch it was put in."""
+    """One record's headers as a tuple of (name, bytes | None) pairs, or ConfigError with
+    the rule ``encode_batch`` would apply: (str name encodable as UTF-8, bytes-like or
+    None value) pairs. For callers that queue a record and encode it later (the
+    producer), so that a bad header is refused at the call instead of failing the batch
+    it was put in. Values are copied to ``bytes`` here, as the producer copies a value
+    and a key: a buffer the caller reuses after the call changed the header written, and
+    a memoryview of wider items (``len`` counts items, not bytes) passed here and failed
+    the whole batch in the encoder (found by an audit)."""
     try:
         pairs = tuple(headers)
     except TypeError:
         raise ConfigError("headers must be a sequence of (name, value) pairs") from None
+    checked: list[Header] = []
     for pair in pairs:
         if not isinstance(pair, tuple | list) or len(pair) != 2:
             raise ConfigError("each header must be a (str name, bytes | None value) pair")
@@ -841,9 +862,12 @@ def check_headers(headers: Any) -> tuple[Header, ...]:
             name.encode()
         except (AttributeError, UnicodeEncodeError):
             raise ConfigError("header names must be str encodable as UTF-8") from None
-        if value is not None and not isinstance(value, bytes | bytearray | memoryview):
-            raise ConfigError("header values must hold bytes or None")
-    return pairs
+        if value is not None and type(value) is not bytes:
+            if not isinstance(value, bytes | bytearray | memoryview):
+                raise ConfigError("header values must hold bytes or None")
+            value = bytes(value)
+        checked.append((name, value))
+    return tuple(checked)
 
 
 def _write_python_headers(body: _BodyWriter, headers: Sequence[Sequence[Header]]) -> bool:
@@ -949,7 +973,8 @@ def _timestamps_from_arrow(
     stamps = _arrow_input(_epoch_ms(timestamps_ms), pa.int64(), "timestamps_ms", n)
     if stamps.null_count:
         raise ConfigError("timestamps_ms must not contain nulls")
-    base = stamps[0].as_py() if base_timestamp_ms is None else base_timestamp_ms
+    # The smallest, as ``_timestamps_from_python``'s.
+    base = pc.min(stamps).as_py() if base_timestamp_ms is None else base_timestamp_ms
     _check_int_range("base_timestamp_ms", base, 64)
     try:
         deltas = pc.subtract_checked(stamps, pa.scalar(base, pa.int64()))

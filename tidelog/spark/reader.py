@@ -23,6 +23,7 @@ from tidelog.errors import (
     ConfigError,
     CorruptBatchError,
     InconsistentTopicIdError,
+    InvalidRecordError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
     TidelogError,
@@ -48,6 +49,8 @@ SCHEMA_DDL: Final = (
 )
 HEADERS_DDL: Final = ", headers array<struct<key: string, value: binary>>"
 
+MAX_SPARK_TIMESTAMP_MS: Final = (2**63 - 1) // 1000
+"""The latest record timestamp a Spark timestamp (microseconds in an int64) holds."""
 FETCH_RETRY_BACKOFF_S: Final = 0.1
 """Pause between two fetches through the gateway after a retriable failure."""
 
@@ -411,9 +414,21 @@ def _to_source_schema(
     include_headers: bool,
 ) -> Any:
     n = records.num_rows
-    timestamps_us = pc.multiply(records.column("timestamp_ms"), 1000).cast(
-        pa.timestamp("us", tz="UTC")
-    )
+    timestamps_ms = records.column("timestamp_ms")
+    try:
+        # Checked, as Kafka's Spark source converts with Math.multiplyExact: a timestamp
+        # the log accepts (any int64 ms) past what microseconds hold wrapped silently
+        # into a wrong date (found by an audit).
+        timestamps_us = pc.multiply_checked(timestamps_ms, 1000)
+    except pa.ArrowInvalid:
+        too_far = pc.indices_nonzero(pc.greater(pc.abs(timestamps_ms), MAX_SPARK_TIMESTAMP_MS))
+        first = too_far[0].as_py()
+        raise InvalidRecordError(
+            f"{topic}-{partition} offset {records.column('offset')[first].as_py()}: timestamp "
+            f"{timestamps_ms[first].as_py()} ms is beyond Spark's timestamps (microseconds "
+            f"in an int64: at most {MAX_SPARK_TIMESTAMP_MS} ms)"
+        ) from None
+    timestamps_us = timestamps_us.cast(pa.timestamp("us", tz="UTC"))
     columns = [
         records.column("key"),
         records.column("value"),
