@@ -132,7 +132,10 @@ def _decoder(decode: Callable[[KeyValue], _T]) -> Callable[[KeyValue], _T]:
             raise
         except KeyError as exc:
             raise StorageError(f"metadata key {kv.key!r} lacks the field {exc}") from None
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+            # OverflowError: a JSON number past a float's range reads as inf, and int(inf)
+            # raised out of here; one such broker key kept every controller from taking
+            # office (found by an audit).
             raise StorageError(f"metadata key {kv.key!r} is malformed: {exc}") from None
 
     return wrapper

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from services.cluster_metadata import (
     CONTROLLER_KEY,
     PRODUCER_IDS_KEY,
     broker_key,
+    decode_broker,
     decode_partition,
     decode_producer_ids,
     deletion_key,
@@ -45,7 +46,7 @@ from services.cluster_metadata import (
 from services.controller.controller import Controller, ControllerConfig, IsrProposal, NewTopic
 from services.controller.election import ControllerElection
 from services.controller.state import Broker, PartitionRecord
-from services.metastore import Guard, MetaStore
+from services.metastore import Guard, KeyValue, MetaStore
 from tests.support.cluster import (
     RPC_TIMEOUT_S,
     ControllerProcess,
@@ -56,7 +57,7 @@ from tests.support.cluster import (
     trailer,
     wait_for,
 )
-from tidelog.errors import ErrorCode
+from tidelog.errors import ErrorCode, StorageError
 from tidelog.etcd_launcher import EtcdProcess, EtcdTuning
 from tidelog.v1 import common_pb2, controller_pb2, storage_pb2
 
@@ -576,6 +577,47 @@ def test_a_malformed_metadata_key_holds_activation_back_until_repaired(tmp_path:
             )
         finally:
             controller.terminate()
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "decode"),
+    [
+        (broker_key(7), b'{"host":"h","port":1e400,"rack":null,"broker_epoch":1}', decode_broker),
+        (
+            partition_key("t", 0),
+            b'{"leader":1,"leader_epoch":1e400,"isr":[1],"partition_epoch":0}',
+            decode_partition,
+        ),
+    ],
+)
+def test_a_number_past_a_floats_range_is_a_malformed_key(
+    key: str, value: bytes, decode: Callable[[KeyValue], object]
+) -> None:
+    """The decoders promise one error, StorageError naming the key, for any malformed
+    value. A JSON number past a float's range (Python's json reads ``1e400`` as inf)
+    escaped as OverflowError from ``int(inf)`` (found by an audit)."""
+    with pytest.raises(StorageError, match=key):
+        decode(KeyValue(key, value, 1, 1, 1, 0))
+
+
+def test_one_broker_registration_past_a_floats_range_does_not_keep_controllers_out(
+    tmp_path: Path,
+) -> None:
+    """A broker key the controller cannot decode is skipped with a warning. One whose
+    number overflowed (above) made every take-office raise: no controller ever became
+    active (found by an audit)."""
+    with EtcdProcess(tmp_path / "etcd") as server, MetaStore(server.endpoint, cluster="w") as meta:
+        lease = meta.grant_lease(3600)
+        assert meta.create_if_absent(broker_key(1), encode_broker(Broker(1, "127.0.0.1", 1)), lease)
+        meta.put(broker_key(2), b'{"host":"127.0.0.1","port":1e400,"rack":null}', lease)
+        controller = Controller(
+            meta,
+            ControllerConfig(controller_id=1, advertised_address="127.0.0.1:1", session_ttl_s=2),
+        ).start()
+        try:
+            wait_for(lambda: controller.is_active, 15, "a controller active")
+        finally:
+            controller.stop()
 
 
 def test_decisions_over_more_partitions_than_one_etcd_transaction_takes_are_split(

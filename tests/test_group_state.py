@@ -118,7 +118,9 @@ def test_state_round_trips_and_refuses_what_it_cannot_read() -> None:
     state = group_state.join(GroupState(), member("a", "t", "u"), COUNTS)
     state = group_state.join(state, member("b"), COUNTS)
     assert group_state.decode(group_state.encode(state)) == state
-    for bad in (b"{", b'{"version": 9}', b'{"version": 1, "phase": "x"}', b"[]"):
+    overflowing = group_state.encode(state).replace(b'"generation":1,', b'"generation":1e400,')
+    assert overflowing != group_state.encode(state)
+    for bad in (b"{", b'{"version": 9}', b'{"version": 1, "phase": "x"}', b"[]", overflowing):
         with pytest.raises(ValueError):
             group_state.decode(bad)
 

@@ -379,5 +379,5 @@ def decode(value: bytes) -> GroupState:
             partition_counts={str(k): int(v) for k, v in doc["partition_counts"].items()},
             joined=frozenset(str(j) for j in doc["joined"]),
         )
-    except (KeyError, TypeError, AttributeError) as exc:
+    except (KeyError, TypeError, AttributeError, OverflowError) as exc:  # (cluster_metadata)
         raise ValueError(f"unreadable group state: {exc!r}") from exc
