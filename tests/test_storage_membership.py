@@ -547,6 +547,33 @@ def test_duplicate_broker_id_is_refused(
         first.terminate()
 
 
+def test_a_node_whose_broker_id_was_taken_while_it_was_away_halts(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """A node loses its registration (its lease ends as when it is paused past its TTL),
+    and another live process registers its broker id meanwhile. The node waits as at a
+    start (two TTLs), then halts with exit status 4 and ``broker_id_taken``. It used to
+    re-register for ever, silently (old epoch, still serving), and took the id back the
+    moment the other deregistered, whose restart then failed (found by an audit)."""
+    node = start_member(tmp_path, etcd, store)
+    other = BrokerRegistration(
+        store, Broker(1, "10.0.0.2", 9002), ttl_s=TTL_S, on_epoch=lambda epoch: None
+    )
+    try:
+        first = store.get(broker_key(1))
+        assert first is not None
+        store.revoke_lease_id(first.lease_id)
+        other.start()  # the replacement: the key is its own now
+        assert node.wait(2 * TTL_S + 15) == 4
+        assert "broker_id_taken" in node.log_tail(50)
+        other.stop()
+        time.sleep(1.0)  # a node still trying would have taken the id back by now
+        assert store.get(broker_key(1)) is None
+    finally:
+        other.stop()
+        node.kill()
+
+
 def test_a_late_update_metadata_does_not_undo_a_newer_view(
     tmp_path: Path, etcd: EtcdProcess, store: MetaStore
 ) -> None:

@@ -87,6 +87,11 @@ _log = structlog.get_logger("tidelog.storage.node")
 
 EXIT_DISK_FAILURE: Final = 3
 """Exit status of a storage node halted by a disk failure (see the module docstring)."""
+EXIT_BROKER_ID_TAKEN: Final = 4
+"""Exit status of a storage node that lost its registration (paused past its lease, or
+cut off from etcd) while another live process registered its broker id: it halts, since
+two brokers with one id would both answer for that id's partitions. Restarted, it waits
+for the id as at any start, and fails while the other holds it."""
 
 STORAGE_SERVICE_NAME: Final[str] = storage_pb2.DESCRIPTOR.services_by_name["Storage"].full_name
 
@@ -426,6 +431,7 @@ class StorageNode:
             ttl_s=config.session_ttl_s,
             on_epoch=replicas.set_broker_epoch,
             abort=self._start_abort,
+            on_fatal=_halt_broker_id_taken,
         )
         try:
             self._registration.start()
@@ -600,6 +606,16 @@ def _cluster_id(store: MetaStore) -> str:
     if found is None:
         raise BrokerNotAvailableError("the cluster id could not be read from etcd")
     return decode_cluster_id(found)
+
+
+def _halt_broker_id_taken(error: TidelogError) -> None:
+    """Another live process holds this node's broker id (``EXIT_BROKER_ID_TAKEN``). A
+    halt, not a stop: a controlled shutdown would move the other broker's leaderships.
+    Nothing acknowledged is lost: written records are in the page cache, recovered on
+    restart as after a kill -9."""
+    _log.critical("broker_id_taken", error=str(error))
+    sys.stderr.flush()
+    os._exit(EXIT_BROKER_ID_TAKEN)
 
 
 def _halt(failed: Path, error: OSError) -> None:

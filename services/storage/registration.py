@@ -13,7 +13,10 @@ Rules:
   (still alive until its lease runs out after a kill -9) is waited for, never
   overwritten; a key held by another live process past that wait is an error.
 - After losing the lease (etcd unreachable for a TTL, or the process paused past it),
-  the broker registers again as a new incarnation, with a new epoch.
+  the broker registers again as a new incarnation, with a new epoch. If another live
+  process took the id meanwhile (a replacement started while this one was paused), the
+  same wait as at start applies, and past it ``on_fatal`` is told: the node halts rather
+  than keep trying for ever and take the id back when the other restarts.
 
 Thread-safety: ``start``/``stop`` from the owner thread; the keepalive and re-register
 work happens on the LeaseKeeper's thread and one re-registration thread. ``_lock`` makes
@@ -55,6 +58,36 @@ CONTROLLED_SHUTDOWN_RPC_TIMEOUT_S = 5.0
 RETRY_BACKOFF_S = 0.25
 
 
+class _HolderWait:
+    """How long a registration waits for the key's holder to go: two TTLs, or what is
+    left of the holder's lease if longer (a previous incarnation may have had a longer
+    TTL: --session-ttl-s lowered between restarts), looked up at the first try."""
+
+    def __init__(self, store: MetaStore, ttl_s: int) -> None:
+        self._store = store
+        self._deadline = time.monotonic() + 2 * ttl_s + 2
+        self._looked_at_holder = False
+
+    def expired(self, key: str, broker_id: int) -> BrokerNotAvailableError | None:
+        """None while the wait goes on; the error to report once it is over."""
+        holder = self._store.get(key)
+        if holder is not None and not self._looked_at_holder:
+            self._looked_at_holder = True
+            left_s = self._store.lease_remaining_s(holder.lease_id)
+            if left_s is not None:
+                self._deadline = max(self._deadline, time.monotonic() + left_s + 2)
+        if time.monotonic() <= self._deadline:
+            return None
+        where = ""
+        if holder is not None:
+            other = decode_broker(holder)
+            where = f" by {other.host}:{other.port}"
+        return BrokerNotAvailableError(
+            f"broker id {broker_id} is registered{where} by another live process; broker "
+            "ids must be unique"
+        )
+
+
 class BrokerRegistration:
     """Keeps ``brokers/<id>`` registered while the node runs; see the module docstring."""
 
@@ -66,11 +99,13 @@ class BrokerRegistration:
         ttl_s: int,
         on_epoch: Callable[[int], None],
         abort: StopFlag | None = None,
+        on_fatal: Callable[[TidelogError], None] | None = None,
     ) -> None:
         self._store = store
         self._broker = broker
         self._ttl_s = ttl_s
         self._on_epoch = on_epoch
+        self._on_fatal = on_fatal  # the id is another live process's (see the module doc)
         self._abort = abort  # set by a signal handler: ``start`` gives up waiting
         self._lease: Lease | None = None
         self._keeper: LeaseKeeper | None = None
@@ -85,27 +120,11 @@ class BrokerRegistration:
 
     def start(self) -> int:
         """Register, waiting up to two TTLs for a previous incarnation's key to expire."""
-        deadline = time.monotonic() + 2 * self._ttl_s + 2
-        looked_at_holder = False
+        wait = _HolderWait(self._store, self._ttl_s)
         while not self._register_once():
-            holder = self._store.get(self.key)
-            if holder is not None and not looked_at_holder:
-                # The previous incarnation's lease may be longer than this one's
-                # (--session-ttl-s lowered between restarts): wait for what is left of it
-                # too, or the restart after a kill -9 failed while its own old key lived on.
-                looked_at_holder = True
-                left_s = self._store.lease_remaining_s(holder.lease_id)
-                if left_s is not None:
-                    deadline = max(deadline, time.monotonic() + left_s + 2)
-            if time.monotonic() > deadline:
-                where = ""
-                if holder is not None:
-                    other = decode_broker(holder)
-                    where = f" by {other.host}:{other.port}"
-                raise BrokerNotAvailableError(
-                    f"broker id {self._broker.broker_id} is registered{where} by another live "
-                    "process; broker ids must be unique"
-                )
+            error = wait.expired(self.key, self._broker.broker_id)
+            if error is not None:
+                raise error
             _log.info("waiting_for_previous_registration", broker_id=self._broker.broker_id)
             if self._abort is not None:  # a StopFlag: its wait lets signal handlers run
                 stopped = self._abort.wait(RETRY_BACKOFF_S) or self._stopping.is_set()
@@ -170,6 +189,7 @@ class BrokerRegistration:
 
     def _reregister(self) -> None:
         old = self._lease
+        wait: _HolderWait | None = None
         while not self._stopping.is_set():
             try:
                 if old is not None:
@@ -177,6 +197,21 @@ class BrokerRegistration:
                         return
                     old = None  # gone for good: register anew
                 if self._register_once():
+                    return
+                # Held by another lease: a previous incarnation's is waited out as at
+                # start; past that the id is another live process's. Trying on for ever,
+                # silently, this node took the id back when that one restarted (found by
+                # an audit).
+                if wait is None:
+                    wait = _HolderWait(self._store, self._ttl_s)
+                    _log.warning("reregister_waiting", broker_id=self._broker.broker_id)
+                error = wait.expired(self.key, self._broker.broker_id)
+                if error is not None:
+                    _log.error(
+                        "broker_id_taken", broker_id=self._broker.broker_id, error=str(error)
+                    )
+                    if self._on_fatal is not None:
+                        self._on_fatal(error)
                     return
             except MetaStoreError as exc:
                 _log.warning("reregister_failed", error=str(exc))
