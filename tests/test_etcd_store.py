@@ -217,6 +217,19 @@ def test_get_prefix_pages_consistently(store: MetaStore, monkeypatch: pytest.Mon
     assert [kv.value for kv in kvs] == [str(i).encode() for i in range(10)]
 
 
+def test_get_prefix_reads_pages_larger_than_a_response_may_be(store: MetaStore) -> None:
+    """A page of PREFIX_PAGE_KEYS keys is one gRPC answer, and the client takes at most
+    64 MiB: 70 values of 1 MB (a group state may be that large) made every read of their
+    prefix fail, reported as "too large for one etcd request" (found by an audit). A page
+    too large is read again in halves."""
+    value = b"x" * 1_000_000
+    for i in range(70):
+        store.put(f"big/{i:03d}", value)
+    kvs = store.get_prefix("big/")
+    assert [kv.key for kv in kvs] == [f"big/{i:03d}" for i in range(70)]
+    assert all(kv.value == value for kv in kvs)
+
+
 def test_create_if_absent_has_exactly_one_winner(store: MetaStore) -> None:
     contenders = 8
     barrier = threading.Barrier(contenders)
