@@ -352,6 +352,11 @@ def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
     return out
 
 
+def _netloc_host(host: str) -> str:
+    """``host`` as it goes before ``:port``: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host else host
+
+
 def _prefix_range_end(prefix: bytes) -> bytes:
     """The smallest key greater than every key starting with ``prefix``."""
     end = bytearray(prefix)
@@ -396,7 +401,7 @@ class MetaStore:
         self.root = f"{ROOT_PREFIX}{cluster}/"
         self._root_bytes = self.root.encode()
         self._addresses = parse_endpoints(endpoints)
-        self.endpoints = ",".join(f"http://{h}:{p}" for h, p in self._addresses)
+        self.endpoints = ",".join(f"http://{_netloc_host(h)}:{p}" for h, p in self._addresses)
         # One single-endpoint etcd3 client per endpoint; failover is ours (see module doc).
         self._clients = [self._make_client(host, port) for host, port in self._addresses]
         self._lock = threading.Lock()
@@ -406,7 +411,10 @@ class MetaStore:
 
     def _make_client(self, host: str, port: int) -> Any:
         endpoint = _AlwaysUsableEndpoint(
-            host,
+            # etcd3 dials "host:port": an IPv6 literal needs its brackets back, or gRPC read
+            # "::1:2379" as a name and every call failed as "unreachable" (found by an
+            # audit).
+            _netloc_host(host),
             port,
             secure=False,
             # 0: never consider the endpoint "failed" (etcd3 would refuse it for 300 s).

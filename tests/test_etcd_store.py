@@ -230,6 +230,23 @@ def test_get_prefix_reads_pages_larger_than_a_response_may_be(store: MetaStore) 
     assert all(kv.value == value for kv in kvs)
 
 
+def test_an_ipv6_literal_endpoint_reaches_etcd(tmp_path: Path) -> None:
+    """``http://[::1]:PORT``: the host was kept without its brackets, and etcd3 dialled
+    "::1:PORT", which gRPC cannot read as a host and a port: every call failed as "etcd
+    unreachable" although etcd answered there (found by an audit)."""
+    try:
+        free_port("::1")
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    with EtcdProcess(tmp_path / "etcd", host="::1") as server:
+        assert server.endpoint.startswith("http://[::1]:")
+        with MetaStore(server.endpoint, cluster="v6", timeout_s=2.0) as meta:
+            meta.put("k", b"v")
+            kv = meta.get("k")
+            assert kv is not None and kv.value == b"v"
+            assert meta.endpoints == server.endpoint
+
+
 def test_create_if_absent_has_exactly_one_winner(store: MetaStore) -> None:
     contenders = 8
     barrier = threading.Barrier(contenders)

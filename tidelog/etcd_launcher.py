@@ -116,7 +116,8 @@ def free_port(host: str = _LOOPBACK) -> int:
     Another process may take it before etcd binds; EtcdProcess.start() detects that from
     etcd's exit and retries with new ports, which is why no reservation trick is needed.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # an IPv6 literal
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
@@ -156,6 +157,7 @@ class EtcdProcess:
         # The address etcd listens on; another than loopback lets processes in other
         # network namespaces reach it (tests/chaos puts storage nodes in their own).
         self.host = host
+        self._netloc_host = f"[{host}]" if ":" in host else host  # in URLs: IPv6 bracketed
         self.name = name
         self.tuning = tuning or EtcdTuning()
         # Resolve eagerly: a missing binary is a set-up error worth reporting before anything
@@ -175,7 +177,7 @@ class EtcdProcess:
         """The client URL, ``http://HOST:PORT``; known once start() has succeeded."""
         if self._client_port is None:
             raise EtcdLaunchError("etcd has not been started")
-        return f"http://{self.host}:{self._client_port}"
+        return f"http://{self._netloc_host}:{self._client_port}"
 
     @property
     def client_port(self) -> int:
@@ -306,8 +308,8 @@ class EtcdProcess:
 
     def command(self) -> list[str]:
         """The full etcd command line for the current ports."""
-        client_url = f"http://{self.host}:{self._client_port}"
-        peer_url = f"http://{self.host}:{self._peer_port}"
+        client_url = f"http://{self._netloc_host}:{self._client_port}"
+        peer_url = f"http://{self._netloc_host}:{self._peer_port}"
         return [
             self.binary,
             f"--name={self.name}",
