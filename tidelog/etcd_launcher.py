@@ -78,8 +78,9 @@ class EtcdTuning:
     heartbeat_interval_ms: int = 10
     # --election-timeout: a follower starts an election after this long without a leader.
     election_timeout_ms: int = 100
-    # --max-txn-ops: etcd's default (128) is below the controller's transactions (up to
-    # TXN_CHUNK_OPS = 1,000 partition states each, services/controller/controller.py).
+    # --max-txn-ops: the controller keeps its transactions within etcd's default (128;
+    # TXN_CHUNK_OPS = 100 partition states each, services/controller/controller.py); the
+    # headroom is for the gateway's group writes and for operators' own tools.
     max_txn_ops: int = 4096
     # --auto-compaction-retention (periodic mode): history kept for watches to resume
     # from. Without compaction a long-running dev cluster's history grows until etcd's
