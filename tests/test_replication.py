@@ -1606,6 +1606,109 @@ def test_follower_behind_the_leaders_log_start_restarts_there(trio: Trio) -> Non
     assert follower.high_watermark == 300
 
 
+def test_a_follower_past_an_unclean_leaders_end_copies_what_it_writes(trio: Trio) -> None:
+    """A follower whose log starts past an unclean new leader's log end (retention moved
+    it on while the new leader was away) truncates fully and restarts at the leader's
+    end, as Kafka's truncateTo below the log start does, and copies what it writes. The
+    truncation was held up at the log start: the follower never got the records in
+    between and counted them committed (found by an audit)."""
+    configs = {"segment.bytes": "2000", "retention.bytes": "2000"}
+    # Epoch 1: all three hold offsets 0..2.
+    trio.elect(0, 1, [0, 1, 2], configs=configs)
+    trio.append(0, [b"a", b"b", b"c"])
+    wait_for(lambda: trio.log(2).high_watermark == 3, 10, "broker 2 to replicate")
+    # Broker 2 goes away (its LEO stays 3); brokers 0 and 1 go on, retention moves both
+    # log starts far past 3.
+    trio.stop(2)
+    trio.elect(0, 2, [0, 1], to=(0, 1), configs=configs)
+    for i in range(30):
+        trio.append(0, [f"old-{i}-{j}".encode() * 5 for j in range(10)])
+    follower_start = wait_for(
+        lambda: (s := trio.log(1).log_start_offset) > 50 and s, 15, "retention on broker 1"
+    )
+    # Broker 0 dies; broker 2 (LEO 3) is elected uncleanly at epoch 3; broker 1 follows it.
+    trio.stop(0)
+    trio.start(2)
+    # (No retention from here on: whatever broker 1 lacks, retention did not delete.)
+    trio.elect(2, 3, [2], replicas=(0, 1, 2), to=(1, 2))
+    # The new leader takes writes from offset 3 on, past broker 1's old log start.
+    written: dict[int, bytes] = {}
+    for i in range(100):
+        values = [f"new-{i}-{j}".encode() for j in range(5)]
+        response = trio.append(2, values, acks=common_pb2.LEADER)
+        assert response.error.code == 0, response
+        for j, value in enumerate(values):
+            written[response.base_offset + j] = value
+    end = max(written) + 1
+    assert end > follower_start
+    # Broker 1 must come to hold every record the new leader wrote (Kafka restarts a
+    # follower whose truncation target is below its log start at that target).
+    _assert_holds_everything_written(trio, 1, written)
+
+
+def test_an_empty_follower_past_an_unclean_leaders_end_copies_what_it_writes(trio: Trio) -> None:
+    """The same with a follower that holds no epoch at all (it restarted empty at the old
+    leader's log start): it never asks the leader where to truncate. It fetched past the
+    new leader's end (OFFSET_OUT_OF_RANGE) until the leader's log reached it, and went on
+    from there without the records in between (found by an audit); it truncates to the
+    leader's end now, as Kafka's fetchOffsetAndTruncate does."""
+    # Broker 2 holds offsets 0..2 (epoch 1), then goes away.
+    trio.elect(0, 1, [0, 2], replicas=(0, 2), to=(0, 2))
+    trio.append(0, [b"a", b"b", b"c"])
+    wait_for(lambda: trio.log(2).high_watermark == 3, 10, "broker 2 to replicate")
+    trio.stop(2)
+    # Broker 0 alone: everything it writes expires (time retention), its log start = end.
+    expiring = {"retention.ms": "200", "segment.bytes": "2000"}
+    trio.elect(0, 2, [0], replicas=(0, 2), to=(0,), configs=expiring)
+    for i in range(10):
+        trio.append(0, [f"old-{i}-{j}".encode() for j in range(10)])
+    wait_for(
+        lambda: (info := trio.log(0)).log_start_offset == info.log_end_offset == 103,
+        15,
+        "retention to expire everything",
+    )
+    # Broker 1 joins as a new follower: it restarts empty at the leader's log start, 103.
+    trio.elect(0, 3, [0], replicas=(0, 1, 2), to=(0, 1), configs=expiring)
+    wait_for(lambda: trio.log(1).log_start_offset == 103, 10, "broker 1 to start at 103")
+    # Broker 0 dies; broker 2 (LEO 3) is elected uncleanly; broker 1 follows it.
+    trio.stop(0)
+    trio.start(2)
+    trio.elect(2, 4, [2], replicas=(0, 1, 2), to=(1, 2))
+    # Broker 1 has a second to find out where the new leader's log ends (it retries every
+    # 200 ms) before anything is written: Kafka's follower restarts at that end (its
+    # OFFSET_OUT_OF_RANGE handling: leader end < own end -> truncate there, fully).
+    time.sleep(1.0)
+    written: dict[int, bytes] = {}
+    for i in range(30):
+        values = [f"new-{i}-{j}".encode() for j in range(5)]
+        response = trio.append(2, values, acks=common_pb2.LEADER)
+        assert response.error.code == 0, response
+        for j, value in enumerate(values):
+            written[response.base_offset + j] = value
+    _assert_holds_everything_written(trio, 1, written)
+
+
+def _assert_holds_everything_written(trio: Trio, broker: int, written: dict[int, bytes]) -> None:
+    """Broker ``broker`` catches up to the end of ``written`` and holds each record."""
+    end = max(written) + 1
+    wait_for(lambda: trio.log(broker).log_end_offset == end, 10, f"broker {broker} to catch up")
+    partition = trio.nodes[broker].replicas.get_partition(TOPIC, 0)
+    with partition.locked() as log:
+        assert log is not None
+        held: dict[int, bytes] = {}
+        offset = log.log_start_offset
+        while offset < end:
+            chunk = records_of(log.read(offset, 1 << 30, max_offset=end))
+            held.update(chunk)
+            offset = max(chunk) + 1
+    missing = sorted(o for o in written if held.get(o) != written[o])
+    info = trio.log(broker)
+    assert not missing, (
+        f"broker {broker} (log start {info.log_start_offset}, HW {info.high_watermark}) "
+        f"lacks {len(missing)} records the new leader wrote, offsets {missing[0]}..{missing[-1]}"
+    )
+
+
 def test_follower_fetch_reports_divergence_from_last_fetched_epoch(trio: Trio) -> None:
     """KIP-320: a follower whose last epoch ends earlier on the leader is told where to
     truncate, gets no data, and its fetch offset does not count as its LEO."""

@@ -666,7 +666,10 @@ class ReplicaFetcherThread(threading.Thread):
             (result,) = stub.ListOffsets(request, timeout=RPC_SLACK_S).partitions
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None
-        if int(result.error.code) != ErrorCode.NONE or result.offset <= leo:
+        if int(result.error.code) != ErrorCode.NONE:
+            return
+        if result.offset <= leo:
+            self._truncate_if_past_leader_end(stub, state, leo)
             return
         try:
             state.partition.follower_start_at(state.leader_epoch, result.offset)
@@ -680,6 +683,46 @@ class ReplicaFetcherThread(threading.Thread):
             partition=state.partition.partition,
             from_offset=leo,
             to_offset=result.offset,
+        )
+
+    def _truncate_if_past_leader_end(
+        self, stub: storage_pb2_grpc.StorageStub, state: _FetchState, leo: int
+    ) -> None:
+        """Out of range, and not behind the leader's log start: past its log end. With
+        epochs, the reconciliation (``_truncate``) finds where the logs part; a log without
+        any (it restarted empty at another leader's log start) truncates to the leader's
+        end, as Kafka's fetchOffsetAndTruncate does. It used to ask for the same offset
+        every back-off until the leader's log grew past it, and then go on from there
+        without the records in between (found by an audit)."""
+        request = storage_pb2.ListOffsetsRequest(
+            replica_id=self.local_broker_id,
+            partitions=[
+                storage_pb2.ListOffsetsPartition(
+                    topic=state.partition.topic,
+                    partition=state.partition.partition,
+                    spec=common_pb2.LATEST,
+                    current_leader_epoch=state.leader_epoch,
+                )
+            ],
+        )
+        try:
+            (result,) = stub.ListOffsets(request, timeout=RPC_SLACK_S).partitions
+        except grpc.RpcError as exc:
+            raise error_from_rpc_error(exc) from None
+        if int(result.error.code) != ErrorCode.NONE or result.offset >= leo:
+            return
+        try:
+            new_end = state.partition.follower_truncate(state.leader_epoch, result.offset)
+        except NotLeaderOrFollowerError:
+            self._drop(state)
+            return
+        state.truncating = False
+        _log.info(
+            "follower_truncated_to_leader_end",
+            topic=state.partition.topic,
+            partition=state.partition.partition,
+            from_offset=leo,
+            to_offset=new_end,
         )
 
     def _handle(

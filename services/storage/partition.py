@@ -559,8 +559,12 @@ class Partition:
         """
         with self._lock:
             self._check_follower(leader_epoch)
-            target = min(offset, self._log.log_end_offset)
-            self._log.truncate_to(max(target, self._log.log_start_offset))
+            # Below the log start too, as Kafka's truncateTo: the log then restarts empty
+            # at ``offset`` (``Log.truncate_to``). Held up at the log start, a follower
+            # past an unclean leader's end kept its own history there, never got the
+            # leader's records in between, and counted them committed (found by an
+            # audit).
+            self._log.truncate_to(min(offset, self._log.log_end_offset))
             self._high_watermark = clamp_high_watermark(
                 self._high_watermark, self._log.log_end_offset
             )
