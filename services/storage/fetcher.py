@@ -647,17 +647,20 @@ class ReplicaFetcherThread(threading.Thread):
             self._drop(state)
             return False
 
-    def _reset_if_behind_log_start(self, state: _FetchState, leo: int) -> None:
-        stub = self._stub()
-        if stub is None:
-            return
+    def _leader_offset(
+        self,
+        stub: storage_pb2_grpc.StorageStub,
+        state: _FetchState,
+        spec: common_pb2.OffsetSpec,
+    ) -> storage_pb2.ListOffsetsResult:
+        """The leader's EARLIEST (log start) or LATEST (log end, asked as a replica)."""
         request = storage_pb2.ListOffsetsRequest(
             replica_id=self.local_broker_id,
             partitions=[
                 storage_pb2.ListOffsetsPartition(
                     topic=state.partition.topic,
                     partition=state.partition.partition,
-                    spec=common_pb2.EARLIEST,
+                    spec=spec,
                     current_leader_epoch=state.leader_epoch,
                 )
             ],
@@ -666,6 +669,13 @@ class ReplicaFetcherThread(threading.Thread):
             (result,) = stub.ListOffsets(request, timeout=RPC_SLACK_S).partitions
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None
+        return result
+
+    def _reset_if_behind_log_start(self, state: _FetchState, leo: int) -> None:
+        stub = self._stub()
+        if stub is None:
+            return
+        result = self._leader_offset(stub, state, common_pb2.EARLIEST)
         if int(result.error.code) != ErrorCode.NONE:
             return
         if result.offset <= leo:
@@ -694,21 +704,7 @@ class ReplicaFetcherThread(threading.Thread):
         end, as Kafka's fetchOffsetAndTruncate does. It used to ask for the same offset
         every back-off until the leader's log grew past it, and then go on from there
         without the records in between (found by an audit)."""
-        request = storage_pb2.ListOffsetsRequest(
-            replica_id=self.local_broker_id,
-            partitions=[
-                storage_pb2.ListOffsetsPartition(
-                    topic=state.partition.topic,
-                    partition=state.partition.partition,
-                    spec=common_pb2.LATEST,
-                    current_leader_epoch=state.leader_epoch,
-                )
-            ],
-        )
-        try:
-            (result,) = stub.ListOffsets(request, timeout=RPC_SLACK_S).partitions
-        except grpc.RpcError as exc:
-            raise error_from_rpc_error(exc) from None
+        result = self._leader_offset(stub, state, common_pb2.LATEST)
         if int(result.error.code) != ErrorCode.NONE or result.offset >= leo:
             return
         try:
