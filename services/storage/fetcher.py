@@ -666,9 +666,12 @@ class ReplicaFetcherThread(threading.Thread):
             ],
         )
         try:
-            (result,) = stub.ListOffsets(request, timeout=RPC_SLACK_S).partitions
+            response: storage_pb2.ListOffsetsResponse = stub.ListOffsets(
+                request, timeout=RPC_SLACK_S
+            )
         except grpc.RpcError as exc:
             raise error_from_rpc_error(exc) from None
+        (result,) = response.partitions
         return result
 
     def _reset_if_behind_log_start(self, state: _FetchState, leo: int) -> None:
