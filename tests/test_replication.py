@@ -29,6 +29,7 @@ from services.storage.fetcher import PIPELINE_MIN_BYTES
 from services.storage.log.producer_state import SEQUENCE_MODULUS
 from services.storage.node import StorageNode, StorageNodeConfig
 from services.storage.partition import Role
+from services.storage.server import ServerLimits
 from tests.support.cluster import TestCluster, error_code, poll_records, rpc_error_code
 from tidelog.errors import ErrorCode, OffsetOutOfRangeError
 from tidelog.records import decode_batches, encode_batch
@@ -57,12 +58,19 @@ def code(error: common_pb2.Error) -> ErrorCode:
 class Trio:
     """Three in-process storage nodes; the test is their controller."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(
+        self,
+        base: Path,
+        *,
+        brokers: tuple[int, ...] = (0, 1, 2),
+        limits: dict[int, ServerLimits] | None = None,
+    ) -> None:
         self.base = base
         self.nodes: dict[int, StorageNode] = {}
         self.channels: dict[int, grpc.Channel] = {}
         self.controller_epoch = 1
-        for broker_id in (0, 1, 2):
+        self._limits = limits or {}
+        for broker_id in brokers:
             self.start(broker_id)
 
     def start(self, broker_id: int) -> StorageNode:
@@ -71,6 +79,7 @@ class Trio:
                 broker_id=broker_id,
                 data_dir=self.base / f"b{broker_id}",
                 log_retention_check_interval_ms=250,  # tests of retention wait seconds
+                limits=self._limits.get(broker_id, ServerLimits()),
             )
         )
         node.start()
@@ -1707,6 +1716,47 @@ def _assert_holds_everything_written(trio: Trio, broker: int, written: dict[int,
         f"broker {broker} (log start {info.log_start_offset}, HW {info.high_watermark}) "
         f"lacks {len(missing)} records the new leader wrote, offsets {missing[0]}..{missing[-1]}"
     )
+
+
+def test_a_follower_of_more_partitions_than_a_client_request_may_name_replicates_all(
+    tmp_path: Path,
+) -> None:
+    """A follower's full fetch and epoch look-ups name every partition it follows from a
+    leader: they may name as many as the leader hosts, past ``max_partitions_per_request``
+    (a client's bound). Past it (10,000 by default; 4 here) the leader refused every one
+    of the follower's requests, and nothing was replicated from it (found by an audit)."""
+    trio = Trio(tmp_path, brokers=(0, 1), limits={0: ServerLimits(max_partitions_per_request=4)})
+    try:
+        for p in range(5):
+            trio.elect(0, 1, [0, 1], replicas=(0, 1), partition=p)
+            response = trio.stub(0).Append(
+                storage_pb2.AppendRequest(
+                    topic=TOPIC, partition=p, records=encode_batch([b"v"]), acks=common_pb2.LEADER
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+            assert response.error.code == 0, response
+        wait_for(
+            lambda: all(trio.log(1, p).log_end_offset == 1 for p in range(5)),
+            10,
+            "broker 1 to replicate all five partitions",
+        )
+        with pytest.raises(grpc.RpcError) as refused:  # a client's request: still bounded
+            trio.stub(0).ListOffsets(
+                storage_pb2.ListOffsetsRequest(
+                    replica_id=-1,
+                    partitions=[
+                        storage_pb2.ListOffsetsPartition(
+                            topic=TOPIC, partition=p, spec=common_pb2.LATEST
+                        )
+                        for p in range(5)
+                    ],
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
+        assert "5 partitions in one request; the limit is 4" in str(refused.value.details())
+    finally:
+        trio.close()
 
 
 def test_follower_fetch_reports_divergence_from_last_fetched_epoch(trio: Trio) -> None:

@@ -237,20 +237,26 @@ class FetchSessionCache(Generic[P]):
         return session
 
     def check_size(
-        self, session: FetchSession[P], named: Iterable[Key], forgotten: Iterable[Key]
+        self,
+        session: FetchSession[P],
+        named: Iterable[Key],
+        forgotten: Iterable[Key],
+        *,
+        max_partitions: int | None = None,
     ) -> None:
         """Refuse an incremental request (``FetchSession.update``'s ``named`` and
         ``forgotten`` keys) that would grow a session past the partitions one request may
-        name. Counts what the session would hold after it: a partition named again only
-        moves (most of an incremental fetch names partitions already held), one named
-        for the first time joins, a forgotten one held leaves (before the named join)."""
+        name (``max_partitions``, default the cache's). Counts what the session would hold
+        after it: a partition named again only moves (most of an incremental fetch names
+        partitions already held), one named for the first time joins, a forgotten one
+        held leaves (before the named join)."""
+        limit = self._max_partitions if max_partitions is None else max_partitions
         held = session.partitions
         leaving = {key for key in forgotten if key in held}
         joining = {key for key in named if key not in held or key in leaving}
-        if len(held) - len(leaving) + len(joining) > self._max_partitions:
+        if len(held) - len(leaving) + len(joining) > limit:
             raise InvalidRequestError(
-                f"fetch session {session.session_id} would hold more than "
-                f"{self._max_partitions} partitions"
+                f"fetch session {session.session_id} would hold more than {limit} partitions"
             )
 
     def close(self, session_id: int) -> FetchSession[P] | None:

@@ -310,6 +310,9 @@ class ReplicaManager:
     def partitions(self) -> list[Partition]:
         return list(self._partitions.values())
 
+    def partition_count(self) -> int:
+        return len(self._partitions)  # copy-on-write map: no lock
+
     def set_broker_epoch(self, broker_epoch: int) -> None:
         """Called when this broker (re)registers in etcd and learns its new epoch."""
         with self._lock:
@@ -1483,6 +1486,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
                     session,
                     (key for key, _ in named),
                     ((tp.topic, tp.partition) for tp in request.forgotten),
+                    max_partitions=self._partition_limit(request.replica_id),
                 )
                 joined, left = session.update(
                     named, [(tp.topic, tp.partition) for tp in request.forgotten]
@@ -1661,7 +1665,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     def OffsetForLeaderEpoch(  # noqa: N802 - gRPC's method name
         self, request: storage_pb2.OffsetForLeaderEpochRequest, context: grpc.ServicerContext
     ) -> storage_pb2.OffsetForLeaderEpochResponse:
-        self._check_partition_count(len(request.partitions))
+        self._check_partition_count(len(request.partitions), request.replica_id)
         results = []
         for op in request.partitions:
             try:
@@ -1693,7 +1697,7 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
     def _fetch_params(
         self, request: storage_pb2.FetchRequest, context: grpc.ServicerContext
     ) -> _FetchParams:
-        self._check_partition_count(len(request.partitions))
+        self._check_partition_count(len(request.partitions), request.replica_id)
         max_wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else None
         if max_wait_ms is not None and max_wait_ms < 0:
             raise InvalidRequestError(f"max_wait_ms {max_wait_ms} is negative")
@@ -2016,12 +2020,21 @@ class StorageServicer(storage_pb2_grpc.StorageServicer):  # type: ignore[misc]
             ]
         )
 
-    def _check_partition_count(self, count: int) -> None:
-        if count > self._limits.max_partitions_per_request:
-            raise InvalidRequestError(
-                f"{count} partitions in one request; the limit is "
-                f"{self._limits.max_partitions_per_request}"
-            )
+    def _check_partition_count(self, count: int, replica_id: int = -1) -> None:
+        limit = self._partition_limit(replica_id)
+        if count > limit:
+            raise InvalidRequestError(f"{count} partitions in one request; the limit is {limit}")
+
+    def _partition_limit(self, replica_id: int) -> int:
+        """The partitions one request may name: ``max_partitions_per_request``, or for a
+        follower (whose full fetch and epoch look-ups name every partition it follows from
+        this leader) as many as this node hosts, if more. Past 10,000 partitions from one
+        leader a follower was refused every request and replicated nothing from it (found
+        by an audit); Kafka has no such bound."""
+        limit = self._limits.max_partitions_per_request
+        if replica_id >= 0:
+            limit = max(limit, self._replicas.partition_count())
+        return limit
 
 
 __all__ = [
