@@ -635,7 +635,7 @@ def test_roll_on_segment_ms_with_jitter(tmp_path: Path, seed: int) -> None:
     replica = random.Random(seed)
     thresholds = []
     for rolls in range(1, 6):
-        jitter = replica.randrange(jitter_ms + 1)
+        jitter = replica.randrange(jitter_ms)
         thresholds.append(segment_ms - jitter)
         log.append(make_batch(1, ts=clock.now_ms()))
         clock.advance(segment_ms - jitter)
@@ -646,6 +646,33 @@ def test_roll_on_segment_ms_with_jitter(tmp_path: Path, seed: int) -> None:
         assert log.segment_count == rolls + 1
     assert all(segment_ms - jitter_ms <= t <= segment_ms for t in thresholds)
     log.close()
+
+
+def test_a_jitter_above_segment_ms_does_not_roll_segments_at_their_second_append(
+    tmp_path: Path,
+) -> None:
+    """Kafka draws each segment's roll jitter uniformly below min(segment.jitter.ms,
+    segment.ms). The draw here was up to segment.jitter.ms, then capped at segment.ms - 1:
+    with a jitter above segment.ms, most segments got a roll age of 1 ms and rolled at
+    their second append, and partitions created together all rolled at once (found by an
+    audit)."""
+    clock = ManualClock(1_700_000_000_000)
+    config = LogConfig(segment_ms=600_000, segment_jitter_ms=3_600_000)  # 10 min, 1 h
+    rng = random.Random(7)
+    logs = [open_log(tmp_path / f"t-{p}", config, clock=clock, rng=rng) for p in range(10)]
+    try:
+        for _ in range(60):  # a minute of appends, one a second to each partition
+            for log in logs:
+                log.append(encode_batch([b"v" * 100], timestamps_ms=[clock.now_ms()]))
+            clock.advance(1000)
+        counts = [log.segment_count for log in logs]
+        # Kafka: a segment rolls within a minute only if its jitter (uniform in
+        # [0, 600 s)) exceeds 540 s: 10% of them; about one roll in these ten partitions.
+        rolls = sum(counts) - len(logs)
+        assert rolls <= 5, f"{rolls} rolls; segments per partition {counts}"
+    finally:
+        for log in logs:
+            log.close()
 
 
 def test_jitter_spreads_roll_times_across_logs(tmp_path: Path) -> None:

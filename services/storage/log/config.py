@@ -36,8 +36,9 @@ class LogConfig:
     index_interval_bytes: int = 4096
     # segment.ms: roll once the active segment is this old, even if not full (7 days).
     segment_ms: int = 7 * DAY_MS
-    # segment.jitter.ms: a random amount up to this is subtracted from segment.ms per segment,
-    # so partitions created together do not all roll in the same second (seed 002).
+    # segment.jitter.ms: a random amount below this (and below segment.ms) is subtracted
+    # from segment.ms per segment, so partitions created together do not all roll in the
+    # same second (seed 002).
     segment_jitter_ms: int = 0
     # retention.bytes: delete oldest segments while the log exceeds this; -1 = no limit.
     retention_bytes: int = -1

@@ -281,7 +281,12 @@ class Log:
     def _new_segment(
         self, base_offset: int, *, active: bool, end_offset: int | None = None
     ) -> LogSegment:
-        jitter = self._rng.randrange(self.config.segment_jitter_ms + 1)
+        # Uniform below min(segment.jitter.ms, segment.ms), Kafka's randomSegmentJitter.
+        # Drawn up to segment.jitter.ms and then capped at segment.ms - 1, a jitter larger
+        # than segment.ms gave most segments a roll age of 1 ms: they rolled at their
+        # second append (found by an audit).
+        bound = min(self.config.segment_jitter_ms, self.config.segment_ms)
+        jitter = self._rng.randrange(bound) if bound > 0 else 0
         return LogSegment(
             self.dir,
             base_offset,
@@ -289,7 +294,7 @@ class Log:
             # The fallback age for segment.ms only: a segment with data counts its age
             # from its first batch's timestamp, which survives restarts.
             created_ms=self._clock.now_ms(),
-            roll_jitter_ms=min(jitter, self.config.segment_ms - 1),
+            roll_jitter_ms=jitter,
             active=active,
             end_offset=end_offset,
         )
