@@ -716,6 +716,11 @@ def test_dev_killed_outright_leaves_no_child_running(tmp_path: Path) -> None:
         ("gateway", "--etcd", "127.0.0.1:99999", "bad port"),
         ("controller", "--cluster", "a/b", "contain no '/'"),
         ("storage", "--cluster", "", "must be non-empty"),
+        # "" is the working directory to the OS: a node deleted its *-delete directories
+        # and wrote logs into its NAME-N ones (found by an audit).
+        ("storage", "--data-dir", "", "must name a directory"),
+        ("storage", "--data-dir", "  ", "must name a directory"),
+        ("dev", "--data-dir", "", "must name a directory"),
         ("controller", "--session-ttl-s", "99999999999", "must be <= 9000000000"),
         ("gateway", "--max-request-bytes", "3000000000", "must be <= 2139095039"),
         ("gateway", "--max-fetch-bytes", "3000000000", "must be <= 2139095039"),
@@ -732,17 +737,23 @@ def test_service_cluster_flags_are_checked_by_the_parser(
         "storage": ["--broker-id", "9", "--data-dir", str(tmp_path / "data")],
         "controller": ["--controller-id", "1"],
         "gateway": [],
+        "dev": [],
     }[command]
-    if flag != "--etcd":
-        args += ["--etcd", "127.0.0.1:2379"]
+    if command != "dev":
+        args += ["--listen", "127.0.0.1:0"]
+        if flag != "--etcd":
+            args += ["--etcd", "127.0.0.1:2379"]
+    cwd = tmp_path / "cwd"  # where an empty --data-dir would go: never the checkout
+    cwd.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "tidelog", command, *args, "--listen", "127.0.0.1:0", flag, value],
-        capture_output=True, text=True, cwd=REPO_ROOT, env=tidelog_env(), timeout=60,
+        [sys.executable, "-m", "tidelog", command, *args, flag, value],
+        capture_output=True, text=True, cwd=cwd, env=tidelog_env(), timeout=60,
         check=False,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert not (tmp_path / "data").exists()
+    assert not any(cwd.iterdir())
 
 
 @pytest.mark.parametrize("command", ["storage", "controller", "gateway"])
