@@ -707,6 +707,29 @@ def test_dev_killed_outright_leaves_no_child_running(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def test_a_failed_dev_whose_data_dir_path_contains_ready_is_not_taken_for_ready(
+    tmp_path: Path,
+) -> None:
+    """DevProcess reads only dev's own ready line. It took any line containing "ready",
+    and the word after "gateway " in it for the gateway address: here dev fails (its
+    gateway port is in use) with one line naming its data directory, whose path contains
+    "already", and DevProcess returned as if the cluster were up, with the gateway "did"
+    (from "gateway did not start"), while dev had exited with status 1 (found by an
+    audit)."""
+    data_dir = tmp_path / "already-used" / "data"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        dev: DevProcess | None = None
+        try:
+            with pytest.raises(RuntimeError, match="did not get ready"):
+                dev = DevProcess(data_dir, gateway_port=port, env=tidelog_env(), timeout_s=90)
+        finally:
+            if dev is not None:
+                dev.kill()
+
+
 @pytest.mark.parametrize(
     ("command", "flag", "value", "message"),
     [

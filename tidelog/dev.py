@@ -368,6 +368,10 @@ def _stop_all(children: list[_Child], etcd: EtcdProcess | None) -> None:
         etcd.stop()
 
 
+_READY_LINE: Final = re.compile(r"tidelog dev ready: gateway (?P<gateway>\S+) ")
+"""The line ``run`` prints once the cluster is usable (``DevProcess`` reads it)."""
+
+
 class DevProcess:
     """``tidelog dev`` as a child process, for programs and tests that need a cluster:
     starts it, waits for the ``ready`` line and reads the gateway address from it.
@@ -418,8 +422,13 @@ class DevProcess:
             self.lines.append(line)
             if self._on_line is not None:
                 self._on_line(line.rstrip("\n"))
-            if "ready" in line and not self.gateway:
-                self.gateway = line.split("gateway ", 1)[1].split()[0]
+            # Only dev's own ready line: an error line naming a data directory with
+            # "ready" in its path was taken for it (the gateway "did", or the reader died
+            # on an IndexError and the constructor waited its whole timeout; found by an
+            # audit).
+            match = _READY_LINE.match(line)
+            if match and not self.gateway:
+                self.gateway = match["gateway"]
                 self._ready.set()
         self._ready.set()
 
