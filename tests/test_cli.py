@@ -707,6 +707,31 @@ def test_dev_killed_outright_leaves_no_child_running(tmp_path: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+def test_the_readme_quick_start_works_as_written(tmp_path: Path) -> None:
+    """The README's quick-start commands, run as a script against ``tidelog dev`` once
+    it is ready. The block used to start dev in the background and run the next command
+    at once: pasted into a shell, ``topics create`` ran while the cluster was starting,
+    failed "unreachable", and every later command failed on the missing topic (found by
+    an audit)."""
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1]
+    start, commands = [block.split("```", 1)[0] for block in section.split("```sh\n")[1:3]]
+    assert start.startswith(".venv/bin/tidelog dev "), start
+    (tmp_path / ".venv").symlink_to(REPO_ROOT / ".venv")
+    (tmp_path / "quick.sh").write_text("set -e\n" + commands)
+    dev = DevProcess(tmp_path / "data", env=tidelog_env())
+    env = {**tidelog_env(), "TIDELOG_GATEWAY": dev.gateway}
+    try:
+        result = subprocess.run(
+            ["bash", "quick.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+            stdin=subprocess.DEVNULL, timeout=240, check=False,
+        )  # fmt: skip
+    finally:
+        dev.stop()
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert "hello" in result.stdout and "world" in result.stdout
+
+
 def test_a_failed_dev_whose_data_dir_path_contains_ready_is_not_taken_for_ready(
     tmp_path: Path,
 ) -> None:
