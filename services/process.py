@@ -8,6 +8,8 @@ cleanly from the main thread.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
 import signal
 import sys
@@ -414,7 +416,17 @@ def serve_until_signal(command: str, node: ServiceNode, announce: str) -> int:
         print(f"tidelog {command}: error: {detail}", file=sys.stderr)
         node.stop()
         return 1
-    print(announce.format(address=node.address), flush=True)
+    try:
+        print(announce.format(address=node.address), flush=True)
+    except OSError as exc:
+        # Nobody reads stdout: the supervisor that started this process is gone (killed
+        # while it started). Stopped cleanly (deregistered, flushed) rather than ended by
+        # the traceback, which left the registration for its TTL (found by an audit).
+        _log.error("announce_failed", error=str(exc))
+        with contextlib.suppress(OSError):  # the flush at exit would fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        node.stop()
+        return 1
     # Short sleeps keep the main thread returning to the interpreter, where signal
     # handlers run.
     while not stop_requested.wait(1.0):

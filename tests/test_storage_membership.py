@@ -6,9 +6,12 @@ interactions is tested in ``test_controller.py``; here the test plays the contro
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -31,7 +34,7 @@ from services.controller.state import Broker
 from services.metastore import MetaStore, MetaStoreError
 from services.storage.meta_properties import MetaProperties, read_meta_properties
 from services.storage.registration import BrokerRegistration
-from tests.support.process import StorageProcess
+from tests.support.process import REPO_ROOT, StorageProcess, tidelog_env
 from tidelog.etcd_launcher import EtcdProcess, EtcdTuning, free_port
 from tidelog.records import encode_batch
 from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
@@ -572,6 +575,38 @@ def test_a_node_whose_broker_id_was_taken_while_it_was_away_halts(
     finally:
         other.stop()
         node.kill()
+
+
+def test_a_node_whose_stdout_is_gone_stops_cleanly(
+    tmp_path: Path, etcd: EtcdProcess, store: MetaStore
+) -> None:
+    """The supervisor that started a node died while it started: nobody reads its stdout.
+    Its listening line raised BrokenPipeError, the process ended with a traceback and
+    status 1, and node.stop() never ran: its registration stayed in etcd for its TTL (the
+    controller counted a dead broker alive, its next start waited it out; found by an
+    audit). It stops cleanly now, deregistering, and says why in its log."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads
+    with open(tmp_path / "storage.err", "wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tidelog", "storage", "--etcd", etcd.endpoint,
+             "--cluster", store.cluster, "--broker-id", "0", "--data-dir", str(tmp_path / "b0"),
+             "--listen", "127.0.0.1:0", "--session-ttl-s", "30",
+             "--controlled-shutdown-timeout-s", "1"],
+            stdout=write_end, stderr=stderr, stdin=subprocess.DEVNULL, cwd=REPO_ROOT,
+            env=tidelog_env(),
+        )  # fmt: skip
+    os.close(write_end)
+    try:
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    err = (tmp_path / "storage.err").read_text(errors="replace")
+    assert "Traceback" not in err, err[-800:]
+    assert "announce_failed" in err
+    assert store.get(broker_key(0)) is None, "the registration outlived the node"
 
 
 def test_a_late_update_metadata_does_not_undo_a_newer_view(
