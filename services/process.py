@@ -9,9 +9,11 @@ cleanly from the main thread.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import resource
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -334,15 +336,40 @@ def add_servicer_answering_encoded(
 
 
 def bind(server: grpc.Server, host: str, port: int) -> int:
-    """Listen on ``host:port`` (port 0: any free port); returns the port. OSError if not."""
+    """Listen on ``host:port`` (port 0: any free port); returns the port. OSError if not.
+
+    A host name is resolved here and every address it has is bound, at one port: gRPC
+    binds a name's addresses as one and succeeds if any of them is free, so a second node
+    told ``localhost:P`` started while another held 127.0.0.1:P, serving ::1 only and
+    announcing an address that reached the other (found by an audit)."""
     target = format_address(host, port)
-    try:
-        bound = server.add_insecure_port(target)
-    except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
-        raise OSError(f"cannot listen on {target}: {exc}") from exc
-    if bound == 0:
-        raise OSError(f"cannot listen on {target}")
+    bound = port
+    for address in _listen_addresses(host, target):
+        try:
+            bound = server.add_insecure_port(format_address(address, bound))
+        except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
+            raise OSError(f"cannot listen on {target}: {exc}") from exc
+        if bound == 0:
+            raise OSError(f"cannot listen on {target} (in use?)")
     return bound
+
+
+def _listen_addresses(host: str, target: str) -> list[str]:
+    """``host`` itself if it is an address or a wildcard, else the addresses it resolves
+    to, in the resolver's order, each once."""
+    if host in ("", "0.0.0.0", "::"):
+        return [host]
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        return [host]
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {target}: {exc}") from exc
+    return list(dict.fromkeys(str(info[4][0]) for info in found))
 
 
 class ServiceNode(Protocol):

@@ -8,6 +8,7 @@ topics; restart and crash tests start their own processes on their own data dire
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -1346,6 +1347,30 @@ def test_cli_reports_a_port_in_use(start_storage: StartStorage, tmp_path: Path) 
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert "cannot listen" in done.stderr
+
+
+def test_a_port_in_use_on_one_address_of_a_host_name_is_refused(
+    start_storage: StartStorage, tmp_path: Path
+) -> None:
+    """``--listen localhost:P`` while 127.0.0.1:P is another node's: gRPC resolves the
+    name to ::1 and 127.0.0.1 (whatever /etc/hosts says) and succeeded if it bound
+    either, so the second node
+    started, serving ::1 only, and announced an address that could reach the first (found
+    by an audit). Every address of the name is bound now, or the start fails."""
+    with socket.socket(socket.AF_INET6) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no IPv6 loopback")
+    node = start_storage()
+    port = int(node.address.rsplit(":", 1)[1])
+    done = run_cli(
+        "storage", "--broker-id", "2", "--data-dir", str(tmp_path / "other"),
+        "--listen", f"localhost:{port}",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout
+    assert "listening on" not in done.stdout
+    assert f"cannot listen on localhost:{port}" in done.stderr
 
 
 def test_a_second_storage_node_on_a_data_directory_in_use_refuses_to_start(

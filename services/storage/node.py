@@ -55,6 +55,7 @@ from services.metastore import MetaStore, MetaStoreError
 from services.process import (
     CountingThreadPool,
     add_servicer_answering_encoded,
+    bind,
     new_server,
     serve_until_signal,
 )
@@ -285,19 +286,11 @@ class StorageNode:
         reflection.enable_server_reflection(
             (STORAGE_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        target = (
-            f"[{config.listen_host}]:{config.listen_port}"
-            if ":" in config.listen_host
-            else f"{config.listen_host}:{config.listen_port}"
-        )
         try:
-            port = server.add_insecure_port(target)
-        except RuntimeError as exc:  # grpc raises RuntimeError("Failed to bind ...")
+            port = bind(server, config.listen_host, config.listen_port)
+        except OSError:
             replicas.shutdown()
-            raise OSError(f"cannot listen on {target}: {exc}") from exc
-        if port == 0:
-            replicas.shutdown()
-            raise OSError(f"cannot listen on {target}")
+            raise
         self._port = port
         for service in ("", STORAGE_SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
