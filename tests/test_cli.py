@@ -732,6 +732,51 @@ def test_the_readme_quick_start_works_as_written(tmp_path: Path) -> None:
     assert "hello" in result.stdout and "world" in result.stdout
 
 
+def test_dev_started_again_with_fewer_brokers_is_ready_and_names_what_stays_offline(
+    tmp_path: Path,
+) -> None:
+    """``tidelog dev --brokers 1`` on a directory made with three: the partitions with no
+    replica on broker 0 can never have a leader. Dev waited for them its whole start
+    timeout (60 s), then failed with "the cluster did not become usable" and nothing in
+    the logs said why (found by an audit). It is ready once the rest is, after a warning
+    naming them and the brokers their data needs."""
+    data = tmp_path / "data"
+    dev = DevProcess(data, env=tidelog_env())
+    try:
+        admin = tidelog_sdk.Admin(dev.gateway)
+        admin.create_topic("events", partitions=3, replication_factor=2)
+        partitions = admin.describe_topic("events").partitions
+        admin.close()
+        assert dev.stop(60) == 0
+    finally:
+        dev.kill()
+    stranded = [p.partition for p in partitions if 0 not in p.replicas]
+    assert stranded  # RF 2 over 3 brokers: one partition has none on broker 0
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidelog", "dev", "--data-dir", str(data), "--brokers", "1",
+         "--gateway-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+        cwd=REPO_ROOT, env=tidelog_env(),
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("tidelog dev ready"):
+                break
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(60)
+    assert time.monotonic() - started < 45, "".join(lines)
+    assert lines and lines[-1].startswith("tidelog dev ready"), "".join(lines)
+    (warning,) = [line for line in lines if "warning" in line]
+    assert f"{len(stranded)} partition(s) have no replica among the 1 broker(s)" in warning
+    assert all(f"events-{p}" in warning for p in stranded), warning
+
+
 def test_a_failed_dev_whose_data_dir_path_contains_ready_is_not_taken_for_ready(
     tmp_path: Path,
 ) -> None:
