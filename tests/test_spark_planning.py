@@ -462,3 +462,35 @@ def test_batch_0s_end_records_its_start_and_later_ends_do_not() -> None:
     assert end_offsets(end_0, end_1) == end_1
     assert end_offsets(end_0, legacy) == end_0
     assert end_offsets(end_1, to_json_offsets({("a", 0): 200})) == {"a": {"0": 200}}
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "wrong_hint"),
+    [
+        ("endingTimestamp", "1700000000000", "startingTimestamp"),
+        ("endingOffsetsByTimestamp", '{"t": {"0": 1700000000000}}', "startingOffsetsByTimestamp"),
+        ("minOffsetsPerTrigger", "1000", "maxOffsetsPerTrigger"),
+    ],
+)
+def test_a_kafka_option_tidelog_lacks_is_named_so_not_a_misspelling_of_its_opposite(
+    name: str, value: str, wrong_hint: str
+) -> None:
+    """Spark's Kafka source takes endingTimestamp, endingOffsetsByTimestamp (batch reads)
+    and minOffsetsPerTrigger (streaming); tidelog refuses them. The refusal said "did you
+    mean <the opposite option>?": following it turned an end bound into a start bound (or
+    a minimum into a maximum), a different query that ran without complaint (found by an
+    audit)."""
+    streaming = name == "minOffsetsPerTrigger"
+    with pytest.raises(ConfigError, match=r"Spark's Kafka option .* is not supported") as caught:
+        parse_read_options({"subscribe": "t", name: value}, streaming=streaming)
+    assert wrong_hint not in str(caught.value), str(caught.value)
+
+
+def test_a_bad_timestamp_strategy_is_refused_without_a_timestamp_option_too() -> None:
+    """startingOffsetsByTimestampStrategy was checked only with a timestamp option: a
+    misspelt value ('lastest') passed silently until someone added startingTimestamp to
+    the job (found by an audit). Spark's Kafka source checks it whenever given."""
+    with pytest.raises(ConfigError, match="startingOffsetsByTimestampStrategy"):
+        parse_read_options(
+            {"subscribe": "t", "startingOffsetsByTimestampStrategy": "lastest"}, streaming=False
+        )

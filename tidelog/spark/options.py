@@ -298,6 +298,25 @@ def parse_write_options(
 # --- helpers -----------------------------------------------------------------------------------
 
 
+KAFKA_ONLY_OPTIONS: Final = frozenset(
+    name.lower()
+    for name in (
+        "endingTimestamp",
+        "endingOffsetsByTimestamp",
+        "endingOffsetsByTimestampStrategy",
+        "minOffsetsPerTrigger",
+        "maxTriggerDelay",
+        "maxRecordsPerPartition",
+        "groupIdPrefix",
+        "fetchOffset.numRetries",
+        "fetchOffset.retryIntervalMs",
+        "kafkaConsumer.pollTimeoutMs",
+        "includeTimestamp",
+    )
+)
+"""Options of Spark's Kafka source and sink that tidelog does not take (named as such)."""
+
+
 def _check_names(
     options: Mapping[str, str], known: tuple[str, ...], other: tuple[str, ...], kind: str
 ) -> None:
@@ -311,6 +330,14 @@ def _check_names(
         if key in {name.lower() for name in other}:
             opposite = "writes" if kind == "read" else "reads"
             raise ConfigError(f"option {given!r} is for {opposite}, not {kind}s")
+        if key in KAFKA_ONLY_OPTIONS:
+            # No "did you mean": the closest name is often the opposite option
+            # (endingTimestamp -> startingTimestamp), a different query that runs without
+            # complaint (found by an audit).
+            raise ConfigError(
+                f"Spark's Kafka option {given!r} is not supported by tidelog "
+                f"(docs/SPARK.md lists the options a {kind} takes)"
+            )
         if key.startswith("kafka."):
             # Kafka's source passes kafka.* to its consumer; tidelog has no such layer, and
             # a job moved from Kafka most likely still carries kafka.bootstrap.servers.
@@ -438,15 +465,17 @@ def _timestamp_spec(opts: Mapping[str, str]) -> TimestampSpec | None:
         )
     if "startingtimestamp" in opts:
         all_ms = _optional_int(opts, "startingtimestamp", "startingTimestamp", 0, 2**63 - 1)
-    if per_partition is None and all_ms is None:
-        return None
-    if all_ms is not None:
-        per_partition = None  # startingTimestamp wins (class docstring)
+    # Checked whenever given, as Spark's Kafka source does: a misspelt value passed until
+    # someone added a timestamp option to the job (found by an audit).
     strategy = opts.get("startingoffsetsbytimestampstrategy", "error").strip().lower()
     if strategy not in ("error", "latest"):
         raise ConfigError(
             f"startingOffsetsByTimestampStrategy must be 'error' or 'latest', not {strategy!r}"
         )
+    if per_partition is None and all_ms is None:
+        return None
+    if all_ms is not None:
+        per_partition = None  # startingTimestamp wins (class docstring)
     return TimestampSpec(all_ms, per_partition, strategy)  # type: ignore[arg-type]
 
 
