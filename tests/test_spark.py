@@ -44,7 +44,12 @@ from tidelog.leaders import Leader, directory_for  # noqa: E402
 from tidelog.spark import activate, direct, local_session  # noqa: E402
 from tidelog.spark.options import parse_read_options  # noqa: E402
 from tidelog.spark.planning import OffsetRange, from_json_offsets  # noqa: E402
-from tidelog.spark.reader import planned_partition_state, read_range  # noqa: E402
+from tidelog.spark.reader import (  # noqa: E402
+    planned_partition_state,
+    read_range,
+    schema_ddl,
+    schema_simple_string,
+)
 from tidelog.spark.source import (  # noqa: E402
     RangePartition,
     TidelogBatchReader,
@@ -1692,3 +1697,27 @@ def test_the_example_stamps_its_lines_in_utc_whatever_the_sessions_time_zone(
     lines = [v.decode() for v in _values(spark, gateway.address, topic)]
     # Line 0 is at START_EPOCH_S: 2026-11-23 00:00:00 UTC.
     assert any("[23/Nov/2026:00:00:00 +0000]" in line for line in lines), sorted(lines)[:2]
+
+
+def test_a_read_with_a_user_schema_is_refused_before_any_task_runs(
+    spark: Any, gateway: GatewayProcess
+) -> None:
+    """Spark's Kafka source has a fixed schema and refuses a user-specified one at load().
+    tidelog's reader ignored the schema Spark handed it: a read of an empty topic with
+    .schema(...) answered no rows in the user's schema instead of an error, and with data
+    every task failed on Spark's generic DATA_SOURCE_RETURN_SCHEMA_MISMATCH (found by an
+    audit). The source's own schema, as Spark parses its DDL, passes the same check."""
+    for include in (False, True):
+        parsed = spark.createDataFrame([], schema_ddl(include)).schema
+        assert parsed.simpleString() == schema_simple_string(include)
+    topic = "user-schema"
+    tidelog.Admin(gateway.address).create_topic(topic, partitions=1, replication_factor=1)
+    df = (
+        spark.read.format("tidelog")
+        .schema("value string, offset long")
+        .option("gateway", gateway.address)
+        .option("subscribe", topic)
+        .load()
+    )
+    with pytest.raises(Exception, match="fixed schema and takes no"):
+        df.collect()

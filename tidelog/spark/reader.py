@@ -73,6 +73,16 @@ def schema_ddl(include_headers: bool) -> str:
     return SCHEMA_DDL + (HEADERS_DDL if include_headers else "")
 
 
+def schema_simple_string(include_headers: bool) -> str:
+    """The source's schema as Spark's ``StructType.simpleString()`` writes it (what a
+    schema handed to the reader is compared with, without a JVM to parse the DDL)."""
+    headers = ",headers:array<struct<key:string,value:binary>>" if include_headers else ""
+    return (
+        "struct<key:binary,value:binary,topic:string,partition:int,offset:bigint,"
+        f"timestamp:timestamp,timestampType:int{headers}>"
+    )
+
+
 def resolve_partitions(connection: GatewayConnection, options: ReadOptions) -> list[TopicPartition]:
     """The partitions a read covers, checked against the cluster's metadata.
 

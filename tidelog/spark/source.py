@@ -88,6 +88,18 @@ def _env_gateway() -> str | None:
     return os.environ.get("TIDELOG_GATEWAY")
 
 
+def _check_schema(schema: StructType, include_headers: bool) -> None:
+    """The source's schema is fixed, as Spark's Kafka source's: a ``.schema(...)`` given to
+    the read is refused before any task runs. It was ignored: an empty topic answered no
+    rows in the user's schema, and with data every task failed on Spark's generic schema
+    mismatch (found by an audit)."""
+    if schema.simpleString() != reader.schema_simple_string(include_headers):
+        raise ConfigError(
+            "the tidelog source has a fixed schema and takes no .schema(...): it is "
+            f"{reader.schema_ddl(include_headers)}"
+        )
+
+
 class TidelogDataSource(DataSource):
     """``spark.read.format("tidelog")`` / ``readStream`` / ``write`` / ``writeStream``."""
 
@@ -101,10 +113,12 @@ class TidelogDataSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         options = parse_read_options(self.options, streaming=False, env_gateway=_env_gateway())
+        _check_schema(schema, options.include_headers)
         return TidelogBatchReader(options)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         options = parse_read_options(self.options, streaming=True, env_gateway=_env_gateway())
+        _check_schema(schema, options.include_headers)
         return TidelogStreamReader(options)
 
     def writer(self, schema: StructType, overwrite: bool) -> Any:
