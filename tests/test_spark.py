@@ -299,15 +299,20 @@ def _run_copy(
     guarantee: str,
     direct: str = "false",
     batch_bytes: int = 1024 * 1024,
+    min_partitions: int | None = None,
 ) -> None:
-    query = (
+    read = (
         spark.readStream.format("tidelog")
         .option("gateway", gateway)
         .option("subscribe", source)
         .option("startingOffsets", "earliest")
         .option("maxOffsetsPerTrigger", "400")
         .option("direct", direct)
-        .load()
+    )
+    if min_partitions is not None:
+        read = read.option("minPartitions", str(min_partitions))
+    query = (
+        read.load()
         .select("key", "value")
         .writeStream.format("tidelog")
         .option("gateway", gateway)
@@ -340,6 +345,36 @@ def _forget_last_commit(checkpoint: Path) -> int:
 def _values(spark: Any, gateway: str, topic: str) -> list[bytes]:
     rows = spark.read.format("tidelog").option("gateway", gateway).option("subscribe", topic).load()
     return [bytes(r["value"]) for r in rows.select("value").collect()]
+
+
+@pytest.mark.parametrize(("first", "replay"), [(None, 4), (4, None)], ids=["more", "fewer"])
+def test_an_exactly_once_replay_splits_as_its_first_attempt_whatever_min_partitions_says(
+    spark: Any, gateway: GatewayProcess, tmp_path: Path, first: int | None, replay: int | None
+) -> None:
+    """A copy without a shuffle writes from the source's tasks, whose number comes from
+    minPartitions, and an exactly-once write's producer ids are its task ids. Restarted
+    after a crash between write and commit with another minPartitions, the replay was
+    split otherwise: with more tasks every row was written a second time; with fewer,
+    task 0 sent other rows under its old producer id and failed OUT_OF_ORDER_SEQUENCE on
+    every attempt (found by an audit). Each end records the split it was planned with."""
+    admin = tidelog.Admin(gateway.address)
+    name = "more" if replay else "fewer"
+    source, target = f"eo-split-in-{name}", f"eo-split-out-{name}"
+    admin.create_topic(source, partitions=1, replication_factor=2)
+    admin.create_topic(target, partitions=2, replication_factor=2)
+    sent = [f"row-{i:04d}".encode() for i in range(1_000)]
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(source, sent).result(60)
+    checkpoint = tmp_path / "checkpoint"
+    for min_partitions in (first, replay):
+        _run_copy(
+            spark, gateway.address, source, target, checkpoint,
+            guarantee="exactly-once", batch_bytes=1024, min_partitions=min_partitions,
+        )  # fmt: skip
+        if min_partitions == first:
+            _forget_last_commit(checkpoint)  # a crash between the writes and the commit
+    got = _values(spark, gateway.address, target)
+    assert sorted(got) == sorted(sent), f"{len(got) - len(sent)} more rows than sent"
 
 
 @pytest.mark.parametrize(

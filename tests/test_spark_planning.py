@@ -27,6 +27,7 @@ from tidelog.spark.planning import (
     end_offsets,
     from_json_offsets,
     mark_initial,
+    min_partitions_of,
     planned_start,
     ranges_between,
     rate_limit,
@@ -35,6 +36,7 @@ from tidelog.spark.planning import (
     split_ranges,
     to_json_offsets,
     topic_ids_of,
+    with_min_partitions,
 )
 
 GW = {"gateway": "127.0.0.1:9094"}
@@ -462,6 +464,22 @@ def test_batch_0s_end_records_its_start_and_later_ends_do_not() -> None:
     assert end_offsets(end_0, end_1) == end_1
     assert end_offsets(end_0, legacy) == end_0
     assert end_offsets(end_1, to_json_offsets({("a", 0): 200})) == {"a": {"0": 200}}
+
+
+def test_every_end_records_the_min_partitions_its_batch_is_split_by() -> None:
+    """A replay splits its ranges as the first attempt did (an exactly-once write's
+    producer ids are its task ids), whatever minPartitions says by then; an end written
+    before the split was recorded is split by the option; a changed option alone is no
+    new data (found by an audit: see test_spark's replay test)."""
+    end = with_min_partitions(to_json_offsets({("a", 0): 150}), 4)
+    assert end == {"a": {"0": 150}, "$minPartitions": 4}
+    assert from_json_offsets(end) == {("a", 0): 150}
+    assert min_partitions_of(end, 9) == 4
+    assert min_partitions_of(with_min_partitions(end, None), 9) is None
+    assert min_partitions_of(to_json_offsets({("a", 0): 150}), 9) == 9  # written before
+    assert end_offsets(end, with_min_partitions(to_json_offsets({("a", 0): 150}), 2)) == end
+    moved = with_min_partitions(to_json_offsets({("a", 0): 160}), 2)
+    assert end_offsets(end, moved) == moved
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,13 @@ plus entries whose key starts with ``$`` (in no topic name, see ``tidelog.topics
   (``planned_start``) whatever ``startingOffsets`` resolve to by then (``latest`` has
   moved on). No later end records one (batch 0's end is handed back unchanged while
   nothing moves, ``end_offsets``). An end of batch 0 written without it (before it
-  existed) is read from ``initialOffset`` as it was.
+  existed) is read from ``initialOffset`` as it was;
+- ``"$minPartitions": n`` in every end records the ``minPartitions`` its micro-batch is
+  planned with (0: none), so that a replay after a restart splits its ranges into the
+  same tasks whatever the option says by then (``min_partitions_of``): an exactly-once
+  write's producer ids are its task ids, and a replay split otherwise wrote its rows
+  twice, or failed for good (found by an audit). An end without it (written before) is
+  split by the option.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ INITIAL_KEY: Final = "$initial"
 
 START_KEY: Final = "$start"
 """In the end of micro-batch 0 (checkpointed): the offsets that micro-batch starts at."""
+
+MIN_PARTITIONS_KEY: Final = "$minPartitions"
+"""In every end (checkpointed): the ``minPartitions`` its micro-batch is planned with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,9 +359,28 @@ def end_offsets(start: Mapping[str, Any], end: dict[str, Any]) -> dict[str, Any]
     """
     if is_initial(start):
         return {**end, START_KEY: {k: v for k, v in start.items() if k != INITIAL_KEY}}
-    if START_KEY in start and {k: v for k, v in start.items() if k != START_KEY} == end:
+    # Nothing moved (a changed minPartitions alone is no new data): the start as it is.
+    if _without(start, START_KEY, MIN_PARTITIONS_KEY) == _without(end, MIN_PARTITIONS_KEY):
         return dict(start)
     return end
+
+
+def _without(data: Mapping[str, Any], *keys: str) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k not in keys}
+
+
+def with_min_partitions(end: dict[str, Any], min_partitions: int | None) -> dict[str, Any]:
+    """``end`` recording the ``minPartitions`` its micro-batch is planned with."""
+    return {**end, MIN_PARTITIONS_KEY: min_partitions or 0}
+
+
+def min_partitions_of(end: Mapping[str, Any], default: int | None) -> int | None:
+    """The ``minPartitions`` ``end``'s micro-batch was planned with; ``default`` (the
+    option now) for an end written before it was recorded."""
+    recorded = end.get(MIN_PARTITIONS_KEY)
+    if isinstance(recorded, bool) or not isinstance(recorded, int) or recorded < 0:
+        return default
+    return recorded or None
 
 
 def planned_start(start: Mapping[str, Any], end: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -359,7 +359,10 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if isinstance(limit, ReadMaxRows):
             ends = planning.rate_limit(starts, ends, limit.max_rows)
         # From initialOffset's offsets, the end carries them into the checkpoint.
-        return planning.end_offsets(start, planning.to_json_offsets(ends, topic_ids))
+        end = planning.to_json_offsets(ends, topic_ids)
+        return planning.end_offsets(
+            start, planning.with_min_partitions(end, self.options.min_partitions)
+        )
 
     def reportLatestOffset(self) -> dict[str, dict[str, int]] | None:
         # Only a progress metric: a failed look-up must not fail the query.
@@ -390,7 +393,8 @@ class TidelogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 starts[tp] = resumed
         ranges = planning.split_ranges(
             planning.ranges_between(starts, planning.from_json_offsets(end)),
-            self.options.min_partitions,
+            # As the end recorded it: a replay splits into the same tasks (planning).
+            planning.min_partitions_of(end, self.options.min_partitions),
         )
         return self._retrying(
             # The end offsets' incarnation (end_ids): the ranges are read in it.
