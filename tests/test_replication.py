@@ -11,6 +11,7 @@ AlterPartition, stopped followers, kill -9 of the leader).
 from __future__ import annotations
 
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -31,6 +32,7 @@ from services.storage.node import StorageNode, StorageNodeConfig
 from services.storage.partition import Role
 from services.storage.server import ServerLimits
 from tests.support.cluster import TestCluster, error_code, poll_records, rpc_error_code
+from tidelog.batch import iter_batches
 from tidelog.errors import ErrorCode, OffsetOutOfRangeError
 from tidelog.records import decode_batches, encode_batch
 from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
@@ -177,12 +179,20 @@ class Trio:
         return found
 
     def log_bytes(self, broker_id: int, end: int) -> bytes:
-        """The partition's segment bytes of batches below ``end`` (read from the files)."""
-        node = self.nodes[broker_id]
-        partition = node.replicas.get_partition(TOPIC, 0)
+        """The partition's batches below ``end`` as stored, from its log start, across
+        segments (read from the files)."""
+        partition = self.nodes[broker_id].replicas.get_partition(TOPIC, 0)
+        out = bytearray()
         with partition.locked() as log:
             assert log is not None
-            return log.read(0, 1 << 30, max_offset=end) if end > 0 else b""
+            offset = log.log_start_offset
+            while offset < end:
+                chunk = log.read(offset, 1 << 30, max_offset=end)
+                if not chunk:
+                    break
+                out += chunk
+                offset = max(header.last_offset for _, header in iter_batches(chunk)) + 1
+        return bytes(out)
 
 
 @pytest.fixture
@@ -1757,6 +1767,124 @@ def test_a_follower_of_more_partitions_than_a_client_request_may_name_replicates
         assert "5 partitions in one request; the limit is 4" in str(refused.value.details())
     finally:
         trio.close()
+
+
+def test_a_follower_with_several_epochs_of_its_own_converges_to_the_leader(trio: Trio) -> None:
+    """A follower ahead of its new leader with epochs 3 and 5 of its own, against a
+    leader with epochs 2, 4 and 6: it converges byte for byte, and leadership moves back
+    to it cleanly (checked by an audit; a regression test)."""
+    trio.elect(0, 1, [0, 1, 2])
+    trio.append(0, [b"c0", b"c1"])
+    for b in (1, 2):
+        wait_for(lambda b=b: trio.log(b).high_watermark == 2, 5, "replication")
+    # Broker 0 alone believes it leads epochs 3 and 5 and writes in each; broker 1 leads
+    # epochs 2, 4 and 6 with broker 2 following, writing different amounts.
+    for epoch, count in ((3, 4), (5, 2)):
+        trio.elect(0, epoch, [0], to=(0,))
+        response = trio.append(0, [f"z{epoch}".encode()] * count, acks=common_pb2.LEADER)
+        assert response.error.code == 0
+    for epoch, count in ((2, 1), (4, 3), (6, 1)):
+        trio.elect(1, epoch, [1, 2], to=(1, 2))
+        assert trio.append(1, [f"k{epoch}".encode()] * count).error.code == 0
+    end = trio.log(1).log_end_offset
+    wait_for(lambda: trio.log(2).log_end_offset == end, 5, "broker 2")
+    # Broker 0 learns of epoch 7 (leader 1) and follows.
+    trio.elect(1, 7, [1, 2], to=(0, 1, 2))
+    assert trio.append(1, [b"k7"] * 2).error.code == 0
+    end = trio.log(1).log_end_offset
+    wait_for(lambda: trio.log(0).log_end_offset == end, 10, "broker 0 to converge")
+    assert trio.log_bytes(0, end) == trio.log_bytes(1, end)
+    # Broker 0 leads again (epoch 8): its log is the leader's; broker 1 follows.
+    trio.elect(0, 8, [0, 1, 2])
+    assert trio.append(0, [b"l8"]).error.code == 0
+    wait_for(lambda: trio.log(1).log_end_offset == end + 1, 10, "broker 1 to follow")
+    assert trio.log_bytes(0, end + 1) == trio.log_bytes(1, end + 1) == trio.log_bytes(2, end + 1)
+
+
+@pytest.mark.parametrize("switch_after_s", [0.05, 0.2])
+def test_followers_converge_when_the_leader_changes_mid_backlog(
+    trio: Trio, switch_after_s: float
+) -> None:
+    """The leader changes while followers pipeline a ~24 MB backlog: late answers are
+    dropped, all three logs end identical, and no HW is above its log end (checked by an
+    audit; a regression test)."""
+    configs = {"segment.bytes": str(4 * 1024 * 1024)}
+    trio.elect(0, 1, [0], to=(0,), configs=configs)
+    payload = b"x" * 4000
+    for _ in range(150):  # ~24 MB in batches of 40 KB
+        assert trio.append(0, [payload] * 40, acks=common_pb2.LEADER).error.code == 0
+    trio.elect(0, 2, [0, 1, 2], configs=configs)
+    time.sleep(switch_after_s)
+    # Broker 1 takes over at whatever it holds; broker 0 follows it.
+    trio.elect(1, 3, [0, 1, 2], configs=configs)
+    for i in range(5):
+        assert trio.append(1, [f"new-{i}".encode()] * 10, acks=common_pb2.LEADER).error.code == 0
+    end = trio.log(1).log_end_offset
+    for b in (0, 2):
+        wait_for(lambda b=b: trio.log(b).log_end_offset == end, 30, f"broker {b} to converge")
+    reference = trio.log_bytes(1, end)
+    assert trio.log_bytes(0, end) == reference
+    assert trio.log_bytes(2, end) == reference
+    for b in (0, 1, 2):
+        info = trio.log(b)
+        assert info.high_watermark <= info.log_end_offset
+
+
+def test_a_follower_back_with_an_empty_disk_joins_the_isr_only_caught_up(
+    tmp_path: Path,
+) -> None:
+    """A follower restarted with an empty disk under acks=all load is never in the ISR
+    with a log end below the HW, and the leader's HW never goes back meanwhile (checked
+    by an audit; a regression test)."""
+    with running_cluster(tmp_path) as cluster:
+        _empty_disk_rejoin(cluster)
+
+
+def _empty_disk_rejoin(cluster: TestCluster) -> None:
+    cluster.create_topic("empty", 1, 3, configs={"min.insync.replicas": "2"})
+    wait_for(lambda: len(state_of(cluster, "empty").isr) == 3, 10, "ISR of three")
+    payload = b"p" * 2000
+    for _i in range(40):  # ~8 MB
+        err, _ = cluster_append(cluster, "empty", [payload] * 100)
+        assert err == ErrorCode.NONE
+    leader = state_of(cluster, "empty").leader
+    follower = next(b for b in (1, 2, 3) if b != leader)
+    cluster.brokers[follower].kill()
+    shutil.rmtree(cluster.data_dir(follower))
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            cluster_append(cluster, "empty", [payload] * 20, timeout_ms=2_000)
+
+    writer = threading.Thread(target=load, daemon=True)
+    writer.start()
+    cluster.start_broker(follower)
+    violations: list[str] = []
+    last_hw = -1
+    try:
+
+        def rejoined() -> bool:
+            nonlocal last_hw
+            hw = describe_log(cluster, leader, "empty").high_watermark
+            if hw < last_hw:
+                violations.append(f"leader HW went back {last_hw} -> {hw}")
+            last_hw = max(last_hw, hw)
+            isr = state_of(cluster, "empty").isr
+            try:
+                leo = describe_log(cluster, follower, "empty").log_end_offset
+            except Exception:
+                return False
+            if follower in isr and leo < hw:
+                violations.append(f"in ISR {list(isr)} with LEO {leo} below HW {hw}")
+            return follower in isr and leo >= hw
+
+        wait_for(rejoined, 60, "the follower to rejoin the ISR")
+    finally:
+        stop.set()
+        writer.join(10)
+    assert not violations, violations[:5]
+    wait_replicas_identical(cluster, "empty", [1, 2, 3])
 
 
 def test_follower_fetch_reports_divergence_from_last_fetched_epoch(trio: Trio) -> None:
