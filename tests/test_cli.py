@@ -777,6 +777,22 @@ def test_dev_started_again_with_fewer_brokers_is_ready_and_names_what_stays_offl
     assert all(f"events-{p}" in warning for p in stranded), warning
 
 
+def test_dev_whose_etcd_does_not_start_says_so_in_one_line(tmp_path: Path) -> None:
+    """An etcd that exits at once: dev's error is one line naming etcd's log (it printed
+    the log's last 40 lines of JSON with it; found by an audit)."""
+    fake = tmp_path / "etcd"
+    fake.write_text('#!/bin/sh\necho \'{"level":"fatal","msg":"no"}\'\nexit 3\n')
+    fake.chmod(0o755)
+    result = subprocess.run(
+        [sys.executable, "-m", "tidelog", "dev", "--data-dir", str(tmp_path / "data")],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=120, check=False,
+        env={**tidelog_env(), "TIDELOG_ETCD_BIN": str(fake)},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "etcd exited with status 3" in result.stderr and "log " in result.stderr
+
+
 def test_a_failed_dev_whose_data_dir_path_contains_ready_is_not_taken_for_ready(
     tmp_path: Path,
 ) -> None:

@@ -164,6 +164,7 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGHUP, request_stop)  # its terminal closed: stop in order
     lock = _lock_data_dir(data_dir, stop)
     if lock is None:
         if stop.is_set():
@@ -181,7 +182,10 @@ def main(args: argparse.Namespace) -> int:
         try:
             etcd = EtcdProcess(data_dir / "etcd", end_with_parent=True).start()
         except EtcdLaunchError as exc:
-            print(f"tidelog dev: error: {exc}", file=sys.stderr)
+            # One line, as every CLI error: the message's first line names etcd's log,
+            # whose tail the rest of it repeats (up to 40 lines of JSON).
+            first = str(exc).splitlines()[0].rstrip(":") if str(exc) else repr(exc)
+            print(f"tidelog dev: error: {first}", file=sys.stderr)
             return 1
         common = ["--etcd", etcd.endpoint, "--cluster", CLUSTER]
         controller = _Child(
