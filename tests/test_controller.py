@@ -16,6 +16,7 @@ AlterPartition its leader would (``expand_isr``) rather than wait for its fetche
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import signal
 import threading
@@ -57,7 +58,7 @@ from tests.support.cluster import (
     trailer,
     wait_for,
 )
-from tidelog.errors import ErrorCode, StorageError
+from tidelog.errors import ErrorCode, RequestTimedOutError, StorageError
 from tidelog.etcd_launcher import EtcdProcess, EtcdTuning
 from tidelog.v1 import common_pb2, controller_pb2, storage_pb2
 
@@ -618,6 +619,40 @@ def test_one_broker_registration_past_a_floats_range_does_not_keep_controllers_o
             wait_for(lambda: controller.is_active, 15, "a controller active")
         finally:
             controller.stop()
+
+
+def test_an_admin_change_waits_for_a_busy_controller_no_longer_than_its_timeout(
+    tmp_path: Path,
+) -> None:
+    """One admin change holds the controller's lock while it writes to etcd, up to the
+    store's timeout when etcd does not answer; another waited behind it past its own
+    timeout (found by an audit). It gets REQUEST_TIMED_OUT within its timeout now, having
+    changed nothing."""
+    with EtcdProcess(tmp_path / "etcd") as server:
+        meta = MetaStore(server.endpoint, cluster="busy", timeout_s=5.0)
+        lease = meta.grant_lease(3600)
+        assert meta.create_if_absent(broker_key(1), encode_broker(Broker(1, "127.0.0.1", 1)), lease)
+        controller = Controller(
+            meta,
+            ControllerConfig(controller_id=1, advertised_address="127.0.0.1:1", session_ttl_s=10),
+        ).start()
+        stuck = threading.Thread(
+            target=lambda: controller.create_topics([NewTopic("slow", 1, 1)], timeout_ms=100)
+        )
+        try:
+            wait_for(lambda: controller.is_active, 15, "the controller active")
+            os.kill(server.pid, signal.SIGSTOP)  # etcd hangs: the create holds the lock
+            stuck.start()
+            time.sleep(0.5)
+            started = time.monotonic()
+            with pytest.raises(RequestTimedOutError, match="busy"):
+                controller.delete_topics(["other"], timeout_ms=300)
+            assert time.monotonic() - started < 2.0
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+            stuck.join(30)
+            controller.stop()
+            meta.close()
 
 
 def test_decisions_over_more_partitions_than_one_etcd_transaction_takes_are_split(

@@ -36,12 +36,13 @@ synchronously.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
 from urllib.parse import unquote
@@ -145,6 +146,7 @@ from tidelog.errors import (
     InvalidTopicError,
     InvalidUpdateVersionError,
     NotControllerError,
+    RequestTimedOutError,
     StaleBrokerEpochError,
     TidelogError,
     TopicAlreadyExistsError,
@@ -160,6 +162,8 @@ MAX_PARTITIONS_PER_TOPIC: Final = 4_000
 thousand: docs/METADATA.md, section 3); this bounds one decision's size and the push that
 follows it. The same bound applies to the total after CreatePartitions."""
 
+MIN_LOCK_WAIT_S: Final = 0.05
+"""The least an admin change waits for the controller's lock, whatever its timeout."""
 PRODUCER_ID_BLOCK_SIZE: Final = 1_000
 EXPIRY_KEYS_PER_TXN: Final = 50
 """Offsets deleted per transaction: a compare and a delete each, under etcd's default
@@ -1300,6 +1304,21 @@ class Controller:
 
     # --- waiting ----------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _locked_within(self, wait_s: float) -> Iterator[None]:
+        """The controller's lock for an admin change, waited for at most the request's
+        timeout: another change holds it while it writes to etcd (up to the store's
+        timeout when etcd is slow), and a call waited behind it past its own timeout
+        (found by an audit). Nothing is changed when it times out."""
+        if not self._lock.acquire(timeout=max(wait_s, MIN_LOCK_WAIT_S)):
+            raise RequestTimedOutError(
+                "the controller is busy writing another change to etcd; nothing was changed: retry"
+            )
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _wait_s(self, timeout_ms: int) -> float:
         if timeout_ms < 0:
             raise InvalidRequestError(f"timeout_ms must be >= 0, got {timeout_ms}")
@@ -1492,7 +1511,7 @@ class Controller:
     ) -> list[TopicOutcome]:
         """Grow topics' partition counts (never shrink); per-topic errors."""
         self._check_count("topics", len(increases), self.config.max_topics_per_request)
-        with self._lock:
+        with self._locked_within(self._wait_s(timeout_ms)):
             topics = self._require_active().state.topics
             current = {
                 i.name: topics[i.name].partition_count for i in increases if i.name in topics
@@ -1599,7 +1618,7 @@ class Controller:
         outcomes: list[_Outcome] = []
         completions: list[Completion] = []
         duplicated = _duplicated(name_of(item) for item in items)
-        with self._lock:
+        with self._locked_within(wait_s):
             term = self._require_active()
             for item in items:
                 name = name_of(item)
@@ -1895,7 +1914,7 @@ class Controller:
                 "records); an empty list means every partition for preferred elections only"
             )
         wait_s = self._wait_s(timeout_ms)
-        with self._lock:
+        with self._locked_within(wait_s):
             term = self._require_active()
             state = term.state
             everything = not partitions
