@@ -321,26 +321,28 @@ def _wait_usable(address: str, brokers: int, stop: StopFlag) -> bool:
     """Until every broker is registered and every partition has a leader that knows it
     (on a restart, elections and recovery take a moment after the processes are up).
 
-    Partitions with no replica among the brokers started (a data directory made with
-    more ``--brokers``) can never have one: they are not waited for, and named in a
-    warning. Waited for, they held the start for its whole timeout and then failed it
-    with no word of why (found by an audit); Kafka runs with offline partitions too."""
+    Partitions with no in-sync replica among the brokers started (a data directory made
+    with more ``--brokers``) can never have a leader (a clean election needs one): they
+    are not waited for, and named in a warning. Waited for, they held the start for its
+    whole timeout and then failed it with no word of why (found by an audit); Kafka runs
+    with offline partitions too."""
     admin = Admin(address, timeout_ms=5_000)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not stop.is_set():
         try:
             cluster = admin.describe_cluster()
+            offline = set(cluster.offline_partitions)
             stranded = {
-                (t.name, p.partition): p.replicas
+                (t.name, p.partition): p.isr
                 for t in cluster.topics
                 for p in t.partitions
-                if not any(0 <= r < brokers for r in p.replicas)
+                if (t.name, p.partition) in offline and not any(0 <= r < brokers for r in p.isr)
             }
             if (
                 len(cluster.brokers) == brokers
                 and _controller_sees(cluster.controller_address) == brokers
                 and cluster.controller_id >= 0
-                and not set(cluster.offline_partitions) - set(stranded)
+                and not offline - set(stranded)
                 and all(
                     p.high_watermark >= 0
                     for t in cluster.topics
@@ -364,9 +366,9 @@ def _warn_stranded(stranded: dict[tuple[str, int], tuple[int, ...]], brokers: in
     names = [f"{topic}-{partition}" for topic, partition in sorted(stranded)]
     shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
     print(
-        f"tidelog dev: warning: {len(names)} partition(s) have no replica among the "
-        f"{brokers} broker(s) started and stay offline: {shown} (their data needs brokers "
-        f"{', '.join(map(str, needed))}; start with --brokers {max(needed) + 1})",
+        f"tidelog dev: warning: {len(names)} partition(s) have no in-sync replica among "
+        f"the {brokers} broker(s) started and stay offline: {shown} (their data needs "
+        f"brokers {', '.join(map(str, needed))}; start with --brokers {max(needed) + 1})",
         flush=True,
     )
 
