@@ -716,20 +716,29 @@ def test_the_readme_quick_start_works_as_written(tmp_path: Path) -> None:
     text = (REPO_ROOT / "README.md").read_text()
     section = text.split("## Quick start", 1)[1]
     start, commands = [block.split("```", 1)[0] for block in section.split("```sh\n")[1:3]]
+    python = section.split("```python\n", 1)[1].split("```", 1)[0]
     assert start.startswith(".venv/bin/tidelog dev "), start
     (tmp_path / ".venv").symlink_to(REPO_ROOT / ".venv")
     (tmp_path / "quick.sh").write_text("set -e\n" + commands)
     dev = DevProcess(tmp_path / "data", env=tidelog_env())
+    # The Python example names the default gateway address; this dev's port is its own.
+    (tmp_path / "quick.py").write_text(python.replace('"127.0.0.1:9094"', repr(dev.gateway)))
     env = {**tidelog_env(), "TIDELOG_GATEWAY": dev.gateway}
-    try:
-        result = subprocess.run(
-            ["bash", "quick.sh"], cwd=tmp_path, env=env, capture_output=True, text=True,
+
+    def run(*command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True,
             stdin=subprocess.DEVNULL, timeout=240, check=False,
         )  # fmt: skip
+
+    try:
+        shell = run("bash", "quick.sh")
+        example = run(sys.executable, "quick.py")
     finally:
         dev.stop()
-    assert result.returncode == 0, result.stderr[-1500:]
-    assert "hello" in result.stdout and "world" in result.stdout
+    assert shell.returncode == 0, shell.stderr[-1500:]
+    assert "hello" in shell.stdout and "world" in shell.stdout
+    assert example.returncode == 0, example.stderr[-1500:]
 
 
 def test_dev_started_again_with_fewer_brokers_is_ready_and_names_what_stays_offline(
