@@ -684,19 +684,13 @@ class ReplicaFetcherThread(threading.Thread):
         if result.offset <= leo:
             self._truncate_if_past_leader_end(stub, state, leo)
             return
-        try:
-            state.partition.follower_start_at(state.leader_epoch, result.offset)
-        except NotLeaderOrFollowerError:
-            self._drop(state)
-            return
-        state.truncating = False
-        _log.info(
-            "follower_reset_to_leader_log_start",
-            topic=state.partition.topic,
-            partition=state.partition.partition,
-            from_offset=leo,
-            to_offset=result.offset,
-        )
+        offset = result.offset
+
+        def start_at(epoch: int) -> int:
+            state.partition.follower_start_at(epoch, offset)
+            return offset
+
+        self._move_log(state, leo, "follower_reset_to_leader_log_start", start_at)
 
     def _truncate_if_past_leader_end(
         self, stub: storage_pb2_grpc.StorageStub, state: _FetchState, leo: int
@@ -710,14 +704,27 @@ class ReplicaFetcherThread(threading.Thread):
         result = self._leader_offset(stub, state, common_pb2.LATEST)
         if int(result.error.code) != ErrorCode.NONE or result.offset >= leo:
             return
+        offset = result.offset
+        self._move_log(
+            state,
+            leo,
+            "follower_truncated_to_leader_end",
+            lambda epoch: state.partition.follower_truncate(epoch, offset),
+        )
+
+    def _move_log(
+        self, state: _FetchState, leo: int, event: str, move: Callable[[int], int]
+    ) -> None:
+        """Apply ``move`` (given the leader epoch; returns the new log end) and fetch on
+        from there, reconciled; a partition no longer followed at that epoch is dropped."""
         try:
-            new_end = state.partition.follower_truncate(state.leader_epoch, result.offset)
+            new_end = move(state.leader_epoch)
         except NotLeaderOrFollowerError:
             self._drop(state)
             return
         state.truncating = False
         _log.info(
-            "follower_truncated_to_leader_end",
+            event,
             topic=state.partition.topic,
             partition=state.partition.partition,
             from_offset=leo,
