@@ -127,6 +127,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import operator
 import queue
 import random
 import threading
@@ -286,6 +287,23 @@ def _as_bytes(item: Any, name: str) -> bytes | None:
     raise ConfigError(f"{name} must be bytes or None, not {type(item).__name__}")
 
 
+def _int_option(name: str, value: Any) -> int:
+    """``value`` as an int (numpy's too), or ConfigError: a float or a bool is refused."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an int, not {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{name} must be an int, not {value!r}") from None
+
+
+def _check_topic(topic: Any) -> str:
+    """A topic name given to a send: a non-empty str (a bytes name raised KeyError)."""
+    if not isinstance(topic, str) or not topic:
+        raise ConfigError(f"topic must be a non-empty str, not {topic!r}")
+    return topic
+
+
 def _timestamp(timestamp_ms: int | None) -> int:
     """The records' timestamp: now, or the one given if it is a non-negative int64
     (Kafka's ProducerRecord rule), checked at the call: found when the sender encodes, it
@@ -426,6 +444,7 @@ class _Batch:
         "producer_id",
         "record_futures",
         "request_key",
+        "reserved_bytes",
         "sent",
         "size_bytes",
         "timestamps",
@@ -441,6 +460,9 @@ class _Batch:
         self.headers: list[Sequence[Header]] | None = None
         self.timestamps: list[int] = []
         self.size_bytes = 0
+        # What it holds of buffer_bytes, given back when it finishes (``_finish``): may
+        # be less than ``size_bytes`` (a send_batch batch larger than the buffer).
+        self.reserved_bytes = 0
         # When it entered the accumulator (opened, or queued by send_batch): its linger
         # and its delivery timeout count from here. Never decreases along a partition's
         # queue, so its head is the first to expire (Producer._expire).
@@ -527,6 +549,7 @@ class _PartitionQueue:
     back to 0."""
 
     __slots__ = (
+        "acknowledged_id",
         "batches",
         "blocked",
         "in_flight",
@@ -548,6 +571,9 @@ class _PartitionQueue:
         self.producer_id = -1
         self.next_sequence = 0
         self.next_ordinal = 0
+        # The producer id a batch of this partition was last acknowledged under: one the
+        # leader knows (``Producer._may_send``).
+        self.acknowledged_id = -1
 
     def enqueue(self, batch: _Batch) -> None:
         """A new batch goes last, numbered after every batch before it."""
@@ -733,6 +759,24 @@ class Producer:
     ) -> None:
         # Its threads and channels exist in this process only (check_same_process).
         self._pid = current_pid()
+        # Ints, checked here: a float request_timeout_ms (timeout_s * 1000) or a non-str
+        # client_id was taken, then killed the sender at the first request, failing every
+        # record (found by an audit).
+        linger_ms = _int_option("linger_ms", linger_ms)
+        batch_bytes = _int_option("batch_bytes", batch_bytes)
+        retries = _int_option("retries", retries)
+        delivery_timeout_ms = _int_option("delivery_timeout_ms", delivery_timeout_ms)
+        request_timeout_ms = _int_option("request_timeout_ms", request_timeout_ms)
+        max_in_flight_requests = _int_option("max_in_flight_requests", max_in_flight_requests)
+        max_in_flight_requests_per_partition = _int_option(
+            "max_in_flight_requests_per_partition", max_in_flight_requests_per_partition
+        )
+        buffer_bytes = _int_option("buffer_bytes", buffer_bytes)
+        max_block_ms = _int_option("max_block_ms", max_block_ms)
+        connections_max_idle_ms = _int_option("connections_max_idle_ms", connections_max_idle_ms)
+        metadata_max_age_ms = _int_option("metadata_max_age_ms", metadata_max_age_ms)
+        if not isinstance(client_id, str):
+            raise ConfigError(f"client_id must be a str, not {type(client_id).__name__}")
         acks_key = str(acks).lower()
         if acks_key not in ACKS:
             raise ConfigError(f"acks {acks!r} must be 'all' (-1), 1 or 0")
@@ -958,14 +1002,19 @@ class Producer:
 
     def partitions_for(self, topic: str) -> list[int]:
         check_same_process(self._pid, "Producer")
+        topic = _check_topic(topic)
         return list(range(self._partition_count(topic)))
 
-    def _check_partition(self, topic: str, partition: int) -> None:
+    def _check_partition(self, topic: str, partition: int) -> int:
+        """``partition`` as an int that ``topic`` has, or an error. A float passed the range
+        check and killed the sender thread in the encoder (found by an audit)."""
+        partition = _int_option("partition", partition)
         count = self._partition_count(topic, at_least=partition)
         if not 0 <= partition < count:
             raise UnknownTopicOrPartitionError(
                 f"topic {topic!r} has {count} partitions; partition {partition} does not exist"
             )
+        return partition
 
     def _choose(self, topic: str, key: bytes | None) -> int:
         count = self._partition_count(topic)
@@ -1030,6 +1079,7 @@ class Producer:
         """Queue one record; the future gives where it was written."""
         started_s = time.monotonic()
         check_same_process(self._pid, "Producer")
+        topic = _check_topic(topic)
         # Copied to bytes before anything looks at them: the key's partition is the hash
         # of the bytes written (a memoryview of wider items hashed item by item went to
         # another partition than its bytes; found by an audit).
@@ -1044,7 +1094,7 @@ class Producer:
         if partition is None:
             partition = self._choose(topic, key)
         else:
-            self._check_partition(topic, partition)
+            partition = self._check_partition(topic, partition)
         size = record_bytes(value, key, headers)
         if size > self._buffer_bytes:
             raise ConfigError(f"a record of {size} bytes exceeds buffer_bytes {self._buffer_bytes}")
@@ -1077,6 +1127,7 @@ class Producer:
                 batch.headers.append(tuple(headers or ()))
             batch.timestamps.append(ts)
             batch.size_bytes += size
+            batch.reserved_bytes += size
             batch.record_futures.append((index, future))
             if sticky:
                 self._stick(topic, partition, size, self._counts.get(topic, (1, 0.0, ""))[0])
@@ -1108,6 +1159,7 @@ class Producer:
         """
         started_s = time.monotonic()  # max_block_ms counts from here (``_reserve``)
         check_same_process(self._pid, "Producer")
+        topic = _check_topic(topic)
         if tracing.ENABLED:
             tracing.event("c_call", topic)
         if _is_arrow(values) and keys is None:
@@ -1129,7 +1181,7 @@ class Producer:
         chunks: list[tuple[int, range | list[int], int]] = []
         plan: list[tuple[int, range | list[int]]] = []
         if partition is not None:
-            self._check_partition(topic, partition)
+            partition = self._check_partition(topic, partition)
             plan = [(partition, range(n))]
         elif keys is not None and self._partitioner is None:
             count = self._partition_count(topic)
@@ -1208,7 +1260,7 @@ class Producer:
         n = len(values)
         ts = _timestamp(timestamp_ms)
         if partition is not None:
-            self._check_partition(topic, partition)
+            partition = self._check_partition(topic, partition)
         count = self._partition_count(topic)
         # Cut by the running total of the records' sizes (Arrow kernels and a binary
         # search per batch): slices stay zero-copy, and a run of large records after
@@ -1320,11 +1372,9 @@ class Producer:
         for queued, batch in enumerate(batches):
             with self._lock:
                 try:
-                    self._reserve(
-                        min(batch.size_bytes, self._buffer_bytes),
-                        bounded=not queued,
-                        started_s=started_s,
-                    )
+                    reserved = min(batch.size_bytes, self._buffer_bytes)
+                    self._reserve(reserved, bounded=not queued, started_s=started_s)
+                    batch.reserved_bytes = reserved
                 except TidelogError as exc:  # closed (or the sender failed) meanwhile
                     if not queued:
                         raise
@@ -1490,7 +1540,13 @@ class Producer:
         """(lock held) Whether the partition may send a request now, retry backoff aside:
         when nothing of it is in flight, or (pipelining) when its requests in flight went
         down a pipe that is still open, none failed, the producer id is the one its
-        batches were encoded under, and there is room for another batch."""
+        batches were encoded under and one the leader has acknowledged a batch of, and
+        there is room for another batch.
+
+        A leader takes any sequence from a producer id it does not know (KIP-360): a
+        second request pipelined under a new id (after a split for max.message.bytes, or
+        any failure that takes a new id) was written when the first was refused, ahead
+        of its records (found by an audit)."""
         if pq.in_flight == 0:
             return True
         return (
@@ -1500,6 +1556,7 @@ class Producer:
             and pq.pipe is not None
             and not pq.pipe.closed
             and pq.producer_id == self._producer_id
+            and (not self._idempotent or pq.acknowledged_id == self._producer_id)
         )
 
     def _ready(self, now: float) -> tuple[list[tuple[_PartitionQueue, list[_Batch]]], float]:
@@ -2400,6 +2457,7 @@ class Producer:
                         offset += len(batch)
                 with self._lock:
                     pq.request_done(batches, failed=False)
+                    pq.acknowledged_id = batches[-1].producer_id
                     self._lock.notify_all()
             else:
                 error = error_for_code(int(result.error.code), result.error.message)
@@ -2544,7 +2602,12 @@ class Producer:
             half.group_slots = [(group, indices[lo:hi]) for group, indices in batch.group_slots]
         first, second = halves
         first.size_bytes = batch.size_bytes * middle // n
-        second.size_bytes = batch.size_bytes - first.size_bytes  # the buffer's count stays
+        second.size_bytes = batch.size_bytes - first.size_bytes
+        # Between them they hold what the batch held of the buffer, no more: each giving
+        # back a share of its size over-released a batch larger than the buffer, and the
+        # buffer bound weakened by that much at every such split (found by an audit).
+        first.reserved_bytes = batch.reserved_bytes * middle // n
+        second.reserved_bytes = batch.reserved_bytes - first.reserved_bytes
         first.ordinal_room = second.ordinal_room = batch.ordinal_room / 2
         first.ordinal, second.ordinal = batch.ordinal, batch.ordinal + first.ordinal_room
         # One unfinished batch more, in the same flush generation, and one more batch for
@@ -2571,7 +2634,7 @@ class Producer:
 
     def _finish(self, batch: _Batch) -> None:
         with self._lock:
-            self._buffered_bytes -= min(batch.size_bytes, self._buffer_bytes)
+            self._buffered_bytes -= batch.reserved_bytes
             self._unfinished -= 1
             counts = self._unfinished_by_generation
             left = counts[batch.generation] - 1
