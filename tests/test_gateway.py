@@ -1623,6 +1623,8 @@ class _ScriptedLeaders:
         )
         self._changed = threading.Condition()
 
+    stopped = False  # the router stops retrying once the cache has stopped
+
     @property
     def version(self) -> int:
         with self._changed:

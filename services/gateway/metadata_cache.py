@@ -433,6 +433,11 @@ class MetadataCache:
                 )
         return reads
 
+    @property
+    def stopped(self) -> bool:
+        """Whether ``stop`` was called: the view changes no more."""
+        return self._stop.is_set()
+
     def wait_for_change(self, seen_version: int, timeout_s: float) -> int:
         """Block until the view is newer than ``seen_version`` or ``timeout_s`` passes;
         returns the version now current."""

@@ -92,6 +92,10 @@ IN_FLIGHT_WAIT_S: Final = 0.5
 """How often a ProduceStream held at its in-flight limit checks that its client is still there."""
 
 
+MIN_ACKS0_APPEND_S: Final = 5.0
+"""The least time an accepted acks=0 append has to reach its leader (``submit``)."""
+
+
 MAX_BACKGROUND_APPENDS: Final = 1024
 """acks=0 appends answered but not yet written, per leader broker (``ProduceLimits``)."""
 
@@ -716,7 +720,12 @@ class ProduceHandler:
             )
             return Submitted(result=future, tail=future)
         # acks=0: answer now; the append runs in the background, bounded per leader
-        # broker (the one the metadata names now: the slot stays taken if it moves).
+        # broker (the one the metadata names now: the slot stays taken if it moves). It
+        # has MIN_ACKS0_APPEND_S at least, from when it is accepted and again from when
+        # it starts: with what was left of a short or spent timeout (timeout_ms <= 50, or
+        # a wait for budget room) the router gave up before calling the leader, and the
+        # records answered "accepted" were never written (found by an audit).
+        append_deadline = max(append_deadline, time.monotonic() + MIN_ACKS0_APPEND_S)
         pool = self._pool_for(data)
         if pool is None:
             return Submitted.done(_stopping(data))
@@ -740,7 +749,8 @@ class ProduceHandler:
 
         def run() -> gateway_pb2.ProducePartitionResult:
             try:
-                result = self.append(data, common_pb2.NONE_ACKS, append_deadline)
+                until = max(append_deadline, time.monotonic() + MIN_ACKS0_APPEND_S)
+                result = self.append(data, common_pb2.NONE_ACKS, until)
                 if result.error.code != common_pb2.NONE:
                     _log.warning(
                         "acks0_append_failed",
@@ -776,9 +786,10 @@ class ProduceHandler:
         deadline: float,
     ) -> Future[gateway_pb2.ProducePartitionResult]:
         """``fn`` on a worker once ``after`` is done; the pool is chosen when it starts
-        (the one it would have had at submit may have been dropped since)."""
-        if after is None or after.done():
-            return self._start(data, fn, refused, deadline)
+        (the one it would have had at submit may have been dropped since). The future
+        returned is never cancelled: ``close()`` cancelling a queued pool future made the
+        stream's answer wait for ever on its CancelledError, and the gateway never exited
+        (found by an audit); it completes as "the gateway is stopping" instead."""
         chained: Future[gateway_pb2.ProducePartitionResult] = Future()
 
         def finished(inner: Future[gateway_pb2.ProducePartitionResult]) -> None:
@@ -787,12 +798,19 @@ class ProduceHandler:
                     refused()
                 chained.set_result(_stopping(data))
                 return
-            chained.set_result(inner.result())
+            error = inner.exception()
+            if error is not None:  # passed on, not raised in this callback (swallowed)
+                chained.set_exception(error)
+            else:
+                chained.set_result(inner.result())
 
-        def start(_: Future[gateway_pb2.ProducePartitionResult]) -> None:
+        def start(_: object) -> None:
             self._start(data, fn, refused, deadline).add_done_callback(finished)
 
-        after.add_done_callback(start)
+        if after is None:
+            start(None)
+        else:
+            after.add_done_callback(start)
         return chained
 
     # --- ProduceStream ----------------------------------------------------------------------
@@ -919,11 +937,13 @@ class ProduceHandler:
                     # The stream is read no further until the request fits in the budget.
                     size = record_bytes(request)
                     if not self.budget.acquire(size, deadline):
-                        refusal = self._no_room(request)
-                        with lock:
-                            state["in_flight"] -= 1
-                            room.notify_all()
-                            out.put(refusal)
+                        # Answered in its place, after the earlier requests of its
+                        # partitions (put straight on the stream, it passed them; found by
+                        # an audit).
+                        answer(
+                            request,
+                            [Submitted.done(r) for r in self._no_room(request).partitions],
+                        )
                         continue
                     if not is_active():
                         # Cancelled while it waited for room: its client has gone and

@@ -28,6 +28,7 @@ from services.gateway.metadata_cache import Leader, MetadataCache
 from services.status import error_code_from_metadata, error_from_rpc_error
 from tidelog.errors import (
     REROUTE_CODES,
+    BrokerNotAvailableError,
     LeaderNotAvailableError,
     RequestTimedOutError,
     TidelogError,
@@ -66,6 +67,13 @@ class Router:
         """
         last: TidelogError | None = None
         while True:
+            if self.cache.stopped:
+                # The view changes no more, and wait_for_change returns at once: waiting
+                # on for a leader spun a core until the deadline and held the gateway's
+                # exit behind it (found by an audit).
+                raise BrokerNotAvailableError(
+                    f"the gateway is stopping; {topic}-{partition} was not called"
+                )
             version = self.cache.version
             remaining_s = deadline - time.monotonic()
             if remaining_s <= DEADLINE_MARGIN_S:
