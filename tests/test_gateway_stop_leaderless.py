@@ -4,11 +4,10 @@ broker, killed."""
 
 from __future__ import annotations
 
-import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -64,30 +63,8 @@ def test_gateway_stops_promptly_with_a_produce_waiting_for_a_leader(cluster: Tes
     caller = threading.Thread(target=produce, daemon=True)
     caller.start()
     time.sleep(1.0)
-    started = time.monotonic()
-    gateway.proc.send_signal(15)
-    time.sleep(7.0)  # past the 5 s grace: "stopped" is logged by now
-
-    def cpu_s() -> float:
-        fields = Path(f"/proc/{gateway.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    spun = 0.0
-    if gateway.proc.poll() is None:
-        before = cpu_s()
-        time.sleep(2.0)
-        spun = cpu_s() - before
-    exited = True
+    gateway.proc.send_signal(signal.SIGTERM)
     try:
-        gateway.wait(timeout_s=max(0.1, started + 15 - time.monotonic()))
+        gateway.wait(timeout_s=15)  # its 5 s grace, then its parts stop
     except RuntimeError:
-        exited = False
-    took = time.monotonic() - started
-    print(
-        f"CPU used by the stopped gateway in 2 s: {spun:.2f} s; exited {exited} after {took:.1f} s"
-    )
-    assert exited, (
-        f"the gateway did not exit within 15 s of SIGTERM (its 'stopped' came at ~5 s); "
-        f"it used {spun:.2f} s of CPU per 2 s meanwhile"
-    )
-    assert spun < 0.5, f"the stopped gateway used {spun:.2f} s of CPU in 2 s (spinning)"
+        pytest.fail("the gateway did not exit within 15 s of SIGTERM (it spun until 30 s)")

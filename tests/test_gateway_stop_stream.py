@@ -9,7 +9,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -33,13 +32,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
 
 
 def test_gateway_exits_after_sigterm_with_stream_appends_queued(cluster: TestCluster) -> None:
-    """close() cancels the appends still queued on a pool; a ProduceStream request with
-    one of them never gets its answer (send_ready raises CancelledError in a callback),
-    its stream's in_flight stays up, the handler's generator waits on its queue for
-    ever, and the gRPC server thread it holds keeps the process from exiting (the
-    interpreter's exit joins the server pool's threads). The root cause is a known item
-    ("close() cancelling a direct future can leave a stream's in_flight up"); this is
-    its consequence: a gateway that never exits on SIGTERM."""
+    """close() cancels the appends still queued on a pool. A ProduceStream request with
+    one of them never got its answer (send_ready raised CancelledError in a callback),
+    the handler's generator waited on its queue for ever, and the gRPC server thread it
+    held kept the process from exiting (found by an audit). Queued appends complete as
+    "the gateway is stopping" now."""
     gateway = cluster.start_gateway(["--produce-group-min-partitions", "100000"])
     topic = "produce-stop-stream"
     cluster.create_topic(topic, PARTITIONS, 1)
@@ -81,27 +78,13 @@ def test_gateway_exits_after_sigterm_with_stream_appends_queued(cluster: TestClu
             )
         )
         time.sleep(1.5)  # 64 appends wait on the stopped broker, 6 are queued
-        started = time.monotonic()
         gateway.proc.send_signal(signal.SIGTERM)
-        time.sleep(8.0)
-
-        def cpu_s() -> float:
-            fields = Path(f"/proc/{gateway.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-        spun = 0.0
-        if gateway.proc.poll() is None:
-            before = cpu_s()
-            time.sleep(2.0)
-            spun = cpu_s() - before
         exited = True
         try:
-            gateway.wait(timeout_s=10)
+            gateway.wait(timeout_s=15)  # its 5 s grace, then its parts stop
         except RuntimeError:
             exited = False
-        took = time.monotonic() - started
     finally:
         os.kill(broker.pid, signal.SIGCONT)
         requests.put(None)
-    print(f"exited {exited} after {took:.1f} s; CPU {spun:.2f} s in 2 s; stream saw {answers}")
-    assert exited, "the gateway did not exit within 20 s of SIGTERM (5 s grace)"
+    assert exited, f"the gateway did not exit within 15 s of SIGTERM; the stream saw {answers}"
