@@ -441,6 +441,61 @@ def test_groups_reset_offsets_and_delete(dev: DevProcess) -> None:
     assert gone.returncode == 1 and "no committed offsets" in gone.stderr
 
 
+def test_a_group_consume_that_read_nothing_records_its_position(dev: DevProcess) -> None:
+    """A group reader that starts at the end and reads nothing commits its position, as
+    Kafka's console consumer does: it committed only after printing records, so its next
+    run reset to the end again and skipped what was written meanwhile (found by an
+    audit)."""
+    g = dev.gateway
+    tidelog("topics", "create", "quiet", gateway=g)
+    tidelog("produce", "quiet", gateway=g, stdin="old1\nold2\n")
+    reader = ("consume", "quiet", "--group", "late-readers", "--follow", "--timeout-ms", "3000")
+    assert tidelog(*reader, gateway=g).stdout == ""
+    tidelog("produce", "quiet", gateway=g, stdin="new1\nnew2\n")
+    tidelog("groups", "describe", "late-readers", gateway=g)  # it exists, with its lag
+    assert tidelog(*reader, gateway=g).stdout.split() == ["new1", "new2"]
+
+
+def test_consume_with_stdout_closed_fails_in_one_line(dev: DevProcess) -> None:
+    """`tidelog consume ... >&-` (a unit or a script that closed stdout): one line and
+    status 1, as produce with a closed stdin. It was an AttributeError traceback (found by
+    an audit)."""
+    g = dev.gateway
+    tidelog("topics", "create", "closed-out", gateway=g)
+    tidelog("produce", "closed-out", gateway=g, stdin="one\n")
+    ran = subprocess.run(
+        ["bash", "-c", f'exec "{sys.executable}" -m tidelog consume closed-out >&-'],
+        stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        env={**tidelog_env(), "TIDELOG_GATEWAY": g}, timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 1
+    assert ran.stderr.count("\n") == 1 and "stdout is closed" in ran.stderr, ran.stderr
+
+
+def test_reset_offsets_takes_several_topics(dev: DevProcess) -> None:
+    """--topic may repeat, as in Kafka's kafka-consumer-groups, and every topic named is
+    reset. Only the last was, silently, with status 0 (found by an audit)."""
+    g = dev.gateway
+    for topic in ("reset-a", "reset-b"):
+        tidelog("topics", "create", topic, gateway=g)
+        tidelog("produce", topic, gateway=g, stdin="1\n2\n3\n")
+    with tidelog_sdk.Admin(g) as admin:
+        admin.alter_group_offsets("two-topics", {("reset-a", 0): 3, ("reset-b", 0): 3})
+        tidelog(
+            "groups", "reset-offsets", "two-topics", "--topic", "reset-a", "--topic", "reset-b",
+            "--to-earliest", "--execute", gateway=g,
+        )  # fmt: skip
+        committed = {
+            (o.topic, o.partition): o.committed_offset for o in admin.describe_group("two-topics")
+        }
+    assert committed == {("reset-a", 0): 0, ("reset-b", 0): 0}
+    refused = tidelog(
+        "groups", "reset-offsets", "two-topics", "--topic", "reset-a", "--topic", "reset-b",
+        "--partition", "0", "--to-latest", gateway=g, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 1 and "--partition needs exactly one --topic" in refused.stderr
+
+
 def test_dev_with_a_file_for_its_data_directory_is_one_line(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "afile"
     not_a_dir.write_text("")

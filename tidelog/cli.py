@@ -674,7 +674,13 @@ def _add_groups(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         "group must have no members)",
     )
     reset.add_argument("group", metavar="GROUP")
-    reset.add_argument("--topic", required=True, metavar="TOPIC")
+    reset.add_argument(
+        "--topic",
+        required=True,
+        action="append",
+        metavar="TOPIC",
+        help="a topic whose offsets to set (repeat for several, as Kafka's tool)",
+    )
     reset.add_argument(
         "--partition",
         type=_non_negative_int32,

@@ -381,6 +381,8 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 def cmd_consume(args: argparse.Namespace) -> int:
     def body(args: argparse.Namespace) -> int:
+        if sys.stdout is None:  # as produce checks its stdin
+            raise ConfigError("stdout is closed: consume writes its records to stdout")
         # The group's offsets are committed here, after each poll's records are printed:
         # auto-commit (on close too) would commit records fetched but not printed when
         # --max-messages stops in a poll's middle or Ctrl-C interrupts one.
@@ -430,6 +432,22 @@ def cmd_consume(args: argparse.Namespace) -> int:
             if timeout_ms is None and not args.follow:
                 timeout_ms = CONSUME_STALL_TIMEOUT_MS
             last_record_at = time.monotonic()
+            committed: dict[tuple[str, int], int] = {}
+
+            def commit_moved() -> None:
+                """Commit the group's positions where they moved, with records or without:
+                a member that read nothing (it started at the end) committed nothing,
+                and its next run started at the end again, past what was written
+                meanwhile (found by an audit; Kafka's console consumer commits its
+                position whatever it read)."""
+                if args.group is None:
+                    return
+                positions = {tp: consumer.position(tp) for tp in consumer.assignment()}
+                moved = {tp: o for tp, o in positions.items() if committed.get(tp) != o}
+                if moved:
+                    consumer.commit(moved)
+                    committed.update(moved)
+
             while args.max_messages is None or shown < args.max_messages:
                 assigned = consumer.assignment()
                 new = [tp for tp in assigned if tp not in ends]
@@ -491,8 +509,8 @@ def cmd_consume(args: argparse.Namespace) -> int:
                     shown += 1
                 sys.stdout.flush()
                 out.flush()
-                if records and args.group is not None:
-                    consumer.commit()  # what was printed (positions follow poll's records)
+                commit_moved()  # what was printed (positions follow poll's records)
+            commit_moved()
         return 0
 
     return run("consume", body, args)
@@ -648,16 +666,22 @@ def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
             f"group {echo(args.group)} has {len(members)} member(s): offsets can be reset "
             "only while it is inactive; stop its consumers first"
         )
-    described = admin.describe_topic(args.topic)
-    partitions = [p.partition for p in described.partitions]
-    if args.partition is not None:
-        if args.partition not in partitions:
-            raise ConfigError(
-                f"topic {echo(args.topic)} has {len(partitions)} partitions; partition "
-                f"{args.partition} does not exist"
-            )
-        partitions = [args.partition]
-    tps = [(args.topic, p) for p in partitions]
+    # Every topic named (--topic may repeat, as in Kafka's tool: the last one alone was
+    # reset, silently, found by an audit).
+    topics = list(dict.fromkeys(args.topic))
+    if args.partition is not None and len(topics) > 1:
+        raise ConfigError("--partition needs exactly one --topic (whose partition it is)")
+    tps: list[tuple[str, int]] = []
+    for topic in topics:
+        partitions = [p.partition for p in admin.describe_topic(topic).partitions]
+        if args.partition is not None:
+            if args.partition not in partitions:
+                raise ConfigError(
+                    f"topic {echo(topic)} has {len(partitions)} partitions; partition "
+                    f"{args.partition} does not exist"
+                )
+            partitions = [args.partition]
+        tps += [(topic, p) for p in partitions]
     earliest = admin.list_offsets(tps, "earliest")
     latest = admin.list_offsets(tps, "latest")
     current = {
@@ -715,6 +739,9 @@ def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
     return 0
 
 
+_EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
 def _parse_datetime_ms(text: str) -> int:
     """An ISO 8601 time (a missing zone means UTC) as ms since the epoch."""
     try:
@@ -725,7 +752,8 @@ def _parse_datetime_ms(text: str) -> int:
         ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=datetime.UTC)
-    ms = int(moment.timestamp() * 1000)
+    # Exact integer arithmetic: a float's rounding put some times 1 ms early.
+    ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1)
     if ms < 0:
         raise ConfigError(f"--to-datetime {echo(text)} is before 1970")
     return ms
