@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 import tidelog
-from services.gateway.group_coordinator import MAX_PENDING_MEMBERS
+from services.gateway.group_coordinator import MAX_PENDING_MEMBERS, timer_key
 from services.gateway.groups import Committed, OffsetStore
 from services.gateway.metadata_cache import MetadataCache
 from services.metastore import MetaStore
@@ -1325,3 +1325,61 @@ def test_a_member_that_lost_its_partitions_does_not_commit_them_on_close(
         slow.close()
         other.close()
         reader.close()
+
+
+HOUR_MS = 3_600_000
+LEASE_GROUP = "leasers"
+
+
+def _join_for_an_hour(
+    stub: gateway_pb2_grpc.GatewayStub, member_id: str = "", wait_ms: int = 200
+) -> gateway_pb2.JoinGroupResponse:
+    """JoinGroup (and again with the id given) with a rebalance timeout of an hour."""
+    request = gateway_pb2.JoinGroupRequest(
+        group_id=LEASE_GROUP,
+        member_id=member_id,
+        topics=["lease-t"],
+        session_timeout_ms=10_000,
+        rebalance_timeout_ms=HOUR_MS,  # a consumer's max_poll_interval_ms of an hour
+        max_wait_ms=wait_ms,
+    )
+    response: gateway_pb2.JoinGroupResponse = stub.JoinGroup(request, timeout=30)
+    if not member_id and response.error.code == ErrorCode.MEMBER_ID_REQUIRED:
+        request.member_id = response.member_id
+        response = stub.JoinGroup(request, timeout=30)
+    return response
+
+
+def test_a_completed_rebalance_leaves_no_timer_lease_behind(
+    cluster: TestCluster, gateway: GatewayProcess
+) -> None:
+    """Each rebalance grants an etcd lease of the group's rebalance timeout (up to ~25
+    days) for its deadline key. The key was deleted when the rebalance completed, but the
+    lease lived on in etcd for the whole timeout, one per rebalance (found by an audit)."""
+    cluster.create_topic("lease-t", partitions=2, replication_factor=1)
+    store = cluster.store
+    timer_leases: list[int] = []
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        a = _join_for_an_hour(stub)
+        assert a.error.code == ErrorCode.NONE, a
+        for _ in range(3):
+            b = _join_for_an_hour(stub)  # a second member: a rebalance begins
+            assert b.error.code == ErrorCode.REBALANCE_IN_PROGRESS, b
+            timer = store.get(timer_key(LEASE_GROUP))
+            assert timer is not None and timer.lease_id
+            timer_leases.append(timer.lease_id)
+            a = _join_for_an_hour(stub, a.member_id, 3_000)  # every member joined: it completes
+            assert a.error.code == ErrorCode.NONE, a
+            assert store.get(timer_key(LEASE_GROUP)) is None  # the deadline key is gone...
+            left = stub.LeaveGroup(
+                gateway_pb2.LeaveGroupRequest(group_id=LEASE_GROUP, member_id=b.member_id),
+                timeout=10,
+            )
+            assert left.error.code == ErrorCode.NONE
+            a = _join_for_an_hour(stub, a.member_id, 3_000)  # the leave's rebalance completes too
+            assert a.error.code == ErrorCode.NONE, a
+    # ...and so should its lease be.
+    alive = {hex(lid): store.lease_remaining_s(lid) for lid in timer_leases}
+    alive = {lid: ttl for lid, ttl in alive.items() if ttl is not None}
+    assert not alive, f"rebalance timer leases still alive after completing (TTL s): {alive}"

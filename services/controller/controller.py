@@ -1222,6 +1222,7 @@ class Controller:
             group = kv.key.removeprefix(GROUP_STATES_PREFIX)
             if group in live:
                 continue
+            timer = self._store.get(group_timer_key(group))
             emptied = self._store.txn(
                 [Compare.mod_revision_is(kv.key, kv.mod_revision)],
                 [
@@ -1232,6 +1233,11 @@ class Controller:
             )
             if emptied.succeeded:
                 self._log.info("group_sessions_all_ended", group=unquote(group))
+                if timer is not None and timer.lease_id:
+                    # Gone with the state: its lease (the rebalance timeout, up to days)
+                    # is not left to live on in etcd (the gateway does the same).
+                    with contextlib.suppress(TidelogError):
+                        self._store.revoke_lease_id(timer.lease_id)
         marks = {
             kv.key.removeprefix(GROUP_EMPTIED_PREFIX): kv
             for kv in self._store.get_prefix(GROUP_EMPTIED_PREFIX)

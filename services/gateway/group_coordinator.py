@@ -158,21 +158,28 @@ class GroupCoordinator:
 
     def _read(self, group_id: str) -> tuple[GroupState, int, set[str]]:
         """The state, its mod revision (0: absent) and the members whose session lives."""
-        state, revision, alive, _ = self._read_all(group_id)
+        state, revision, alive, _, _ = self._read_all(group_id)
         return state, revision, alive
 
-    def _read_all(self, group_id: str) -> tuple[GroupState, int, set[str], bool]:
-        """``_read`` and whether a ``preparing`` state's deadline has passed (its timer
-        key is gone). Read in this order: keys written with the state exist by the time
-        the state is read, so a reader never takes a fresh member or timer for gone."""
+    def _read_all(self, group_id: str) -> tuple[GroupState, int, set[str], bool, int]:
+        """``_read``, whether a ``preparing`` state's deadline has passed (its timer key
+        is gone), and the timer's lease (0: none). Read in this order: keys written with
+        the state exist by the time the state is read, so a reader never takes a fresh
+        member or timer for gone."""
         kv = self._store.get(state_key(group_id))
         state = self._decode(group_id, kv)
         prefix = session_prefix(group_id)
         alive = {unquote(s.key.removeprefix(prefix)) for s in self._store.get_prefix(prefix)}
-        deadline_passed = (
-            state.phase == "preparing" and self._store.get(timer_key(group_id)) is None
+        timer = self._store.get(timer_key(group_id)) if state.phase == "preparing" else None
+        deadline_passed = state.phase == "preparing" and timer is None
+        timer_lease = timer.lease_id if timer is not None else 0
+        return (
+            state,
+            (kv.mod_revision if kv is not None else 0),
+            alive,
+            deadline_passed,
+            timer_lease,
         )
-        return state, (kv.mod_revision if kv is not None else 0), alive, deadline_passed
 
     @staticmethod
     def _decode(group_id: str, kv: KeyValue | None) -> GroupState:
@@ -197,7 +204,7 @@ class GroupCoordinator:
         so its next expiry pass marks this later time), so abandoned group ids leave no
         keys."""
         for attempt in range(CAS_ATTEMPTS):
-            state, revision, alive, deadline_passed = self._read_all(group_id)
+            state, revision, alive, deadline_passed, timer_lease = self._read_all(group_id)
             new = change(state, alive, deadline_passed)
             if new == state:
                 return state
@@ -243,6 +250,14 @@ class GroupCoordinator:
                     with contextlib.suppress(TidelogError):
                         self._store.revoke_lease_id(timer)
             else:
+                if timer_lease and any(
+                    isinstance(op, DeleteOp) and op.key == timer_key(group_id) for op in ops
+                ):
+                    # Its key is gone with the rebalance; its lease (the rebalance
+                    # timeout, up to days) lived on in etcd, one per rebalance (found by
+                    # an audit). Best effort: it expires by itself anyway.
+                    with contextlib.suppress(TidelogError):
+                        self._store.revoke_lease_id(timer_lease)
                 if new.generation != state.generation or new.phase != state.phase:
                     _log.info(
                         "group_changed",
