@@ -384,11 +384,18 @@ def _binary_lengths(array: Any, pc: Any) -> Any:
     cast, which raised ArrowNotImplementedError out of ``send_batch`` (found by an
     audit)."""
     pa, _ = _arrow()
+    if pa.types.is_dictionary(array.type):  # as Parquet reads often give: decoded
+        array = array.cast(array.type.value_type)
     if pa.types.is_binary_view(array.type):
         array = array.cast(pa.large_binary())
     elif pa.types.is_string_view(array.type):
         array = array.cast(pa.large_string())
-    return pc.fill_null(pc.binary_length(array), 0).cast("int64")
+    try:
+        lengths = pc.binary_length(array)
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+        # The encoder's rule, said at the call (Arrow's own error escaped send_batch).
+        raise ConfigError(f"expected a binary or string array, not {array.type}") from None
+    return pc.fill_null(lengths, 0).cast("int64")
 
 
 def batch_cuts(row_bytes: Any, batch_bytes: int) -> list[tuple[int, int, int]]:
