@@ -621,6 +621,29 @@ def test_one_broker_registration_past_a_floats_range_does_not_keep_controllers_o
             controller.stop()
 
 
+def test_brokers_with_and_without_a_rack_get_rack_unaware_placement(tmp_path: Path) -> None:
+    """While some brokers have a rack and others none (a cluster mid-way through enabling
+    zone labels), new topics are placed rack-unaware, not refused (DEPLOY.md said they
+    were refused; an audit found the document wrong)."""
+    with EtcdProcess(tmp_path / "etcd") as server, MetaStore(server.endpoint, cluster="r") as meta:
+        lease = meta.grant_lease(3600)
+        for broker_id, rack in ((1, "zone-a"), (2, "zone-b"), (3, "")):
+            broker = Broker(broker_id, "127.0.0.1", broker_id, rack)
+            assert meta.create_if_absent(broker_key(broker_id), encode_broker(broker), lease)
+        controller = Controller(
+            meta,
+            ControllerConfig(controller_id=1, advertised_address="127.0.0.1:1", session_ttl_s=10),
+        ).start()
+        try:
+            wait_for(lambda: controller.is_active, 15, "the controller active")
+            (created,) = controller.create_topics([NewTopic("mixed", 3, 3)], timeout_ms=100)
+            assert created.error is None, created.error
+            assert created.topic is not None
+            assert all(sorted(r) == [1, 2, 3] for r in created.topic.assignment)
+        finally:
+            controller.stop()
+
+
 def test_an_admin_change_waits_for_a_busy_controller_no_longer_than_its_timeout(
     tmp_path: Path,
 ) -> None:

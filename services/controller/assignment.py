@@ -598,7 +598,9 @@ def _check_racks(brokers: Sequence[int], racks: RackMap | None) -> dict[int, str
 
     A broker mapped to None has no rack; if no broker has one, placement is rack-unaware
     (as in Kafka). A broker missing from ``racks``, or a mix of brokers with and without a
-    rack, is an error: placing replicas on racks one cannot see defeats rack awareness.
+    rack, is an error here: placing replicas on racks one cannot see defeats rack
+    awareness. (The controller does not pass such a mix: it places rack-unaware then,
+    with a warning, ``controller._racks``.)
     """
     if racks is None:
         return None
