@@ -35,9 +35,10 @@ sysdeps:
 	@# Java runs Spark (the pipeline and the data source tests).
 	@if ! command -v java >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "installing openjdk-17-jre-headless with apt"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null; \
-	  else echo "java is missing: run 'sudo apt-get install -y openjdk-17-jre-headless'" >&2; fi; \
+	    echo "installing a Java runtime with apt (openjdk-17, else the release's default)"; \
+	    apt-get update -qq && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null 2>&1 \
+	      || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq default-jre-headless >/dev/null; }; \
+	  else echo "java is missing: run 'sudo apt-get install -y default-jre-headless'" >&2; fi; \
 	fi
 
 $(STAMP): pyproject.toml
