@@ -1383,3 +1383,20 @@ def test_a_completed_rebalance_leaves_no_timer_lease_behind(
     alive = {hex(lid): store.lease_remaining_s(lid) for lid in timer_leases}
     alive = {lid: ttl for lid, ttl in alive.items() if ttl is not None}
     assert not alive, f"rebalance timer leases still alive after completing (TTL s): {alive}"
+
+
+def test_describe_group_members_names_a_static_members_instance(
+    cluster: TestCluster, gateway: GatewayProcess
+) -> None:
+    """Kafka's MemberDescription.groupInstanceId: which static instance holds which
+    partitions (the gateway sent it; Admin dropped it, found by an audit)."""
+    cluster.create_topic("instances-t", partitions=2, replication_factor=1)
+    with tidelog.Consumer(
+        gateway.address, group_id="instances", group_instance_id="host-7"
+    ) as consumer:
+        consumer.subscribe(["instances-t"])
+        wait_for(lambda: consumer.poll(timeout_ms=200) == [] and consumer.assignment(), 30, "join")
+        with tidelog.Admin(gateway.address) as admin:
+            (member,) = admin.describe_group_members("instances").members
+    assert member.group_instance_id == "host-7"
+    assert sorted(member.assignment) == [("instances-t", 0), ("instances-t", 1)]

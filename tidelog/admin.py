@@ -138,6 +138,9 @@ class GroupMemberDescription:
     client_id: str
     topics: tuple[str, ...]
     assignment: tuple[tuple[str, int], ...]
+    # A static member's group.instance.id ("" for a dynamic member), as Kafka's
+    # MemberDescription.groupInstanceId: which instance holds which partitions.
+    group_instance_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,6 +462,7 @@ class Admin:
                     client_id=m.client_id,
                     topics=tuple(m.topics),
                     assignment=tuple((tp.topic, tp.partition) for tp in m.assignment),
+                    group_instance_id=m.group_instance_id,
                 )
                 for m in response.members
             ),

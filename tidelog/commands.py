@@ -562,6 +562,7 @@ def cmd_groups(args: argparse.Namespace) -> int:
                         "members": [
                             {
                                 "member_id": m.member_id,
+                                "group_instance_id": m.group_instance_id or None,
                                 "client_id": m.client_id,
                                 "topics": list(m.topics),
                                 "partitions": [list(tp) for tp in m.assignment],
@@ -576,10 +577,11 @@ def cmd_groups(args: argparse.Namespace) -> int:
                     f"{described.generation}, {len(described.members)} member(s)"
                 )
                 _print_table(
-                    ["MEMBER", "CLIENT", "PARTITIONS"],
+                    ["MEMBER", "INSTANCE", "CLIENT", "PARTITIONS"],
                     [
                         [
                             m.member_id,
+                            m.group_instance_id or "-",
                             m.client_id,
                             ",".join(f"{t}-{p}" for t, p in m.assignment) or "-",
                         ]
