@@ -76,6 +76,16 @@ def test_a_request_larger_than_the_budget_passes_alone() -> None:
     assert budget.acquire(1, time.monotonic() + 0.1)
 
 
+def test_a_request_of_no_bytes_passes_even_beside_one_larger_than_the_budget() -> None:
+    """Nothing to hold always fits: a request without record bytes waited behind one
+    larger than the whole budget, let through alone (found by an audit)."""
+    budget = ByteBudget(100)
+    assert budget.acquire(150, time.monotonic())  # alone, past the limit
+    assert budget.acquire(0, time.monotonic())  # at once, not after a wait or a refusal
+    budget.release(150)
+    assert budget.in_use_bytes == 0
+
+
 def test_a_budget_must_hold_something() -> None:
     with pytest.raises(ValueError, match=r"must be >= 1 byte"):
         ByteBudget(0)

@@ -109,4 +109,11 @@ class ByteBudget:
             self._room.notify_all()
 
     def _fits(self, size_bytes: int) -> bool:
-        return self._in_use_bytes == 0 or self._in_use_bytes + size_bytes <= self.limit_bytes
+        # Nothing to hold always fits: a request without record bytes waited behind one
+        # larger than the whole budget (let through alone), or was refused (found by an
+        # audit).
+        return (
+            size_bytes == 0
+            or self._in_use_bytes == 0
+            or self._in_use_bytes + size_bytes <= self.limit_bytes
+        )
