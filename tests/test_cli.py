@@ -496,6 +496,56 @@ def test_reset_offsets_takes_several_topics(dev: DevProcess) -> None:
     assert refused.returncode == 1 and "--partition needs exactly one --topic" in refused.stderr
 
 
+def test_reset_offsets_takes_kafkas_partition_lists_and_targets(dev: DevProcess) -> None:
+    """Kafka's kafka-consumer-groups --reset-offsets forms: --topic name:0,2,
+    --all-topics, --to-current (the end where there is no commit) and --by-duration
+    (now minus an ISO 8601 duration; the end when no record is that recent)."""
+    g = dev.gateway
+    tidelog("topics", "create", "spans", "--partitions", "3", gateway=g)
+    for partition in range(3):
+        tidelog("produce", "spans", "--partition", str(partition), gateway=g, stdin="a\nb\nc\n")
+
+    def reset(group: str, *how: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        command = ("groups", "reset-offsets", group, *how, "--output", "json")
+        return tidelog(*command, gateway=g, check=check)
+
+    def offsets(result: subprocess.CompletedProcess[str]) -> dict[tuple[str, int], object]:
+        shown = json.loads(result.stdout)["offsets"]
+        return {(o["topic"], o["partition"]): (o["current"], o["new"]) for o in shown}
+
+    with tidelog_sdk.Admin(g) as admin:
+        admin.alter_group_offsets("spanners", {("spans", 0): 1, ("spans", 1): 2})
+        assert offsets(reset("spanners", "--topic", "spans:0,2", "--to-earliest")) == {
+            ("spans", 0): (1, 0),
+            ("spans", 2): (None, 0),
+        }
+        # Only the group's committed partitions; the colon lists merge across mentions.
+        assert offsets(reset("spanners", "--all-topics", "--to-latest")) == {
+            ("spans", 0): (1, 3),
+            ("spans", 1): (2, 3),
+        }
+        merged = reset("spanners", "--topic", "spans:2", "--topic", "spans:0", "--to-current")
+        assert offsets(merged) == {("spans", 0): (1, 1), ("spans", 2): (None, 3)}
+        recent = reset("spanners", "--topic", "spans", "--by-duration", "PT1H", "--execute")
+        assert offsets(recent) == {("spans", p): (c, 0) for p, c in ((0, 1), (1, 2), (2, None))}
+        assert {
+            (o.topic, o.partition): o.committed_offset for o in admin.describe_group("spanners")
+        } == {("spans", 0): 0, ("spans", 1): 0, ("spans", 2): 0}
+        assert offsets(reset("spanners", "--topic", "spans:1", "--by-duration", "PT0S")) == {
+            ("spans", 1): (0, 3)
+        }
+    missing = reset("spanners", "--topic", "spans:1,7,9", "--to-earliest", check=False)
+    assert "partition 7, 9 does not exist" in _one_line_failure(missing)
+    both = reset("spanners", "--topic", "spans:1", "--partition", "0", "--to-earliest", check=False)
+    assert "--partition needs exactly one --topic" in _one_line_failure(both)
+    nothing = reset("never-committed", "--all-topics", "--to-earliest", check=False)
+    assert "no committed offsets" in _one_line_failure(nothing)
+    for bad in (("--by-duration", "30m"), ("--topic", "spans:x")):
+        how = (*bad, "--to-earliest") if bad[0] == "--topic" else ("--all-topics", *bad)
+        refused = reset("spanners", *how, check=False)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+
+
 def test_dev_with_a_file_for_its_data_directory_is_one_line(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "afile"
     not_a_dir.write_text("")

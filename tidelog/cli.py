@@ -15,6 +15,7 @@ traceback; failures at run time are the handler's to report in one line with sta
 from __future__ import annotations
 
 import argparse
+import decimal
 import importlib
 import math
 import re
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Final, NoReturn
 
 from tidelog.addresses import check_connectable, parse_host_port
-from tidelog.formats import INT32_MAX, MAX_PRODUCE_REQUEST_BYTES
+from tidelog.formats import INT32_MAX, INT64_MAX, MAX_PRODUCE_REQUEST_BYTES
 
 ECHO_MAX_CHARS: Final = 80
 """How much of a value the user gave (a topic or group name, an argument) an error line
@@ -329,6 +330,53 @@ def _positive_int32(text: str) -> int:
 def _non_negative_int32(text: str) -> int:
     """A partition index (int32 on the wire)."""
     return _int_at_least(text, 0, INT32_MAX)
+
+
+def _topic_partitions(text: str) -> tuple[str, tuple[int, ...] | None]:
+    """Kafka's --topic of kafka-consumer-groups: ``name`` or ``name:0,2`` (a topic name
+    cannot hold a colon, so the first one splits)."""
+    name, colon, listed = text.partition(":")
+    if not colon:
+        return name, None
+    partitions: list[int] = []
+    for item in listed.split(","):
+        try:
+            partitions.append(_non_negative_int32(item.strip()))
+        except argparse.ArgumentTypeError as error:
+            raise argparse.ArgumentTypeError(
+                f"{echo(text)}: the partitions after the colon must be indexes, e.g. "
+                f"orders:0,2 ({error})"
+            ) from None
+    return name, tuple(dict.fromkeys(partitions))
+
+
+# Java's Duration.parse form, which Kafka's --by-duration takes: days, hours, minutes and
+# (fractional) seconds, each optional, at least one present.
+_DURATION: Final = re.compile(
+    r"P(?:(?P<d>\d+)D)?(?:T(?:(?P<h>\d+)H)?(?:(?P<m>\d+)M)?(?:(?P<s>\d+(?:\.\d{1,9})?)S)?)?",
+    re.IGNORECASE,
+)
+
+
+def _duration_ms(text: str) -> int:
+    """An ISO 8601 duration (PnDTnHnMnS) in whole milliseconds."""
+    match = _DURATION.fullmatch(text.strip())
+    if (
+        match is None
+        or not any(match.group(unit) for unit in "dhms")
+        or text.strip().upper().endswith("T")
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{echo(text)} is not an ISO 8601 duration such as PT30M, PT1H or P1DT12H"
+        )
+    seconds = decimal.Decimal(match.group("s") or 0)
+    ms = (
+        (int(match.group("d") or 0) * 86_400 + int(match.group("h") or 0) * 3_600)
+        + int(match.group("m") or 0) * 60
+    ) * 1_000 + int(seconds * 1_000)
+    if ms > INT64_MAX:
+        raise argparse.ArgumentTypeError(f"{echo(text)} is too long a duration")
+    return ms
 
 
 def _positive_float(text: str) -> float:
@@ -674,12 +722,19 @@ def _add_groups(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         "group must have no members)",
     )
     reset.add_argument("group", metavar="GROUP")
-    reset.add_argument(
+    which = reset.add_mutually_exclusive_group(required=True)
+    which.add_argument(
         "--topic",
-        required=True,
         action="append",
-        metavar="TOPIC",
-        help="a topic whose offsets to set (repeat for several, as Kafka's tool)",
+        type=_topic_partitions,
+        metavar="TOPIC[:P,...]",
+        help="a topic whose offsets to set, or only the partitions listed after a colon, "
+        "e.g. orders:0,2 (repeat for several, as Kafka's tool)",
+    )
+    which.add_argument(
+        "--all-topics",
+        action="store_true",
+        help="every partition the group has a committed offset for",
     )
     reset.add_argument(
         "--partition",
@@ -701,6 +756,17 @@ def _add_groups(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         "--to-datetime",
         metavar="ISO8601",
         help="the first record at or after this time, e.g. 2026-11-26T10:00:00Z",
+    )
+    to.add_argument(
+        "--to-current",
+        action="store_true",
+        help="the committed offset (the end for a partition without one), as Kafka's tool",
+    )
+    to.add_argument(
+        "--by-duration",
+        type=_duration_ms,
+        metavar="PnDTnHnMnS",
+        help="the first record at or after now minus this ISO 8601 duration, e.g. PT30M",
     )
     to.add_argument(
         "--shift-by",

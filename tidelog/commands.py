@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from typing import Any, Final
 
 from tidelog.addresses import format_host_port
-from tidelog.admin import Admin, TopicDescription
+from tidelog.admin import Admin, GroupPartitionOffset, TopicDescription
 from tidelog.cli import cut_echoes, echo
 from tidelog.consumer import Consumer
 from tidelog.errors import (
@@ -668,39 +668,31 @@ def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
             f"group {echo(args.group)} has {len(members)} member(s): offsets can be reset "
             "only while it is inactive; stop its consumers first"
         )
-    # Every topic named (--topic may repeat, as in Kafka's tool: the last one alone was
-    # reset, silently, found by an audit).
-    topics = list(dict.fromkeys(args.topic))
-    if args.partition is not None and len(topics) > 1:
-        raise ConfigError("--partition needs exactly one --topic (whose partition it is)")
-    tps: list[tuple[str, int]] = []
-    for topic in topics:
-        partitions = [p.partition for p in admin.describe_topic(topic).partitions]
-        if args.partition is not None:
-            if args.partition not in partitions:
-                raise ConfigError(
-                    f"topic {echo(topic)} has {len(partitions)} partitions; partition "
-                    f"{args.partition} does not exist"
-                )
-            partitions = [args.partition]
-        tps += [(topic, p) for p in partitions]
+    committed = admin.describe_group(args.group)
+    tps = _partitions_to_reset(admin, args, committed)
     earliest = admin.list_offsets(tps, "earliest")
     latest = admin.list_offsets(tps, "latest")
     current = {
         (o.topic, o.partition): o.committed_offset
-        for o in admin.describe_group(args.group)
+        for o in committed
         if (o.topic, o.partition) in earliest
     }
     if args.to_earliest:
         wanted = dict(earliest)
     elif args.to_latest:
         wanted = dict(latest)
+    elif args.to_current:
+        # Kafka's --to-current: a partition without a commit goes to the end.
+        wanted = {tp: current[tp] if current.get(tp, -1) >= 0 else latest[tp] for tp in tps}
     elif args.to_offset is not None:
         wanted = dict.fromkeys(tps, args.to_offset)
-    elif args.to_datetime is not None:
-        at_ms = _parse_datetime_ms(args.to_datetime)
+    elif args.to_datetime is not None or args.by_duration is not None:
+        if args.to_datetime is not None:
+            at_ms = _parse_datetime_ms(args.to_datetime)
+        else:
+            at_ms = max(0, int(time.time() * 1000) - args.by_duration)
         found = admin.list_offsets(tps, at_ms)
-        # No record that recent: the end, as Kafka's --to-datetime.
+        # No record that recent: the end, as Kafka's --to-datetime and --by-duration.
         wanted = {tp: found[tp] if found[tp] >= 0 else latest[tp] for tp in tps}
     else:
         missing = [f"{t}-{p}" for t, p in tps if current.get((t, p), -1) < 0]
@@ -739,6 +731,48 @@ def _reset_offsets(admin: Admin, args: argparse.Namespace) -> int:
         if not args.execute:
             print("(dry run: add --execute to commit these offsets)", file=sys.stderr)
     return 0
+
+
+def _partitions_to_reset(
+    admin: Admin, args: argparse.Namespace, committed: Sequence[GroupPartitionOffset]
+) -> list[tuple[str, int]]:
+    """The partitions --topic (``name`` or ``name:0,2``, repeatable) or --all-topics name,
+    each checked to exist."""
+    if args.all_topics:
+        # Kafka's --all-topics: the partitions the group has committed offsets for.
+        if args.partition is not None:
+            raise ConfigError("--partition needs exactly one --topic (whose partition it is)")
+        found = sorted({(o.topic, o.partition) for o in committed if o.committed_offset >= 0})
+        if not found:
+            raise _no_such_group(args.group)
+        return found
+    # Every topic named (--topic may repeat, as in Kafka's tool: the last one alone was
+    # reset, silently, found by an audit). A topic's partitions: those listed after its
+    # colon (in every mention), else --partition, else all of them.
+    listed: dict[str, set[int] | None] = {}
+    for topic, partitions in args.topic:
+        if partitions is None or (topic in listed and listed[topic] is None):
+            listed[topic] = None
+        else:
+            listed[topic] = (listed.get(topic) or set()) | set(partitions)
+    if args.partition is not None:
+        if len(listed) > 1 or any(named is not None for named in listed.values()):
+            raise ConfigError(
+                "--partition needs exactly one --topic (whose partition it is) with no "
+                "partitions after a colon"
+            )
+        listed = {topic: {args.partition} for topic in listed}
+    tps: list[tuple[str, int]] = []
+    for topic, named in listed.items():
+        partitions = [p.partition for p in admin.describe_topic(topic).partitions]
+        missing = sorted((named or set()) - set(partitions))
+        if missing:
+            raise ConfigError(
+                f"topic {echo(topic)} has {len(partitions)} partitions; partition "
+                f"{', '.join(map(str, missing))} does not exist"
+            )
+        tps += [(topic, p) for p in partitions if named is None or p in named]
+    return tps
 
 
 _EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
