@@ -4,8 +4,11 @@ arguments checked before anything is sent, and admin changes that time out."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +21,7 @@ import tidelog
 import tidelog.client
 from services.gateway.server import ADMIN_TIMEOUT_S, _admin_budget_s
 from tests.support.cluster import GatewayProcess, TestCluster, running_cluster, wait_for
+from tests.support.process import REPO_ROOT, tidelog_env
 from tidelog.admin import (
     BrokerDescription,
     ClusterDescription,
@@ -133,6 +137,38 @@ def test_group_lag_is_per_partition_and_negative_past_the_log_end(
         os.kill(stopped.pid, signal.SIGCONT)
     assert described[1].lag is None and described[1].high_watermark == -1
     assert {p: described[p].lag for p in others} == {p: lags[p] for p in others}
+
+
+def test_topics_describe_says_why_a_partition_has_no_offsets(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """`tidelog topics describe` of a partition whose leader does not answer shows "-"
+    and the leader's error (null and "error" in JSON); it showed -1 with no word why."""
+    admin.create_topic("mute", partitions=3, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic("mute").partitions}
+    stopped = cluster.brokers[leaders[1]]
+
+    def describe(*how: str) -> str:
+        ran = subprocess.run(
+            [sys.executable, "-m", "tidelog", "topics", "describe", "mute", *how],
+            capture_output=True, text=True, timeout=60, check=True, cwd=REPO_ROOT,
+            env={**tidelog_env(), "TIDELOG_GATEWAY": gateway.address},
+        )  # fmt: skip
+        return ran.stdout
+
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        table = describe()
+        (shown,) = json.loads(describe("--output", "json"))
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    row = next(line.split() for line in table.splitlines() if line.split()[:2] == ["mute", "1"])
+    assert row[5:7] == ["-", "-"] and len(row) > 7, table
+    partition = shown["partitions"][1]
+    assert partition["high_watermark"] is None and partition["log_end_offset"] is None
+    assert partition["error"], partition
+    assert shown["partitions"][0]["error"] is None
+    assert shown["partitions"][0]["high_watermark"] == 0
 
 
 @pytest.mark.parametrize("timeout_ms", [0, -1, "30000", 30.0, True, 2**31])

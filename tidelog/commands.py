@@ -103,6 +103,9 @@ def _topic_rows(topics: Sequence[TopicDescription]) -> list[list[Any]]:
     for topic in topics:
         for p in topic.partitions:
             status = "OFFLINE" if p.offline else "UNDER-REPLICATED" if p.under_replicated else ""
+            if p.error:
+                # Its leader did not give the offsets: say why, where -1 stood unexplained.
+                status = f"{status} {cut_echoes(p.error)}".strip()
             rows.append(
                 [
                     topic.name,
@@ -110,8 +113,8 @@ def _topic_rows(topics: Sequence[TopicDescription]) -> list[list[Any]]:
                     p.leader,
                     _ids(p.replicas),
                     _ids(p.isr),
-                    p.high_watermark,
-                    p.log_end_offset,
+                    "-" if p.high_watermark < 0 else p.high_watermark,
+                    "-" if p.log_end_offset < 0 else p.log_end_offset,
                     status,
                 ]
             )
@@ -131,9 +134,11 @@ def _topic_json(topic: TopicDescription) -> dict[str, Any]:
                 "leader_epoch": p.leader_epoch,
                 "replicas": list(p.replicas),
                 "isr": list(p.isr),
-                "high_watermark": p.high_watermark,
-                "log_start_offset": p.log_start_offset,
-                "log_end_offset": p.log_end_offset,
+                # null, and the error, when the leader did not give them
+                "high_watermark": None if p.high_watermark < 0 else p.high_watermark,
+                "log_start_offset": None if p.log_start_offset < 0 else p.log_start_offset,
+                "log_end_offset": None if p.log_end_offset < 0 else p.log_end_offset,
+                "error": p.error or None,
                 "under_replicated": p.under_replicated,
                 "offline": p.offline,
             }
