@@ -22,13 +22,14 @@ import tidelog
 from services.gateway.group_coordinator import MAX_PENDING_MEMBERS, timer_key
 from services.gateway.groups import Committed, OffsetStore
 from services.gateway.metadata_cache import MetadataCache
-from services.metastore import MetaStore
+from services.metastore import Compare, MetaStore
 from tests.support.cluster import GatewayProcess, TestCluster, rpc_error_code, wait_for
 from tests.support.tcp_proxy import TcpProxy
 from tidelog.errors import (
     ErrorCode,
     FencedInstanceIdError,
     IllegalGenerationError,
+    NonEmptyGroupError,
     RebalanceInProgressError,
     RequestTimedOutError,
     UnknownMemberIdError,
@@ -1119,6 +1120,58 @@ def test_a_commit_whose_deadline_passed_writes_nothing(
         )
         assert [o.error for o in outcomes] == [None]
         assert offsets.fetch("late-committers", [("late-commit", 0)])[0].offset == 5
+    finally:
+        cache.stop()
+        store.close()
+
+
+def test_deleting_a_group_of_many_offsets_is_all_or_nothing(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """DeleteGroup of more offsets than one etcd transaction took (50) deleted them 50 at
+    a time: a member joining in between left the group with a part of its offsets and the
+    caller with NON_EMPTY_GROUP, as if nothing had been deleted (found by an audit). The
+    member joins here right after the first transaction; the outcome must be all deleted
+    or none."""
+    admin.create_topic("many-offsets", partitions=60, replication_factor=1)
+    committed = {("many-offsets", p): p for p in range(60)}
+    admin.alter_group_offsets("wide", committed)
+    store = MetaStore(cluster.etcd.endpoint, cluster=cluster.cluster)
+    cache = MetadataCache(store)
+    joined_key = "test/wide-member-joined"
+
+    class JoinAfterFirstTxn:
+        """The real store; a member "joins" (a key the guard compares) after one txn."""
+
+        def __init__(self) -> None:
+            self.txns = 0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def txn(self, *args: Any, **kwargs: Any) -> Any:
+            result = store.txn(*args, **kwargs)
+            self.txns += 1
+            if self.txns == 1:
+                store.put(joined_key, b"member")
+            return result
+
+    def guard() -> list[Compare]:
+        if store.get(joined_key) is not None:
+            raise NonEmptyGroupError("group 'wide' has 1 member(s)")
+        return [Compare.absent(joined_key)]
+
+    try:
+        cache.start(10)
+        offsets = OffsetStore(JoinAfterFirstTxn(), cache)  # type: ignore[arg-type]
+        try:
+            outcome: object = offsets.delete_group("wide", guard)
+        except NonEmptyGroupError as refused:
+            outcome = refused
+        left = {(o.topic, o.partition): o.committed_offset for o in admin.describe_group("wide")}
+        all_deleted = outcome == 60 and left == {}
+        none_deleted = isinstance(outcome, NonEmptyGroupError) and left == committed
+        assert all_deleted or none_deleted, (outcome, len(left))
     finally:
         cache.stop()
         store.close()

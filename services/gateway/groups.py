@@ -36,7 +36,15 @@ from urllib.parse import quote, unquote
 
 from services.cluster_metadata import GROUPS_PREFIX
 from services.gateway.metadata_cache import MetadataCache, MetadataView
-from services.metastore import Compare, DeleteOp, KeyValue, MetaStore, MetaStoreError, PutOp
+from services.metastore import (
+    Compare,
+    DeleteOp,
+    DeleteResult,
+    KeyValue,
+    MetaStore,
+    MetaStoreError,
+    PutOp,
+)
 from tidelog.errors import (
     GroupIdNotFoundError,
     InconsistentTopicIdError,
@@ -104,8 +112,6 @@ def offset_key(group_id: str, topic: str, partition: int) -> str:
 
 
 GUARD_ATTEMPTS: Final = 10
-DELETE_KEYS_PER_TXN: Final = 50
-"""A compare and a delete each, under etcd's default --max-txn-ops of 128."""
 
 
 def _txn_ranges(writes: list[PutOp]) -> list[tuple[int, int]]:
@@ -326,28 +332,21 @@ class OffsetStore:
         """Delete every committed offset of the group (Kafka's DeleteGroups); how many.
 
         ``guard`` (``GroupCoordinator.inactive_guard``) raises NonEmptyGroupError while
-        the group has members and gives the compare that keeps it memberless; each
-        transaction also compares every key's revision (a commit landing meanwhile
-        keeps its offset, and the call says so)."""
+        the group has members and gives the compare that keeps it memberless. One
+        transaction deletes the group's whole key range: all or nothing, however many
+        offsets (50 per transaction deleted a part, then answered NON_EMPTY_GROUP when a
+        member joined in between). A commit racing the call lands before the delete (and
+        goes with it) or after it (and stays), as with Kafka's coordinator."""
         check_group_id(group_id)
-        compares = guard()
-        kvs = self._store.get_prefix(group_prefix(group_id))
-        if not kvs:
+        result = self._store.txn(guard(), [DeleteOp(group_prefix(group_id), prefix=True)])
+        if not result.succeeded:
+            guard()  # the group got members: say so
+            raise RebalanceInProgressError(
+                f"group {group_id!r} changed while it was deleted (nothing deleted): try again"
+            )
+        deleted = sum(r.deleted for r in result.responses if isinstance(r, DeleteResult))
+        if not deleted:
             raise GroupIdNotFoundError(f"group {group_id!r} has no committed offsets")
-        deleted = 0
-        for start in range(0, len(kvs), DELETE_KEYS_PER_TXN):
-            chunk = kvs[start : start + DELETE_KEYS_PER_TXN]
-            checks = [
-                *compares,
-                *(Compare.mod_revision_is(kv.key, kv.mod_revision) for kv in chunk),
-            ]
-            if not self._store.txn(checks, [DeleteOp(kv.key) for kv in chunk]).succeeded:
-                guard()  # the group got members: say so; else a commit raced this call
-                raise RebalanceInProgressError(
-                    f"group {group_id!r} committed while it was deleted ({deleted} offsets "
-                    "deleted): try again"
-                )
-            deleted += len(chunk)
         _log.info("group_deleted", group=group_id, offsets=deleted)
         return deleted
 
