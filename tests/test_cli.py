@@ -546,6 +546,42 @@ def test_reset_offsets_takes_kafkas_partition_lists_and_targets(dev: DevProcess)
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
 
 
+def test_reset_offsets_to_datetime_reads_a_time_without_a_zone_as_local(
+    dev: DevProcess,
+) -> None:
+    """--to-datetime goes to the first record at or after the time, to the ms; a time
+    with no zone is local time, as Kafka's tool reads it (it was read as UTC)."""
+    g = dev.gateway
+    tidelog("topics", "create", "dated", gateway=g)
+    base_ms = 1_000_000_000_000  # 2001-09-09T01:46:40Z
+    with tidelog_sdk.Producer(g) as producer:
+        for i in range(4):
+            producer.send("dated", b"v", partition=0, timestamp_ms=base_ms + i * 60_000)
+        producer.flush()
+
+    def new_offset(when: str, zone: str = "UTC") -> int:
+        ran = subprocess.run(
+            [sys.executable, "-m", "tidelog", "groups", "reset-offsets", "dated-readers",
+             "--topic", "dated", "--to-datetime", when, "--output", "json"],
+            capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=True,
+            env={**tidelog_env(), "TIDELOG_GATEWAY": g, "TZ": zone},
+        )  # fmt: skip
+        return int(json.loads(ran.stdout)["offsets"][0]["new"])
+
+    assert new_offset("2001-09-09T01:46:40Z") == 0
+    assert new_offset("2001-09-09T01:46:40.001Z") == 1  # the next record at or after
+    assert new_offset("2001-09-09T03:48:40+02:00") == 2
+    assert new_offset("2001-09-09T10:48:40", zone="JST-9") == 2  # local: UTC+9
+    assert new_offset("2001-09-09T01:48:40", zone="UTC") == 2
+    assert new_offset("2001-09-09T02:00:00Z") == 4  # no record that recent: the end
+    for bad, why in (("yesterday", "not an ISO 8601 time"), ("1969-12-31T00:00:00Z", "1970")):
+        refused = tidelog(
+            "groups", "reset-offsets", "dated-readers", "--topic", "dated",
+            "--to-datetime", bad, gateway=g, check=False,
+        )  # fmt: skip
+        assert why in _one_line_failure(refused)
+
+
 def test_dev_with_a_file_for_its_data_directory_is_one_line(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "afile"
     not_a_dir.write_text("")

@@ -755,7 +755,8 @@ def _add_groups(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     to.add_argument(
         "--to-datetime",
         metavar="ISO8601",
-        help="the first record at or after this time, e.g. 2026-11-26T10:00:00Z",
+        help="the first record at or after this time, e.g. 2026-11-26T10:00:00Z (with no "
+        "zone: local time)",
     )
     to.add_argument(
         "--to-current",

@@ -784,15 +784,16 @@ _EPOCH: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 def _parse_datetime_ms(text: str) -> int:
-    """An ISO 8601 time (a missing zone means UTC) as ms since the epoch."""
+    """An ISO 8601 time as ms since the epoch; with no zone, the local time, as Kafka's
+    kafka-consumer-groups reads it (it was read as UTC)."""
     try:
         moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
+        if moment.tzinfo is None:
+            moment = moment.astimezone()  # the local zone (TZ), its offset on that date
+    except (ValueError, OverflowError, OSError):  # (astimezone: years 1 and 9999)
         raise ConfigError(
             f"--to-datetime {echo(text)} is not an ISO 8601 time (e.g. 2026-11-26T10:00:00Z)"
         ) from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=datetime.UTC)
     # Exact integer arithmetic: a float's rounding put some times 1 ms early.
     ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1)
     if ms < 0:
