@@ -812,6 +812,34 @@ def test_waiting_fetch_keeps_what_each_wake_up_found(storage_node: StorageProces
     assert values_of(list(decode_batches(two.records)[0].records)) == [b"b" * 500]
 
 
+def test_a_fetch_whose_byte_budget_left_data_out_answers_without_waiting(
+    storage_node: StorageProcess,
+) -> None:
+    """Below min_bytes, but another partition's batch was left out only because the
+    response's max_bytes had no room for it: waiting cannot change the answer, and Kafka
+    answers at once. The fetch slept out its whole max_wait_ms (found by an audit)."""
+    stub = storage_node.stub
+    for topic in ("budget-a", "budget-b"):
+        make_leader(stub, topic)
+    assert code(append(stub, "budget-a", encode_batch([b"a" * 3000]), acks=1).error) == 0
+    assert code(append(stub, "budget-b", encode_batch([b"b" * 9000]), acks=1).error) == 0
+    request = storage_pb2.FetchRequest(
+        replica_id=-1,
+        max_wait_ms=20_000,
+        min_bytes=5000,
+        max_bytes=10_000,
+        partitions=[
+            storage_pb2.FetchPartition(topic=t, partition=0, fetch_offset=0)
+            for t in ("budget-a", "budget-b")
+        ],
+    )
+    started = time.monotonic()
+    response = stub.Fetch(request, timeout=RPC_TIMEOUT_S)
+    assert time.monotonic() - started < 10, "it waited out max_wait_ms with its answer ready"
+    assert [code(r.error) for r in response.partitions] == [0, 0]
+    assert response.partitions[0].records and not response.partitions[1].records
+
+
 # --- bad input: precise status, nothing written ----------------------------------------
 
 

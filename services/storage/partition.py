@@ -154,6 +154,9 @@ class ReadResult:
     # truncate to (diverging_epoch, diverging_end_offset). -1 when no divergence.
     diverging_epoch: int = -1
     diverging_end_offset: int = -1
+    # Set by the server when a fetch response's byte budget left this read's data out
+    # (for the next fetch): data is there, and waiting cannot make room for it.
+    left_out: bool = False
 
 
 @dataclass(frozen=True, slots=True)
