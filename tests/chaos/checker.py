@@ -13,6 +13,14 @@ Checks (issue 9):
 - every consumer's reads of a partition have strictly increasing offsets (``non_monotonic``)
   and each read is the record the final log has at that offset — a read can neither be
   of a record that later vanished nor disagree with the final log (``vanished_reads``);
+- every consumer's reads of a partition are contiguous, from the final log's first
+  offset on (``skipped``: a record it was never handed), and reach the high watermark
+  (``stalled``: a consumer that stopped short of the end). The topic has no compaction,
+  transactions or retention in a run, and a reader restarted after an error seeks to the
+  offset after the last record it was handed (``workload.py``), so a record missing from
+  a consumer's reads is a record the consumer lost;
+- no thread of the workload died and every answer was recorded (``thread_errors``), and
+  every writer had a value acknowledged (``idle_writers``);
 - replicas hold byte-identical batches below the high watermark (``divergent``): all of
   them when every replica is in sync at the end; one that lags (outside the ISR) must
   hold a prefix of the longest's.
@@ -47,6 +55,14 @@ class Verdict:
     non_monotonic: int = 0
     vanished_reads: int = 0
     divergent: int = 0
+    # Consumers' reads that jumped past a record, (consumer, partition)s whose reads end
+    # short of the HW, workload threads that died, writers never acknowledged: each
+    # passed before (found by an audit).
+    skipped: int = 0
+    stalled: int = 0
+    thread_errors: int = 0
+    idle_writers: int = 0
+    consumer_errors: int = 0  # polls that failed (under faults, expected): for the record
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -60,6 +76,10 @@ class Verdict:
             or self.non_monotonic
             or self.vanished_reads
             or self.divergent
+            or self.skipped
+            or self.stalled
+            or self.thread_errors
+            or self.idle_writers
         )
 
     def note(self, text: str) -> None:
@@ -72,7 +92,10 @@ class Verdict:
             f"{self.final_records} records, {self.reads} consumer reads; lost {self.lost}, "
             f"duplicated {self.duplicated}, gaps {self.gaps}, reordered {self.reordered}, "
             f"corrupt {self.corrupt}, non-monotonic reads {self.non_monotonic}, vanished "
-            f"reads {self.vanished_reads}, divergent replicas {self.divergent}"
+            f"reads {self.vanished_reads}, divergent replicas {self.divergent}, skipped reads "
+            f"{self.skipped}, stalled consumers {self.stalled}, workload errors "
+            f"{self.thread_errors}, writers never acknowledged {self.idle_writers} "
+            f"({self.consumer_errors} failed polls)"
             + ("" if self.ok else "; e.g. " + "; ".join(self.examples[:8]))
         )
 
@@ -96,7 +119,11 @@ def check(
         failed=len(history.failed),
         final_records=sum(len(records) for records in final_log.values()),
         reads=sum(len(reads) for reads in history.reads.values()),
+        thread_errors=len(history.thread_errors),
+        consumer_errors=history.consumer_errors,
     )
+    for error in history.thread_errors:
+        verdict.note(f"workload: {error}")
     at: dict[tuple[int, int], bytes] = {}
     counts: Counter[bytes] = Counter()
     for partition, records in final_log.items():
@@ -130,13 +157,35 @@ def check(
             verdict.lost += 1
             found = "absent" if counts[value] == 0 else "elsewhere"
             verdict.note(f"acked {value[:24]!r} at {partition}@{offset} is {found}")
+    acked_writers = {parsed[0] for value in history.acked if (parsed := parse_value(value))}
+    for writer in range(history.writers):
+        if writer not in acked_writers:
+            verdict.idle_writers += 1
+            verdict.note(f"writer {writer} had no value acknowledged")
+    # Where each partition's reads must start (the final log's first offset) and reach
+    # (the HW the consumers were waited for; without one, the final log's end).
+    starts: dict[int, int] = {}
+    ends: dict[int, int] = {}
+    for partition in sorted(set(final_log) | set(high_watermarks or {})):
+        records = final_log.get(partition, [])
+        end = records[-1][0] + 1 if records else 0
+        if high_watermarks is not None and partition in high_watermarks:
+            end = high_watermarks[partition]
+        starts[partition] = records[0][0] if records else end
+        ends[partition] = end
     for name, reads in history.reads.items():
         last_offset: dict[int, int] = {}
         for partition, offset, value in reads:
-            if offset <= last_offset.get(partition, -1):
+            expected = last_offset.get(partition, starts.get(partition, 0) - 1) + 1
+            if offset < expected and partition in last_offset:
                 verdict.non_monotonic += 1
                 verdict.note(
                     f"consumer {name} read {partition}@{offset} after {last_offset[partition]}"
+                )
+            elif offset > expected:
+                verdict.skipped += offset - expected
+                verdict.note(
+                    f"consumer {name} read {partition}@{offset} next, not {partition}@{expected}"
                 )
             last_offset[partition] = offset
             if at.get((partition, offset)) != value:
@@ -145,6 +194,11 @@ def check(
                     f"consumer {name} read {value[:24]!r} at {partition}@{offset}; "
                     "the final log differs"
                 )
+        for partition, end in ends.items():
+            reached = last_offset.get(partition, starts[partition] - 1) + 1
+            if reached < end:
+                verdict.stalled += 1
+                verdict.note(f"consumer {name} read {partition} up to {reached}, not {end}")
     for partition, by_broker in (replicas or {}).items():
         hw = (high_watermarks or {}).get(partition, 0)
         below = {b: [x for x in batches if x[1] < hw] for b, batches in by_broker.items()}

@@ -13,7 +13,10 @@ Checked afterwards:
 - every acknowledged record was processed by some member (at least once);
 - no committed offset ever went backwards (every commit replayed from etcd's history:
   a fenced member overwriting its successor's commit would show as a regression);
-- the group was Stable again after every fault and after the last (times reported).
+- the group was Stable again after every fault and after the last (times reported);
+- the run tested something: records acknowledged, faults injected, commits replayed;
+- no member, gateway or etcd exited by itself (each is checked before every fault and
+  at the end), and the producer thread did not die.
 
 ``python -m tests.chaos.groups --seconds 75 --faults members,gateway,etcd --mode manual``
 (``make chaos`` runs several seeds and both commit modes); ``tests/chaos/test_chaos.py``
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
@@ -59,6 +63,11 @@ class GroupChaosReport:
     regressions: list[str] = field(default_factory=list)
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULT_KINDS, 0))
     convergence_s: list[float | None] = field(default_factory=list)
+    # Processes found exited that no fault stopped, and the producer thread's death: each
+    # fails the run, as a run that acknowledged nothing, injected nothing or replayed no
+    # commit does (``make chaos`` passed those; found by an audit).
+    unexpected_exits: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -66,6 +75,11 @@ class GroupChaosReport:
             not self.missing
             and not self.regressions
             and all(c is not None for c in self.convergence_s)
+            and not self.unexpected_exits
+            and not self.errors
+            and self.acked > 0
+            and sum(self.faults.values()) > 0
+            and self.commits_replayed > 0
         )
 
     def describe(self) -> str:
@@ -75,7 +89,8 @@ class GroupChaosReport:
             f"commits replayed {self.commits_replayed}, regressions {len(self.regressions)} "
             f"{self.regressions[:5]}, faults {self.faults}, stable again within "
             f"{max(known, default=0):.2f} s (never: "
-            f"{sum(c is None for c in self.convergence_s)})"
+            f"{sum(c is None for c in self.convergence_s)}), exited by themselves: "
+            f"{self.unexpected_exits or 'none'}, errors: {self.errors or 'none'}"
         )
 
 
@@ -91,6 +106,8 @@ class _Run:
         self.members: dict[int, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
         self.acked: list[str] = []
+        self.errors: list[str] = []
+        self.unexpected_exits: list[str] = []
         self.stop = threading.Event()
 
     def start_member(self, i: int) -> None:
@@ -118,6 +135,13 @@ class _Run:
         return handle
 
     def produce(self, address: str) -> None:
+        """The producer thread's body: dying of anything is recorded, and fails the run."""
+        try:
+            self._produce(address)
+        except BaseException as exc:  # any way of dying fails the run
+            self.errors.append(f"producer: {''.join(traceback.format_exception_only(exc))}")
+
+    def _produce(self, address: str) -> None:
         n = 0
         with tidelog.Producer(address, delivery_timeout_ms=20_000) as producer:
             while not self.stop.is_set():
@@ -160,7 +184,34 @@ class _Run:
             time.sleep(0.1)
         return None
 
+    def find_exits(self, *, restart: bool = True) -> None:
+        """Records every member, members' gateway and etcd that exited though no fault
+        stopped it, and starts it again if ``restart``. Before a fault too: one that
+        crashed just before a kill was killed "again" and restarted, and the crash was
+        never seen (found by an audit)."""
+        then = "restarted" if restart else "not restarted"
+        for i, process in sorted(self.members.items()):
+            if process.poll() is not None:
+                self.unexpected_exits.append(f"member {i} (status {process.returncode})")
+                print(f"member {i} exited by itself, status {process.returncode}: {then}")
+                if restart:
+                    self.start_member(i)
+        for j, gateway in enumerate(self.gateways):
+            if gateway.proc.poll() is not None:
+                self.unexpected_exits.append(f"gateway {j} (status {gateway.proc.returncode})")
+                print(f"gateway {j} exited by itself: {then}")
+                if restart:
+                    self.gateways[j] = self.cluster.start_gateway(
+                        ["--listen", f"127.0.0.1:{self.ports[j]}"]
+                    )
+        if not self.cluster.etcd.is_running():
+            self.unexpected_exits.append("etcd")
+            print(f"etcd exited by itself: {then}")
+            if restart:
+                self.cluster.etcd.start()
+
     def inject(self, kind: str, rng: random.Random) -> None:
+        self.find_exits()
         if kind == "members":
             i = rng.randrange(MEMBERS)
             self.members[i].send_signal(signal.SIGKILL)
@@ -267,7 +318,12 @@ def run_group_chaos(
                 time.sleep(1)
             report.missing = sorted(acked - run.processed(), key=lambda v: int(v[1:]))
             run.commit_regressions(report)
+            run.find_exits(restart=False)
+            if producing.is_alive():
+                run.errors.append("producer: still running 60 s after the stop")
         finally:
+            report.unexpected_exits = run.unexpected_exits
+            report.errors = run.errors
             run.close()
     return report
 

@@ -125,37 +125,60 @@ class Nemesis:
 
     def run(self, faults: list[Fault]) -> NemesisLog:
         for fault in faults:
+            # A node that exited by itself since the last heal (while it waited, say) is
+            # found before a fault can kill it: ``Node.kill`` does nothing to an exited
+            # process, the fault restarted it, and the crash was never reported (found by
+            # an audit).
+            if self.find_exits():
+                self.cluster.wait_healthy(self.topic, HEAL_TIMEOUT_S)
             getattr(self, fault.kind)(fault)
             self.heal()
         return self.log
 
     # --- healing -------------------------------------------------------------------------
 
-    def _exited_by_itself(self, name: str, node: Node) -> None:
+    def _exited_by_itself(self, name: str, node: Node, restart: bool) -> None:
         """``node`` is not running and no fault stopped it (every fault restarts what it
         stops): a crash of the product, which fails the run."""
         status = None if node.process is None else node.process.proc.returncode
         self.log.unexpected_exits.append(f"{name} exited by itself (status {status})")
-        self._say(f"{name} exited by itself, status {status}: restarted; the run fails")
+        then = "restarted; " if restart else ""
+        self._say(f"{name} exited by itself, status {status}: {then}the run fails")
+
+    def find_exits(self, *, restart: bool = True) -> bool:
+        """Records every node (etcd, controller, broker) that is not running, and starts
+        it again if ``restart``: between faults, nothing stopped it but itself. True if
+        one was found."""
+        cluster = self.cluster
+        found = False
+        if not cluster.etcd.is_running():
+            found = True
+            then = "restarted; " if restart else ""
+            self.log.unexpected_exits.append("etcd exited by itself")
+            self._say(f"etcd exited by itself: {then}the run fails")
+            if restart:
+                cluster.etcd.start()
+        for controller_id, node in cluster.controllers.items():
+            node.resume()
+            if not node.running:
+                found = True
+                self._exited_by_itself(f"controller {controller_id}", node, restart)
+                if restart:
+                    cluster.start_controller(controller_id)
+        for broker_id, node in cluster.brokers.items():
+            node.resume()
+            if not node.running:
+                found = True
+                self._exited_by_itself(f"broker {broker_id}", node, restart)
+                if restart:
+                    cluster.start_broker(broker_id)
+        return found
 
     def heal(self) -> None:
         cluster = self.cluster
         if cluster.network is not None:
             cluster.network.heal_all()
-        if not cluster.etcd.is_running():
-            self.log.unexpected_exits.append("etcd exited by itself")
-            self._say("etcd exited by itself: restarted; the run fails")
-            cluster.etcd.start()
-        for controller_id, node in cluster.controllers.items():
-            node.resume()
-            if not node.running:
-                self._exited_by_itself(f"controller {controller_id}", node)
-                cluster.start_controller(controller_id)
-        for broker_id, node in cluster.brokers.items():
-            node.resume()
-            if not node.running:
-                self._exited_by_itself(f"broker {broker_id}", node)
-                cluster.start_broker(broker_id)
+        self.find_exits()
         if not cluster.wait_healthy(self.topic, HEAL_TIMEOUT_S):
             self.log.unhealed += 1
             self._say("cluster did not regain full ISRs in time")

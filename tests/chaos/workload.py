@@ -14,7 +14,9 @@ derived from the same fields, so the checker can tell a value it never wrote, a 
 one, and which writer and sequence number a value carries (for the order check).
 
 The history is plain data (``History``) so the checker is a pure function of it and
-can be tested on doctored histories.
+can be tested on doctored histories. A thread of the workload that dies of anything, or
+an answer the workload cannot record, is written into it too (``thread_errors``): the
+run fails on it rather than going on with fewer writers or readers.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import traceback
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tidelog.consumer import Consumer
@@ -70,6 +74,19 @@ class History:
     # consumer name -> [(partition, offset, value)] in the order polled
     reads: dict[str, list[tuple[int, int, bytes]]] = field(default_factory=dict)
     consumer_errors: int = 0
+    # how many writers ran (w0..w<writers-1>): each must have had a value acknowledged
+    writers: int = 0
+    # a workload thread that died of an exception (an SDK bug; before, it went to stderr
+    # and the run went on without it), an answer that could not be recorded, a thread
+    # that did not stop: each fails the run (found by an audit)
+    thread_errors: list[str] = field(default_factory=list)
+
+
+def describe_error(exc: BaseException) -> str:
+    """``exc`` and where it was raised, in a line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{exc!r}{where}"
 
 
 class Workload:
@@ -88,7 +105,7 @@ class Workload:
         self.gateway = gateway
         self.topic = topic
         self.partitions = partitions
-        self.history = History()
+        self.history = History(writers=writers)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._stop_consumers = threading.Event()
@@ -115,9 +132,7 @@ class Workload:
     def stop_writers(self, flush_timeout_s: float) -> None:
         """Stop sending, then wait for every outstanding send to be answered."""
         self._stop.set()
-        for thread in self._threads:
-            if thread.name.startswith("chaos-writer"):
-                thread.join(flush_timeout_s + 10)
+        self._join("chaos-writer", flush_timeout_s + 10)
         for producer in self._producers:
             # What is still unanswered after the timeout stays neither acked nor failed.
             with contextlib.suppress(TidelogError):
@@ -125,13 +140,28 @@ class Workload:
 
     def stop_readers(self) -> None:
         self._stop_consumers.set()
+        self._join("chaos-reader", 30)
+
+    def _join(self, prefix: str, timeout_s: float) -> None:
         for thread in self._threads:
-            if thread.name.startswith("chaos-reader"):
-                thread.join(30)
+            if thread.name.startswith(prefix) and thread.ident is not None:
+                thread.join(timeout_s)
+                if thread.is_alive():
+                    self._thread_error(thread.name, f"still running {timeout_s:.0f} s after stop")
+
+    def _thread_error(self, name: str, text: str) -> None:
+        with self._lock:
+            self.history.thread_errors.append(f"{name}: {text}")
 
     # --- writers --------------------------------------------------------------------------
 
     def _write(self, writer: int) -> None:
+        try:
+            self._write_values(writer)
+        except BaseException as exc:  # any way of dying fails the run
+            self._thread_error(f"chaos-writer-{writer}", describe_error(exc))
+
+    def _write_values(self, writer: int) -> None:
         direct = writer % 2 == 1
         producer = Producer(
             self.gateway,
@@ -164,10 +194,12 @@ class Workload:
                     self.history.sent += count
                     for value in values:
                         self.history.failed[value] = f"send: {exc}"
-                continue
-            with self._lock:
-                self.history.sent += count
-            future.add_done_callback(self._on_answer(values))
+            else:
+                with self._lock:
+                    self.history.sent += count
+                future.add_done_callback(self._on_answer(values))
+            # Paced whether the send was taken or refused: one that fails at once used to
+            # skip this, and the writer spun at CPU speed (found by an audit).
             next_at += interval_s * count
             delay = next_at - time.monotonic()
             if delay > 0:
@@ -177,9 +209,12 @@ class Workload:
 
     def _on_answer(self, values: list[bytes]) -> Callable[[Future[Any]], None]:
         """Records the answer of a ``send`` (one value) or a ``send_batch`` (a failure
-        fails every value of it: each may or may not have been written)."""
+        fails every value of it: each may or may not have been written). An answer that
+        cannot be recorded (not one offset per value, say) fails every value and the run:
+        an exception here went to ``concurrent.futures``' log, and the values were
+        neither acknowledged nor failed (found by an audit)."""
 
-        def done(future: Future[Any]) -> None:
+        def record(future: Future[Any]) -> None:
             error = future.exception()
             with self._lock:
                 if error is not None:
@@ -188,17 +223,40 @@ class Workload:
                     return
                 result = future.result()
                 metadata = [result] if isinstance(result, RecordMetadata) else list(result)
-                for value, record in zip(values, metadata, strict=True):
-                    self.history.acked[value] = (record.partition, record.offset)
+                if len(metadata) != len(values):
+                    raise ValueError(f"{len(metadata)} offsets answered for {len(values)} values")
+                for value, entry in zip(values, metadata, strict=True):
+                    self.history.acked[value] = (entry.partition, entry.offset)
+
+        def done(future: Future[Any]) -> None:
+            try:
+                record(future)
+            except BaseException as exc:  # recorded: the run fails
+                text = describe_error(exc)
+                with self._lock:
+                    self.history.thread_errors.append(f"answer to {len(values)} values: {text}")
+                    for value in values:
+                        if value not in self.history.acked:
+                            self.history.failed[value] = f"unrecorded answer: {text}"
 
         return done
 
     # --- readers --------------------------------------------------------------------------
 
     def _read(self, name: str, direct: bool) -> None:
+        """A reader from offset 0 of every partition to the end. After a failed poll it
+        starts a new consumer at the offset after the last record it was handed (in
+        ``positions``), so its reads of a partition are contiguous from the log start
+        however often it restarts: the checker requires that."""
         reads: list[tuple[int, int, bytes]] = []
         with self._lock:
             self.history.reads[name] = reads
+        try:
+            self._read_records(reads, direct)
+        except BaseException as exc:  # any way of dying fails the run
+            self._thread_error(f"chaos-reader {name}", describe_error(exc))
+
+    def _read_records(self, reads: list[tuple[int, int, bytes]], direct: bool) -> None:
         positions = dict.fromkeys(range(self.partitions), 0)
         while not self._stop_consumers.is_set():
             consumer = None
@@ -224,7 +282,8 @@ class Workload:
                 self._stop_consumers.wait(0.2)
             finally:
                 if consumer is not None:
-                    consumer.close()
+                    with contextlib.suppress(TidelogError):
+                        consumer.close()
 
 
 def read_all(
