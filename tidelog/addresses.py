@@ -10,8 +10,12 @@ from __future__ import annotations
 import re
 from typing import Final
 
+# A host name or IPv4 address of ASCII letters, digits, '.', '-' and '_', or an IPv6
+# address in brackets; an ASCII port. Spaces (a quoted YAML value) and other scripts'
+# digits passed, and gRPC's resolver then failed every call with a retriable error.
 _HOST_PORT: Final = re.compile(
-    r"^(?:\[(?P<ipv6>[0-9a-fA-F:.]+)\]|(?P<host>[^:\[\]]+)):(?P<port>\d{1,5})$"
+    r"(?:\[(?P<ipv6>[0-9a-fA-F:.]+)\]|(?P<host>[A-Za-z0-9._-]+)):(?P<port>[0-9]{1,5})",
+    re.ASCII,
 )
 _ECHO_MAX_CHARS: Final = 80
 
@@ -25,7 +29,7 @@ def _quoted(text: str) -> str:
 def parse_host_port(text: str) -> tuple[str, int]:
     """``"127.0.0.1:9092"`` -> ``("127.0.0.1", 9092)``; ``"[::1]:0"`` -> ``("::1", 0)``.
     Raises ValueError with a message for people."""
-    match = _HOST_PORT.match(text)
+    match = _HOST_PORT.fullmatch(text)
     if match is None:
         raise ValueError(f"{_quoted(text)} is not HOST:PORT")
     port = int(match["port"])

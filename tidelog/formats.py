@@ -113,6 +113,8 @@ MAX_PARTITIONS_PER_REQUEST: Final = 10_000
 CommitOffsets, FetchOffsets); the SDK splits larger asks."""
 NO_TIMESTAMP: Final = -1
 """A batch timestamp meaning "none" (Kafka's RecordBatch.NO_TIMESTAMP)."""
+MAX_TOPICS_PER_REQUEST: Final = 1_000
+"""Topics one DescribeTopics request may name (the SDK splits longer lists)."""
 
 # --- offset and time indexes -----------------------------------------------------------
 

@@ -35,6 +35,7 @@ from services.cluster_metadata import (
     BROKERS_PREFIX,
     CLUSTER_ID_KEY,
     CONTROLLER_KEY,
+    DELETIONS_PREFIX,
     PARTITIONS_PREFIX,
     TOPICS_PREFIX,
     ControllerInfo,
@@ -432,6 +433,18 @@ class MetadataCache:
                     )
                 )
         return reads
+
+    def pending_deletions(self, deadline: float) -> set[str]:
+        """The topics whose deletion the controller has not completed (``deletions/<t>``:
+        replicas on live brokers not yet deleted, or their groups' offsets), read from
+        etcd within ``deadline`` (``time.monotonic()``). Raises MetaStoreError."""
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            raise MetaStoreUnavailableError("no time left to read the pending deletions")
+        result = self._store.txn([], [GetOp(DELETIONS_PREFIX, prefix=True)], timeout_s=remaining_s)
+        (response,) = result.responses
+        kvs = response.kvs if isinstance(response, GetResult) else []
+        return {kv.key.removeprefix(DELETIONS_PREFIX) for kv in kvs}
 
     @property
     def stopped(self) -> bool:

@@ -38,6 +38,7 @@ from tidelog.errors import (
     UnknownMemberIdError,
     UnknownServerError,
 )
+from tidelog.formats import MAX_TOPICS_PER_REQUEST
 from tidelog.logging import get_logger
 from tidelog.v1 import (
     common_pb2,
@@ -51,7 +52,6 @@ _log = get_logger(component="gateway.server")
 
 ADMIN_TIMEOUT_S: Final = 30.0
 """Default budget of an admin call, including the wait for the metadata to show it."""
-MAX_TOPICS_PER_REQUEST: Final = 1_000
 MAX_METADATA_TOPICS: Final = 10_000
 """Distinct topics one Metadata request may name (clients subscribed to many topics ask
 for all of them at once, so this is above the admin limit)."""
@@ -374,6 +374,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
         )
         deleted = [r.name for r in response.topics if r.error.code == common_pb2.NONE]
         self._await_topic_keys(deadline, deleted, MetadataView.shows)
+        self._await_deletions(deadline, deleted)
         return response
 
     @unary_errors
@@ -431,6 +432,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):  # type: ignore[misc]
             _log.warning("admin_change_not_checked", error=str(exc))
             return
         self._await(deadline, lambda view: all(shown(view, read) for read in reads))
+
+    def _await_deletions(self, deadline: float, names: Sequence[str]) -> None:
+        """Wait (bounded) until the controller has completed these topics' deletions, so
+        that the next call may create the names again: the controller refuses a name
+        whose deletion is pending (the replicas on live brokers, then the groups'
+        offsets), and a delete followed at once by a create of the same name was refused
+        (found by an audit; Kafka's KRaft takes the name back at once). Out of time, the
+        answer comes first: the deletion completes on its own."""
+        pause_s = DELETION_POLL_FIRST_S
+        while names and not self._cache.stopped:
+            try:
+                pending = self._cache.pending_deletions(deadline)
+            except MetaStoreError as exc:
+                _log.warning("topic_deletion_not_checked", error=str(exc))
+                return
+            names = [name for name in names if name in pending]
+            remaining_s = deadline - time.monotonic()
+            if not names or remaining_s <= 0:
+                if names:
+                    _log.warning("topic_deletion_not_yet_complete", topics=names[:10])
+                return
+            # Woken early by any metadata change; the deletion record itself is not in
+            # the view, so it is polled, backing off (the controller completes a deletion
+            # within a few of its housekeeping ticks of 0.25 s).
+            self._cache.wait_for_change(self._cache.version, min(pause_s, remaining_s))
+            pause_s = min(pause_s * 2, DELETION_POLL_MAX_S)
 
     def _await(self, deadline: float, condition: Callable[[MetadataView], bool]) -> None:
         """Wait (bounded) until this gateway's metadata shows an admin change. The change
@@ -612,6 +639,10 @@ _KAFKA_GROUP_STATES: Final = {
 
 COMMIT_TIMEOUT_S: Final = 30.0
 """The longest a CommitOffsets keeps starting transactions (or less: the call's deadline)."""
+
+DELETION_POLL_FIRST_S: Final = 0.02
+DELETION_POLL_MAX_S: Final = 0.25
+"""How often DeleteTopics looks whether the controller completed the deletions."""
 
 LEADER_CALL_TIMEOUT_S: Final = 10.0
 """The longest a ListOffsets or DescribeTopics waits for the leaders' answers."""
