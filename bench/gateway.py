@@ -12,7 +12,7 @@ Cases (100-byte values, no keys, ``Producer.send_batch`` of ``--chunk`` values p
 2. ``produce RF=3 acks=all``: 3 partitions, RF=3, min.insync.replicas=2, idempotent;
 3. ``consume``: ``Consumer.poll`` of the records the RF=3 case wrote, from the beginning.
 
-Run: ``PYTHONPATH=. python -m bench.gateway [--records N] [--write-docs]``.
+Run: ``PYTHONPATH=. python -m bench.gateway [--records N] [--chunk N] [--write-docs]``.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def report(results: dict[str, float], records: int, chunk: int) -> str:
             "the RF=3 topic from the beginning with `poll`.",
             "",
             "Command: `PYTHONPATH=. .venv/bin/python -m bench.gateway "
-            f"--records {records} --write-docs`",
+            f"--records {records} --chunk {chunk} --write-docs`",
             "",
             f"- CPU: {cpu_model()}, {cores()} cores; memory {memory_gib():.1f} GiB",
             f"- Python {platform.python_version()}, Linux {platform.release()}",

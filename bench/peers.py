@@ -13,6 +13,7 @@ Each returns records/s; servers run in a temporary directory and are stopped aft
 from __future__ import annotations
 
 import asyncio
+import importlib
 import shutil
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Final
 
 from tidelog.etcd_launcher import free_port
 
@@ -38,10 +40,28 @@ def _wait_port(port: int, timeout_s: float = 20.0) -> None:
     raise RuntimeError(f"nothing listens on port {port} after {timeout_s} s")
 
 
+MISSING: Final = {
+    "nats": f"{NATS_BIN} or the nats-py client",
+    "redis": f"{REDIS_BIN} or the redis client",
+}
+"""What a peer needs, named when it is skipped."""
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
 def available() -> dict[str, bool]:
+    """Which peers can run: the server on PATH and its Python client importable. With the
+    server but not its client (the ``bench`` extra), the peer's import raised and ended
+    the whole run at the peers stage (found by an audit)."""
     return {
-        "nats": shutil.which(NATS_BIN) is not None,
-        "redis": shutil.which(REDIS_BIN) is not None,
+        "nats": shutil.which(NATS_BIN) is not None and _importable("nats"),
+        "redis": shutil.which(REDIS_BIN) is not None and _importable("redis"),
     }
 
 

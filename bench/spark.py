@@ -3,19 +3,23 @@
 A real cluster (etcd, controller, 3 storage nodes, gateway; ``TestCluster``) and a Spark
 ``local[2]`` session share the machine's cores. The write case is
 ``spark.range(N)`` turned into 100-byte binary values and written with
-``df.write.format("tidelog")`` (no keys: sticky partitions, acks=all, RF=1, 4
-partitions); the read case reads the topic back with ``spark.read.format("tidelog")``
-into Spark's ``noop`` sink, which materialises every row (all columns of the Kafka source
-schema) and discards it. Each case is timed around the Spark action, through the gateway
-and again with the connector's ``direct`` option.
+``df.write.format("tidelog")`` (no keys: sticky partitions, acks=all, RF=1,
+``--partitions`` partitions, 4 by default); the read case reads the topic back with
+``spark.read.format("tidelog")`` into Spark's ``noop`` sink, which materialises every
+row (all columns of the Kafka source schema) and discards it. Each case is timed around
+the Spark action, through the gateway and again with the connector's ``direct`` option.
 
-Run: ``PYTHONPATH=. python -m bench.spark [--rows N] [--write-docs]``.
+Run: ``PYTHONPATH=. python -m bench.spark [--rows N] [--partitions N] [--write-docs]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +41,27 @@ from and append to the partition leaders), each on a topic of its own."""
 
 
 DRIVER_MEMORY: Final = "2g"
+
+DEFAULT_PARTITIONS: Final = 4
+"""The topics' partitions unless ``--partitions`` says otherwise (and in ``tidelog bench``)."""
+
+
+def java_version() -> str:
+    """The version of the Java PySpark starts (``$JAVA_HOME/bin/java``, else ``java`` on
+    PATH), as ``java -version`` reports it, e.g. "21.0.5"; "unknown" if there is none. The
+    docs said "Java 17" whatever ran (found by an audit)."""
+    home = os.environ.get("JAVA_HOME")
+    java = os.path.join(home, "bin", "java") if home else shutil.which("java")
+    if not java:
+        return "unknown"
+    try:
+        done = subprocess.run(
+            [java, "-version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    match = re.search(r'version "([^"]+)"', done.stderr + done.stdout)
+    return match.group(1) if match else "unknown"
 
 
 def run(rows: int, partitions: int) -> dict[str, float]:
@@ -96,7 +121,11 @@ def run(rows: int, partitions: int) -> dict[str, float]:
     return rates
 
 
-def report(results: dict[str, float], rows: int) -> str:
+def report(results: dict[str, float], rows: int, partitions: int = DEFAULT_PARTITIONS) -> str:
+    """The docs section. It names the partition count that ran and gives it in the
+    command (it said 4 partitions and left ``--partitions`` out whatever ran; found by an
+    audit)."""
+
     def row(name: str, key: str) -> str:
         value = results[key]
         target = TARGETS[key.split(maxsplit=1)[0]]
@@ -110,7 +139,8 @@ def report(results: dict[str, float], rows: int) -> str:
             "`bench/spark.py`: Spark `local[2]` and a whole cluster (etcd, controller, 3",
             f"storage nodes, gateway) on the same {cores()} cores. Write: "
             '`df.write.format("tidelog")`',
-            f"of {rows:,} rows with 100-byte values (acks=all, RF=1, 4 partitions). Read: the",
+            f"of {rows:,} rows with 100-byte values (acks=all, RF=1, {partitions} partitions). "
+            "Read: the",
             "topic back in the Kafka source schema into Spark's `noop` sink (every row",
             "materialised), after one warm-up read; the writes after a warm-up write of a",
             "tenth of the rows. Each case through the gateway (the default), then with",
@@ -119,10 +149,12 @@ def report(results: dict[str, float], rows: int) -> str:
             "warm-up (ninth pass), the first write paid for the JVM's and Python workers'",
             "start: 291k-313k rows/s written then, 988k-1.08M rows/s read.",
             "",
-            f"Command: `PYTHONPATH=. .venv/bin/python -m bench.spark --rows {rows} --write-docs`",
+            "Command: `PYTHONPATH=. .venv/bin/python -m bench.spark "
+            f"--rows {rows} --partitions {partitions} --write-docs`",
             "",
             f"- CPU: {cpu_model()}, {cores()} cores; memory {memory_gib():.1f} GiB",
-            f"- Python {platform.python_version()}, Linux {platform.release()}, Java 17",
+            f"- Python {platform.python_version()}, Linux {platform.release()}, "
+            f"Java {java_version()}",
             "",
             "| case | rows/s | target | met |",
             "|---|---:|---:|---|",
@@ -138,10 +170,10 @@ def report(results: dict[str, float], rows: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
-    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--partitions", type=int, default=DEFAULT_PARTITIONS)
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
-    section = report(run(args.rows, args.partitions), args.rows)
+    section = report(run(args.rows, args.partitions), args.rows, args.partitions)
     print(section)
     if args.write_docs:
         _write_section(section, title=SECTION_TITLE)

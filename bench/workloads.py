@@ -21,11 +21,13 @@ import gc
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from bench.storage_engine import percentile
 from tidelog.admin import Admin
 from tidelog.consumer import Consumer
 from tidelog.producer import BatchMetadata, Producer
@@ -74,10 +76,41 @@ class Result:
         return self.records * self.record_bytes / self.seconds / 1e6 if self.seconds else 0.0
 
     def percentile_ms(self, fraction: float) -> float | None:
+        """The nearest-rank percentile (``bench.storage_engine.percentile``), None when
+        nothing was measured. ``ordered[int(fraction * n)]`` was one rank high whenever
+        ``fraction * n`` is whole: p50 of 1..100 was 51, p99 the maximum (found by an
+        audit)."""
         if not self.latencies_ms:
             return None
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
+        return percentile(sorted(self.latencies_ms), fraction)
+
+
+class _AckTimes:
+    """Milliseconds from each watched call to its future's completion, taken in a done
+    callback, when the future completes: not when the caller gets round to ``result()``
+    after its later calls, which charged the harness's own ``send_batch`` calls to the
+    cluster (found by an audit)."""
+
+    def __init__(self) -> None:
+        self.ms: list[float] = []
+        self._changed = threading.Condition()
+
+    def watch(self, sent_at: float, future: Future[Any]) -> None:
+        """Time ``future`` from ``sent_at`` (``time.perf_counter()`` before the call)."""
+        future.add_done_callback(lambda _: self._done(sent_at))
+
+    def _done(self, sent_at: float) -> None:
+        elapsed_ms = (time.perf_counter() - sent_at) * 1000
+        with self._changed:
+            self.ms.append(elapsed_ms)
+            self._changed.notify_all()
+
+    def wait(self, count: int, timeout_s: float = 10.0) -> list[float]:
+        """The times, once ``count`` are in: a future's ``result()`` can return before
+        its callbacks have run."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self.ms) >= count, timeout_s)
+            return list(self.ms)
 
 
 def produce(
@@ -100,27 +133,29 @@ def produce(
         # An Arrow column, as a data pipeline holds its records: encoded without Python
         # work per record.
         values = pa.array(values, pa.binary())
-    latencies: list[float] = []
+    acked = _AckTimes()  # latency per send_batch: the call to its acknowledgement
+    calls = 0
     with producing(
         Producer(gateway, acks=acks, enable_idempotence=acks == "all", linger_ms=2, direct=direct)
     ) as producer:
-        pending: list[tuple[float, Future[BatchMetadata]]] = []
+        pending: list[Future[BatchMetadata]] = []
         started = time.perf_counter()
         sent = 0
         while sent < records:
             n = min(chunk, records - sent)
             part = values if n == chunk else values[:n]
-            pending.append((time.perf_counter(), producer.send_batch(topic, part)))
+            t0 = time.perf_counter()
+            future = producer.send_batch(topic, part)
+            acked.watch(t0, future)
+            pending.append(future)
+            calls += 1
             sent += n
             if len(pending) >= in_flight:
-                t0, future = pending.pop(0)
-                future.result(120)
-                latencies.append((time.perf_counter() - t0) * 1000)
+                pending.pop(0).result(120)
                 if progress:
                     progress(chunk)
-        for t0, future in pending:
+        for future in pending:
             future.result(120)
-            latencies.append((time.perf_counter() - t0) * 1000)
             if progress:
                 progress(chunk)
         elapsed = time.perf_counter() - started
@@ -130,7 +165,7 @@ def produce(
         records,
         size,
         elapsed,
-        latencies,
+        acked.wait(calls),
         "per send_batch",
         batch_bytes=batch_bytes,
     )
@@ -168,6 +203,7 @@ def consume(
                 progress(got)
         elapsed = time.perf_counter() - started
         fetch_bytes = c.metrics()["fetch-size-avg"]
+    _check_read(seen, records, "consume")
     return Result(
         "consume (poll_arrow)" if arrow else "consume (poll)",
         seen,
@@ -177,14 +213,33 @@ def consume(
     )
 
 
+def _check_read(seen: int, records: int, case: str) -> None:
+    """Raise unless the consumer read the ``records`` it was asked to: a consumer that
+    stalled half-way published a rate over part of the data, its wait included, with no
+    error (found by an audit)."""
+    if seen < records:
+        raise RuntimeError(
+            f"{case}: read {seen:,} of the {records:,} records before a poll came back empty"
+        )
+
+
 def produce_and_consume(
     gateway: str, topic: str, *, records: int, size: int, acks: str, direct: bool = False
 ) -> tuple[Result, Result]:
-    """A producer and a consumer on the same topic at once (each in its own thread)."""
+    """A producer and a consumer on the same topic at once (each in its own thread).
+    Raises when the consumer read fewer than ``records`` (``_check_read``)."""
     consumed: list[Result] = []
+    failed: list[BaseException] = []
     start_gate = threading.Event()
 
     def reader() -> None:
+        try:
+            read()
+        except BaseException as exc:  # raised again in the caller's thread
+            failed.append(exc)
+            start_gate.set()
+
+    def read() -> None:
         with Consumer(gateway, auto_offset_reset="latest", direct=direct) as c:
             c.subscribe([topic])
             c.poll(max_records=1, timeout_ms=100)  # positions at the current end
@@ -198,6 +253,7 @@ def produce_and_consume(
                     seen += len(batch)
                     idle_since = time.monotonic()
             elapsed = time.perf_counter() - started
+            _check_read(seen, records, "consume (concurrent)")
             consumed.append(
                 Result(
                     "consume (concurrent)",
@@ -213,6 +269,8 @@ def produce_and_consume(
     start_gate.wait(30)
     produced = produce(gateway, topic, records=records, size=size, acks=acks, direct=direct)
     thread.join()
+    if failed:
+        raise failed[0]
     return produced, consumed[0]
 
 
@@ -230,21 +288,38 @@ def _send_paced(
     being left out (coordinated omission: with the time of the actual send, a 300 ms stall
     left the p99 at 18 ms; found by an audit). When the warm-up ends, ``start_measuring``
     gets the first measured record's due ms: every earlier record's is below it. Returns
-    the seconds measured."""
+    the seconds measured.
+
+    Measured ticks are counted from ``from_ms`` in whole nanoseconds: the k-th is due
+    ``from_ms + k * interval`` exactly, and stamped with that ms (rounded down). Taken
+    from the float ``next_at + wall_offset_s`` (~1.7e9 s), a tick due on a whole ms could
+    land a hair below it and be stamped 1 ms early, its records' latency overstated by
+    1 ms (found by an audit)."""
     started = time.perf_counter()
     wall_offset_s = time.time() - started  # perf_counter -> wall clock
     next_at = started
     measured_started: float | None = None
+    interval_ns = max(1, round(interval_s * 1e9))
+    from_ns = 0  # from_ms in ns, once measuring
+    measured_at = 0.0  # next_at of the first measured tick
+    ticks = 0  # measured ticks sent
     while time.perf_counter() - started < warmup_s + seconds:
         if measured_started is None and time.perf_counter() - started >= warmup_s:
             from_ms = int((next_at + wall_offset_s) * 1000) + 1
-            next_at = from_ms / 1000 - wall_offset_s
+            from_ns = from_ms * 1_000_000
+            next_at = measured_at = from_ms / 1000 - wall_offset_s
             while time.perf_counter() < next_at:
                 time.sleep(0.0001)
             start_measuring(from_ms)
             measured_started = time.perf_counter()
-        send(measured_started is not None, max(0, int((next_at + wall_offset_s) * 1000)))
-        next_at += interval_s
+        if measured_started is None:
+            # Warm-up: not measured, every stamp below from_ms.
+            send(False, max(0, int((next_at + wall_offset_s) * 1000)))
+            next_at += interval_s
+        else:
+            send(True, (from_ns + ticks * interval_ns) // 1_000_000)
+            ticks += 1
+            next_at = measured_at + ticks * interval_ns / 1e9
         delay = next_at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
@@ -274,6 +349,8 @@ def end_to_end_latency(
     consumer; latency = consume time - the record's timestamp, the time its send was due
     (``_send_paced``). With
     ``ack_latencies_ms``, each send's time until its acknowledgement is appended there.
+    Raises when a send failed: ``flush`` does not, and the failed records never reach the
+    consumer, which reported the survivors' latency with no error (found by an audit).
 
     The first ``warmup_s`` of sending at the rate is not measured: the producer's first
     requests wait for its producer id and the partitions' metadata while records pile up
@@ -309,6 +386,18 @@ def end_to_end_latency(
     ready.wait(30)
     payload = b"x" * size
     sent = [0]
+    # Every send's future until it is done and checked: a deque of those in flight, not a
+    # callback per record or a list of them all, for little work and garbage-collector
+    # load per record.
+    unchecked: deque[Future[Any]] = deque()
+    failures: list[BaseException] = []
+
+    def check_done() -> None:
+        while unchecked and unchecked[0].done():
+            error = unchecked.popleft().exception()
+            if error is not None:
+                failures.append(error)
+
     if freeze_gc:
         gc.collect()
         gc.freeze()
@@ -317,6 +406,8 @@ def end_to_end_latency(
 
             def send(measuring: bool, due_ms: int) -> None:
                 future = producer.send(topic, payload, timestamp_ms=due_ms)
+                unchecked.append(future)
+                check_done()
                 if measuring:
                     _time_ack(future, ack_latencies_ms)
                     sent[0] += 1
@@ -329,13 +420,23 @@ def end_to_end_latency(
                 lambda ms: measured_from_ms.__setitem__(0, ms),
             )
             producer.flush()
+            for future in unchecked:
+                error = future.exception(120)
+                if error is not None:
+                    failures.append(error)
+            if failures:
+                raise RuntimeError(
+                    f"end-to-end latency at {rate_per_s:,}/s: {len(failures):,} sends failed, "
+                    f"the first with {failures[0]!r}"
+                )
             batch_bytes = producer.metrics()["batch-size-avg"]
+        give_up[0] = time.monotonic() + 10  # before expected: the reader stops either way
         expected[0] = sent[0]
-        give_up[0] = time.monotonic() + 10
         done.set()
         thread.join()
     finally:
-        done.set()
+        done.set()  # with expected still 0 after a failure: the reader stops at once
+        thread.join(30)
         if freeze_gc:
             gc.unfreeze()
     return Result(
