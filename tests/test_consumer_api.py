@@ -532,3 +532,54 @@ def test_an_offline_partition_does_not_stop_the_reset_of_the_others(tmp_path: Pa
                 f"partition 0 (its leader alive) was not read; poll raised {len(errors)} "
                 f"times: {errors[:2]}"
             )
+
+
+@pytest.mark.parametrize("offset", [2.0, True, 2**63], ids=["float", "bool", "past-int64"])
+def test_seek_and_commit_refuse_an_offset_no_fetch_can_carry(
+    gateway: GatewayProcess, admin: tidelog.Admin, offset: object
+) -> None:
+    """seek() checked only offset < 0: a float (``end / 2``) or an offset past int64 was
+    taken, and every poll after it raised protobuf's TypeError or ValueError (found by an
+    audit); commit() let them escape the same way."""
+    topic = f"seek-typed-{uuid.uuid4().hex[:6]}"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Consumer(gateway.address, "seek-typed", auto_offset_reset="earliest") as c:
+        c.assign([(topic, 0)])
+        with pytest.raises(ConfigError, match="offset"):
+            c.seek((topic, 0), offset)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="offset"):
+            c.commit({(topic, 0): offset})  # type: ignore[dict-item]
+        assert c.poll(timeout_ms=200) == []
+
+
+def test_a_failed_subscribe_changes_nothing(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
+    """subscribe() without a group_id to a topic that does not exist raised, but had
+    already made subscription() name it while poll() went on reading the old topic
+    (found by an audit)."""
+    old = f"subscribed-{uuid.uuid4().hex[:6]}"
+    admin.create_topic(old, partitions=1, replication_factor=1)
+    with tidelog.Consumer(gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.subscribe([old])
+        with pytest.raises(UnknownTopicOrPartitionError):
+            consumer.subscribe([old, "no-such-topic-here"])
+        assert consumer.subscription() == [old]
+        assert consumer.assignment() == [(old, 0)]
+
+
+@pytest.mark.parametrize("call", ["end_offsets", "beginning_offsets"])
+def test_offsets_of_a_partition_that_does_not_exist_fail_at_once_as_unknown(
+    gateway: GatewayProcess, admin: tidelog.Admin, call: str
+) -> None:
+    """end_offsets and beginning_offsets of a partition past the topic's count waited
+    out the request timeout and raised REQUEST_TIMED_OUT, which reads as a cluster
+    problem; offsets_for_times said UNKNOWN_TOPIC_OR_PARTITION at once (found by an
+    audit). All three check the metadata first now."""
+    topic = f"counted-{uuid.uuid4().hex[:6]}"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Consumer(gateway.address, request_timeout_ms=20_000) as consumer:
+        started = time.monotonic()
+        for asked in ([(topic, 7)], [("no-such-topic-at-all", 0)]):
+            with pytest.raises(UnknownTopicOrPartitionError):
+                getattr(consumer, call)(asked)
+        assert time.monotonic() - started < 15, "it waited out the request timeout"
+        assert getattr(consumer, call)([(topic, 0)]) == {(topic, 0): 0}

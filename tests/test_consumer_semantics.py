@@ -12,6 +12,7 @@ import pytest
 
 import tidelog
 from tests.support.cluster import GatewayProcess, TestCluster
+from tests.support.tcp_proxy import DelayProxy
 
 RETENTION_MS = 2_000
 
@@ -161,3 +162,83 @@ def test_iterating_a_closed_consumer_raises(gateway: GatewayProcess) -> None:
     consumer.close()
     with pytest.raises(tidelog.errors.ConfigError, match="closed"):
         next(iter(consumer))
+
+
+def test_a_group_consumer_with_short_polls_reads_through_a_300ms_round_trip(
+    gateway: GatewayProcess,
+) -> None:
+    """Each poll asked for a new assignment's committed offsets within its own timeout
+    (at least 200 ms) and dropped the call then: behind a longer round trip, a loop of
+    poll(timeout_ms=100) never got positions and never read a record, though it joined
+    (found by an audit). The ask now stays in flight across polls, as Kafka's
+    pendingCommittedOffsetRequest."""
+    topic = _topic(gateway, "far-away")
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"%d" % i for i in range(10)], partition=0).result(30)
+    proxy = DelayProxy(gateway.address, 0.15)  # a 300 ms round trip
+    try:
+        with tidelog.Consumer(
+            proxy.address, f"g-{uuid.uuid4().hex[:6]}", auto_offset_reset="earliest"
+        ) as consumer:
+            consumer.subscribe([topic])
+            got: list[int] = []
+            deadline = time.monotonic() + 20
+            while not got and time.monotonic() < deadline:
+                got += [r.offset for r in consumer.poll(timeout_ms=100)]
+            assert got, f"20 s of poll(timeout_ms=100) read nothing ({consumer.assignment()})"
+    finally:
+        proxy.close()
+
+
+def test_close_of_a_group_member_keeps_to_default_api_timeout_while_the_gateway_is_down(
+    cluster: TestCluster,
+) -> None:
+    """close() of a group member with auto-commit tried its commit twice (before the
+    revocation and again in it), each retrying for default_api_timeout_ms while the
+    gateway was down: 2 minutes with the defaults, past a pod's grace period (found by
+    an audit). Kafka's close bounds the whole close."""
+    gateway = cluster.start_gateway()
+    topic = _topic(gateway, "closing")
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"a", b"b", b"c"], partition=0).result(30)
+    consumer = tidelog.Consumer(
+        gateway.address,
+        f"g-{uuid.uuid4().hex[:6]}",
+        auto_offset_reset="earliest",
+        default_api_timeout_ms=8_000,
+        request_timeout_ms=1_000,
+        session_timeout_ms=6_000,
+        heartbeat_interval_ms=500,
+    )
+    try:
+        consumer.subscribe([topic])
+        got: list[int] = []
+        deadline = time.monotonic() + 30
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += [r.offset for r in consumer.poll(timeout_ms=500)]
+        assert got == [0, 1, 2]
+        cluster.kill(gateway)
+        started = time.monotonic()
+    finally:
+        consumer.close()
+    assert time.monotonic() - started < 12, "close() tried its auto-commit twice"
+
+
+def test_a_group_member_polling_with_timeout_zero_joins_and_reads(
+    gateway: GatewayProcess,
+) -> None:
+    """A poll(timeout_ms=0) loop (an event loop's) joins its group and reads: the join
+    and the committed offsets' ask carry over from poll to poll (checked by an audit)."""
+    topic = _topic(gateway, "zero-polls")
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"a", b"b"], partition=0).result(30)
+    with tidelog.Consumer(
+        gateway.address, f"g-{uuid.uuid4().hex[:6]}", auto_offset_reset="earliest"
+    ) as consumer:
+        consumer.subscribe([topic])
+        got: list[bytes | None] = []
+        deadline = time.monotonic() + 20
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += [r.value for r in consumer.poll(timeout_ms=0)]
+            time.sleep(0.01)
+        assert got == [b"a", b"b"]

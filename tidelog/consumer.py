@@ -299,6 +299,14 @@ class OffsetAndTimestamp(NamedTuple):
     timestamp_ms: int
 
 
+class _PendingCommitted(NamedTuple):
+    """A poll's ask for the group's committed offsets, answered or not yet."""
+
+    partitions: frozenset[TopicPartition]
+    generation: int  # the member's when asked (-1 without a membership)
+    future: Any  # grpc's call future of FetchOffsets
+
+
 class GroupMetadata(NamedTuple):
     group_id: str
     member_id: str
@@ -447,6 +455,10 @@ class Consumer:
         self._reset_specs: dict[TopicPartition, common_pb2.OffsetSpec] = {}
         # When poll may ask again for positions a reset could not find (no leader).
         self._reset_retry_at = 0.0
+        # The group's committed offsets asked for by a poll and not yet answered: kept
+        # across polls (Kafka's pendingCommittedOffsetRequest), for the same partitions
+        # and generation.
+        self._pending_committed: _PendingCommitted | None = None
         self._buffer: deque[_Buffered] = deque()
         # Partitions with an invalid batch in the buffer: not fetched until a seek or a
         # pause drops it (module docstring: invalid batches).
@@ -550,7 +562,7 @@ class Consumer:
                 )
         self._commit_before_reassigning()
         try:
-            self._revoke_group_partitions()
+            self._revoke_group_partitions(committed=True)
         finally:
             # Even when the revocation callback raised: it stopped here before, still a
             # member (heartbeating, holding the partitions in the group) reading nothing.
@@ -607,7 +619,7 @@ class Consumer:
                 return
         self._commit_before_reassigning()
         try:
-            self._revoke_group_partitions()  # (told to the callbacks given with them)
+            self._revoke_group_partitions(committed=True)  # (told to the callbacks given with them)
         finally:
             # The change is made even when the revocation callback raised (which is then
             # re-raised), as Kafka's subscribe only records it: stopping there left the
@@ -619,8 +631,15 @@ class Consumer:
             if self.group_id is not None:
                 self._subscribe_group(wanted)
         if self.group_id is None:
+            before = self._subscription
             self._subscription = wanted
-            self._refresh_subscription()
+            try:
+                self._refresh_subscription()
+            except BaseException:
+                # A topic that does not exist changes nothing: subscription() named the
+                # new topics while poll() went on reading the old (found by an audit).
+                self._subscription = before
+                raise
 
     def _subscribe_group(self, wanted: list[str]) -> None:
         """Make the group membership (once) and have the next poll join with ``wanted``."""
@@ -641,11 +660,14 @@ class Consumer:
         self._set_assignment([], {})
         self._membership.request_rejoin()  # the next poll joins with these topics
 
-    def _revoke_group_partitions(self) -> None:
+    def _revoke_group_partitions(self, *, committed: bool = False) -> None:
         """A group member gives up its partitions (Kafka's onPartitionsRevoked, or
         onPartitionsLost): their positions committed first (auto-commit) unless they may
         already be another member's, then ``on_partitions_revoked``, then its buffered
-        records are dropped."""
+        records are dropped. ``committed``: the caller's ``_commit_before_reassigning``
+        has just tried; a second try (close, unsubscribe, assign, subscribe) doubled the
+        time a close took with the gateway down, past default_api_timeout_ms (found by
+        an audit)."""
         membership = self._membership
         if membership is None or not self._assignment or self._revoking:
             # (Revoking already: the callback called close, unsubscribe or assign, which
@@ -654,7 +676,8 @@ class Consumer:
         revoked = list(self._assignment)
         lost = membership.partitions_lost()
         if not lost:
-            self._commit_before_reassigning()
+            if not committed:
+                self._commit_before_reassigning()
             # A commit the group refused (ILLEGAL_GENERATION, UNKNOWN_MEMBER_ID) shows the
             # partitions were another member's already: lost, not revoked (Kafka's
             # onPartitionsLost), read again after the commit (found by an audit).
@@ -919,7 +942,7 @@ class Consumer:
     def unsubscribe(self) -> None:
         self._commit_before_reassigning()
         try:
-            self._revoke_group_partitions()
+            self._revoke_group_partitions(committed=True)
         finally:
             # Even when the revocation callback raised: the group is left all the same
             # (stopping there kept a member holding partitions that nobody read).
@@ -939,8 +962,14 @@ class Consumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         """Read ``tp`` from ``offset`` next."""
         tp = self._check_assigned(tp)
+        # An offset no fetch can carry (a float, past int64) was taken, and every poll
+        # after it raised protobuf's TypeError or ValueError (found by an audit).
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise ConfigError(f"offset must be an int, not {type(offset).__name__}")
         if offset < 0:
             raise ConfigError(f"offset {offset} is negative; use seek_to_beginning/end")
+        if offset > INT64_MAX:
+            raise ConfigError(f"offset {offset} is past the largest offset, {INT64_MAX}")
         self._positions[tp] = offset
         self._needs_position.discard(tp)
         self._reset_specs.pop(tp, None)
@@ -994,14 +1023,28 @@ class Consumer:
     def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """The high watermark of each partition: the offset after the last readable record
         (Kafka's ``endOffsets``)."""
-        found = self._conn.list_offsets(list(partitions), common_pb2.LATEST)
+        found = self._conn.list_offsets(self._existing(partitions), common_pb2.LATEST)
         return {tp: offset for tp, (offset, _) in found.items()}
 
     @_one_thread
     def beginning_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """The first offset still retained in each partition."""
-        found = self._conn.list_offsets(list(partitions), common_pb2.EARLIEST)
+        found = self._conn.list_offsets(self._existing(partitions), common_pb2.EARLIEST)
         return {tp: offset for tp, (offset, _) in found.items()}
+
+    def _existing(self, partitions: Iterable[TopicPartition]) -> list[TopicPartition]:
+        """``partitions``, each checked to exist: an unknown topic or partition fails at
+        once (ListOffsets would retry it as "not propagated yet" for the whole request
+        timeout, then raise REQUEST_TIMED_OUT; found by an audit)."""
+        wanted = [(str(topic), int(partition)) for topic, partition in partitions]
+        counts = self._conn.partition_counts(sorted({t for t, _ in wanted}))
+        for topic, partition in wanted:
+            if not 0 <= partition < counts[topic]:
+                raise UnknownTopicOrPartitionError(
+                    f"topic {topic!r} has {counts[topic]} partitions; partition {partition} "
+                    "does not exist"
+                )
+        return wanted
 
     @_one_thread
     def offsets_for_times(
@@ -1019,16 +1062,7 @@ class Consumer:
                     f"timestamp {timestamp_ms} for {topic}-{partition} is outside 0..{INT64_MAX}"
                 )
             by_time.setdefault(timestamp_ms, []).append((str(topic), int(partition)))
-        # Unknown topics and partitions fail here at once (ListOffsets would retry them
-        # as "not propagated yet" for the whole request timeout).
-        wanted = [tp for tps in by_time.values() for tp in tps]
-        counts = self._conn.partition_counts(sorted({t for t, _ in wanted}))
-        for topic, partition in wanted:
-            if not 0 <= partition < counts[topic]:
-                raise UnknownTopicOrPartitionError(
-                    f"topic {topic!r} has {counts[topic]} partitions; partition {partition} "
-                    "does not exist"
-                )
+        self._existing([tp for tps in by_time.values() for tp in tps])
         result: dict[TopicPartition, OffsetAndTimestamp | None] = {}
         deadline = time.monotonic() + self._conn.timeout_s  # one timeout for every look-up
         for timestamp_ms, tps in by_time.items():
@@ -1106,17 +1140,20 @@ class Consumer:
         for spec, tps in by_spec.items():  # seek_to_beginning/end's, before any commit
             self._reset_to(tps, spec, one_pass)
         if missing and self.group_id is not None:
-            deadline = None
             if one_pass and poll_deadline is not None:
-                deadline = max(poll_deadline, time.monotonic() + MIN_AUTO_COMMIT_TIMEOUT_MS / 1000)
-            try:
-                committed = self._committed_entries(missing, deadline=deadline)
-            except TidelogError as exc:
-                if not one_pass or not exc.retriable:
-                    raise
-                _log.info("committed offsets not fetched (%s); asking again shortly", exc)
-                self._reset_retry_at = time.monotonic() + RETRY_BACKOFF_S
-                return
+                try:
+                    answered = self._committed_across_polls(missing, poll_deadline)
+                except TidelogError as exc:
+                    if not exc.retriable:
+                        raise
+                    _log.info("committed offsets not fetched (%s); asking again shortly", exc)
+                    self._reset_retry_at = time.monotonic() + RETRY_BACKOFF_S
+                    return
+                if answered is None:
+                    return  # still on its way: a later poll takes the answer
+                committed = answered
+            else:
+                committed = self._committed_entries(missing)
             for tp, (offset, epoch) in committed.items():
                 if offset >= 0:
                     self._positions[tp] = offset
@@ -1688,6 +1725,15 @@ class Consumer:
         self._raise_if_woken()
         if offsets is None:
             offsets = {tp: self._positions[tp] for tp in self._assignment if tp in self._positions}
+        for (topic, partition), offset in offsets.items():
+            # Protobuf's TypeError or ValueError escaped (found by an audit); a negative
+            # offset is the gateway's INVALID_REQUEST.
+            if isinstance(offset, bool) or not isinstance(offset, int):
+                raise ConfigError(
+                    f"offset for {topic}-{partition} must be an int, not {type(offset).__name__}"
+                )
+            if offset > INT64_MAX:
+                raise ConfigError(f"offset {offset} for {topic}-{partition} is past {INT64_MAX}")
         self._commit(offsets, time.monotonic() + self._api_timeout_s, retrying=True)
 
     def _commit(
@@ -1796,6 +1842,42 @@ class Consumer:
             f"committed offsets of group {self.group_id!r}",
             deadline=deadline,
         )
+        return {(o.topic, o.partition): (o.offset, o.leader_epoch) for o in response.offsets}
+
+    def _committed_across_polls(
+        self, missing: Sequence[TopicPartition], poll_deadline: float
+    ) -> dict[TopicPartition, tuple[int, int]] | None:
+        """The group's committed (offset, epoch) of ``missing``, or None while the ask is
+        still on its way at ``poll_deadline`` (at least ``MIN_AUTO_COMMIT_TIMEOUT_MS``
+        from now). The ask stays in flight for the next poll, as Kafka's consumer keeps
+        its OffsetFetch: each poll used to send a new one and drop it at its deadline, so
+        behind a round trip longer than the poll's timeout a member never got a position
+        and read nothing, ever (found by an audit). Raises the ask's error."""
+        assert self.group_id is not None
+        wanted = frozenset(missing)
+        generation = self._membership.commit_identity()[1] if self._membership else -1
+        pending = self._pending_committed
+        if pending is None or (pending.partitions, pending.generation) != (wanted, generation):
+            if pending is not None:
+                pending.future.cancel()  # another assignment's: its answer is of no use
+            request = gateway_pb2.FetchOffsetsRequest(
+                group_id=self.group_id,
+                partitions=[common_pb2.TopicPartition(topic=t, partition=p) for t, p in wanted],
+            )
+            future = self._conn.stub.FetchOffsets.future(request, timeout=self._conn.timeout_s)
+            pending = self._pending_committed = _PendingCommitted(wanted, generation, future)
+        wait_s = max(poll_deadline, time.monotonic() + MIN_AUTO_COMMIT_TIMEOUT_MS / 1000)
+        try:
+            response = pending.future.result(timeout=max(0.0, wait_s - time.monotonic()))
+        except grpc.FutureTimeoutError:
+            return None
+        except grpc.RpcError as exc:
+            self._pending_committed = None
+            raise error_from_rpc(exc, f"committed offsets of group {self.group_id!r}") from None
+        except grpc.FutureCancelledError:
+            self._pending_committed = None
+            return None
+        self._pending_committed = None
         return {(o.topic, o.partition): (o.offset, o.leader_epoch) for o in response.offsets}
 
     def _call_retrying(
@@ -1915,7 +1997,7 @@ class Consumer:
             self._closing = True
             try:
                 self._commit_before_reassigning()
-                self._revoke_group_partitions()
+                self._revoke_group_partitions(committed=True)
             finally:
                 try:
                     with contextlib.suppress(TidelogError):

@@ -8,8 +8,10 @@ calls fail and new connections refused; ``up()`` listens on the same port again.
 from __future__ import annotations
 
 import contextlib
+import queue
 import socket
 import threading
+import time
 
 
 class TcpProxy:
@@ -94,3 +96,59 @@ def _pipe(source: socket.socket, sink: socket.socket) -> None:
         for end in (source, sink):
             with contextlib.suppress(OSError):
                 end.shutdown(socket.SHUT_RDWR)
+
+
+class DelayProxy:
+    """Forwards 127.0.0.1:<port> to ``target``, each byte ``delay_s`` later each way: a
+    gateway far away (another region), for what a long round trip does to a client."""
+
+    def __init__(self, target: str, delay_s: float) -> None:
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self._delay_s = delay_s
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._server.getsockname()[1]}"
+        self._sockets: list[socket.socket] = [self._server]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self._target)
+            self._sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                pending: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
+                threading.Thread(target=self._read, args=(source, pending), daemon=True).start()
+                threading.Thread(target=self._write, args=(sink, pending), daemon=True).start()
+
+    def _read(self, source: socket.socket, pending: queue.SimpleQueue[tuple[float, bytes]]) -> None:
+        while True:
+            try:
+                data = source.recv(65536)
+            except OSError:
+                data = b""
+            pending.put((time.monotonic() + self._delay_s, data))
+            if not data:
+                return
+
+    @staticmethod
+    def _write(sink: socket.socket, pending: queue.SimpleQueue[tuple[float, bytes]]) -> None:
+        while True:
+            due, data = pending.get()
+            time.sleep(max(0.0, due - time.monotonic()))
+            if not data:
+                with contextlib.suppress(OSError):
+                    sink.shutdown(socket.SHUT_WR)
+                return
+            try:
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        for s in self._sockets:
+            with contextlib.suppress(OSError):
+                s.close()
