@@ -253,13 +253,15 @@ def new_server(
     max_message_bytes: int,
     max_concurrent_rpcs: int,
     method_pools: Sequence[CountingThreadPool] = (),
+    max_send_message_bytes: int | None = None,
 ) -> grpc.Server:
     """A gRPC server as every tidelog service runs one: a bounded thread pool, a message
-    size limit both ways, one process per port, client keepalive pings allowed, and
-    RESOURCE_EXHAUSTED beyond ``max_concurrent_rpcs`` calls in flight instead of an
-    unbounded queue - health checks exempt (``ConcurrencyLimiter``). ``method_pools`` are
-    the pools some methods run on instead (``add_servicer_answering_encoded``): their
-    calls count toward the limit too."""
+    size limit both ways (``max_send_message_bytes``: another for what it sends), one
+    process per port, client keepalive pings allowed, and RESOURCE_EXHAUSTED beyond
+    ``max_concurrent_rpcs`` calls in flight instead of an unbounded queue - health checks
+    exempt (``ConcurrencyLimiter``). ``method_pools`` are the pools some methods run on
+    instead (``add_servicer_answering_encoded``): their calls count toward the limit
+    too."""
     pool = CountingThreadPool(max_workers=max_workers, thread_name_prefix=f"{role}-rpc")
     reserve = futures.ThreadPoolExecutor(
         max_workers=RESERVED_WORKERS, thread_name_prefix=f"{role}-reserve"
@@ -277,7 +279,7 @@ def new_server(
         ],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_send_message_bytes or max_message_bytes),
             # One port per process: a second process on the same port is a mistake.
             ("grpc.so_reuseport", 0),
             *KEEPALIVE_SERVER_OPTIONS,

@@ -72,7 +72,7 @@ from tidelog.errors import (
     UnknownServerError,
     UnknownTopicOrPartitionError,
 )
-from tidelog.formats import MAX_PRODUCE_REQUEST_BYTES
+from tidelog.formats import INT32_MAX, MAX_PRODUCE_REQUEST_BYTES
 from tidelog.partitioner import partition_for_key
 from tidelog.producer import BatchMetadata
 from tidelog.records import (
@@ -2003,6 +2003,58 @@ def test_list_offsets_answers_within_the_clients_deadline_when_a_leader_is_silen
     assert [ErrorCode(p.error.code) for p in answer.partitions] == [ErrorCode.REQUEST_TIMED_OUT]
 
 
+def test_an_offline_partition_does_not_fail_the_list_offsets_of_one_with_a_leader(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: ListOffsets asked the partitions to re-route one after another,
+    each waiting for a leader up to the shared deadline. A broker dies that leads an RF=1
+    partition A (offline from then on) and an RF=3 partition B (a new leader within
+    seconds); a ListOffsets of [A, B] sent right after failed both on the dead broker, A's
+    re-route took the whole deadline, and B was answered REQUEST_TIMED_OUT without being
+    asked again. They are asked again together now, until the deadline, as Kafka's
+    clients retry each partition on its own."""
+    admin.create_topic("offsets-offline-single", partitions=3, replication_factor=1)
+    admin.create_topic("offsets-offline-triple", partitions=3, replication_factor=3)
+    single = {p: leader for (_, p), leader in _leaders(admin, "offsets-offline-single").items()}
+    triple = {p: leader for (_, p), leader in _leaders(admin, "offsets-offline-triple").items()}
+    victim = single[0]
+    b_partition = next((p for p, leader in triple.items() if leader == victim), None)
+    assert b_partition is not None, (single, triple)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send("offsets-offline-triple", b"x", partition=b_partition).result(30)
+    cluster.brokers[victim].kill()
+    try:
+        response = gateway.stub.ListOffsets(
+            storage_pb2.ListOffsetsRequest(
+                replica_id=-1,
+                partitions=[
+                    storage_pb2.ListOffsetsPartition(
+                        topic="offsets-offline-single", partition=0, spec=common_pb2.LATEST
+                    ),
+                    storage_pb2.ListOffsetsPartition(
+                        topic="offsets-offline-triple",
+                        partition=b_partition,
+                        spec=common_pb2.LATEST,
+                    ),
+                ],
+            ),
+            timeout=30,
+        )
+    finally:
+        cluster.start_broker(victim)
+    a, b = response.partitions
+    assert ErrorCode(a.error.code) == ErrorCode.LEADER_NOT_AVAILABLE, a
+    assert (ErrorCode(b.error.code), b.offset) == (ErrorCode.NONE, 1), b
+    wait_for(
+        lambda: (
+            all(len(p.isr) == 3 for p in admin.describe_topic("offsets-offline-triple").partitions)
+            or None
+        ),
+        60,
+        "the restarted broker to rejoin the ISR",
+    )
+
+
 def test_a_subscription_moves_on_from_a_leader_that_stopped_answering(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
@@ -2144,6 +2196,81 @@ def test_a_subscription_past_an_unclean_election_reads_the_new_leaders_records(
     wait_for(lambda: len(admin.describe_topic(topic).partitions[0].isr) == 2 or None, 60, "ISR 2")
 
 
+def _restart_if_dead(cluster: TestCluster, *broker_ids: int) -> None:
+    for broker_id in broker_ids:
+        if cluster.brokers[broker_id].proc.poll() is not None:
+            cluster.start_broker(broker_id)
+
+
+def test_a_subscription_does_not_skip_records_on_a_divergence_ending_past_its_offset(
+    cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: a Subscribe step told of a divergence moved its offset to the
+    divergence's end even when that was beyond the offset reached, skipping the leader's
+    records in between. Replicas L and F, unclean elections allowed: 0..9 on both; L
+    dies, F leads and writes 10..49 alone; F dies, L is elected uncleanly and writes
+    10..14. A subscription reads 0..14 from L (offset 15). L dies, F is elected uncleanly:
+    its log ends the epoch it wrote 10..49 in at 50, so it answers the step with the
+    divergence (that epoch, 50), and the subscription jumped to 50, never delivering F's
+    15..49. Kafka's consumer keeps its position when the divergence ends at or past it, as
+    the SDK's Consumer does (``_on_truncation``), and so does Subscribe now (without a
+    word to the client: it has nothing to act on)."""
+    topic = "subscribed-diverging-ahead"
+    admin.create_topic(
+        topic, partitions=1, replication_factor=2, config={"unclean.leader.election.enable": "true"}
+    )
+    wait_for(lambda: len(admin.describe_topic(topic).partitions[0].isr) == 2 or None, 20, "ISR 2")
+    state = admin.describe_topic(topic).partitions[0]
+    lead = state.leader
+    (follow,) = [b for b in state.replicas if b != lead]
+
+    def leader_is(broker_id: int, what: str) -> None:
+        wait_for(
+            lambda: admin.describe_topic(topic).partitions[0].leader == broker_id or None, 30, what
+        )
+
+    stream = None
+    after: list[tuple[int, bytes]] = []
+    divergences: list[tuple[int, int]] = []
+    try:
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch(topic, [b"both-%d" % i for i in range(10)], partition=0).result(30)
+        cluster.brokers[lead].kill()  # F leads cleanly and writes 10..49 alone
+        leader_is(follow, "F leads")
+        with tidelog.Producer(gateway.address) as producer:
+            # Two batches, so that a fetch from 15 starts with f-15 (batches go whole).
+            producer.send_batch(topic, [b"f-%d" % i for i in range(10, 15)], partition=0).result(30)
+            producer.send_batch(topic, [b"f-%d" % i for i in range(15, 50)], partition=0).result(30)
+        cluster.brokers[follow].kill()  # L comes back, elected uncleanly, writes 10..14
+        cluster.start_broker(lead)
+        leader_is(lead, "L elected uncleanly")
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch(topic, [b"l-%d" % i for i in range(10, 15)], partition=0).result(30)
+        stream = gateway.stub.Subscribe(
+            gateway_pb2.SubscribeRequest(topic=topic, partition=0, start_offset=0), timeout=120
+        )
+        seen: list[tuple[int, bytes]] = []
+        while not seen or seen[-1][0] < 14:
+            seen += _offsets_and_values(next(stream))
+        cluster.brokers[lead].kill()  # F is elected uncleanly, its log still f-10..f-49
+        cluster.start_broker(follow)
+        leader_is(follow, "F elected uncleanly")
+        with tidelog.Producer(gateway.address) as producer:
+            producer.send_batch(topic, [b"new-%d" % i for i in range(5)], partition=0).result(30)
+        while not any(value.startswith(b"new") for _, value in after):
+            message = next(stream)
+            if message.diverging_end_offset >= 0:
+                divergences.append((message.diverging_epoch, message.diverging_end_offset))
+            after += _offsets_and_values(message)
+    finally:
+        if stream is not None:
+            stream.cancel()
+        _restart_if_dead(cluster, lead, follow)
+    from_f = [offset for offset, value in after if value.startswith(b"f-")]
+    assert from_f == list(range(15, 50)), f"divergences {divergences}; after 14: {after[:3]}"
+    wait_for(lambda: len(admin.describe_topic(topic).partitions[0].isr) == 2 or None, 60, "ISR 2")
+
+
 def test_a_produce_waiting_on_a_stopped_leader_moves_to_its_successor(
     cluster: TestCluster, gateway: GatewayProcess, admin: tidelog.Admin
 ) -> None:
@@ -2222,6 +2349,33 @@ def test_describe_subscribe_and_list_offsets(gateway: GatewayProcess, admin: tid
     )
     assert offsets.partitions[0].offset == 11
     assert ErrorCode(offsets.partitions[1].error.code) == ErrorCode.UNKNOWN_TOPIC_OR_PARTITION
+
+
+def test_describe_topics_offsets_survive_more_than_5000_partitions_on_one_leader(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: DescribeTopics asks each leader for EARLIEST and LATEST of every
+    partition it leads, and asked them in ONE ListOffsets, so past 5,000 described
+    partitions on one leader the storage node refused the whole call (10,000 items a
+    request at most) and every partition of that leader was described with offsets -1 and
+    INVALID_REQUEST. A leader's items go in calls of at most 10,000 now. (The real trigger
+    is a broker leading more than 5,000 of the described partitions; the same count is
+    reached here by naming one 18-partition topic 1,000 times.)"""
+    topic = "described-many-times"
+    admin.create_topic(topic, partitions=18, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send(topic, b"v", partition=0).result(30)
+    response = gateway.stub.DescribeTopics(
+        gateway_pb2.DescribeTopicsRequest(names=[topic] * 1000), timeout=30
+    )
+    errors = {
+        (p.error.code, p.error.message)
+        for t in response.topics
+        for p in t.partitions
+        if p.error.code != common_pb2.NONE
+    }
+    assert not errors, errors
+    assert response.topics[0].partitions[0].high_watermark == 1
 
 
 def test_sdk_errors_are_precise(gateway: GatewayProcess, admin: tidelog.Admin) -> None:
@@ -3208,6 +3362,182 @@ def test_fetch_min_bytes_adds_up_across_leaders(
 
     assert len(fetch(min_bytes=15_000, wait_ms=30_000)) == 20
     assert len(fetch(min_bytes=10**6, wait_ms=300)) == 20
+
+
+def test_fetch_min_bytes_zero_across_leaders_answers_every_partition(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: min_bytes 0 asks for an answer at once with whatever each
+    partition has (Kafka's fetch.min.bytes=0), but across several leaders with a
+    max_wait_ms the round ended on the first leader's answer (0 bytes were enough) and
+    cancelled the others, which were answering at once too: their partitions came back
+    "not answered" (no records, offsets -1) although they had records."""
+    topic = "fetch-min-bytes-zero"
+    admin.create_topic(topic, partitions=3, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+    assert len(set(leaders.values())) == 3
+    with tidelog.Producer(gateway.address) as producer:
+        for p in range(3):
+            producer.send(topic, b"p%d" % p, partition=p).result(30)
+    misses = []
+    for attempt in range(5):
+        response = gateway.stub.Fetch(
+            storage_pb2.FetchRequest(
+                replica_id=-1,
+                max_wait_ms=2_000,
+                min_bytes=0,
+                partitions=[
+                    storage_pb2.FetchPartition(topic=topic, partition=p, fetch_offset=0)
+                    for p in range(3)
+                ],
+            ),
+            timeout=10,
+        )
+        by_partition = {r.partition: r for r in response.partitions}
+        for p in range(3):
+            values = [r.value for b in decode_batches(by_partition[p].records) for r in b.records]
+            if values != [b"p%d" % p]:
+                misses.append((attempt, p, by_partition[p].high_watermark))
+    assert not misses, f"partitions answered without their records (attempt, p, hw): {misses}"
+
+
+def test_fetch_across_leaders_answers_at_once_when_one_partition_diverged(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit (suspected, then shown): a long poll over several leaders waited
+    out max_wait_ms for the quiet ones when a leader answered a divergence (KIP-320: the
+    fetch's last fetched epoch ends before its offset there), which the gateway counted
+    as an empty answer. The client must act on it (move its position back), so it is
+    answered at once, as an error is and as Kafka's delayed fetch completes on either."""
+    topic = "fetch-leader-divergence"
+    admin.create_topic(topic, partitions=3, replication_factor=1)
+    leaders = {p.partition: p.leader for p in admin.describe_topic(topic).partitions}
+    assert len(set(leaders.values())) == 3
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"a", b"b", b"c"], partition=0).result(30)
+    first = gateway.stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=0,
+            partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=0)],
+        ),
+        timeout=10,
+    )
+    (batch,) = decode_batches(first.partitions[0].records)
+    # The batch's epoch ends at offset 3 on the leader: a fetch from 5 naming it diverged.
+    diverged = storage_pb2.FetchPartition(
+        topic=topic, partition=0, fetch_offset=5, last_fetched_epoch=batch.partition_leader_epoch
+    )
+    started = time.monotonic()
+    response = gateway.stub.Fetch(
+        storage_pb2.FetchRequest(
+            replica_id=-1,
+            max_wait_ms=10_000,
+            partitions=[
+                diverged,
+                *(
+                    storage_pb2.FetchPartition(topic=topic, partition=p, fetch_offset=0)
+                    for p in (1, 2)
+                ),
+            ],
+        ),
+        timeout=20,
+    )
+    took = time.monotonic() - started
+    by_partition = {r.partition: r for r in response.partitions}
+    assert (by_partition[0].error.code, by_partition[0].diverging_end_offset) == (
+        common_pb2.NONE,
+        3,
+    ), by_partition[0]
+    assert took < 5, f"answered after {took:.1f}s"
+
+
+@pytest.fixture(scope="module")
+def small_gateway(cluster: TestCluster) -> GatewayProcess:
+    """A gateway with --max-request-bytes and --max-fetch-bytes far below their defaults
+    (1 MB and 100 kB): below a Subscribe's default max_bytes, and below a batch a topic
+    may hold."""
+    return cluster.start_gateway(["--max-request-bytes", "1000000", "--max-fetch-bytes", "100000"])
+
+
+def _first_values(stream: Any) -> list[bytes]:
+    """The values of a Subscribe's first answer; the stream is cancelled."""
+    try:
+        first = next(stream)
+    except grpc.RpcError as exc:
+        pytest.fail(f"Subscribe refused: {rpc_error_code(exc)} {exc.details()}")
+    finally:
+        stream.cancel()
+    return [r.value for b in decode_batches(first.records) for r in b.records]
+
+
+def test_subscribe_caps_max_bytes_at_the_gateways_limit_as_fetch_does(
+    gateway: GatewayProcess, small_gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: Fetch caps a max_bytes above the gateway's --max-fetch-bytes (a
+    client cannot know every gateway's setting), but Subscribe refused it, even the
+    default 1 MiB a client did not set: on a gateway whose --max-fetch-bytes is under
+    1 MiB every Subscribe without max_bytes failed INVALID_FETCH_SIZE. It is capped now;
+    only a max_bytes that is not positive is refused."""
+    topic = "subscribe-capped"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send(topic, b"hello", partition=0).result(30)
+    for max_bytes in (None, 60 * 1024 * 1024, INT32_MAX):
+        request = gateway_pb2.SubscribeRequest(topic=topic, partition=0, start_offset=0)
+        if max_bytes is not None:
+            request.max_bytes = max_bytes
+        assert _first_values(small_gateway.stub.Subscribe(request, timeout=10)) == [b"hello"]
+    for bad in (0, -1):
+        stream = small_gateway.stub.Subscribe(
+            gateway_pb2.SubscribeRequest(topic=topic, partition=0, start_offset=0, max_bytes=bad),
+            timeout=10,
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stream)
+        assert rpc_error_code(refused.value) == ErrorCode.INVALID_FETCH_SIZE
+        assert f"max_bytes {bad} must be positive" in (refused.value.details() or "")
+
+
+def test_a_batch_larger_than_the_gateways_limits_is_still_fetched(
+    gateway: GatewayProcess, small_gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """Found by an audit: a fetch answers the first batch whole even beyond max_bytes (as
+    Kafka does, so a consumer always makes progress), but the gateway's gRPC send limit
+    was sized from --max-request-bytes and --max-fetch-bytes (their larger + 4 MiB). A
+    topic allowing 8 MiB batches holds a 6 MB one, written through a default gateway;
+    through a gateway with those limits lowered, every Fetch and Subscribe of it failed
+    RESOURCE_EXHAUSTED and a consumer could never read past it. The send limit has room
+    for the largest batch a topic may hold now (the receive limit is unchanged)."""
+    topic = "fetched-past-the-request-limit"
+    admin.create_topic(
+        topic, partitions=1, replication_factor=1, config={"max.message.bytes": str(8 << 20)}
+    )
+    with tidelog.Producer(gateway.address, batch_bytes=8 << 20) as producer:
+        producer.send(topic, b"z" * 6_000_000, partition=0).result(60)
+        producer.send(topic, b"after", partition=0).result(60)
+    try:
+        fetched = small_gateway.stub.Fetch(
+            storage_pb2.FetchRequest(
+                replica_id=-1,
+                max_wait_ms=0,
+                partitions=[storage_pb2.FetchPartition(topic=topic, partition=0, fetch_offset=0)],
+            ),
+            timeout=30,
+        )
+    except grpc.RpcError as exc:
+        pytest.fail(f"fetch failed: {exc.code()} {rpc_error_code(exc)} {exc.details()}")
+    values = [r.value for b in decode_batches(fetched.partitions[0].records) for r in b.records]
+    assert [len(v) for v in values] == [6_000_000]
+    stream = small_gateway.stub.Subscribe(
+        gateway_pb2.SubscribeRequest(topic=topic, partition=0, start_offset=0), timeout=30
+    )
+    assert [len(v) for v in _first_values(stream)] == [6_000_000]
+    # What an application sees: the SDK's consumer polling through that gateway.
+    with tidelog.Consumer(small_gateway.address, auto_offset_reset="earliest") as consumer:
+        consumer.assign([(topic, 0)])
+        got = poll_records(consumer, 2, timeout_s=30)
+    assert [(offset, len(value)) for offset, value in got] == [(0, 6_000_000), (1, 5)]
 
 
 def test_leader_calls_stop_cleanly() -> None:

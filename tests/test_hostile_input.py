@@ -757,8 +757,12 @@ def test_fetch_max_bytes_of_2_31_is_capped_not_allocated(env: Env) -> None:
     subscribe = gateway_pb2.SubscribeRequest(
         topic=KNOWN, partition=0, start_spec=common_pb2.EARLIEST, max_bytes=INT32_MAX
     )
+    # Capped at the gateway's limit, as Fetch is (it was refused: a client cannot know
+    # every gateway's --max-fetch-bytes); the stream ends by its deadline.
     result = call(env.channels["gateway"], method("Gateway", "Subscribe"), [subscribe], 3.0)
-    assert_refused(result, ErrorCode.INVALID_FETCH_SIZE, "subscribe max_bytes 2^31-1")
+    assert result.responses and any(
+        isinstance(r, storage_pb2.FetchPartitionResult) and r.records for r in result.responses
+    ), result
     for bad in (0, -1, -(2**31)):
         request.max_bytes = bad
         assert_refused(

@@ -38,7 +38,7 @@ import grpc
 from services.gateway.byte_budget import ByteBudget
 from services.gateway.leader_calls import LeaderCalls
 from services.gateway.metadata_cache import Leader
-from services.gateway.router import DEADLINE_MARGIN_S, Router
+from services.gateway.router import DEADLINE_MARGIN_S, RETRY_WAIT_S, Router
 from services.status import (
     error_code_from_metadata,
     error_from_proto,
@@ -53,6 +53,7 @@ from tidelog.errors import (
     InvalidFetchSizeError,
     InvalidRequestError,
     TidelogError,
+    UnknownTopicOrPartitionError,
 )
 from tidelog.formats import MAX_PARTITIONS_PER_REQUEST
 from tidelog.v1 import common_pb2, gateway_pb2, storage_pb2
@@ -342,8 +343,12 @@ class FetchHandler:
         elif len(by_leader) == 1:
             # A long poll of one leader, cancellable: the leader waits for min_bytes.
             run(self._round(by_leader, wait_ms=wait_ms, answers=answers, **limits))
-        elif local_errors or wait_ms == 0:
+        elif local_errors or wait_ms == 0 or min_bytes == 0:
             # A partition that failed here needs its client's attention now: no waiting.
+            # min_bytes 0 asks for whatever each partition has now (Kafka's
+            # fetch.min.bytes=0): a round with a wait ended on the first leader's answer
+            # (0 bytes is enough) and cancelled the others, whose partitions came back
+            # "not answered" although they had records (found by an audit).
             run(self._round(by_leader, wait_ms=0, answers=answers, **limits))
         elif min_bytes <= 1:
             # Every leader's long poll answers at once when it has data (or an error), so a
@@ -402,10 +407,10 @@ class FetchHandler:
     ) -> tuple[int, bool]:
         """One fetch to every leader, run on the ``LeaderCalls`` loop; each leader's
         encoded answer goes into ``answers``. Returns (record bytes found, whether some
-        partition failed).
+        partition failed or diverged).
 
         With ``wait_ms`` > 0 it returns once the leaders' answers hold ``enough_bytes``
-        of records (default ``min_bytes``), or one failed, or all answered;
+        of records (default ``min_bytes``), or one failed or diverged, or all answered;
         the calls still running are cancelled and their leaders keep the answer
         ``answers`` already held, or get a "not answered" one (no records, offsets -1).
 
@@ -452,8 +457,8 @@ class FetchHandler:
                     failed = failed or error
                     if not error and asked <= data < max_bytes:
                         short.append(broker_id)
-                # A leader's error needs its client's attention now, as Kafka's delayed
-                # fetch completes on a partition error: no waiting for the quiet others.
+                # A leader's error (or divergence) needs its client's attention now, as
+                # Kafka's delayed fetch completes on either: no waiting for the quiet others.
                 if wait_ms > 0 and (failed or found >= target):
                     break
                 left_ms = int((ends_at - loop.time()) * 1000)
@@ -480,10 +485,13 @@ class FetchHandler:
         max_bytes = (
             request.max_bytes if request.HasField("max_bytes") else DEFAULT_PARTITION_MAX_BYTES
         )
-        if not 0 < max_bytes <= self.limits.max_fetch_bytes:
-            raise InvalidFetchSizeError(
-                f"max_bytes {max_bytes} must be between 1 and {self.limits.max_fetch_bytes}"
-            )
+        if max_bytes <= 0:
+            raise InvalidFetchSizeError(f"max_bytes {max_bytes} must be positive")
+        # Capped by the gateway's limit, not refused, as Fetch does (a client cannot know
+        # every gateway's setting): a max_bytes above it was refused, even the default a
+        # client did not set, on a gateway whose --max-fetch-bytes is under 1 MiB (found
+        # by an audit).
+        max_bytes = min(max_bytes, self.limits.max_fetch_bytes)
         wait_ms = request.max_wait_ms if request.HasField("max_wait_ms") else DEFAULT_MAX_WAIT_MS
         if wait_ms < 0:
             raise InvalidRequestError(f"max_wait_ms {wait_ms} is negative")
@@ -526,11 +534,20 @@ class FetchHandler:
                 # grants took a 1 MiB budget and starved every Fetch (found by an audit).
                 granted = self._hold_exactly(granted, answer.ByteSize())
                 if answer.diverging_end_offset >= 0:
+                    # The leader's epoch there is the one to name from now on (naming the
+                    # old one, the next step would diverge again).
+                    last_epoch = answer.diverging_epoch
+                    if answer.diverging_end_offset >= offset:
+                        # It ends at or past the offset reached: as far as the leader's
+                        # epochs tell, nothing forwarded is gone, and the offset stays, as
+                        # Kafka's consumer and the SDK's (``_on_truncation``) keep their
+                        # position, with nothing for the client to act on. Jumping to its
+                        # end skipped the leader's records in between (found by an audit).
+                        continue
                     # The leader's log parts from what was forwarded there (an unclean
                     # election): go on from where they agree, as Kafka's consumer resets
                     # to the divergence; the client is told by this answer (no records).
                     offset = answer.diverging_end_offset
-                    last_epoch = answer.diverging_epoch
                 else:
                     last = last_whole_batch(answer.records)
                     if last is not None:
@@ -657,54 +674,57 @@ class FetchHandler:
     def list_offsets(
         self, request: storage_pb2.ListOffsetsRequest, timeout_s: float = 10.0
     ) -> storage_pb2.ListOffsetsResponse:
-        """Forward to each leader; answers in request order, errors per partition."""
+        """Forward to each leader; answers in request order, errors per partition.
+
+        A partition whose leader moved (or has none yet, or has not heard of its role) is
+        asked again until the deadline, together with every other such partition: in
+        passes, each asking the leaders the metadata names then, with a short wait for the
+        metadata to change between them. They used to be asked again one after another,
+        each waiting for a leader up to the shared deadline, so one offline partition took
+        all of it and those after it were answered REQUEST_TIMED_OUT without being asked
+        again, although they had a leader within seconds (found by an audit).
+        """
         if len(request.partitions) > MAX_PARTITIONS_PER_REQUEST:
             raise InvalidRequestError(
                 f"{len(request.partitions)} partitions in one request; the limit is "
                 f"{MAX_PARTITIONS_PER_REQUEST}"
             )
-        # One deadline for both passes (the second used to get a whole timeout of its own
+        # One deadline for every pass (the second used to get a whole timeout of its own
         # after the first, so a stopped leader cost twice the timeout).
         deadline = time.monotonic() + timeout_s
-        results = self.offsets_by_leader(request.replica_id, request.partitions, timeout_s)
-        for i, lp in enumerate(request.partitions):
-            if ErrorCode(int(results[i].error.code)) in REROUTE_CODES and not lp.HasField(
-                "current_leader_epoch"
-            ):
-                # Leadership moved (or the leader has not heard yet): ask this partition
-                # again through the router, which waits for the metadata to settle.
-                results[i] = self._list_one(request.replica_id, lp, deadline)
-        return storage_pb2.ListOffsetsResponse(partitions=results)
-
-    def _list_one(
-        self, replica_id: int, lp: storage_pb2.ListOffsetsPartition, deadline: float
-    ) -> storage_pb2.ListOffsetsResult:
-        def call(stub: Any, leader: Leader, timeout_s: float) -> storage_pb2.ListOffsetsResult:
-            response: storage_pb2.ListOffsetsResponse = stub.ListOffsets(
-                storage_pb2.ListOffsetsRequest(
-                    replica_id=replica_id,
-                    partitions=[
-                        storage_pb2.ListOffsetsPartition(
-                            topic=lp.topic,
-                            partition=lp.partition,
-                            spec=lp.spec,
-                            timestamp_ms=lp.timestamp_ms,
-                            current_leader_epoch=leader.leader_epoch,
-                        )
-                    ],
-                ),
-                timeout=timeout_s,
+        cache = self._router.cache
+        version = cache.version
+        results, final = self._offsets_pass(request.replica_id, request.partitions, timeout_s)
+        # A partition the client named an epoch for is the client's to re-route.
+        pinned = {
+            i for i, lp in enumerate(request.partitions) if lp.HasField("current_leader_epoch")
+        }
+        while True:
+            again = [
+                i
+                for i, result in enumerate(results)
+                if i not in final
+                and i not in pinned
+                and ErrorCode(int(result.error.code)) in REROUTE_CODES
+            ]
+            remaining_s = deadline - time.monotonic()
+            if not again or cache.stopped or remaining_s <= DEADLINE_MARGIN_S:
+                # Past the deadline a partition keeps its last error, as the router's
+                # calls raise theirs.
+                break
+            cache.wait_for_change(version, min(RETRY_WAIT_S, remaining_s - DEADLINE_MARGIN_S))
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= DEADLINE_MARGIN_S:
+                break
+            version = cache.version
+            answers, final_now = self._offsets_pass(
+                request.replica_id, [request.partitions[i] for i in again], remaining_s
             )
-            answer = response.partitions[0]
-            error = error_from_proto(answer.error)
-            if error is not None:
-                raise error
-            return answer
-
-        try:
-            return self._router.call_leader(lp.topic, lp.partition, deadline, call)
-        except TidelogError as exc:
-            return _offset_error(lp, exc)
+            for place, (i, answer) in enumerate(zip(again, answers, strict=True)):
+                results[i] = answer
+                if place in final_now:
+                    final.add(i)
+        return storage_pb2.ListOffsetsResponse(partitions=results)
 
     def offsets_by_leader(
         self,
@@ -721,12 +741,38 @@ class FetchHandler:
         ``leader_as_replica`` asks as the leader itself, which answers LATEST with the log
         end offset instead of the high watermark (for DescribeTopics).
         """
+        results, _ = self._offsets_pass(
+            replica_id, partitions, timeout_s, leader_as_replica=leader_as_replica
+        )
+        return results
+
+    def _offsets_pass(
+        self,
+        replica_id: int,
+        partitions: Sequence[storage_pb2.ListOffsetsPartition],
+        timeout_s: float,
+        *,
+        leader_as_replica: bool = False,
+    ) -> tuple[list[storage_pb2.ListOffsetsResult], set[int]]:
+        """``offsets_by_leader``, and the places of the items the metadata itself answers
+        (the topic or partition does not exist): final, however their code reads.
+
+        A leader's items go in calls of at most ``MAX_PARTITIONS_PER_REQUEST``, all at
+        once: in one call, more than a storage node takes in a request (DescribeTopics
+        asks two items a partition, so a leader of more than 5,000 described partitions)
+        failed every offset of that leader with INVALID_REQUEST (found by an audit).
+        """
         results: list[storage_pb2.ListOffsetsResult | None] = [None] * len(partitions)
+        final: set[int] = set()
         # Per leader broker: the items' places and, for each, the epoch its own leader has.
         groups: dict[int, tuple[Leader, list[tuple[int, int]]]] = {}
         for i, lp in enumerate(partitions):
             try:
                 leader = self._router.cache.leader(lp.topic, lp.partition)
+            except UnknownTopicOrPartitionError as exc:
+                results[i] = _offset_error(lp, exc)
+                final.add(i)
+                continue
             except TidelogError as exc:
                 results[i] = _offset_error(lp, exc)
                 continue
@@ -737,31 +783,32 @@ class FetchHandler:
             )
             groups.setdefault(leader.broker.broker_id, (leader, []))[1].append((i, epoch))
         calls = []
-        for broker_id, (leader, pairs) in groups.items():
+        for broker_id, (leader, all_pairs) in groups.items():
             stub = self._router.channels.storage(leader.broker)
-            places = [i for i, _ in pairs]
-            asked = [
-                storage_pb2.ListOffsetsPartition(
-                    topic=partitions[i].topic,
-                    partition=partitions[i].partition,
-                    spec=partitions[i].spec,
-                    timestamp_ms=partitions[i].timestamp_ms,
-                    current_leader_epoch=epoch,
-                )
-                for i, epoch in pairs
-            ]
-            calls.append(
-                (
-                    stub.ListOffsets.future(
-                        storage_pb2.ListOffsetsRequest(
-                            replica_id=broker_id if leader_as_replica else replica_id,
-                            partitions=asked,
+            for start in range(0, len(all_pairs), MAX_PARTITIONS_PER_REQUEST):
+                pairs = all_pairs[start : start + MAX_PARTITIONS_PER_REQUEST]
+                asked = [
+                    storage_pb2.ListOffsetsPartition(
+                        topic=partitions[i].topic,
+                        partition=partitions[i].partition,
+                        spec=partitions[i].spec,
+                        timestamp_ms=partitions[i].timestamp_ms,
+                        current_leader_epoch=epoch,
+                    )
+                    for i, epoch in pairs
+                ]
+                calls.append(
+                    (
+                        stub.ListOffsets.future(
+                            storage_pb2.ListOffsetsRequest(
+                                replica_id=broker_id if leader_as_replica else replica_id,
+                                partitions=asked,
+                            ),
+                            timeout=timeout_s,
                         ),
-                        timeout=timeout_s,
-                    ),
-                    places,
+                        [i for i, _ in pairs],
+                    )
                 )
-            )
         for future, places in calls:
             try:
                 response: storage_pb2.ListOffsetsResponse = future.result()
@@ -774,7 +821,7 @@ class FetchHandler:
                 results[i] = answer
         answered = [r for r in results if r is not None]
         assert len(answered) == len(results)  # every item is an error or in a group answered
-        return answered
+        return answered, final
 
 
 def _offset_error(
@@ -790,10 +837,13 @@ def _offset_error(
     )
 
 
-def _has_error(results: Iterable[storage_pb2.FetchPartitionResult]) -> bool:
-    # Like a storage node, answer at once when a partition has an error, so the client can
-    # act on it (re-route, reset its offset) instead of waiting for nothing.
-    return any(r.error.code != common_pb2.NONE for r in results)
+def _needs_attention(results: Iterable[storage_pb2.FetchPartitionResult]) -> bool:
+    """Whether a partition has an error or a divergence (KIP-320). Like a storage node
+    (and Kafka's delayed fetch), a fetch then answers at once, so the client can act on it
+    (re-route, reset its offset) instead of waiting for nothing: neither changes by
+    waiting. A divergence used to count as an empty answer, so a fetch across leaders
+    waited out max_wait_ms for the quiet others (found by an audit)."""
+    return any(r.error.code != common_pb2.NONE or r.diverging_end_offset >= 0 for r in results)
 
 
 def _call_timeout_s(wait_ms: int, client_deadline: float | None) -> float:
@@ -829,8 +879,8 @@ def _failed_answer(exc: grpc.RpcError, partitions: list[storage_pb2.FetchPartiti
 def _leader_answer(
     call: asyncio.Future[bytes], partitions: list[storage_pb2.FetchPartition]
 ) -> tuple[bytes, int, bool]:
-    """(encoded answer, record bytes in it, whether a partition failed) of a finished
-    leader fetch; a failed call becomes an encoded error result per partition."""
+    """(encoded answer, record bytes in it, whether a partition failed or diverged) of a
+    finished leader fetch; a failed call becomes an encoded error result per partition."""
     try:
         encoded = call.result()
     except grpc.RpcError as exc:
@@ -843,4 +893,4 @@ def _leader_answer(
         return encoded, len(encoded) - overhead, False
     response = storage_pb2.FetchResponse.FromString(encoded)
     records = sum(len(result.records) for result in response.partitions)
-    return encoded, records, _has_error(response.partitions)
+    return encoded, records, _needs_attention(response.partitions)

@@ -44,7 +44,7 @@ from services.metastore import MetaStore
 from services.process import bind, format_address, new_server, serve_until_signal
 from tidelog import logging as tidelog_logging
 from tidelog.errors import TidelogError
-from tidelog.formats import MAX_PRODUCE_REQUEST_BYTES
+from tidelog.formats import INT32_MAX, MAX_PRODUCE_REQUEST_BYTES, REQUEST_OVERHEAD_BYTES
 from tidelog.v1 import gateway_pb2
 
 _log = structlog.get_logger("tidelog.gateway.node")
@@ -55,6 +55,29 @@ SHUTDOWN_GRACE_S: Final = 5.0
 MESSAGE_OVERHEAD_BYTES: Final = 4 * 1024 * 1024
 """Room above the record-byte limits for protobuf framing, so our own limit errors (with
 their precise messages) fire before gRPC's generic size check."""
+LARGEST_BATCH_BYTES: Final = MAX_PRODUCE_REQUEST_BYTES + REQUEST_OVERHEAD_BYTES
+"""The largest batch a leader may hold, and so answer a fetch with: what a storage node
+takes in one message by default (``services/storage/node.py``), a produce request's
+records and their framing."""
+
+
+def send_limit_bytes(max_request_bytes: int, max_fetch_bytes: int) -> int:
+    """The gateway server's gRPC limit on a message it sends.
+
+    A fetch (or a Subscribe step) answers the first batch whole even beyond its
+    max_bytes, as Kafka does, so a consumer always makes progress: the answer may be the
+    largest batch a topic may hold (up to what a storage node takes; more if this
+    gateway takes larger produce requests, which such storage nodes must take too) with
+    the rest of the fetch's budget beside it. Sized from --max-request-bytes and
+    --max-fetch-bytes alone, as the receive limit is, a gateway with those lowered could
+    never send a valid batch larger than them: the call failed RESOURCE_EXHAUSTED every
+    time and the consumer was stuck before the batch for good (found by an audit). The
+    limit is a check only: the bytes sent are held in the fetch budget.
+    """
+    batch_bytes = max(max_request_bytes + REQUEST_OVERHEAD_BYTES, LARGEST_BATCH_BYTES)
+    # Above the receive limit (max(the two limits) + MESSAGE_OVERHEAD_BYTES) whatever
+    # they are; gRPC takes an int32.
+    return min(INT32_MAX, batch_bytes + max_fetch_bytes + MESSAGE_OVERHEAD_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,11 +244,13 @@ class GatewayNode:
             producer_ids=ProducerIds(controller),
             max_in_flight_per_stream=config.max_in_flight_per_stream,
         )
-        message_limit = max(config.max_request_bytes, fetch_bytes) + MESSAGE_OVERHEAD_BYTES
+        # What a client may send: the limits' own errors (precise messages) fire first.
+        receive_limit = max(config.max_request_bytes, fetch_bytes) + MESSAGE_OVERHEAD_BYTES
         server = new_server(
             role="gateway",
             max_workers=config.max_workers or config.max_concurrent_rpcs,
-            max_message_bytes=message_limit,
+            max_message_bytes=receive_limit,
+            max_send_message_bytes=send_limit_bytes(config.max_request_bytes, fetch_bytes),
             max_concurrent_rpcs=config.max_concurrent_rpcs,
         )
         port = bind(server, config.listen_host, config.listen_port)
