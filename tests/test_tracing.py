@@ -89,3 +89,41 @@ def test_a_gateway_traces_each_produce_request_and_its_append(
     assert all(gateway_events[e] == 3 for e in ("g_in", "g_ap_in", "g_ap_out", "g_out"))
     clients = [c for c in by_process.values() if c["c_call"]]
     assert len(clients) == 1 and clients[0]["c_send"] == clients[0]["c_ack"] == 3
+
+
+SCRIPT = """
+import os, threading, time
+from tidelog import tracing
+for _ in range(500):
+    tracing.event("c_call", "t")
+time.sleep(3 * tracing.FLUSH_INTERVAL_S)  # the first write fails: no directory yet
+os.mkdir(os.environ["TIDELOG_TRACE_DIR"])  # the directory is there from now on
+for _ in range(500):
+    tracing.event("c_call", "t")
+time.sleep(3 * tracing.FLUSH_INTERVAL_S)
+alive = any(t.name == "tidelog-trace" for t in threading.enumerate())
+print(alive, len(tracing._lines))
+os._exit(0)  # as a process killed: only what the thread wrote counts
+"""
+
+
+def test_the_trace_writer_survives_a_failed_write(tmp_path: Path) -> None:
+    """A failed write (the trace directory missing or removed, a full disk) ended the
+    writer thread: every event after it stayed in memory for ever, and the lines of the
+    failed write were lost (found by an audit). They are written once it can."""
+    directory = tmp_path / "traces"  # not there when the process starts
+    ran = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env={**tidelog_env(), TRACE_DIR_ENV: str(directory)},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    alive, buffered = ran.stdout.split()
+    written = sum(len(p.read_text().splitlines()) for p in directory.glob("*.log"))
+    assert alive == "True" and buffered == "0" and written == 1000, (
+        f"writer thread alive: {alive}; lines held in memory: {buffered}; lines written "
+        f"after the directory appeared: {written}; stderr: {ran.stderr.strip()[-300:]}"
+    )

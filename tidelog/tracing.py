@@ -35,6 +35,7 @@ fields, so a process that does not trace pays one attribute read per hop.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import time
@@ -43,6 +44,8 @@ from typing import Final
 
 TRACE_DIR_ENV: Final = "TIDELOG_TRACE_DIR"
 FLUSH_INTERVAL_S: Final = 0.5
+MAX_BUFFERED_LINES: Final = 1_000_000
+"""Lines held while the trace file cannot be written (about 100 MB); older ones go."""
 
 _directory = os.environ.get(TRACE_DIR_ENV) or None
 ENABLED: Final = _directory is not None
@@ -62,25 +65,40 @@ def event(name: str, *fields: object) -> None:
 
 
 def flush() -> None:
-    """Write the buffered lines (also at exit)."""
+    """Write the buffered lines (also at exit). Lines a failed write could not take stay
+    buffered for the next try, up to ``MAX_BUFFERED_LINES`` (the oldest go first)."""
     if _directory is None:
         return
     with _lock:
-        data = "".join(_lines)
+        taken = list(_lines)
         _lines.clear()
-    if data:
+    if not taken:
+        return
+    try:
         with open(Path(_directory) / f"{os.getpid()}.log", "a") as f:
-            f.write(data)
+            f.write("".join(taken))
+    except OSError:
+        with _lock:
+            _lines[:0] = taken
+            del _lines[: max(0, len(_lines) - MAX_BUFFERED_LINES)]
+        raise
 
 
 def _flush_every_interval() -> None:
+    # A failed write (the directory gone, a full disk) must not end the thread: every
+    # event after it was held in memory for ever (found by an audit).
     while True:
         time.sleep(FLUSH_INTERVAL_S)
+        _flush_quietly()
+
+
+def _flush_quietly() -> None:
+    with contextlib.suppress(OSError):
         flush()
 
 
 if ENABLED:
-    atexit.register(flush)
+    atexit.register(_flush_quietly)
     # A thread of its own, so the hops being timed never wait for the file.
     threading.Thread(target=_flush_every_interval, name="tidelog-trace", daemon=True).start()
 
