@@ -58,7 +58,8 @@ from typing import ClassVar, NamedTuple
 import pytest
 
 from services.storage.log import LeaderEpochCache, Log, LogConfig
-from services.storage.log_manager import LogManager
+from services.storage.log.checkpoint import OffsetCheckpointFile
+from services.storage.log_manager import RECOVERY_POINT_CHECKPOINT, LogManager
 from tests.support.fs_faults import (
     FaultModelError,
     FileSystemRecorder,
@@ -1078,3 +1079,76 @@ def test_a_change_the_recorder_missed_is_reported(tmp_path: Path) -> None:
         os.link(directory / "a", directory / "b")  # a hard link is not
         with pytest.raises(FaultModelError, match="missed a change"):
             recorder.check_namespace()
+
+
+def test_truncation_below_log_start_checkpoints_the_lowered_recovery_point(
+    tmp_path: Path,
+) -> None:
+    """A follower truncating below its log start (``truncate_fully_and_start_at``)
+    lowered the recovery point without checkpointing it, unlike every other lowering
+    truncation: the checkpoint kept vouching for offsets the new, never-fsynced segments
+    hold (found by an audit; Kafka checkpoints the recovery offsets at once)."""
+    with watched_partition(tmp_path / "log", SCENARIO_CONFIG) as (_, partition):
+        log = partition.log
+        log.truncate_fully_and_start_at(20)  # far behind a leader whose log starts at 20
+        log.append(records(b"old history"), 1)  # 20-24
+        log.append(records(b"old history"), 1)  # 25-29
+        Flush().run(partition)
+        assert partition.checkpoint == 30
+        # An unclean leader whose log ends at 5: the follower truncates below its start.
+        log.truncate_to(5)
+        assert log.log_start_offset == log.log_end_offset == 5
+        assert log.recovery_point == 5
+        # The lowered recovery point must reach the checkpoint before anything is
+        # appended above it (as ``truncate_to`` within the log does).
+        assert partition.checkpoint <= 5, (
+            f"the checkpoint still says {partition.checkpoint} after the recovery point "
+            "was lowered to 5"
+        )
+
+
+def test_power_loss_after_truncation_below_log_start_leaves_no_hole(tmp_path: Path) -> None:
+    """The consequence: a power loss then left the log claiming offsets it could not
+    serve (a hole below its end, never fetched again)."""
+    with watched_partition(tmp_path / "log", SCENARIO_CONFIG) as (recorder, partition):
+        log = partition.log
+        log.truncate_fully_and_start_at(20)
+        log.append(records(b"old history"), 1)  # 20-24
+        log.append(records(b"old history"), 1)  # 25-29
+        Flush().run(partition)
+        log.truncate_to(5)  # below the log start: the log restarts empty at 5
+        # The new leader's records, replicated (each new epoch's checkpoint fsyncs the
+        # directory: the segments' names are durable, their data never fsynced).
+        log.append(records(b"new leader"), 2)  # 5-9
+        log.roll()
+        log.append(records(b"new leader"), 3)  # 10-14
+        log.roll()
+        log.append(records(b"new leader"), 4)  # 15-19
+        image = recorder.power_loss_image()
+        checkpoint = partition.checkpoint
+    # recover() raises InvariantError when [log start, log end) is not served contiguously.
+    recovered = recover(
+        Candidate("harshest, checkpoint on disk", image, checkpoint),
+        SCENARIO_CONFIG,
+        tmp_path / "image",
+    )
+    assert recovered.end >= recovered.start
+
+
+def test_log_manager_checkpoint_on_disk_after_truncation_below_log_start(tmp_path: Path) -> None:
+    """The same through a real ``LogManager``: the recovery-point checkpoint file still
+    vouches for the old log after the follower restarted its log below it."""
+    manager = LogManager(tmp_path / "data", SCENARIO_CONFIG, clock=ManualClock())
+    manager.startup()
+    log = manager.get_or_create_log("t", 0)
+    log.truncate_fully_and_start_at(20)
+    log.append(records(b"old history"), 1)  # 20-24
+    log.append(records(b"old history"), 1)  # 25-29
+    log.flush()
+    manager.checkpoint()
+    checkpoint = OffsetCheckpointFile(tmp_path / "data" / RECOVERY_POINT_CHECKPOINT)
+    assert checkpoint.read() == {("t", 0): 30}
+    log.truncate_to(5)  # below the log start (an unclean leader's shorter log)
+    assert log.recovery_point == 5
+    assert checkpoint.read()[("t", 0)] <= 5, checkpoint.read()
+    manager.shutdown()

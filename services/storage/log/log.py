@@ -992,6 +992,14 @@ class Log:
 
         The leader epoch cache and the producer state (with its snapshots) are cleared.
         """
+        if self._recovery_point > offset:
+            # Lowered, and checkpointed, before any file changes, as ``truncate_to``
+            # does: left at its old value on disk, a power loss within a checkpoint
+            # interval trusted the never-fsynced segments replicated below it, and the
+            # log had a hole below its end (found by an audit).
+            self._recovery_point = offset
+            if self.on_recovery_point_lowered is not None:
+                self.on_recovery_point_lowered()
         self._delete_now(self._segments.pop_from(0))
         self._cooling = None
         self._segments.append(self._new_segment(offset, active=True))
