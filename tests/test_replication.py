@@ -11,6 +11,7 @@ AlterPartition, stopped followers, kill -9 of the leader).
 from __future__ import annotations
 
 import queue
+import random
 import shutil
 import signal
 import threading
@@ -26,14 +27,22 @@ import grpc
 import pytest
 
 import tidelog
+from services.cluster_metadata import broker_key, decode_partition, encode_broker, partition_key
+from services.controller.controller import Controller, ControllerConfig, IsrProposal, NewTopic
+from services.controller.state import Broker
+from services.metastore import MetaStore
+from services.storage import server as storage_server
 from services.storage.fetcher import PIPELINE_MIN_BYTES
+from services.storage.log import LogConfig
 from services.storage.log.producer_state import SEQUENCE_MODULUS
+from services.storage.log_manager import LogManager
 from services.storage.node import StorageNode, StorageNodeConfig
-from services.storage.partition import Role
-from services.storage.server import ServerLimits
+from services.storage.partition import PartitionState, Role
+from services.storage.server import ReplicaManager, ServerLimits
 from tests.support.cluster import TestCluster, error_code, poll_records, rpc_error_code
 from tidelog.batch import iter_batches
 from tidelog.errors import ErrorCode, OffsetOutOfRangeError
+from tidelog.etcd_launcher import EtcdProcess
 from tidelog.records import decode_batches, encode_batch
 from tidelog.v1 import common_pb2, storage_pb2, storage_pb2_grpc
 
@@ -1919,3 +1928,177 @@ def test_follower_fetch_reports_divergence_from_last_fetched_epoch(trio: Trio) -
     fine = fetch(2, 1)
     assert fine.diverging_end_offset == -1 and fine.records
     assert fetch(5, 2).high_watermark == 5
+
+
+def _deliver(trio: Trio, leader: int, epoch: int, to: tuple[int, ...]) -> None:
+    trio.elect(leader, epoch, [0, 1, 2], to=to)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_leader_changes_keep_every_acknowledged_record(tmp_path: Path, seed: int) -> None:
+    """Three in-process nodes, the test as controller with the ISR all three: every
+    acks=all acknowledgement means all three logs hold the record, and any may be
+    elected. LeaderAndIsr reaches the brokers in random orders (some miss epochs), with
+    acks=1 appends on the new leader in between (divergent uncommitted tails); at the
+    end the logs are identical and hold every acknowledged record (kept from an audit)."""
+    rng = random.Random(seed)
+    trio = Trio(tmp_path)
+    acked: dict[int, bytes] = {}
+    try:
+        leader, epoch = 0, 1
+        _deliver(trio, leader, epoch, (0, 1, 2))
+        n = 0
+        missed: set[int] = set()
+        for _step in range(40):
+            action = rng.random()
+            if action < 0.45 and missed:
+                for b in sorted(missed):
+                    _deliver(trio, leader, epoch, (b,))
+                missed.clear()
+            elif action < 0.45:
+                value = f"all-{n}".encode()
+                n += 1
+                response = trio.append(leader, [value], acks=common_pb2.ALL)
+                if response.error.code == 0:
+                    acked[response.base_offset] = value
+                else:
+                    raise AssertionError(f"acks=all failed: {code(response.error)!r}")
+            elif action < 0.7:
+                value = f"one-{n}".encode()
+                n += 1
+                trio.append(leader, [value] * rng.randint(1, 3), acks=common_pb2.LEADER)
+            else:
+                leader = rng.choice([b for b in (0, 1, 2)])
+                epoch += 1
+                order = [leader] + [b for b in (0, 1, 2) if b != leader]
+                rng.shuffle(order)
+                # The new leader first sometimes, followers first other times; a
+                # follower sometimes misses an epoch altogether.
+                for b in order:
+                    if b != leader and rng.random() < 0.2:
+                        missed.add(b)
+                        continue
+                    missed.discard(b)
+                    _deliver(trio, leader, epoch, (b,))
+                    if b == leader and rng.random() < 0.5:
+                        trio.append(leader, [b"tail"] * rng.randint(1, 4), acks=common_pb2.LEADER)
+                    time.sleep(rng.choice([0.0, 0.01, 0.05]))
+        for b in sorted(missed):
+            _deliver(trio, leader, epoch, (b,))
+        # Settle: one more acks=all append; all three must then agree.
+        response = trio.append(leader, [b"final"], acks=common_pb2.ALL)
+        assert response.error.code == 0, code(response.error)
+        acked[response.base_offset] = b"final"
+        end = trio.log(leader).log_end_offset
+        for b in (0, 1, 2):
+            wait_for(lambda b=b: trio.log(b).log_end_offset == end, 15, f"broker {b} at {end}")
+        reference = trio.log_bytes(leader, end)
+        for b in (0, 1, 2):
+            assert trio.log_bytes(b, end) == reference, f"broker {b} differs (seed {seed})"
+        final = records_of(reference)
+        lost = {o: v for o, v in acked.items() if final.get(o) != v}
+        assert not lost, f"acknowledged records lost (seed {seed}): {lost}"
+    finally:
+        trio.close()
+
+
+LIMIT = 4
+
+
+def test_a_leader_of_more_partitions_than_one_alter_partition_may_name_shrinks_its_isr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader sent all its ISR changes in one AlterPartition; the controller refuses
+    one naming more than max_partitions_per_request (10,000) whole, and it was sent again
+    every pass, for ever: no ISR of that leader changed, and acks=all waited for a silent
+    follower on every partition (found by an audit). Here the controller takes 4 and the
+    leader sends 2 per request, of 5 changes. Real etcd and the real in-process
+    Controller; only the gRPC hop is a direct call, mapped as
+    ``StorageNode._send_alter_partition`` maps the RPC (a refused request raises)."""
+    monkeypatch.setattr(storage_server, "ALTER_PARTITION_BATCH", 2)
+    partitions = LIMIT + 1
+    with EtcdProcess(tmp_path / "etcd") as server, MetaStore(server.endpoint, cluster="c") as meta:
+        for broker_id in (1, 2):
+            lease = meta.grant_lease(3600)
+            assert meta.create_if_absent(
+                broker_key(broker_id), encode_broker(Broker(broker_id, "127.0.0.1", 1)), lease
+            )
+        controller = Controller(
+            meta,
+            ControllerConfig(
+                controller_id=1,
+                advertised_address="127.0.0.1:1",
+                session_ttl_s=5,
+                max_partitions_per_request=LIMIT,
+            ),
+        ).start()
+        manager = None
+        try:
+            wait_for(lambda: controller.is_active, 15, "the controller active")
+            # Topics of at most LIMIT partitions each (a CreateTopics is bounded too).
+            keys = [(f"t{i // LIMIT}", i % LIMIT) for i in range(partitions)]
+            for name in sorted({t for t, _ in keys}):
+                count = sum(1 for t, _ in keys if t == name)
+                (created,) = controller.create_topics(
+                    [NewTopic(name, 0, 0, assignments=tuple((p, (1, 2)) for p in range(count)))]
+                )
+                assert created.error is None, created.error
+            epoch1 = meta.get(broker_key(1)).create_revision
+
+            def record(i: int):  # type: ignore[no-untyped-def]
+                return decode_partition(meta.get(partition_key(*keys[i])))[2]
+
+            def send(broker_epoch, items):  # type: ignore[no-untyped-def]
+                # StorageNode._send_alter_partition without the gRPC hop: a refused
+                # request raises, per-partition outcomes map the same way.
+                outcomes = controller.alter_partition(
+                    1,
+                    broker_epoch,
+                    [
+                        IsrProposal(t, p, q.leader_epoch, q.new_isr, q.partition_epoch, q.joining)
+                        for t, p, q in items
+                    ],
+                )
+                return [
+                    (o.error, tuple(o.view.record.isr), o.view.record.partition_epoch)
+                    if o.view is not None
+                    else (o.error, None, -1)
+                    for o in outcomes
+                ]
+
+            manager = ReplicaManager(
+                LogManager(tmp_path / "b1", LogConfig()),
+                broker_id=1,
+                alter_partition=send,
+                replica_lag_time_max_ms=300,
+            )
+            manager.startup()
+            manager.set_broker_epoch(epoch1)
+            states = []
+            for p in range(partitions):
+                r = record(p)
+                assert r.leader == 1 and r.isr == (1, 2)
+                states.append(
+                    PartitionState(
+                        *keys[p], r.leader, r.leader_epoch, r.isr, (1, 2), r.partition_epoch
+                    )
+                )
+            results = manager.apply_leader_and_isr(10, states, broker_epoch=epoch1)
+            assert results == [None] * partitions, results
+            # Broker 2 is registered (alive) but never fetches: after the lag limit the
+            # leader must take it out of every partition's ISR.
+            deadline = time.monotonic() + 4.0
+            while time.monotonic() < deadline:
+                manager.isr_pass()
+                if all(record(p).isr == (1,) for p in range(partitions)):
+                    break
+                time.sleep(0.25)
+            stuck = [p for p in range(partitions) if record(p).isr != (1,)]
+            assert not stuck, (
+                f"{partitions} partitions led by broker 1, follower 2 silent for 4 s "
+                f"(replica.lag.time.max.ms 300): ISR still (1, 2) for partitions {stuck}"
+            )
+        finally:
+            if manager is not None:
+                manager.shutdown()
+            controller.stop()

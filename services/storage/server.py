@@ -701,7 +701,13 @@ class ReplicaManager:
 
     def isr_pass(self) -> None:
         """Leaders propose ISR changes (shrink laggards, add caught-up followers) to the
-        controller in one AlterPartition, and apply its answers. Called periodically."""
+        controller in AlterPartition requests of at most ``ALTER_PARTITION_BATCH``, and
+        apply their answers. Called periodically.
+
+        In one request, more changes than the controller takes in one (10,000) were
+        refused whole on every pass, for ever: no ISR of that leader changed again, a
+        silent follower held every acks=all append to its timeout (found by an audit).
+        Each request's outcome is its own partitions' only."""
         if self._alter_partition is None or self._broker_epoch <= 0:
             return
         proposals: list[tuple[Partition, IsrProposal]] = []
@@ -709,8 +715,11 @@ class ReplicaManager:
             proposal = partition.propose_isr_change(self._replica_lag_time_max_ms)
             if proposal is not None:
                 proposals.append((partition, proposal))
-        if not proposals:
-            return
+        for start in range(0, len(proposals), ALTER_PARTITION_BATCH):
+            self._alter_partitions(proposals[start : start + ALTER_PARTITION_BATCH])
+
+    def _alter_partitions(self, proposals: list[tuple[Partition, IsrProposal]]) -> None:
+        assert self._alter_partition is not None
         items = [(p.topic, p.partition, proposal) for p, proposal in proposals]
         try:
             outcomes = self._alter_partition(self._broker_epoch, items)
@@ -859,6 +868,9 @@ class _StartedAppend:
     error: Exception | None = None
     started_at: float = field(default_factory=time.monotonic)
 
+
+ALTER_PARTITION_BATCH: Final = 1_000
+"""ISR changes per AlterPartition request (the controller takes up to 10,000 in one)."""
 
 SESSION_PROGRESS_INTERVAL_S: Final = 0.25
 """How often a fetch session's fetch also counts as its follower's progress on the
