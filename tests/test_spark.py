@@ -4,6 +4,7 @@ module: it costs ~1 GiB and several seconds to start."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -1756,3 +1757,111 @@ def test_a_read_with_a_user_schema_is_refused_before_any_task_runs(
     )
     with pytest.raises(Exception, match="fixed schema and takes no"):
         df.collect()
+
+
+# --- the example pipeline (examples/nginx_pipeline, what `make run` runs) ----------------
+
+_GOOD_LINE = (
+    '10.0.3.7 - - [23/Nov/2026:00:00:03 +0000] "GET /api/cart HTTP/1.1" 200 5120 "-" '
+    '"curl/8.5" rt=0.043 svc=checkout'
+)
+
+
+def _pipeline_topics(gateway: GatewayProcess, name: str) -> dict[str, str]:
+    """Topics and a group of the pipeline's own for one test (the cluster is shared)."""
+    admin = tidelog.Admin(gateway.address)
+    names = {"source": f"{name}-lines", "target": f"{name}-stats", "group": f"{name}-job"}
+    admin.create_topic(names["source"], partitions=4, replication_factor=1)
+    admin.create_topic(names["target"], partitions=2, replication_factor=1)
+    return names
+
+
+def test_the_pipeline_on_an_empty_topic_ends_well(
+    spark: Any, gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """`--lines 0` or nothing new: no stats, status 0. The report's table crashed on
+    no rows with a TypeError traceback (found by an audit)."""
+    from examples.nginx_pipeline import job
+
+    topics = _pipeline_topics(gateway, "pipeline-empty")
+    status = job.run_pipeline(
+        spark, gateway.address, lines=0, checkpoint=tmp_path / "checkpoint", max_offsets=700,
+        **topics,
+    )  # fmt: skip
+    assert status == 0
+
+
+def test_a_line_the_casts_refuse_does_not_stop_the_stream_job_for_good(
+    spark: Any, gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """A line matching the expression with a value Spark's ANSI casts refuse (rt=1.2.3,
+    a 31st of November) failed its micro-batch, and every restart replayed it from the
+    checkpoint: the job could never pass it (found by an audit). Such lines are dropped
+    as unmatched ones are."""
+    from examples.nginx_pipeline import report, stream_job
+
+    topics = _pipeline_topics(gateway, "pipeline-poison")
+    with tidelog.Producer(gateway.address) as producer:
+        for line in (
+            _GOOD_LINE,
+            _GOOD_LINE.replace("rt=0.043", "rt=1.2.3"),
+            _GOOD_LINE.replace("23/Nov", "31/Nov"),
+            _GOOD_LINE,
+        ):
+            producer.send(topics["source"], line.encode(), partition=0)
+        producer.flush()
+    stream_job.run(
+        spark, gateway.address, topics["source"], topics["target"],
+        checkpoint=tmp_path / "checkpoint", max_offsets=500, group=topics["group"],
+    )  # fmt: skip
+    stats = report.latest_stats(spark, gateway.address, topics["target"])
+    assert [s["requests"] for s in stats] == [2]
+
+
+def test_the_pipeline_checks_out_with_another_writer_on_its_topic(
+    spark: Any, gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """Another producer appending to the source topic while the job runs: the stats were
+    right, but the job's check expected only its own lines and exited 1 (found by an
+    audit; on Kubernetes the Job would be retried, writing its lines again)."""
+    from examples.nginx_pipeline import job
+
+    topics = _pipeline_topics(gateway, "pipeline-shared")
+    stop = threading.Event()
+
+    def produce() -> None:
+        with tidelog.Producer(gateway.address) as producer:
+            while not stop.is_set():
+                producer.send(topics["source"], _GOOD_LINE.encode()).result(30)
+                time.sleep(0.02)
+
+    writer = threading.Thread(target=produce, daemon=True)
+    writer.start()
+    try:
+        status = job.run_pipeline(
+            spark, gateway.address, lines=1000, checkpoint=tmp_path / "checkpoint",
+            max_offsets=700, **topics,
+        )  # fmt: skip
+    finally:
+        stop.set()
+        writer.join(30)
+    assert status == 0
+
+
+def test_the_report_is_right_after_partitions_were_added_to_the_stats_topic(
+    spark: Any, gateway: GatewayProcess, tmp_path: Path
+) -> None:
+    """The report took a key's value at the highest offset; partitions added to the
+    stats topic move keys to partitions where their new values sit at lower offsets, and
+    the report showed the old ones (found by an audit)."""
+    from examples.nginx_pipeline import job
+
+    topics = _pipeline_topics(gateway, "pipeline-grown")
+    checkpoint = tmp_path / "checkpoint"
+    run = functools.partial(
+        job.run_pipeline, spark, gateway.address, lines=1200, checkpoint=checkpoint,
+        max_offsets=700, **topics,
+    )  # fmt: skip
+    assert run() == 0
+    tidelog.Admin(gateway.address).create_partitions(topics["target"], 9)
+    assert run() == 0

@@ -5,7 +5,8 @@ run``); on Kubernetes it is what ``spark-submit`` runs (``deploy/k8s/base/spark-
     python -m examples.nginx_pipeline.job --gateway tidelog-gateway:9094 \\
         --checkpoint /checkpoints/nginx-stats
 
-Exit status 0 when the stats account for every generated line.
+Exit status 0 when the job read every generated line and the stats account for every
+line it read.
 """
 
 from __future__ import annotations
@@ -37,38 +38,59 @@ def ensure_topics(admin: Admin, replication_factor: int) -> None:
 
 
 def run_pipeline(
-    spark: Any, gateway: str, *, lines: int, checkpoint: Path, max_offsets: int, step: str = ""
+    spark: Any,
+    gateway: str,
+    *,
+    lines: int,
+    checkpoint: Path,
+    max_offsets: int,
+    step: str = "",
+    source: str = SOURCE_TOPIC,
+    target: str = STATS_TOPIC,
+    group: str = GROUP,
 ) -> int:
     """Generate, aggregate, report; returns the exit status."""
     admin = Admin(gateway)
     t0 = time.monotonic()
-    written = generator.generate(spark, gateway, SOURCE_TOPIC, lines)
+    written = generator.generate(spark, gateway, source, lines)
     print(f"{step}generator wrote {written:,} lines in {time.monotonic() - t0:.1f} s", flush=True)
-    before = sum(p.committed_offset for p in admin.describe_group(GROUP) if p.committed_offset > 0)
+    before = _committed(admin, group)
     t0 = time.monotonic()
     batches = stream_job.run(
-        spark, gateway, SOURCE_TOPIC, STATS_TOPIC, checkpoint=checkpoint, max_offsets=max_offsets
+        spark, gateway, source, target, checkpoint=checkpoint, max_offsets=max_offsets, group=group
     )
     print(
         f"    streaming job processed the log in {batches} micro-batches "
         f"(maxOffsetsPerTrigger={max_offsets:,}) in {time.monotonic() - t0:.1f} s",
         flush=True,
     )
-    stats = report.latest_stats(spark, gateway, STATS_TOPIC)
-    print(f"{'4/4 ' if step else ''}per-service, per-minute stats from {STATS_TOPIC}:", flush=True)
+    stats = report.latest_stats(spark, gateway, target)
+    print(f"{'4/4 ' if step else ''}per-service, per-minute stats from {target}:", flush=True)
     report.print_table(stats)
     counted = sum(s["requests"] for s in stats)
-    group = admin.describe_group(GROUP)
-    expected = before + written
+    # What the stream read in all, as its group's offsets say (the job commits each
+    # micro-batch's end): the lines generated now and before, and any another writer
+    # added meanwhile. The generated lines plus the offsets before the run was
+    # expected, and a second writer on the topic failed a correct run (found by an
+    # audit).
+    read = _committed(admin, group)
+    lags = [p.lag for p in admin.describe_group(group)]
+    lag = "unknown" if None in lags else f"{sum(lag or 0 for lag in lags):,}"
     print(
-        f"stats account for {counted:,} of {expected:,} lines; consumer group {GROUP} lag "
-        f"{sum(p.lag for p in group)}",
+        f"stats account for {counted:,} of {read:,} lines; consumer group {group} lag {lag}",
         flush=True,
     )
-    if counted != expected:
+    if read - before < written:
+        print(f"error: the job read {read - before:,} new lines of {written:,}", file=sys.stderr)
+        return 1
+    if counted != read:
         print("error: the stats do not account for every line", file=sys.stderr)
         return 1
     return 0
+
+
+def _committed(admin: Admin, group: str) -> int:
+    return sum(p.committed_offset for p in admin.describe_group(group) if p.committed_offset > 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,11 @@ def latest_stats(spark: Any, gateway: str, topic: str) -> list[dict[str, Any]]:
     records = (
         spark.read.format("tidelog").option("gateway", gateway).option("subscribe", topic).load()
     )
-    # One key always lands on one partition, so its newest value has the highest offset.
-    newest = Window.partitionBy("key").orderBy(F.col("offset").desc())
+    # The newest write of a key: micro-batches write one after another, so by time; by
+    # offset among writes of one ms. The offset alone was wrong once partitions were
+    # added to the topic: a key's new values then land on another partition, at lower
+    # offsets than its old ones (found by an audit).
+    newest = Window.partitionBy("key").orderBy(F.col("timestamp").desc(), F.col("offset").desc())
     rows = (
         records.withColumn("rank", F.row_number().over(newest))
         .where("rank = 1")
@@ -38,7 +41,10 @@ def print_table(stats: list[dict[str, Any]]) -> None:
         )
         for s in stats
     ]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    if not rows:
+        print("(no stats yet)")
+        return
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))

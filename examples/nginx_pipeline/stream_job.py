@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pyspark.sql import functions as F  # noqa: N812
+from pyspark.sql.streaming import StreamingQueryListener
 
 # Groups: 1 client, 2 time, 3 method, 4 path, 5 status, 6 bytes, 7 request time (s),
 # 8 service.
@@ -25,8 +26,28 @@ LINE = (
 )
 
 
+class _BatchCounter:
+    """Counts a query's micro-batches that read data, from Spark's progress events:
+    ``query.recentProgress`` keeps only the last 100 (found by an audit)."""
+
+    def __init__(self) -> None:
+        self.batches: set[int] = set()
+        self.query_id = ""
+
+    def on_progress(self, progress: Any) -> None:
+        if str(progress.id) == self.query_id and progress.numInputRows > 0:
+            self.batches.add(progress.batchId)
+
+
 def run(
-    spark: Any, gateway: str, source: str, target: str, *, checkpoint: Path, max_offsets: int
+    spark: Any,
+    gateway: str,
+    source: str,
+    target: str,
+    *,
+    checkpoint: Path,
+    max_offsets: int,
+    group: str = "nginx-stats-job",
 ) -> int:
     """Run until everything written so far is processed (AvailableNow); returns the
     number of micro-batches that read data."""
@@ -36,16 +57,27 @@ def run(
         .option("subscribe", source)
         .option("startingOffsets", "earliest")
         .option("maxOffsetsPerTrigger", str(max_offsets))
-        .option("groupId", "nginx-stats-job")
+        .option("groupId", group)
         .load()
         .select(F.col("value").cast("string").alias("line"))
     )
+    # try_ forms, and rows without a time, status or latency dropped as the lines the
+    # expression does not match are: a line that matched with a value the casts refuse
+    # (rt=1.2.3, 31/Nov) failed its micro-batch, and every restart replayed the same
+    # micro-batch from the checkpoint - the job could never pass it (found by an audit).
     parsed = lines.select(
         F.regexp_extract("line", LINE, 8).alias("service"),
-        F.to_timestamp(F.regexp_extract("line", LINE, 2), "dd/MMM/yyyy:HH:mm:ss Z").alias("time"),
-        F.regexp_extract("line", LINE, 5).cast("int").alias("status"),
-        (F.regexp_extract("line", LINE, 7).cast("double") * 1000).alias("latency_ms"),
-    ).where(F.col("service") != "")
+        F.try_to_timestamp(
+            F.regexp_extract("line", LINE, 2), F.lit("dd/MMM/yyyy:HH:mm:ss Z")
+        ).alias("time"),
+        F.regexp_extract("line", LINE, 5).try_cast("int").alias("status"),
+        (F.regexp_extract("line", LINE, 7).try_cast("double") * 1000).alias("latency_ms"),
+    ).where(
+        (F.col("service") != "")
+        & F.col("time").isNotNull()
+        & F.col("status").isNotNull()
+        & F.col("latency_ms").isNotNull()
+    )
     stats = parsed.groupBy("service", F.window("time", "1 minute").alias("window")).agg(
         F.count(F.lit(1)).alias("requests"),
         F.avg((F.col("status") >= 500).cast("double")).alias("error_rate_5xx"),
@@ -76,14 +108,41 @@ def run(
             "append"
         ).save()
 
-    query = (
-        out.writeStream.outputMode("update")
-        .foreachBatch(write_batch)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
-    )
-    query.awaitTermination()
+    counter = _BatchCounter()
+    listener = _ProgressListener(counter.on_progress)
+    spark.streams.addListener(listener)
+    try:
+        query = (
+            out.writeStream.outputMode("update")
+            .foreachBatch(write_batch)
+            .option("checkpointLocation", str(checkpoint))
+            .trigger(availableNow=True)
+            .start()
+        )
+        counter.query_id = str(query.id)
+        query.awaitTermination()
+    finally:
+        spark.streams.removeListener(listener)
     if query.exception() is not None:
         raise RuntimeError(f"the streaming job failed: {query.exception()}")
-    return sum(1 for p in query.recentProgress if p["numInputRows"] > 0)
+    return len(counter.batches)
+
+
+class _ProgressListener(StreamingQueryListener):
+    """Hands each progress event to ``on_progress`` (the listener's other events are of
+    no use here)."""
+
+    def __init__(self, on_progress: Any) -> None:
+        self._on_progress = on_progress
+
+    def onQueryStarted(self, event: Any) -> None:  # noqa: N802 - Spark's method names
+        pass
+
+    def onQueryProgress(self, event: Any) -> None:  # noqa: N802
+        self._on_progress(event.progress)
+
+    def onQueryIdle(self, event: Any) -> None:  # noqa: N802
+        pass
+
+    def onQueryTerminated(self, event: Any) -> None:  # noqa: N802
+        pass
