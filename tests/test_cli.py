@@ -984,6 +984,9 @@ def test_a_failed_dev_whose_data_dir_path_contains_ready_is_not_taken_for_ready(
         ("controller", "--session-ttl-s", "99999999999", "must be <= 9000000000"),
         ("gateway", "--max-request-bytes", "3000000000", "must be <= 2139095039"),
         ("gateway", "--max-fetch-bytes", "3000000000", "must be <= 2139095039"),
+        # Registered as it was: nobody could dial the broker (found by an audit).
+        ("storage", "--advertised-host", "broker 0", "is not a host name or IP address"),
+        ("storage", "--advertised-host", "", "is not a host name or IP address"),
     ],
 )
 def test_service_cluster_flags_are_checked_by_the_parser(

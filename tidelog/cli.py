@@ -117,12 +117,25 @@ def _add_advertised_host(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--advertised-host",
         metavar="HOST",
+        type=_advertised_host,
         default=None,
         help=(
             "host other processes use to reach this one (Kafka's advertised.listeners); "
             "default: the --listen host, or this machine's FQDN for 0.0.0.0"
         ),
     )
+
+
+def _advertised_host(text: str) -> str:
+    """A host others can dial: a name or address by HOST:PORT's rule (``parse_host_port``).
+    One with a space was registered, and no gateway or follower could reach the broker
+    (found by an audit)."""
+    bracketed = text.startswith("[") or ":" not in text
+    try:
+        host, _ = parse_host_port(f"{text}:1" if bracketed else f"[{text}]:1")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{echo(text)} is not a host name or IP address") from None
+    return host  # an IPv6 address without brackets, as it is registered
 
 
 def _add_cluster_membership(
