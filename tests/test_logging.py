@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -13,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.cluster import TestCluster
+from tests.support.process import REPO_ROOT, tidelog_env
 from tidelog import logging as tidelog_logging
 from tidelog.v1 import gateway_pb2
 
@@ -97,3 +100,33 @@ def test_an_error_line_has_the_traceback_without_local_variables() -> None:
     event = json.loads(line)
     assert event["event"] == "handler_failed" and event["exception"][0]["exc_type"] == "ValueError"
     assert "xxxx" not in line and len(line) < 10_000
+
+
+_CRASHING = """
+import logging, threading
+from tidelog import logging as tidelog_logging
+tidelog_logging.configure("test")
+tidelog_logging.capture_process_output()
+def crash():
+    raise RuntimeError("a thread's bug")
+t = threading.Thread(target=crash, name="worker-1")
+t.start()
+t.join()
+logging.getLogger("grpc._server").warning("a %s from the standard library", "warning")
+logging.getLogger("quiet").info("below the level")
+"""
+
+
+def test_a_service_logs_thread_crashes_and_library_warnings_as_json_lines() -> None:
+    """Uncaught thread exceptions and the standard library's logging (gRPC's Python
+    side) were plain multi-line text among a service's JSON lines (found by an audit)."""
+    ran = subprocess.run(
+        [sys.executable, "-c", _CRASHING], capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT, env=tidelog_env(), check=True,
+    )  # fmt: skip
+    events = [json.loads(line) for line in ran.stderr.splitlines()]  # every line is JSON
+    crashed, warned = events
+    assert crashed["event"] == "thread_crashed" and crashed["thread"] == "worker-1"
+    assert crashed["exception"][0]["exc_value"] == "a thread's bug"
+    assert warned["event"] == "a warning from the standard library"
+    assert (warned["logger"], warned["level"]) == ("grpc._server", "warning")

@@ -15,8 +15,10 @@ PrintLogger serializes writes to the stream, so lines never interleave.
 
 from __future__ import annotations
 
+import contextlib
 import logging as _stdlib_logging
 import sys
+import threading
 from collections.abc import Mapping, MutableMapping
 from typing import Any, TextIO
 
@@ -105,6 +107,41 @@ def configure(
         cache_logger_on_first_use=False,
     )
     return get_logger()
+
+
+class _IntoStructlog(_stdlib_logging.Handler):
+    """The standard library's records (gRPC's Python side, concurrent.futures') as JSON
+    lines of this log, with the logger's name."""
+
+    def emit(self, record: _stdlib_logging.LogRecord) -> None:
+        # A line that cannot be made is dropped (handleError would print plain text).
+        with contextlib.suppress(Exception):
+            get_logger().bind(logger=record.name).log(
+                record.levelno, record.getMessage(), exc_info=record.exc_info or False
+            )
+
+
+def capture_process_output() -> None:
+    """For a service's process (its ``main``, after ``configure``): uncaught exceptions of
+    threads and the standard library's logging go into the JSON log too. They were
+    written as plain, multi-line text among the JSON lines, where a collector of JSON
+    lines mangles exactly the crash reports. Not for ``configure`` itself: tests
+    configure roles in-process, and pytest has hooks of its own there."""
+    log = get_logger()
+
+    def thread_crashed(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit:
+            return
+        log.error(
+            "thread_crashed",
+            thread=None if args.thread is None else args.thread.name,
+            exc_info=(args.exc_type, args.exc_value, args.exc_traceback),
+        )
+
+    threading.excepthook = thread_crashed
+    root = _stdlib_logging.getLogger()
+    root.handlers[:] = [_IntoStructlog()]
+    root.setLevel(_stdlib_logging.WARNING)
 
 
 def get_logger(**bound: object) -> FilteringBoundLogger:

@@ -187,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
         args.controller_id if args.controller_id is not None else random.randint(1, 2**31 - 1)
     )
     tidelog_logging.configure("controller", level=args.log_level, controller_id=controller_id)
+    tidelog_logging.capture_process_output()
     try:
         config = ControllerNodeConfig(
             etcd=args.etcd,

@@ -318,6 +318,7 @@ class GatewayNode:
 def main(args: argparse.Namespace) -> int:
     """Run a gateway until SIGTERM/SIGINT; the ``tidelog gateway`` command."""
     tidelog_logging.configure("gateway", level=args.log_level)
+    tidelog_logging.capture_process_output()
     try:
         config = GatewayNodeConfig(
             etcd=args.etcd,

@@ -550,6 +550,7 @@ def main(args: argparse.Namespace) -> int:
     ``etcd``, ``rack`` and ``log_level`` (see ``tidelog.cli``). Returns the exit status.
     """
     tidelog_logging.configure("storage", level=args.log_level, broker_id=args.broker_id)
+    tidelog_logging.capture_process_output()
     try:
         max_waiting_fetches = getattr(args, "max_waiting_fetches", 32)
         limits = ServerLimits(
