@@ -987,6 +987,8 @@ def test_a_failed_dev_whose_data_dir_path_contains_ready_is_not_taken_for_ready(
         # Registered as it was: nobody could dial the broker (found by an audit).
         ("storage", "--advertised-host", "broker 0", "is not a host name or IP address"),
         ("storage", "--advertised-host", "", "is not a host name or IP address"),
+        ("storage", "--advertised-host", "10.0.0.5:9092", "give the port in --listen"),
+        ("controller", "--advertised-host", "broker-0:9092", "is not a host name or IP"),
     ],
 )
 def test_service_cluster_flags_are_checked_by_the_parser(

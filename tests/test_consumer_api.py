@@ -583,3 +583,21 @@ def test_offsets_of_a_partition_that_does_not_exist_fail_at_once_as_unknown(
                 getattr(consumer, call)(asked)
         assert time.monotonic() - started < 15, "it waited out the request timeout"
         assert getattr(consumer, call)([(topic, 0)]) == {(topic, 0): 0}
+
+
+def test_seek_and_commit_take_integer_offsets_of_numpy(
+    gateway: GatewayProcess, admin: tidelog.Admin
+) -> None:
+    """An offset computed with numpy or pandas (np.int64 has __index__; protobuf takes
+    it) was refused by the first type check ("must be an int, not int64"; found by an
+    audit): any integer type is taken, floats and bools are not."""
+    np = pytest.importorskip("numpy")
+    topic = f"np-offsets-{uuid.uuid4().hex[:6]}"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Consumer(gateway.address, "np-group", enable_auto_commit=False) as consumer:
+        tp = (topic, 0)
+        consumer.assign([tp])
+        consumer.seek(tp, np.int64(0))
+        assert consumer.position(tp) == 0 and type(consumer.position(tp)) is int
+        consumer.commit({tp: np.int64(0)})
+        assert consumer.committed([tp]) == {tp: 0}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import decimal
 import importlib
+import ipaddress
 import math
 import re
 import signal
@@ -126,16 +127,24 @@ def _add_advertised_host(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_LABEL: Final = r"[A-Za-z0-9](?:[A-Za-z0-9_-]*[A-Za-z0-9])?"
+_HOST_NAME: Final = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?", re.ASCII)
+
+
 def _advertised_host(text: str) -> str:
-    """A host others can dial: a name or address by HOST:PORT's rule (``parse_host_port``).
-    One with a space was registered, and no gateway or follower could reach the broker
-    (found by an audit)."""
-    bracketed = text.startswith("[") or ":" not in text
+    """A host others can dial: an IP address (IPv6 with or without brackets) or a host
+    name - no port. One with a space, or a HOST:PORT, was registered, and no gateway or
+    follower could reach the broker (found by audits)."""
+    bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
     try:
-        host, _ = parse_host_port(f"{text}:1" if bracketed else f"[{text}]:1")
+        return str(ipaddress.ip_address(bare))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{echo(text)} is not a host name or IP address") from None
-    return host  # an IPv6 address without brackets, as it is registered
+        pass
+    if bare is text and _HOST_NAME.fullmatch(text) and len(text) <= 253:
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{echo(text)} is not a host name or IP address (give the port in --listen)"
+    )
 
 
 def _add_cluster_membership(

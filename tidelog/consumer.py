@@ -102,6 +102,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import operator
 import queue
 import threading
 import time
@@ -297,6 +298,18 @@ RebalanceCallback = Callable[[list[TopicPartition]], None]
 class OffsetAndTimestamp(NamedTuple):
     offset: int
     timestamp_ms: int
+
+
+def _offset_int(offset: object, where: str) -> int:
+    """``offset`` as an int: any integer type (numpy's, pandas'), not a bool or float."""
+    if isinstance(offset, bool):
+        raise ConfigError(f"offset for {where} must be an int, not bool")
+    try:
+        return operator.index(offset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(
+            f"offset for {where} must be an int, not {type(offset).__name__}"
+        ) from None
 
 
 class _PendingCommitted(NamedTuple):
@@ -964,8 +977,7 @@ class Consumer:
         tp = self._check_assigned(tp)
         # An offset no fetch can carry (a float, past int64) was taken, and every poll
         # after it raised protobuf's TypeError or ValueError (found by an audit).
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise ConfigError(f"offset must be an int, not {type(offset).__name__}")
+        offset = _offset_int(offset, f"{tp[0]}-{tp[1]}")
         if offset < 0:
             raise ConfigError(f"offset {offset} is negative; use seek_to_beginning/end")
         if offset > INT64_MAX:
@@ -1725,13 +1737,10 @@ class Consumer:
         self._raise_if_woken()
         if offsets is None:
             offsets = {tp: self._positions[tp] for tp in self._assignment if tp in self._positions}
+        # Protobuf's TypeError or ValueError escaped (found by an audit); a negative
+        # offset is the gateway's INVALID_REQUEST.
+        offsets = {tp: _offset_int(o, f"{tp[0]}-{tp[1]}") for tp, o in offsets.items()}
         for (topic, partition), offset in offsets.items():
-            # Protobuf's TypeError or ValueError escaped (found by an audit); a negative
-            # offset is the gateway's INVALID_REQUEST.
-            if isinstance(offset, bool) or not isinstance(offset, int):
-                raise ConfigError(
-                    f"offset for {topic}-{partition} must be an int, not {type(offset).__name__}"
-                )
             if offset > INT64_MAX:
                 raise ConfigError(f"offset {offset} for {topic}-{partition} is past {INT64_MAX}")
         self._commit(offsets, time.monotonic() + self._api_timeout_s, retrying=True)

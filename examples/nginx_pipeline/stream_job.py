@@ -12,6 +12,7 @@ value per key do not notice.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +29,30 @@ LINE = (
 
 class _BatchCounter:
     """Counts a query's micro-batches that read data, from Spark's progress events:
-    ``query.recentProgress`` keeps only the last 100 (found by an audit)."""
+    ``query.recentProgress`` keeps only the last 100 (found by an audit). Events come
+    asynchronously, perhaps before the query's id is known here: each is kept with its
+    query's id, and the count picks the query's when asked."""
 
     def __init__(self) -> None:
-        self.batches: set[int] = set()
-        self.query_id = ""
+        self._seen: set[tuple[str, int, bool]] = set()  # (query id, batch id, read data)
+        self._changed = threading.Condition()
 
     def on_progress(self, progress: Any) -> None:
-        if str(progress.id) == self.query_id and progress.numInputRows > 0:
-            self.batches.add(progress.batchId)
+        with self._changed:
+            self._seen.add((str(progress.id), progress.batchId, progress.numInputRows > 0))
+            self._changed.notify_all()
+
+    def count(self, query: Any, timeout_s: float = 10.0) -> int:
+        """The query's batches that read data, once the event of its last batch came."""
+        query_id = str(query.id)
+        last = query.lastProgress
+        with self._changed:
+            if last is not None:
+                self._changed.wait_for(
+                    lambda: any(q == query_id and b == last["batchId"] for q, b, _ in self._seen),
+                    timeout_s,
+                )
+            return sum(1 for q, _, read in self._seen if q == query_id and read)
 
 
 def run(
@@ -119,13 +135,12 @@ def run(
             .trigger(availableNow=True)
             .start()
         )
-        counter.query_id = str(query.id)
         query.awaitTermination()
+        if query.exception() is not None:
+            raise RuntimeError(f"the streaming job failed: {query.exception()}")
+        return counter.count(query)
     finally:
         spark.streams.removeListener(listener)
-    if query.exception() is not None:
-        raise RuntimeError(f"the streaming job failed: {query.exception()}")
-    return len(counter.batches)
 
 
 class _ProgressListener(StreamingQueryListener):
