@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from tests.support.cluster import GatewayProcess, TestCluster
@@ -159,3 +160,169 @@ def test_a_big_batch_does_not_stop_replication_of_other_topics(
         timeout=30,
     )
     assert [p.error.code for p in produced.partitions] == [0], produced
+
+
+TWO_LEADERS_TOPIC = "two-leaders-big"
+BATCH_VALUE_BYTES = 60 * 1024 * 1024
+MAX_MESSAGE_BYTES = 90 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def two_leaders(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[TestCluster, GatewayProcess]]:
+    base: Path = tmp_path_factory.mktemp("sendlimit")
+    with TestCluster(base, session_ttl_s=10) as cluster:
+        for broker_id in (0, 1):
+            cluster.start_broker(broker_id)
+        cluster.start_controller(1)
+        cluster.wait_brokers([0, 1])
+        # A gateway whose fetch limit is lowered (memory-shrunk, or set by the operator).
+        gateway = cluster.start_gateway(extra_args=["--max-fetch-bytes", str(1024 * 1024)])
+        yield cluster, gateway
+
+
+def test_fetch_across_two_leaders_with_big_first_batches(
+    two_leaders: tuple[TestCluster, GatewayProcess],
+) -> None:
+    """Two partitions led by two brokers, each holding one valid 60 MiB batch (the topic
+    takes 90 MiB). A Fetch naming both gets each leader's first batch whole (as Kafka's,
+    so a consumer makes progress): ~120 MiB, above the gateway's send limit (~106 MiB
+    with --max-fetch-bytes 1 MiB). gRPC refuses to send it: RESOURCE_EXHAUSTED on every
+    try, and a client fetching both partitions in one call never got past them (found by
+    an audit). One leader's oversized answer goes; the other's waits for the next fetch."""
+    cluster, gateway = two_leaders
+    api = gateway.stub
+    created = api.CreateTopics(
+        controller_pb2.CreateTopicsRequest(
+            topics=[
+                controller_pb2.CreatableTopic(
+                    name=TWO_LEADERS_TOPIC, num_partitions=2, replication_factor=1,
+                    configs=[common_pb2.ConfigEntry(name="max.message.bytes",
+                                                    value=str(MAX_MESSAGE_BYTES))],
+                )
+            ],
+            timeout_ms=20_000,
+        ),
+        timeout=30,
+    )  # fmt: skip
+    assert [t.error.code for t in created.topics] == [0], created
+    leaders = {s.leader for s in cluster.partitions(TWO_LEADERS_TOPIC)}
+    assert leaders == {0, 1}, leaders
+    batch = encode_batch([b"v" * BATCH_VALUE_BYTES])
+    for partition in (0, 1):
+        produced = api.Produce(
+            gateway_pb2.ProduceRequest(
+                acks=common_pb2.LEADER,
+                partitions=[gateway_pb2.ProducePartitionData(
+                    topic=TWO_LEADERS_TOPIC, partition=partition, records=batch)],
+            ),
+            timeout=60,
+        )  # fmt: skip
+        assert [p.error.code for p in produced.partitions] == [0], produced
+    channel = grpc.insecure_channel(
+        gateway.address, options=[("grpc.max_receive_message_length", -1)]
+    )
+    try:
+        fetch = channel.unary_unary(
+            "/tidelog.v1.Gateway/Fetch",
+            request_serializer=storage_pb2.FetchRequest.SerializeToString,
+            response_deserializer=storage_pb2.FetchResponse.FromString,
+        )
+        response = fetch(
+            storage_pb2.FetchRequest(
+                replica_id=-1, max_wait_ms=0,
+                partitions=[
+                    storage_pb2.FetchPartition(topic=TWO_LEADERS_TOPIC, partition=p,
+                                               fetch_offset=0)
+                    for p in (0, 1)
+                ],
+            ),
+            timeout=60,
+        )  # fmt: skip
+    except grpc.RpcError as exc:
+        pytest.fail(f"gateway Fetch across two leaders failed: {exc.code()} {exc.details()}")
+    finally:
+        channel.close()
+    assert sum(bool(r.records) for r in response.partitions) == 1
+
+
+SDK_TOPIC = "sdk-two-leaders-big"
+
+
+@pytest.fixture(scope="module")
+def env16(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[TestCluster, GatewayProcess]]:
+    """Brokers 0 and 16: the SDK consumer (gateway mode) puts leaders whose ids are equal
+    modulo MAX_FETCHES_IN_FLIGHT (16) in one Fetch (``Consumer._send_fetches``)."""
+    base: Path = tmp_path_factory.mktemp("sendlimit16")
+    with TestCluster(base, session_ttl_s=10) as cluster:
+        for broker_id in (0, 16):
+            cluster.start_broker(broker_id)
+        cluster.start_controller(1)
+        cluster.wait_brokers([0, 16])
+        gateway = cluster.start_gateway(extra_args=["--max-fetch-bytes", str(1024 * 1024)])
+        yield cluster, gateway
+
+
+def test_an_sdk_consumer_of_two_leaders_in_one_fetch_reads_both_big_batches(
+    env16: tuple[TestCluster, GatewayProcess],
+) -> None:
+    """The SDK's consumer itself sends such a Fetch: leaders 0 and 16 share its fetch
+    group. With fetch_min_bytes=0 (Kafka's consumer takes 0) the gateway asks both leaders
+    without waiting and sends both answers. Each partition holds one valid 60 MiB batch;
+    the consumer never reads either
+    (every Fetch fails RESOURCE_EXHAUSTED at the gateway's send limit; past it, at the
+    SDK's own 128 MiB receive limit; found by an audit)."""
+    import tidelog
+
+    cluster, gateway = env16
+    api = gateway.stub
+    created = api.CreateTopics(
+        controller_pb2.CreateTopicsRequest(
+            topics=[
+                controller_pb2.CreatableTopic(
+                    name=SDK_TOPIC, num_partitions=2, replication_factor=1,
+                    configs=[common_pb2.ConfigEntry(name="max.message.bytes",
+                                                    value=str(MAX_MESSAGE_BYTES))],
+                )
+            ],
+            timeout_ms=20_000,
+        ),
+        timeout=30,
+    )  # fmt: skip
+    assert [t.error.code for t in created.topics] == [0], created
+    leaders = {s.leader for s in cluster.partitions(SDK_TOPIC)}
+    assert leaders == {0, 16}, leaders
+    batch = encode_batch([b"v" * BATCH_VALUE_BYTES])
+    for partition in (0, 1):
+        produced = api.Produce(
+            gateway_pb2.ProduceRequest(
+                acks=common_pb2.LEADER,
+                partitions=[gateway_pb2.ProducePartitionData(
+                    topic=SDK_TOPIC, partition=partition, records=batch)],
+            ),
+            timeout=60,
+        )  # fmt: skip
+        assert [p.error.code for p in produced.partitions] == [0], produced
+    consumer = tidelog.Consumer(
+        gateway.address,
+        auto_offset_reset="earliest",
+        fetch_min_bytes=0,  # Kafka allows 0
+    )
+    try:
+        consumer.assign([(SDK_TOPIC, 0), (SDK_TOPIC, 1)])
+        got = 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and got < 2:
+            got += len(consumer.poll(timeout_ms=1000))
+    finally:
+        consumer.close()
+    failures = sum(
+        "Sent message larger than max" in line or "RESOURCE_EXHAUSTED" in line
+        for line in gateway.log_path.read_text().splitlines()
+    )
+    assert got == 2, (
+        f"{got} of 2 records read in 30 s ({failures} gateway log lines of the send limit)"
+    )
