@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import tidelog
-from tests.support.cluster import GatewayProcess, TestCluster
+from tests.support.cluster import GatewayProcess, TestCluster, wait_for
 from tests.support.tcp_proxy import DelayProxy
 
 RETENTION_MS = 2_000
@@ -242,3 +242,112 @@ def test_a_group_member_polling_with_timeout_zero_joins_and_reads(
             got += [r.value for r in consumer.poll(timeout_ms=0)]
             time.sleep(0.01)
         assert got == [b"a", b"b"]
+
+
+def test_a_stale_committed_offsets_answer_is_not_taken_by_a_later_membership(
+    gateway: GatewayProcess,
+) -> None:
+    """The committed-offsets ask kept in flight across polls was keyed by partitions and
+    generation number only; generation numbers restart when a group empties, so a later
+    membership took its previous membership's answer, from before others committed, and
+    read records below the group's commit again (found by an audit; Kafka keys it by the
+    whole Generation, member id included)."""
+    admin = tidelog.Admin(gateway.address)
+    topic = f"gfp-{uuid.uuid4().hex[:6]}"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"%d" % i for i in range(20)], partition=0).result(30)
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    proxy = DelayProxy(gateway.address, 0.15)  # a 300 ms round trip (another region)
+    far = tidelog.Consumer(
+        proxy.address, group_id=group, auto_offset_reset="earliest",
+        enable_auto_commit=False, session_timeout_ms=2_000, heartbeat_interval_ms=300,
+    )  # fmt: skip
+    try:
+        far.subscribe([topic])
+        # Poll until the join completes: that poll asks for the committed offsets and,
+        # behind the long round trip, ends before the answer (it stays in flight).
+        deadline = time.monotonic() + 30
+        while not far.assignment() and time.monotonic() < deadline:
+            assert far.poll(timeout_ms=100) == []
+        assert far.assignment() == [(topic, 0)]
+        far.unsubscribe()  # leaves: the group is empty (its state key deleted)
+        time.sleep(1.0)  # the ask is answered meanwhile: nothing committed then
+
+        # Another consumer reads everything and commits it, then leaves.
+        with tidelog.Consumer(
+            gateway.address, group_id=group, auto_offset_reset="earliest",
+            enable_auto_commit=False, session_timeout_ms=2_000, heartbeat_interval_ms=300,
+        ) as near:  # fmt: skip
+            near.subscribe([topic])
+            got: list[int] = []
+            wait_for(
+                lambda: (
+                    (got.extend(r.offset for r in near.poll(timeout_ms=200)), len(got) >= 20)[1]
+                    or None
+                ),
+                30,
+                "the other consumer reading all 20",
+            )
+            near.commit()
+        assert admin.describe_group(group)[0].committed_offset == 20
+
+        # The far consumer subscribes again: a new membership, generation 1 again.
+        far.subscribe([topic])
+        again: list[int] = []
+        end = time.monotonic() + 6
+        while time.monotonic() < end:
+            again += [r.offset for r in far.poll(timeout_ms=200)]
+        assert far.assignment() == [(topic, 0)]
+        assert again == [], (
+            f"re-read offsets {again[:5]}..{again[-1:]} below the group's commit at 20 "
+            "(a stale committed-offsets answer from the previous membership)"
+        )
+    finally:
+        far.close()
+        proxy.close()
+
+
+def test_a_stale_committed_offsets_answer_is_not_taken_after_a_reassign(
+    gateway: GatewayProcess,
+) -> None:
+    """The same after assign([]) and assign again (generation -1 both times): the ask is
+    dropped whenever the assignment changes (found by an audit)."""
+    """The same for a consumer that assigns itself partitions (generation -1 always):
+    asked in flight, the answer outlives a seek, a commit and a new assignment of the
+    same partition, and sends the consumer back below its own commit."""
+    admin = tidelog.Admin(gateway.address)
+    topic = f"gfp-{uuid.uuid4().hex[:6]}"
+    admin.create_topic(topic, partitions=1, replication_factor=1)
+    with tidelog.Producer(gateway.address) as producer:
+        producer.send_batch(topic, [b"%d" % i for i in range(20)], partition=0).result(30)
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    proxy = DelayProxy(gateway.address, 0.15)
+    far = tidelog.Consumer(
+        proxy.address, group_id=group, auto_offset_reset="earliest", enable_auto_commit=False
+    )
+    try:
+        far.assign([(topic, 0)])
+        assert far.poll(timeout_ms=0) == []  # asks for the committed offset; not answered yet
+        far.seek((topic, 0), 15)
+        got: list[int] = []
+        wait_for(
+            lambda: (
+                (got.extend(r.offset for r in far.poll(timeout_ms=200)), len(got) >= 5)[1] or None
+            ),
+            30,
+            "reading 15..19",
+        )
+        assert got == [15, 16, 17, 18, 19]
+        far.commit()
+        assert far.committed([(topic, 0)]) == {(topic, 0): 20}
+        far.assign([])
+        far.assign([(topic, 0)])
+        again: list[int] = []
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            again += [r.offset for r in far.poll(timeout_ms=200)]
+        assert again == [], f"re-read {again[:3]}.. below its own commit at 20"
+    finally:
+        far.close()
+        proxy.close()

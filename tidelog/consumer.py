@@ -316,7 +316,9 @@ class _PendingCommitted(NamedTuple):
     """A poll's ask for the group's committed offsets, answered or not yet."""
 
     partitions: frozenset[TopicPartition]
-    generation: int  # the member's when asked (-1 without a membership)
+    # (member id, generation) when asked, as Kafka's Generation: a generation number
+    # alone comes round again once a group empties ("" and -1 without a membership).
+    member: tuple[str, int]
     future: Any  # grpc's call future of FetchOffsets
 
 
@@ -722,6 +724,7 @@ class Consumer:
         return GroupMetadata(membership.group_id, member_id, generation)
 
     def _leave_group(self) -> None:
+        self._drop_pending_committed()
         if self._membership is not None:
             self._membership.leave()
             self._membership = None
@@ -895,6 +898,8 @@ class Consumer:
         self._last_refresh = time.monotonic()
         self._leaders_stale = False
         keep = set(partitions)
+        if keep != set(self._assignment):
+            self._drop_pending_committed()
         self._drop_buffered({tp for tp in self._assignment if tp not in keep})
         self._assignment = partitions
         self._positions = {tp: o for tp, o in self._positions.items() if tp in keep}
@@ -1864,9 +1869,9 @@ class Consumer:
         and read nothing, ever (found by an audit). Raises the ask's error."""
         assert self.group_id is not None
         wanted = frozenset(missing)
-        generation = self._membership.commit_identity()[1] if self._membership else -1
+        member = self._membership.commit_identity() if self._membership else ("", -1)
         pending = self._pending_committed
-        if pending is None or (pending.partitions, pending.generation) != (wanted, generation):
+        if pending is None or (pending.partitions, pending.member) != (wanted, member):
             if pending is not None:
                 pending.future.cancel()  # another assignment's: its answer is of no use
             request = gateway_pb2.FetchOffsetsRequest(
@@ -1874,7 +1879,7 @@ class Consumer:
                 partitions=[common_pb2.TopicPartition(topic=t, partition=p) for t, p in wanted],
             )
             future = self._conn.stub.FetchOffsets.future(request, timeout=self._conn.timeout_s)
-            pending = self._pending_committed = _PendingCommitted(wanted, generation, future)
+            pending = self._pending_committed = _PendingCommitted(wanted, member, future)
         wait_s = max(poll_deadline, time.monotonic() + MIN_AUTO_COMMIT_TIMEOUT_MS / 1000)
         try:
             response = pending.future.result(timeout=max(0.0, wait_s - time.monotonic()))
@@ -1888,6 +1893,15 @@ class Consumer:
             return None
         self._pending_committed = None
         return {(o.topic, o.partition): (o.offset, o.leader_epoch) for o in response.offsets}
+
+    def _drop_pending_committed(self) -> None:
+        """Forget the committed offsets asked for and not yet answered: the assignment
+        they were asked for changed (or the group was left), and taken later, an answer
+        from before a commit put the consumer below it - records read again (found by an
+        audit)."""
+        pending, self._pending_committed = self._pending_committed, None
+        if pending is not None:
+            pending.future.cancel()
 
     def _call_retrying(
         self,
