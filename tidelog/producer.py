@@ -427,6 +427,7 @@ class _Batch:
     """Records bound for one partition, sent as one record batch."""
 
     __slots__ = (
+        "alone",
         "arrow_keys",
         "arrow_values",
         "attempts",
@@ -439,6 +440,7 @@ class _Batch:
         "headers",
         "keys",
         "last_error",
+        "maybe_written",
         "ordinal",
         "ordinal_room",
         "producer_id",
@@ -473,6 +475,13 @@ class _Batch:
         self.encoded_bytes = 0
         self.attempts = 0
         self.sent = False
+        # A request carrying it ended with no word on whether the leader wrote it (a
+        # retriable error: the stream cut, a timeout): it is never cut in two (new
+        # batches under a new producer id would write its records again, if they were).
+        self.maybe_written = False
+        # Sent in a request of its own (no other partition's batches): a retry whose
+        # request the gateway refused as too large with others in it.
+        self.alone = False
         # Why its last request failed, while it waits to be retried: what it fails with
         # if its delivery timeout passes first (Producer._fail_expired).
         self.last_error: TidelogError | None = None
@@ -1595,6 +1604,9 @@ class Producer:
             if pq.retry_at_s > now:
                 wait_s = min(wait_s, pq.retry_at_s - now)
                 continue
+            if pq.batches[0].alone and picked:
+                wait_s = 0.0  # first in the next request, which it has to itself
+                continue
             taken: list[_Batch] = []
             size = 0
             room = self._max_batches - pq.in_flight_batches
@@ -1627,6 +1639,8 @@ class Producer:
             pq.in_flight_batches += len(taken)
             picked.append((pq, taken))
             request_bytes += size
+            if taken[0].alone:
+                break
         return picked, wait_s
 
     def _watch_expiry(self, batches: Sequence[_Batch]) -> None:
@@ -2498,8 +2512,27 @@ class Producer:
                 with self._lock:
                     for batch in batches:
                         batch.request_key = next(self._request_keys)
-            if isinstance(error, MessageTooLargeError | RecordListTooLargeError) and (
-                len(batches) > 1 or len(batches[0]) > 1
+            if error.retriable:
+                for batch in batches:
+                    batch.maybe_written = batch.maybe_written or batch.sent
+            # The gateway's RECORD_LIST_TOO_LARGE is about the whole request, which
+            # carried other partitions' batches too, and says nothing of whether an
+            # earlier attempt wrote these (the leader's MESSAGE_TOO_LARGE comes after its
+            # duplicate check: then they are not written). Batches that may be written
+            # are sent again unchanged, in a request of their own; cut in two, as new
+            # batches under a new producer id, their records were written twice (found
+            # by an audit).
+            unsure = isinstance(error, RecordListTooLargeError) and any(
+                b.maybe_written for b in batches
+            )
+            alone_now = unsure and not all(b.alone for b in batches)
+            if alone_now:
+                for batch in batches:
+                    batch.alone = True
+            if (
+                not unsure
+                and isinstance(error, MessageTooLargeError | RecordListTooLargeError)
+                and (len(batches) > 1 or len(batches[0]) > 1)
             ):
                 # Kafka's splitAndReenqueue: records that each fit max.message.bytes but
                 # not together (a topic's limit below batch_bytes) all failed here. Each
@@ -2517,8 +2550,8 @@ class Producer:
                 b
                 for b in batches
                 if self._broken is None
-                and (error.retriable or refused or split)
-                and (split or b.attempts <= self._retries)
+                and (error.retriable or refused or split or alone_now)
+                and (split or alone_now or b.attempts <= self._retries)
                 and now - b.created_s < self._delivery_timeout_s
             ]
             if tracing.ENABLED:

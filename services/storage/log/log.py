@@ -492,18 +492,23 @@ class Log:
 
     def _validate(
         self, view: memoryview, *, as_leader: bool
-    ) -> tuple[list[BatchSpan], list[BatchHeader]]:
+    ) -> tuple[list[BatchSpan], list[BatchHeader], str]:
         """Check every batch in a request; O(1) Python work per batch, checksums in C.
-        ``as_leader``: also refuse batches over max.message.bytes, and CreateTime batches
-        whose timestamps lie outside message.timestamp.before/after.max.ms of this clock.
-        A follower copies what its leader took, whatever the limits are now, as Kafka's
-        followers do: changing a limit must not stop replication for good."""
+        ``as_leader``: also refuse CreateTime batches whose timestamps lie outside
+        message.timestamp.before/after.max.ms of this clock, and say (the third value,
+        else "") why a batch is over max.message.bytes: ``append`` refuses that only
+        after its duplicate check, so a retry of a batch written before the limit was
+        lowered is answered with its offsets; refused as too large, the producer split
+        it into new batches and wrote its records twice (found by an audit). A follower
+        copies what its leader took, whatever the limits are now, as Kafka's followers
+        do: changing a limit must not stop replication for good."""
         if not len(view):
             raise InvalidRequestError("no record batches in the request")
         spans: list[BatchSpan] = []
         headers: list[BatchHeader] = []
         check_time = as_leader and self.config.message_timestamp_type == CREATE_TIME
         now_ms = self._clock.now_ms() if check_time else 0
+        too_large = ""
         position = 0
         while position < len(view):
             if len(view) - position < formats.LOG_OVERHEAD:
@@ -511,8 +516,8 @@ class Log:
                     f"{len(view) - position} trailing bytes at position {position} are not a batch"
                 )
             size = formats.LOG_OVERHEAD + formats.I32.unpack_from(view, position + 8)[0]
-            if as_leader and size > self.config.max_message_bytes:
-                raise MessageTooLargeError(
+            if as_leader and size > self.config.max_message_bytes and not too_large:
+                too_large = (
                     f"batch at position {position} is {size} bytes; max.message.bytes "
                     f"is {self.config.max_message_bytes}"
                 )
@@ -531,7 +536,7 @@ class Log:
                 )
             )
             position += size
-        return spans, headers
+        return spans, headers, too_large
 
     def _stamped_time_ms(self, offset: int) -> int:
         """The LogAppendTime a retried request's original was stamped with (one time for
@@ -588,7 +593,7 @@ class Log:
         checkpointed before the data is written.
         """
         view = memoryview(batch).cast("B")
-        spans, headers = self._validate(view, as_leader=assign_offsets)
+        spans, headers, too_large = self._validate(view, as_leader=assign_offsets)
         data: list[bytes | bytearray | memoryview] = [view]
         state = self.producer_state
         append_time_ms = -1
@@ -601,6 +606,8 @@ class Log:
                     duplicate=True,
                     log_append_time_ms=self._stamped_time_ms(duplicate[0]),
                 )
+            if too_large:
+                raise MessageTooLargeError(too_large)
             # Only a batch's broker-owned prefix changes (base offset, leader epoch and the
             # checksum over them): each prefix is rewritten in a copy of its 25 bytes and
             # the rest goes to the file straight from the request, rather than copying the
