@@ -298,7 +298,17 @@ class OffsetStore:
                 compares = guard()
             except TidelogError as exc:
                 raise GroupFencedError(exc) from exc
-            if self._store.txn(compares, ops).succeeded:
+            # Checked again after the guard's reads, and the transaction given only the
+            # time left: a commit whose guard ran slow (etcd stalling) was written long
+            # after its client gave up, over the member's newer commit (found by an
+            # audit). Not watertight: etcd times a request from when it reads it, and
+            # two gateways' commits of one member are not ordered (RELIABILITY.md).
+            remaining_s = None if deadline is None else deadline - time.monotonic()
+            if remaining_s is not None and remaining_s <= 0:
+                raise GroupFencedError(
+                    RequestTimedOutError("the commit's deadline passed before it was written")
+                )
+            if self._store.txn(compares, ops, timeout_s=remaining_s).succeeded:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise GroupFencedError(
