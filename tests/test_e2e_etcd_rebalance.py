@@ -14,6 +14,7 @@ import pytest
 
 import tidelog
 from tests.support.cluster import running_cluster, wait_for
+from tests.support.commit_watch import commit_watch
 
 pytestmark = pytest.mark.slow
 
@@ -63,19 +64,7 @@ def test_etcd_killed_during_a_rebalance(tmp_path) -> None:  # type: ignore[no-un
                         errors.append(f"{k}: {exc!r}")
                         time.sleep(0.1)
 
-        history: dict[int, list[int]] = {p: [] for p in range(PARTITIONS)}
-
-        def monitor() -> None:
-            while not stop.is_set():
-                try:
-                    for o in admin.describe_group("g"):
-                        if o.committed_offset >= 0:
-                            h = history[o.partition]
-                            if not h or h[-1] != o.committed_offset:
-                                h.append(o.committed_offset)
-                except tidelog.errors.TidelogError:
-                    pass
-                time.sleep(0.05)
+        history, monitor = commit_watch(admin, "g", PARTITIONS, stop)
 
         threads = [threading.Thread(target=member, args=(k,), daemon=True) for k in (1, 2)]
         threads.append(threading.Thread(target=monitor, daemon=True))
