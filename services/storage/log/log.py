@@ -516,11 +516,15 @@ class Log:
                     f"{len(view) - position} trailing bytes at position {position} are not a batch"
                 )
             size = formats.LOG_OVERHEAD + formats.I32.unpack_from(view, position + 8)[0]
-            if as_leader and size > self.config.max_message_bytes and not too_large:
-                too_large = (
+            if as_leader and size > self.config.max_message_bytes:
+                message = (
                     f"batch at position {position} is {size} bytes; max.message.bytes "
                     f"is {self.config.max_message_bytes}"
                 )
+                if position + size > len(view):
+                    # Not even all there (a length of 2^31): no retry of a written batch.
+                    raise MessageTooLargeError(message)
+                too_large = too_large or message
             header = check_batch(view, position)
             check_record_count(header, position)
             if check_time:
