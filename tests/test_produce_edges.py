@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.cluster import TestCluster, running_cluster
+from tests.support.cluster import TestCluster, running_cluster, wait_for
 from tidelog.client import GatewayConnection
 from tidelog.errors import ErrorCode
 from tidelog.records import encode_batch
@@ -23,6 +23,12 @@ from tidelog.v1 import common_pb2, gateway_pb2
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
     with running_cluster(tmp_path_factory.mktemp("produce-produce"), brokers=1) as c:
         yield c
+
+
+def _create(cluster: TestCluster, topic: str) -> None:
+    """Once the broker is live again: a test before stops it (SIGSTOP) past its session,
+    and it registers again only after (a CI rerun: "0 live brokers")."""
+    wait_for(lambda: cluster.create_topic(topic, 1, 1) is not None, 30, f"{topic} created")
 
 
 def _latest(address: str, topic: str, partition: int) -> int:
@@ -86,7 +92,7 @@ def test_acks0_request_with_a_short_timeout_is_written(cluster: TestCluster) -> 
     gateway log line."""
     gateway = cluster.gateways[0] if cluster.gateways else cluster.start_gateway()
     topic = "produce-acks0-timeout"
-    cluster.create_topic(topic, 1, 1)
+    _create(cluster, topic)
     for _ in range(5):
         response = gateway.stub.Produce(
             gateway_pb2.ProduceRequest(
@@ -115,7 +121,7 @@ def test_sdk_acks0_producer_with_a_short_request_timeout_writes_its_records(
 
     gateway = cluster.gateways[0] if cluster.gateways else cluster.start_gateway()
     topic = "produce-acks0-sdk"
-    cluster.create_topic(topic, 1, 1)
+    _create(cluster, topic)
     with tidelog.Producer(
         gateway.address, acks=0, enable_idempotence=False, request_timeout_ms=40, linger_ms=0
     ) as producer:
