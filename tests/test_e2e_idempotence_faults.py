@@ -50,6 +50,27 @@ def _read_all(address: str, topic: str, expected: int) -> list:
     return records
 
 
+def _sending(  # noqa: PLR0917 - _send_loop's arguments and where its outcome goes
+    producer: tidelog.Producer,
+    topic: str,
+    count: int,
+    progress: list[int],
+    stop: threading.Event,
+    result: dict[str, object],
+) -> threading.Thread:
+    """``_send_loop`` on a thread of its own, started; its count or error in ``result``."""
+
+    def run() -> None:
+        try:
+            result["sent"] = _send_loop(producer, topic, count, progress, stop)
+        except BaseException as exc:
+            result["error"] = exc
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    return worker
+
+
 def _leader(admin: tidelog.Admin, topic: str, partition: int) -> int:
     def elected() -> tuple[int] | None:
         leader = admin.describe_topic(topic).partitions[partition].leader
@@ -133,15 +154,7 @@ def test_leader_kills_restarts_and_cut_answers_are_exactly_once_in_order(
             delivery_timeout_ms=120_000,
             request_timeout_ms=6_000,
         ) as producer:
-
-            def run() -> None:
-                try:
-                    result["sent"] = _send_loop(producer, topic, 6000, progress, stop)
-                except BaseException as exc:
-                    result["error"] = exc
-
-            worker = threading.Thread(target=run)
-            worker.start()
+            worker = _sending(producer, topic, 6000, progress, stop, result)
             try:
                 _wait_progress(progress, 600)
                 for _ in range(3):  # answers lost: the producer retries what was written
@@ -200,15 +213,7 @@ def test_gateway_groups_with_a_stopped_then_resumed_leader_are_exactly_once_in_o
         with tidelog.Producer(
             proxy.address, linger_ms=2, delivery_timeout_ms=120_000, request_timeout_ms=6_000
         ) as producer:
-
-            def run() -> None:
-                try:
-                    result["sent"] = _send_loop(producer, topic, 5000, progress, stop)
-                except BaseException as exc:
-                    result["error"] = exc
-
-            worker = threading.Thread(target=run)
-            worker.start()
+            worker = _sending(producer, topic, 5000, progress, stop, result)
             stopped = None
             try:
                 _wait_progress(progress, 500)
